@@ -1,0 +1,122 @@
+// core: device discovery, device memory and the CUDA/no-CUDA seam.
+#include "core/device.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
+#ifdef INFINIGEN_CUDA
+#include "kernels/cuda/runtime.h"
+#endif
+
+namespace infinigen {
+namespace {
+
+constexpr size_t kHostAlignment = 64;
+
+#ifdef INFINIGEN_CUDA
+void check_cuda(int code, const char* what) {
+  if (code != 0) fail("CUDA ", what, " failed: ", kernels::cuda::error_string(code));
+}
+#endif
+
+}  // namespace
+
+std::string_view device_name(Device device) { return device == Device::Cpu ? "cpu" : "cuda"; }
+
+bool cuda_compiled() {
+#ifdef INFINIGEN_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+std::vector<CudaDeviceInfo> cuda_devices() {
+  std::vector<CudaDeviceInfo> devices;
+#ifdef INFINIGEN_CUDA
+  const int count = kernels::cuda::device_count();
+  for (int i = 0; i < count; ++i) {
+    kernels::cuda::DeviceProperties prop{};
+    if (kernels::cuda::device_properties(i, &prop) != 0) continue;
+    devices.push_back({i, prop.name, prop.total_memory_bytes, prop.major, prop.minor});
+  }
+#endif
+  return devices;
+}
+
+DeviceRequest parse_device_request(std::string_view text) {
+  if (text == "auto") return DeviceRequest::Auto;
+  if (text == "cpu") return DeviceRequest::Cpu;
+  if (text == "cuda") return DeviceRequest::Cuda;
+  fail("--device: unknown device '", text, "' (expected cpu, cuda or auto)");
+}
+
+Device resolve_device(DeviceRequest request, bool cuda_runs_model, std::string* reason) {
+  reason->clear();
+  if (request == DeviceRequest::Cpu) return Device::Cpu;
+  if (request == DeviceRequest::Cuda) {
+    if (!cuda_compiled()) throw_cuda_not_compiled();
+    if (cuda_devices().empty()) fail("--device cuda: no CUDA device is available on this machine");
+    return Device::Cuda;
+  }
+  if (!cuda_compiled() || cuda_devices().empty()) return Device::Cpu;
+  if (!cuda_runs_model) {
+    *reason = "a CUDA device is present but the CUDA backend does not run this job yet; using the CPU";
+    return Device::Cpu;
+  }
+  return Device::Cuda;
+}
+
+void* device_alloc(Device device, size_t bytes) {
+  if (device == Device::Cpu) {
+    const size_t rounded = (bytes + kHostAlignment - 1) / kHostAlignment * kHostAlignment;
+    void* p = std::aligned_alloc(kHostAlignment, rounded);
+    if (p == nullptr) fail("out of host memory allocating ", bytes, " bytes");
+    return p;
+  }
+#ifdef INFINIGEN_CUDA
+  void* p = nullptr;
+  const int code = kernels::cuda::malloc_device(&p, bytes);
+  if (code != 0) {
+    fail("CUDA allocation of ", bytes, " bytes failed: ", kernels::cuda::error_string(code));
+  }
+  return p;
+#else
+  throw_cuda_not_compiled();
+#endif
+}
+
+void device_free(Device device, void* pointer) {
+  if (device == Device::Cpu) {
+    std::free(pointer);
+    return;
+  }
+#ifdef INFINIGEN_CUDA
+  kernels::cuda::free_device(pointer);  // errors on free cannot be handled meaningfully
+#endif
+}
+
+void device_copy(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes) {
+  if (bytes == 0) return;
+  if (dst_device == Device::Cpu && src_device == Device::Cpu) {
+    std::memcpy(dst, src, bytes);
+    return;
+  }
+#ifdef INFINIGEN_CUDA
+  const int kind = src_device == Device::Cpu ? 0 : dst_device == Device::Cpu ? 1 : 2;
+  check_cuda(kernels::cuda::copy(dst, src, bytes, kind), "copy");
+#else
+  throw_cuda_not_compiled();
+#endif
+}
+
+void throw_cuda_not_compiled() {
+  fail("CUDA backend not compiled: rebuild with -DINFINIGEN_CUDA=ON (needs the CUDA toolkit)");
+}
+
+void throw_op_not_on_device(std::string_view op, Device device) {
+  fail("op '", op, "' has no ", device_name(device), " kernel in this build");
+}
+
+}  // namespace infinigen

@@ -1,0 +1,54 @@
+// core: the devices the engine runs on, discovery, and the dispatch macro.
+//
+// Ops are implemented per device (kernels/cpu, kernels/cuda) and chosen at run time by the
+// switch in core/ops.cc. Builds without CUDA still know Device::Cuda; asking for it throws
+// "CUDA backend not compiled". core/device.cc is the only place in core that tests INFINIGEN_CUDA.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/error.h"
+
+namespace infinigen {
+
+enum class Device { Cpu, Cuda };
+
+std::string_view device_name(Device device);
+
+struct CudaDeviceInfo {
+  int index = 0;
+  std::string name;
+  size_t total_memory_bytes = 0;
+  int compute_capability_major = 0;
+  int compute_capability_minor = 0;
+};
+
+// True when this binary contains the CUDA backend.
+bool cuda_compiled();
+// The CUDA devices that can be used now: empty without the backend, a driver or a GPU.
+std::vector<CudaDeviceInfo> cuda_devices();
+
+// What the user asked for on the command line.
+enum class DeviceRequest { Auto, Cpu, Cuda };
+DeviceRequest parse_device_request(std::string_view text);
+
+// Resolves a request to a device. `auto` picks the CPU unless a usable CUDA device is present
+// and `cuda_runs_model` says the CUDA backend implements every op the job needs; `reason`
+// receives a sentence explaining a fallback (empty when there is none).
+Device resolve_device(DeviceRequest request, bool cuda_runs_model, std::string* reason);
+
+// Raw memory on a device. Allocation failures throw Error naming the device and the size.
+void* device_alloc(Device device, size_t bytes);
+void device_free(Device device, void* pointer);
+// Synchronous copy between any two devices.
+void device_copy(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes);
+
+[[noreturn]] void throw_cuda_not_compiled();
+// Throws the error for an op that has no kernel on `device` (yet).
+[[noreturn]] void throw_op_not_on_device(std::string_view op, Device device);
+
+}  // namespace infinigen

@@ -1,0 +1,110 @@
+// kernels/cpu: attention on Eigen, parallel over (sequence, head[, query block]).
+#include "kernels/cpu/attention.h"
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+namespace infinigen::kernels::cpu {
+namespace {
+
+using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using Strided = Eigen::Map<const RowMajor, 0, Eigen::OuterStride<>>;
+using StridedOut = Eigen::Map<RowMajor, 0, Eigen::OuterStride<>>;
+
+// Query rows per prefill task: bounds the score block to 64 x n floats per thread.
+constexpr int64_t kQueryBlock = 64;
+
+// Softmax of each row of `scores` in place (max-subtracted, fp32).
+void softmax_rows(RowMajor& scores) {
+  for (Eigen::Index r = 0; r < scores.rows(); ++r) {
+    auto row = scores.row(r);
+    const float top = row.maxCoeff();
+    row = (row.array() - top).exp();
+    row /= row.sum();
+  }
+}
+
+}  // namespace
+
+void attention_prefill(const float* q, const float* k, const float* v, float* out, int64_t B,
+                       int64_t n, int64_t H, int64_t d, const int32_t* first_valid) {
+  const int64_t D = H * d;
+  const int64_t n_blocks = (n + kQueryBlock - 1) / kQueryBlock;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+#pragma omp parallel
+  {
+    RowMajor scores;
+#pragma omp for collapse(3) schedule(dynamic)
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t h = 0; h < H; ++h) {
+        for (int64_t block = 0; block < n_blocks; ++block) {
+          const int64_t start = first_valid[b];
+          const int64_t i0 = block * kQueryBlock;
+          const int64_t i1 = std::min(n, i0 + kQueryBlock);
+          const int64_t offset = b * n * D + h * d;  // (b, token 0, h, 0)
+          StridedOut O(out + offset + i0 * D, i1 - i0, d, Eigen::OuterStride<>(D));
+          // Rows that are padding attend to nothing.
+          const int64_t q0 = std::max(i0, start);
+          if (q0 > i0) O.topRows(std::min(q0, i1) - i0).setZero();
+          if (q0 >= i1) continue;
+          // Keys [start, i1): everything a query of this block may see.
+          const Strided Q(q + offset + q0 * D, i1 - q0, d, Eigen::OuterStride<>(D));
+          const Strided K(k + offset + start * D, i1 - start, d, Eigen::OuterStride<>(D));
+          const Strided V(v + offset + start * D, i1 - start, d, Eigen::OuterStride<>(D));
+          scores.noalias() = Q * K.transpose();
+          for (int64_t r = 0; r < i1 - q0; ++r) {  // causal: query q0+r sees keys <= q0+r
+            const int64_t visible = q0 + r - start + 1;
+            scores.row(r).tail(scores.cols() - visible).setConstant(neg_inf);
+          }
+          softmax_rows(scores);
+          O.bottomRows(i1 - q0).noalias() = scores * V;
+        }
+      }
+    }
+  }
+}
+
+void attention_decode(const float* q, const void* k_cache, const void* v_cache,
+                      Element cache_type, float* out, int64_t B, int64_t H, int64_t d,
+                      int64_t capacity, int64_t length, const int32_t* first_valid) {
+#pragma omp parallel
+  {
+    std::vector<float> keys, values;
+    RowMajor scores;
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t start = first_valid[b];
+        const int64_t rows = length - start;
+        const size_t base = static_cast<size_t>(((b * H + h) * capacity + start) * d);
+        keys.resize(static_cast<size_t>(rows * d));
+        values.resize(keys.size());
+        widen(k_cache, cache_type, base, keys.data(), keys.size());
+        widen(v_cache, cache_type, base, values.data(), values.size());
+        const Eigen::Map<const RowMajor> K(keys.data(), rows, d), V(values.data(), rows, d);
+        const Eigen::Map<const Eigen::RowVectorXf> Q(q + (b * H + h) * d, d);
+        scores.noalias() = Q * K.transpose();
+        softmax_rows(scores);
+        Eigen::Map<Eigen::RowVectorXf>(out + (b * H + h) * d, d).noalias() = scores * V;
+      }
+    }
+  }
+}
+
+void cache_store(const float* src, void* cache, Element cache_type, int64_t B, int64_t n,
+                 int64_t H, int64_t d, int64_t capacity, int64_t offset) {
+#pragma omp parallel for collapse(3) schedule(static)
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t t = 0; t < n; ++t) {
+        const float* row = src + ((b * n + t) * H + h) * d;
+        narrow(row, cache, cache_type, static_cast<size_t>(((b * H + h) * capacity + offset + t) * d),
+               static_cast<size_t>(d));
+      }
+    }
+  }
+}
+
+}  // namespace infinigen::kernels::cpu

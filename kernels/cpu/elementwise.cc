@@ -1,0 +1,16 @@
+// kernels/cpu: elementwise ops, parallel over elements.
+#include "kernels/cpu/elementwise.h"
+
+namespace infinigen::kernels::cpu {
+
+void add_inplace(float* y, const float* x, int64_t n) {
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) y[i] += x[i];
+}
+
+void scale_inplace(float* y, float factor, int64_t n) {
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) y[i] *= factor;
+}
+
+}  // namespace infinigen::kernels::cpu

@@ -1,0 +1,43 @@
+// kernels/cuda: device discovery and raw memory on the CUDA runtime.
+#include <cuda_runtime.h>
+
+#include <cstring>
+
+#include "kernels/cuda/runtime.h"
+
+namespace infinigen::kernels::cuda {
+
+int device_count() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no driver" / "no device" error
+    return 0;
+  }
+  return count;
+}
+
+int device_properties(int index, DeviceProperties* out) {
+  cudaDeviceProp prop;
+  const cudaError_t status = cudaGetDeviceProperties(&prop, index);
+  if (status != cudaSuccess) return status;
+  std::strncpy(out->name, prop.name, sizeof(out->name) - 1);
+  out->name[sizeof(out->name) - 1] = '\0';
+  out->total_memory_bytes = prop.totalGlobalMem;
+  out->major = prop.major;
+  out->minor = prop.minor;
+  return cudaSuccess;
+}
+
+int malloc_device(void** pointer, size_t bytes) { return cudaMalloc(pointer, bytes); }
+
+int free_device(void* pointer) { return cudaFree(pointer); }
+
+int copy(void* dst, const void* src, size_t bytes, int kind) {
+  const cudaMemcpyKind kinds[] = {cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost,
+                                  cudaMemcpyDeviceToDevice};
+  return cudaMemcpy(dst, src, bytes, kinds[kind]);
+}
+
+const char* error_string(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }
+
+}  // namespace infinigen::kernels::cuda

@@ -1,0 +1,28 @@
+// kernels/cuda: device discovery and raw memory, as plain C++ (no CUDA headers leak out).
+//
+// Functions return a CUDA error code (0 = success) in the flashinfer style; error_string turns
+// one into text. The layer above (core/device.cc) turns failures into exceptions.
+#pragma once
+
+#include <cstddef>
+
+namespace infinigen::kernels::cuda {
+
+// Number of usable devices; 0 when there is no driver or no GPU (never an error).
+int device_count();
+
+struct DeviceProperties {
+  char name[256];
+  size_t total_memory_bytes;
+  int major;
+  int minor;
+};
+int device_properties(int index, DeviceProperties* out);
+
+int malloc_device(void** pointer, size_t bytes);
+int free_device(void* pointer);
+// kind: 0 host->device, 1 device->host, 2 device->device.
+int copy(void* dst, const void* src, size_t bytes, int kind);
+const char* error_string(int code);
+
+}  // namespace infinigen::kernels::cuda
