@@ -58,6 +58,8 @@ Device resolve_device(DeviceRequest request, bool cuda_runs_model, std::string* 
   if (request == DeviceRequest::Cuda) {
     if (!cuda_compiled()) throw_cuda_not_compiled();
     if (cuda_devices().empty()) fail("--device cuda: no CUDA device is available on this machine");
+    INFINIGEN_CHECK(cuda_runs_model, "--device cuda: the CUDA backend does not run this job yet ",
+                    "(use --device cpu)");
     return Device::Cuda;
   }
   if (!cuda_compiled() || cuda_devices().empty()) return Device::Cpu;

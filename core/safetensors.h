@@ -88,8 +88,10 @@ struct TensorRecord {
 };
 
 // Writes one .safetensors file in a single pass: the header is written from the records given
-// up front, then `write` must be called once per record, in the same order. The data of each
-// tensor starts 8-byte aligned relative to the data buffer (the header is padded with spaces).
+// up front, then `write` must be called once per record, in the same order. The header is padded
+// with spaces so that the data buffer starts 8-byte aligned in the file; tensors follow back to
+// back in record order (readers of the format reject gaps between data_offsets), so a tensor
+// starts 8-byte aligned whenever the sizes before it are multiples of 8, as all OPT weights are.
 // `finish` checks that every record was written; the file is written to "<path>.tmp" and renamed
 // into place, so a crash never leaves a truncated checkpoint behind.
 class SafetensorsWriter {

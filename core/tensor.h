@@ -35,7 +35,7 @@ class Tensor {
   // fp32 CPU tensor holding a copy of `values`.
   static Tensor from_floats(Shape shape, const std::vector<float>& values);
 
-  bool defined() const { return data_ != nullptr || numel() == 0; }
+  bool defined() const { return data_ != nullptr; }
   const Shape& shape() const { return shape_; }
   int rank() const { return static_cast<int>(shape_.size()); }
   int64_t dim(int axis) const;

@@ -20,7 +20,8 @@ class Tokenizer {
   // what is wrong (missing, malformed JSON, a merge line that is not two tokens, a merge whose
   // result is not in the vocabulary, ...).
   static Tokenizer from_directory(const std::string& directory);
-  // The same from file contents; `source` names them in error messages.
+  // The same from file contents; `source` names them in error messages, which read
+  // "<source>/vocab.json: ..." and "<source>/merges.txt:<line>: ...".
   static Tokenizer from_strings(std::string_view vocab_json, std::string_view merges_txt,
                                 const std::string& source);
   // The tokenizer bundled in configs/tokenizer (the vocabulary of the synthetic models).
@@ -39,6 +40,7 @@ class Tokenizer {
 
   // One more than the largest id in the vocabulary.
   int32_t vocab_size() const;
+  // `token` as spelled in vocab.json, i.e. in the byte-level alphabet ("\u0120the" is " the").
   std::optional<int32_t> token_to_id(std::string_view token) const;
 
  private:

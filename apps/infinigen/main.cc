@@ -1,1 +1,55 @@
-int main() { return 0; }
+// apps/infinigen: entry point. Parses the command line, runs one subcommand, and turns every
+// failure into one line on stderr and a non-zero exit status.
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <exception>
+#include <map>
+#include <string>
+
+#include "apps/infinigen/commands.h"
+#include "apps/infinigen/yaml_config.h"
+#include "core/error.h"
+
+int main(int argc, char** argv) {
+  using namespace infinigen;
+  CLI::App app("infinigen: offloaded LLM inference with speculative KV prefetch (InfiniGen)",
+               "infinigen");
+  app.require_subcommand(0, 1);
+  app.set_version_flag("--version", "infinigen 0.1.0");
+  app.fallthrough();  // `infinigen run --config x.yaml`: --config belongs to the root
+  cli::add_yaml_config_option(app);
+  std::map<const CLI::App*, cli::Command> commands;
+  const auto add = [&](const char* name, const char* description,
+                       cli::Command (*register_options)(CLI::App&)) {
+    CLI::App* command = app.add_subcommand(name, description);
+    commands[command] = register_options(*command);
+  };
+  add("run", "Generate text (batch inference)", cli::add_run_command);
+  add("make-model", "Write a synthetic OPT checkpoint", cli::add_make_model_command);
+  add("inspect", "Print a checkpoint's config and tensors", cli::add_inspect_command);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::fprintf(stderr, "infinigen: error: %s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {  // e.g. a --config file that cannot be read
+    std::fprintf(stderr, "infinigen: error: %s\n", e.what());
+    return 2;
+  }
+  if (app.get_subcommands().empty()) {
+    std::fputs(app.help().c_str(), stdout);
+    return 0;
+  }
+  try {
+    return commands.at(app.get_subcommands().front())();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "infinigen: error: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,4 +1,5 @@
 // kernels/cpu: attention on Eigen, parallel over (sequence, head[, query block]).
+#include "kernels/cpu/parallel.h"
 #include "kernels/cpu/attention.h"
 
 #include <Eigen/Core>
@@ -33,7 +34,7 @@ void attention_prefill(const float* q, const float* k, const float* v, float* ou
   const int64_t D = H * d;
   const int64_t n_blocks = (n + kQueryBlock - 1) / kQueryBlock;
   const float neg_inf = -std::numeric_limits<float>::infinity();
-#pragma omp parallel
+#pragma omp parallel if (B * H * n * n * d >= kParallelWork)
   {
     RowMajor scores;
 #pragma omp for collapse(3) schedule(dynamic)
@@ -69,7 +70,7 @@ void attention_prefill(const float* q, const float* k, const float* v, float* ou
 void attention_decode(const float* q, const void* k_cache, const void* v_cache,
                       Element cache_type, float* out, int64_t B, int64_t H, int64_t d,
                       int64_t capacity, int64_t length, const int32_t* first_valid) {
-#pragma omp parallel
+#pragma omp parallel if (B * H * length * d >= kParallelWork)
   {
     std::vector<float> keys, values;
     RowMajor scores;
@@ -95,7 +96,7 @@ void attention_decode(const float* q, const void* k_cache, const void* v_cache,
 
 void cache_store(const float* src, void* cache, Element cache_type, int64_t B, int64_t n,
                  int64_t H, int64_t d, int64_t capacity, int64_t offset) {
-#pragma omp parallel for collapse(3) schedule(static)
+#pragma omp parallel for collapse(3) schedule(static) if (B * H * n * d >= kParallelWork)
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < H; ++h) {
       for (int64_t t = 0; t < n; ++t) {

@@ -1,15 +1,16 @@
 // kernels/cpu: elementwise ops, parallel over elements.
+#include "kernels/cpu/parallel.h"
 #include "kernels/cpu/elementwise.h"
 
 namespace infinigen::kernels::cpu {
 
 void add_inplace(float* y, const float* x, int64_t n) {
-#pragma omp parallel for simd schedule(static)
+#pragma omp parallel for simd schedule(static) if (n >= kParallelWork)
   for (int64_t i = 0; i < n; ++i) y[i] += x[i];
 }
 
 void scale_inplace(float* y, float factor, int64_t n) {
-#pragma omp parallel for simd schedule(static)
+#pragma omp parallel for simd schedule(static) if (n >= kParallelWork)
   for (int64_t i = 0; i < n; ++i) y[i] *= factor;
 }
 

@@ -1,4 +1,5 @@
 // kernels/cpu: embedding lookup, parallel over tokens.
+#include "kernels/cpu/parallel.h"
 #include "kernels/cpu/embedding.h"
 
 #include <vector>
@@ -7,7 +8,7 @@ namespace infinigen::kernels::cpu {
 
 void embed(const int32_t* tokens, const int32_t* positions, int64_t n, const void* tokens_table,
            const void* positions_table, Element table_type, int64_t D, float* out) {
-#pragma omp parallel
+#pragma omp parallel if (n * D >= kParallelWork)
   {
     std::vector<float> position_row(static_cast<size_t>(D));
 #pragma omp for schedule(static)

@@ -1,4 +1,5 @@
 // kernels/cpu: LayerNorm, one row per iteration, two passes (mean, then variance) as PyTorch does.
+#include "kernels/cpu/parallel.h"
 #include "kernels/cpu/layer_norm.h"
 
 #include <cmath>
@@ -7,7 +8,7 @@ namespace infinigen::kernels::cpu {
 
 void layer_norm(const float* x, const float* gamma, const float* beta, float* y, int64_t rows,
                 int64_t cols, float eps) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * cols >= kParallelWork)
   for (int64_t r = 0; r < rows; ++r) {
     const float* in = x + r * cols;
     float* out = y + r * cols;

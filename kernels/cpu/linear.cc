@@ -1,4 +1,5 @@
 // kernels/cpu: fully connected layer on Eigen GEMMs, parallel over blocks of output features.
+#include "kernels/cpu/parallel.h"
 #include "kernels/cpu/linear.h"
 
 #include <Eigen/Core>
@@ -21,7 +22,7 @@ void linear(const float* x, const void* w, Element w_type, const float* bias, fl
             int64_t N, int64_t K, bool relu) {
   const ConstRows X(x, M, K);
   const int64_t n_blocks = (N + kBlockRows - 1) / kBlockRows;
-#pragma omp parallel
+#pragma omp parallel if (M * N * K >= kParallelWork)
   {
     std::vector<float> widened;
 #pragma omp for schedule(static)

@@ -1,0 +1,68 @@
+// apps/infinigen: `infinigen make-model`, a synthetic HF-layout OPT checkpoint.
+#include <cstdio>
+
+#include "apps/infinigen/commands.h"
+#include "apps/infinigen/progress.h"
+#include "core/model_config.h"
+#include "core/synthetic_model.h"
+
+namespace infinigen::cli {
+namespace {
+
+struct MakeModelOptions {
+  std::string preset;
+  std::string out;
+  std::string dtype;
+  SyntheticModelOptions synthetic;
+};
+
+int make_model(const MakeModelOptions& o) {
+  ModelConfig config = load_preset(o.preset);
+  if (!o.dtype.empty()) config.dtype = parse_float_dtype(o.dtype);
+  const SyntheticModelOptions& s = o.synthetic;
+  INFINIGEN_CHECK(s.outlier_channels >= 0, "--outlier-channels must be >= 0");
+  INFINIGEN_CHECK(s.attention_rank >= 1, "--attention-rank must be >= 1");
+  INFINIGEN_CHECK(s.attention_logit_std > 0, "--attention-logit-std must be > 0");
+  INFINIGEN_CHECK(s.embed_std > 0 && s.weight_std > 0, "--embed-std and --weight-std must be > 0");
+  {
+    Progress progress("writing tensors");
+    write_synthetic_checkpoint(config, s, o.out,
+                               [&](int64_t done, int64_t total) { progress.update(done, total); });
+  }
+  std::printf("wrote %s (%.1fM parameters, %s, seed %llu) to %s\n", o.preset.c_str(),
+              static_cast<double>(config.num_parameters()) / 1e6,
+              std::string(dtype_name(config.dtype)).c_str(),
+              static_cast<unsigned long long>(s.seed), o.out.c_str());
+  return 0;
+}
+
+}  // namespace
+
+Command add_make_model_command(CLI::App& app) {
+  auto o = std::make_shared<MakeModelOptions>();
+  SyntheticModelOptions& s = o->synthetic;
+  app.add_option("--preset", o->preset, "Model preset (configs/models), e.g. opt-125m")
+      ->required();
+  app.add_option("--out,-o", o->out, "Output directory (must not exist, or be empty)")->required();
+  app.add_option("--seed", s.seed, "Seed of the weights")->capture_default_str();
+  app.add_option("--dtype", o->dtype, "Storage type: f16, bf16 or f32 (default: the preset's)");
+  app.add_option("--outlier-channels", s.outlier_channels,
+                 "Residual channels with massive activations")
+      ->capture_default_str();
+  app.add_option("--outlier-magnitude", s.outlier_magnitude,
+                 "Value of the outlier channels in every token embedding")
+      ->capture_default_str();
+  app.add_option("--embed-std", s.embed_std, "Std of the other embedding entries")
+      ->capture_default_str();
+  app.add_option("--attention-rank", s.attention_rank,
+                 "Rank of each head's query-key interaction")
+      ->capture_default_str();
+  app.add_option("--attention-logit-std", s.attention_logit_std,
+                 "Std of attention logits between unrelated tokens (higher = sharper)")
+      ->capture_default_str();
+  app.add_option("--weight-std", s.weight_std, "Std of the other weight matrices")
+      ->capture_default_str();
+  return [o] { return make_model(*o); };
+}
+
+}  // namespace infinigen::cli

@@ -1,0 +1,229 @@
+// apps/infinigen: `infinigen run`, batch generation with timings.
+#include <omp.h>
+
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "apps/infinigen/commands.h"
+#include "apps/infinigen/progress.h"
+#include "core/generation.h"
+#include "core/model_loader.h"
+#include "core/ops.h"
+
+namespace infinigen::cli {
+namespace {
+
+// Prompts of the default run: different lengths, so left padding is exercised from the start.
+const char* const kDefaultPrompts[] = {
+    "The history of computing begins with",
+    "In a small village by the sea, the fishermen",
+    "To make bread at home you need flour, water,",
+    "The weather tomorrow will be",
+};
+
+struct RunOptions {
+  std::string model = kBuiltinModel;
+  std::string prompt;
+  std::string prompt_file;
+  int64_t prompt_len = 0;
+  int64_t batch = 0;  // 0: one sequence per prompt
+  bool batch_given = false;
+  bool prompt_len_given = false;
+  int64_t gen_len = 32;
+  uint64_t seed = 0;
+  float temperature = 0.0f;
+  float top_p = 1.0f;
+  std::string device = "auto";
+  std::string kv_dtype = "f16";
+  int threads = 0;
+  bool json = false;
+};
+
+std::vector<std::string> read_prompt_file(const std::string& path) {
+  std::ifstream in(path);
+  INFINIGEN_CHECK(in.good(), "--prompt-file ", path, ": no such file or not readable");
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(in, line);) {
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    if (!line.empty()) lines.push_back(line);
+  }
+  INFINIGEN_CHECK(!lines.empty(), "--prompt-file ", path, ": contains no prompt");
+  return lines;
+}
+
+// Prompt token ids per sequence: BOS, then the text's tokens (or synthetic ids).
+std::vector<std::vector<int32_t>> build_prompts(const RunOptions& o, const LoadedModel& loaded) {
+  const ModelConfig& config = loaded.model->config();
+  std::vector<std::vector<int32_t>> prompts;
+  if (o.prompt_len > 0) {
+    // Deterministic ids that the tokenizer can print, excluding the 4 special tokens.
+    const int32_t top = loaded.tokenizer ? std::min<int32_t>(loaded.tokenizer->vocab_size(),
+                                                             static_cast<int32_t>(config.vocab_size))
+                                         : static_cast<int32_t>(config.vocab_size);
+    INFINIGEN_CHECK(top > 4, "the vocabulary is too small for synthetic prompts");
+    std::mt19937_64 rng(o.seed);
+    for (int64_t b = 0; b < std::max<int64_t>(o.batch, 1); ++b) {
+      std::vector<int32_t> ids = {config.bos_token_id};
+      while (static_cast<int64_t>(ids.size()) < o.prompt_len) {
+        ids.push_back(4 + static_cast<int32_t>(rng() % static_cast<uint64_t>(top - 4)));
+      }
+      prompts.push_back(std::move(ids));
+    }
+    return prompts;
+  }
+  std::vector<std::string> texts;
+  if (!o.prompt.empty()) {
+    texts = {o.prompt};
+  } else if (!o.prompt_file.empty()) {
+    texts = read_prompt_file(o.prompt_file);
+  } else {
+    texts.assign(std::begin(kDefaultPrompts), std::end(kDefaultPrompts));
+  }
+  INFINIGEN_CHECK(loaded.tokenizer.has_value(), loaded.description,
+                  " has no tokenizer (vocab.json, merges.txt): use --prompt-len N");
+  const int64_t B = o.batch > 0 ? o.batch : static_cast<int64_t>(texts.size());
+  for (int64_t b = 0; b < B; ++b) {
+    std::vector<int32_t> ids = {config.bos_token_id};
+    const std::vector<int32_t> text_ids = loaded.tokenizer->encode(texts[b % texts.size()]);
+    ids.insert(ids.end(), text_ids.begin(), text_ids.end());
+    prompts.push_back(std::move(ids));
+  }
+  return prompts;
+}
+
+std::string render(const LoadedModel& loaded, const std::vector<int32_t>& ids) {
+  if (loaded.tokenizer) return loaded.tokenizer->decode(ids);
+  std::string out;
+  for (int32_t id : ids) out += (out.empty() ? "" : " ") + std::to_string(id);
+  return out;
+}
+
+std::string shorten(const std::string& text, size_t limit) {
+  if (text.size() <= limit) return text;
+  size_t cut = limit;
+  while (cut > 0 && (static_cast<unsigned char>(text[cut]) & 0xC0) == 0x80) --cut;  // UTF-8
+  return text.substr(0, cut) + "...";
+}
+
+int run(const RunOptions& o) {
+  INFINIGEN_CHECK(o.gen_len >= 1, "--gen-len must be at least 1, got ", o.gen_len);
+  INFINIGEN_CHECK(!o.batch_given || o.batch >= 1, "--batch must be at least 1, got ", o.batch);
+  INFINIGEN_CHECK(!o.prompt_len_given || o.prompt_len >= 1, "--prompt-len must be at least 1, got ",
+                  o.prompt_len);
+  INFINIGEN_CHECK(o.threads >= 0, "--threads must be at least 1, got ", o.threads);
+  if (o.threads > 0) omp_set_num_threads(o.threads);
+  const DType kv_dtype = parse_float_dtype(o.kv_dtype);
+  INFINIGEN_CHECK(kv_dtype != DType::BF16, "--kv-dtype must be f16 or f32");
+
+  std::string fallback;
+  const Device device = resolve_device(parse_device_request(o.device),
+                                       ops::device_runs_transformer(Device::Cuda), &fallback);
+  if (!fallback.empty()) std::fprintf(stderr, "infinigen: %s\n", fallback.c_str());
+
+  ModelLoadOptions load_options;
+  load_options.device = device;
+  load_options.seed = o.seed;
+  load_options.notice = [](const std::string& text) {
+    std::fprintf(stderr, "infinigen: %s\n", text.c_str());
+  };
+  Progress build_progress("writing model");
+  load_options.progress = [&](int64_t done, int64_t total) { build_progress.update(done, total); };
+  const LoadedModel loaded = load_model(o.model, load_options);
+  if (loaded.synthetic && !o.json) std::fprintf(stderr, "infinigen: %s\n", loaded.description.c_str());
+
+  GenerationRequest request;
+  request.prompts = build_prompts(o, loaded);
+  request.gen_len = o.gen_len;
+  request.sampling = {o.temperature, o.top_p, o.seed};
+  request.kv_dtype = kv_dtype;
+  GenerationResult result;
+  {
+    Progress progress("generating");
+    result = generate(*loaded.model, request,
+                      [&](int64_t done, int64_t total) { progress.update(done, total); });
+  }
+
+  const double ms_per_step = result.gen_len > 1
+                                 ? 1000.0 * result.decode_seconds / static_cast<double>(result.gen_len - 1)
+                                 : 0.0;
+  if (o.json) {
+    nlohmann::json outputs = nlohmann::json::array();
+    for (size_t b = 0; b < request.prompts.size(); ++b) {
+      outputs.push_back({{"prompt", render(loaded, request.prompts[b])},
+                         {"prompt_tokens", request.prompts[b].size()},
+                         {"text", render(loaded, result.tokens[b])},
+                         {"tokens", result.tokens[b]}});
+    }
+    const nlohmann::json report = {
+        {"model", loaded.description},
+        {"synthetic_weights", loaded.synthetic},
+        {"device", device_name(device)},
+        {"threads", omp_get_max_threads()},
+        {"batch", result.batch},
+        {"prompt_len", result.prompt_len},
+        {"gen_len", result.gen_len},
+        {"kv_dtype", dtype_name(kv_dtype)},
+        {"prefill_latency_s", result.prefill_seconds},
+        {"decode_latency_s", result.decode_seconds},
+        {"total_latency_s", result.total_seconds()},
+        {"throughput_tok_s", result.throughput()},
+        {"decode_throughput_tok_s", result.decode_throughput()},
+        {"outputs", outputs}};
+    std::printf("%s\n", report.dump(2).c_str());
+    return 0;
+  }
+  std::printf("model: %s\ndevice: %s (%d threads)\n", loaded.description.c_str(),
+              std::string(device_name(device)).c_str(), omp_get_max_threads());
+  std::printf("batch %lld, prompt %lld tokens (longest), %lld generated tokens per sequence\n\n",
+              static_cast<long long>(result.batch), static_cast<long long>(result.prompt_len),
+              static_cast<long long>(result.gen_len));
+  for (size_t b = 0; b < request.prompts.size(); ++b) {
+    std::printf("[%zu] %s\n    -> %s\n", b + 1,
+                shorten(render(loaded, request.prompts[b]), 160).c_str(),
+                render(loaded, result.tokens[b]).c_str());
+  }
+  std::printf("\nprefill latency  %9.3f s\n", result.prefill_seconds);
+  std::printf("decode latency   %9.3f s  (%lld steps, %.1f ms/step)\n", result.decode_seconds,
+              static_cast<long long>(result.gen_len - 1), ms_per_step);
+  std::printf("throughput       %9.1f tok/s  (decode only: %.1f tok/s)\n", result.throughput(),
+              result.decode_throughput());
+  return 0;
+}
+
+}  // namespace
+
+Command add_run_command(CLI::App& app) {
+  auto o = std::make_shared<RunOptions>();
+  app.add_option("--model,-m", o->model,
+                 "Checkpoint directory, a preset (opt-125m ... opt-66b), or 'builtin'")
+      ->capture_default_str();
+  auto* prompt = app.add_option("--prompt,-p", o->prompt, "Prompt text (every sequence)");
+  auto* prompt_file =
+      app.add_option("--prompt-file", o->prompt_file, "File with one prompt per line");
+  auto* prompt_len = app.add_option("--prompt-len", o->prompt_len,
+                                    "Synthetic prompts of N tokens (BOS included)");
+  prompt->excludes(prompt_file)->excludes(prompt_len);
+  prompt_file->excludes(prompt_len);
+  auto* batch = app.add_option("--batch,-b", o->batch, "Sequences (default: one per prompt)");
+  app.add_option("--gen-len,-n", o->gen_len, "Tokens to generate per sequence")
+      ->capture_default_str();
+  app.add_option("--seed", o->seed, "Seed for sampling, synthetic prompts and synthetic weights")
+      ->capture_default_str();
+  app.add_option("--temperature", o->temperature, "Sampling temperature (0 = greedy)")
+      ->capture_default_str();
+  app.add_option("--top-p", o->top_p, "Nucleus sampling mass")->capture_default_str();
+  app.add_option("--device", o->device, "cpu, cuda or auto")->capture_default_str();
+  app.add_option("--kv-dtype", o->kv_dtype, "KV cache element type: f16 or f32")
+      ->capture_default_str();
+  app.add_option("--threads", o->threads, "CPU threads (default: all cores)");
+  app.add_flag("--json", o->json, "Print the result as JSON on stdout");
+  return [o, batch, prompt_len] {
+    o->batch_given = batch->count() > 0;
+    o->prompt_len_given = prompt_len->count() > 0;
+    return run(*o);
+  };
+}
+
+}  // namespace infinigen::cli

@@ -1,0 +1,87 @@
+// core: the generation loop.
+#include "core/generation.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "core/error.h"
+
+namespace infinigen {
+namespace {
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+}  // namespace
+
+double GenerationResult::throughput() const {
+  return total_seconds() > 0 ? static_cast<double>(batch * gen_len) / total_seconds() : 0.0;
+}
+
+double GenerationResult::decode_throughput() const {
+  return decode_seconds > 0 ? static_cast<double>(batch * (gen_len - 1)) / decode_seconds : 0.0;
+}
+
+std::vector<int32_t> left_pad(const std::vector<std::vector<int32_t>>& prompts, int32_t pad_id,
+                              std::vector<int32_t>* first_valid) {
+  size_t n = 0;
+  for (const auto& p : prompts) n = std::max(n, p.size());
+  std::vector<int32_t> tokens(prompts.size() * n, pad_id);
+  first_valid->clear();
+  for (size_t b = 0; b < prompts.size(); ++b) {
+    const size_t start = n - prompts[b].size();
+    std::copy(prompts[b].begin(), prompts[b].end(), tokens.begin() + b * n + start);
+    first_valid->push_back(static_cast<int32_t>(start));
+  }
+  return tokens;
+}
+
+GenerationResult generate(const OptModel& model, const GenerationRequest& request,
+                          const ProgressCallback& progress) {
+  const ModelConfig& config = model.config();
+  const int64_t B = static_cast<int64_t>(request.prompts.size());
+  INFINIGEN_CHECK(B > 0, "--batch must be at least 1");
+  INFINIGEN_CHECK(request.gen_len > 0, "--gen-len must be at least 1, got ", request.gen_len);
+  int64_t longest = 0;
+  for (size_t b = 0; b < request.prompts.size(); ++b) {
+    const auto& prompt = request.prompts[b];
+    INFINIGEN_CHECK(!prompt.empty(), "prompt ", b + 1, " is empty");
+    for (int32_t id : prompt) {
+      INFINIGEN_CHECK(id >= 0 && id < config.vocab_size, "prompt ", b + 1, ": token id ", id,
+                      " is outside the model's vocabulary of ", config.vocab_size);
+    }
+    longest = std::max<int64_t>(longest, static_cast<int64_t>(prompt.size()));
+  }
+  INFINIGEN_CHECK(longest + request.gen_len <= config.max_positions, "--gen-len ",
+                  request.gen_len, ": prompt (", longest, " tokens) plus generation exceeds the ",
+                  "model's context of ", config.max_positions, " positions");
+
+  GenerationResult result;
+  result.batch = B;
+  result.prompt_len = longest;
+  result.gen_len = request.gen_len;
+  result.tokens.assign(static_cast<size_t>(B), {});
+  Sampler sampler(request.sampling);
+  std::vector<int32_t> first_valid;
+  const std::vector<int32_t> tokens = left_pad(request.prompts, config.pad_token_id, &first_valid);
+  KvCache cache = KvCache::allocate(config, B, longest + request.gen_len, request.kv_dtype,
+                                    model.device());
+
+  auto start = std::chrono::steady_clock::now();
+  std::vector<int32_t> next = sampler.sample(model.prefill(tokens, first_valid, cache));
+  result.prefill_seconds = seconds_since(start);
+  for (int64_t b = 0; b < B; ++b) result.tokens[b].push_back(next[b]);
+  if (progress) progress(1, request.gen_len);
+
+  start = std::chrono::steady_clock::now();
+  for (int64_t step = 1; step < request.gen_len; ++step) {
+    next = sampler.sample(model.decode(next, cache));
+    for (int64_t b = 0; b < B; ++b) result.tokens[b].push_back(next[b]);
+    if (progress) progress(step + 1, request.gen_len);
+  }
+  result.decode_seconds = seconds_since(start);
+  return result;
+}
+
+}  // namespace infinigen

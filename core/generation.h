@@ -1,0 +1,50 @@
+// core: batched generation with FlexGen's timing definitions.
+//
+// prefill_seconds: the prompt pass up to and including the first generated token.
+// decode_seconds: the remaining gen_len - 1 tokens.
+// throughput: B * gen_len / (prefill + decode) tokens per second.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "core/opt_model.h"
+#include "core/sampler.h"
+
+namespace infinigen {
+
+struct GenerationRequest {
+  std::vector<std::vector<int32_t>> prompts;  // token ids per sequence (BOS included)
+  int64_t gen_len = 32;
+  SamplingOptions sampling;
+  DType kv_dtype = DType::F16;
+};
+
+struct GenerationResult {
+  std::vector<std::vector<int32_t>> tokens;  // generated ids per sequence (gen_len each)
+  int64_t batch = 0;
+  int64_t prompt_len = 0;  // padded prompt length (the longest prompt)
+  int64_t gen_len = 0;
+  double prefill_seconds = 0.0;
+  double decode_seconds = 0.0;
+
+  double total_seconds() const { return prefill_seconds + decode_seconds; }
+  double throughput() const;         // B * gen_len / total
+  double decode_throughput() const;  // B * (gen_len - 1) / decode
+};
+
+// Called after each generated token position (1..gen_len).
+using ProgressCallback = std::function<void(int64_t done, int64_t total)>;
+
+// Checks the request against the model (non-empty prompts, ids in the vocabulary, prompt +
+// generation within the context) with one-line errors, then generates exactly gen_len tokens per
+// sequence (EOS does not stop a sequence, as in FlexGen's benchmarks).
+GenerationResult generate(const OptModel& model, const GenerationRequest& request,
+                          const ProgressCallback& progress = {});
+
+// Left-pads `prompts` into (B, n) with `pad_id`; returns the padded tokens and first_valid (B).
+std::vector<int32_t> left_pad(const std::vector<std::vector<int32_t>>& prompts, int32_t pad_id,
+                              std::vector<int32_t>* first_valid);
+
+}  // namespace infinigen

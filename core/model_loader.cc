@@ -1,0 +1,117 @@
+// core: model resolution, the built-in model cache and the memory check before loading.
+#include "core/model_loader.h"
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "core/opt_weights.h"
+#include "core/safetensors.h"
+#include "core/synthetic_model.h"
+
+namespace infinigen {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Bumped whenever the generator or the built-in preset changes, so stale caches are not reused.
+constexpr const char* kBuiltinVersion = "builtin-v1";
+
+std::string gib(size_t bytes) {
+  std::ostringstream out;
+  out.precision(1);
+  out << std::fixed << static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0) << " GiB";
+  return out.str();
+}
+
+void check_fits_in_memory(const ModelConfig& config, Device device) {
+  if (device != Device::Cpu) return;  // device memory is planned by the runtime
+  const size_t available = available_host_memory();
+  const size_t needed = config.weight_bytes();
+  INFINIGEN_CHECK(available == 0 || needed < available, config.name, ": the weights need ",
+                  gib(needed), " of memory but only ", gib(available),
+                  " is available on this machine (try a smaller model)");
+}
+
+}  // namespace
+
+size_t available_host_memory() {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key;
+  size_t kib = 0;
+  std::string unit;
+  while (meminfo >> key >> kib >> unit) {
+    if (key == "MemAvailable:") return kib * 1024;
+  }
+  return 0;
+}
+
+std::string cache_directory() {
+  if (const char* dir = std::getenv("INFINIGEN_CACHE_DIR"); dir && *dir) return dir;
+  if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg && *xdg) {
+    return (fs::path(xdg) / "infinigen").string();
+  }
+  const char* home = std::getenv("HOME");
+  INFINIGEN_CHECK(home && *home, "cannot find a cache directory: set INFINIGEN_CACHE_DIR");
+  return (fs::path(home) / ".cache" / "infinigen").string();
+}
+
+std::string ensure_builtin_model(const ModelLoadOptions& options) {
+  const fs::path dir = fs::path(cache_directory()) / "models" / kBuiltinVersion;
+  if (fs::exists(dir / "config.json") && fs::exists(dir / "model.safetensors")) return dir.string();
+  std::error_code error;
+  fs::create_directories(dir.parent_path(), error);
+  INFINIGEN_CHECK(!error, dir.parent_path().string(), ": cannot create (", error.message(), ")");
+  if (options.notice) {
+    options.notice("generating the built-in model (first use) into " + dir.string());
+  }
+  ModelConfig config = load_preset(kBuiltinModel);
+  write_synthetic_checkpoint(config, SyntheticModelOptions{}, dir.string(), options.progress);
+  return dir.string();
+}
+
+LoadedModel load_model(const std::string& spec, const ModelLoadOptions& options) {
+  LoadedModel loaded;
+  std::string directory;
+  if (spec == kBuiltinModel) {
+    directory = ensure_builtin_model(options);
+    loaded.description = "built-in model (OPT-125M shape, synthetic weights)";
+  } else if (fs::is_directory(spec)) {
+    directory = spec;
+    loaded.description = "checkpoint " + spec;
+  } else if (is_preset(spec)) {
+    ModelConfig config = load_preset(spec);
+    check_fits_in_memory(config, options.device);
+    loaded.description = spec + " preset on seeded synthetic weights (seed " +
+                         std::to_string(options.seed) + "; no checkpoint given)";
+    SyntheticModelOptions synthetic;
+    synthetic.seed = options.seed;
+    loaded.model = std::make_unique<OptModel>(
+        config, synthetic_opt_weights(config, synthetic, options.device), options.device);
+    loaded.tokenizer = Tokenizer::bundled();
+    loaded.synthetic = true;
+    return loaded;
+  } else if (fs::exists(spec)) {
+    fail("--model ", spec, ": not a directory");
+  } else if (spec.find('/') != std::string::npos) {
+    fail("--model ", spec, ": no such directory");
+  } else {
+    std::string known;
+    for (const std::string& name : preset_names()) known += (known.empty() ? "" : ", ") + name;
+    fail("--model ", spec, ": not a checkpoint directory or a preset (presets: ", known, ")");
+  }
+
+  ModelConfig config = load_hf_config(directory);
+  check_fits_in_memory(config, options.device);
+  const SafetensorsCheckpoint checkpoint = SafetensorsCheckpoint::open(directory);
+  loaded.model = std::make_unique<OptModel>(
+      config, load_opt_weights(checkpoint, config, options.device), options.device);
+  if (fs::exists(fs::path(directory) / "vocab.json")) {
+    loaded.tokenizer = Tokenizer::from_directory(directory);
+  }
+  loaded.synthetic = spec == kBuiltinModel;
+  return loaded;
+}
+
+}  // namespace infinigen

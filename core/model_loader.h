@@ -1,0 +1,47 @@
+// core: turning a --model argument into a runnable model: a checkpoint directory, the built-in
+// model (generated and cached on first use), or a preset on seeded synthetic weights.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "core/opt_model.h"
+#include "core/tokenizer.h"
+
+namespace infinigen {
+
+inline constexpr const char* kBuiltinModel = "builtin";
+
+struct LoadedModel {
+  std::unique_ptr<OptModel> model;
+  std::optional<Tokenizer> tokenizer;  // absent when a checkpoint ships none
+  std::string description;             // e.g. "opt-13b preset on synthetic weights (seed 0)"
+  bool synthetic = false;
+};
+
+struct ModelLoadOptions {
+  Device device = Device::Cpu;
+  uint64_t seed = 0;  // synthetic weights of presets
+  // Tells the user about slow steps (generating the built-in model); may be empty.
+  std::function<void(const std::string&)> notice;
+  std::function<void(int64_t, int64_t)> progress;
+};
+
+// Where generated models are cached: $INFINIGEN_CACHE_DIR, else $XDG_CACHE_HOME/infinigen,
+// else ~/.cache/infinigen.
+std::string cache_directory();
+// Directory of the built-in model checkpoint, generated deterministically when missing.
+std::string ensure_builtin_model(const ModelLoadOptions& options);
+
+// Resolves `spec`: an existing directory is a checkpoint; "builtin" is the built-in model; a
+// preset name runs on synthetic weights. Checks that the weights fit in memory before
+// allocating. Throws a one-line Error for anything else.
+LoadedModel load_model(const std::string& spec, const ModelLoadOptions& options);
+
+// Memory the host can give us now (MemAvailable), in bytes; 0 if unknown.
+size_t available_host_memory();
+
+}  // namespace infinigen

@@ -1,0 +1,40 @@
+// core: the ops of the transformer on Tensors. Each checks shapes and dtypes, then dispatches
+// on the tensors' device to kernels/cpu or kernels/cuda.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace infinigen::ops {
+
+// True when every op below has a kernel on `device` (the CPU today; CUDA once its kernels land).
+bool device_runs_transformer(Device device);
+
+// out (n, D) = tokens_table[tokens[i]] + positions_table[positions[i]].
+void embed(const std::vector<int32_t>& tokens, const std::vector<int32_t>& positions,
+           const Tensor& tokens_table, const Tensor& positions_table, Tensor& out);
+
+// y (rows, D) = LayerNorm(x) * gamma + beta; y may be x.
+void layer_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps, Tensor& y);
+
+// y (M, N) = x (M, K) . w (N, K)^T + bias (N) [then ReLU]; bias may be undefined.
+void linear(const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& y, bool relu = false);
+
+// y += x (same shape).
+void add_inplace(Tensor& y, const Tensor& x);
+void scale_inplace(Tensor& y, float factor);
+
+// q, k, v, out: (B, n, H, d) viewed as (B * n, H * d); left padding per first_valid (B).
+void attention_prefill(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
+                       int64_t batch, int64_t num_heads, const std::vector<int32_t>& first_valid);
+
+// q, out: (B, H * d); caches (B, H, capacity, d); attends rows [first_valid[b], length).
+void attention_decode(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, Tensor& out,
+                      int64_t length, const std::vector<int32_t>& first_valid);
+
+// Writes rows (B * n, H * d) into cache (B, H, capacity, d) at tokens [offset, offset + n).
+void cache_store(const Tensor& rows, Tensor& cache, int64_t offset);
+
+}  // namespace infinigen::ops

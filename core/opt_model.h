@@ -1,0 +1,40 @@
+// core: the OPT forward pass (pre-LayerNorm decoder, learned positions, ReLU FFN, tied LM head).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/kv_cache.h"
+#include "core/model_config.h"
+#include "core/opt_weights.h"
+
+namespace infinigen {
+
+class OptModel {
+ public:
+  OptModel(ModelConfig config, OptWeights weights, Device device);
+
+  const ModelConfig& config() const { return config_; }
+  Device device() const { return device_; }
+
+  // tokens (B, n) row-major, left-padded: sequence b's real tokens start at first_valid[b]
+  // (positions count from there; padding gets OPT's padding position). Fills `cache`, which must
+  // be empty. Returns fp32 logits on the CPU: (B, V) of each sequence's last token, or
+  // (B, n, V) for every position when `all_positions`.
+  Tensor prefill(const std::vector<int32_t>& tokens, const std::vector<int32_t>& first_valid,
+                 KvCache& cache, bool all_positions = false) const;
+
+  // Appends one token per sequence, tokens (B); returns fp32 logits (B, V) on the CPU.
+  Tensor decode(const std::vector<int32_t>& tokens, KvCache& cache) const;
+
+ private:
+  // Runs n_new tokens per sequence through every layer; returns final hidden states (B*n, D).
+  Tensor forward(const std::vector<int32_t>& tokens, int64_t n_new, KvCache& cache) const;
+  Tensor lm_head(const Tensor& hidden) const;  // (rows, D) -> (rows, V), CPU
+
+  ModelConfig config_;
+  OptWeights weights_;
+  Device device_;
+};
+
+}  // namespace infinigen

@@ -1,0 +1,61 @@
+// core: greedy and temperature/top-p sampling.
+#include "core/sampler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "core/error.h"
+
+namespace infinigen {
+
+Sampler::Sampler(const SamplingOptions& options) : options_(options), rng_(options.seed) {
+  INFINIGEN_CHECK(options.temperature >= 0.0f && std::isfinite(options.temperature),
+                  "--temperature must be >= 0, got ", options.temperature);
+  INFINIGEN_CHECK(options.top_p > 0.0f && options.top_p <= 1.0f, "--top-p must be in (0, 1], got ",
+                  options.top_p);
+}
+
+std::vector<int32_t> Sampler::sample(const Tensor& logits) {
+  const int64_t B = logits.dim(0), V = logits.dim(1);
+  const float* data = logits.data<float>();
+  std::vector<int32_t> out(static_cast<size_t>(B));
+  for (int64_t b = 0; b < B; ++b) out[static_cast<size_t>(b)] = sample_row(data + b * V, V);
+  return out;
+}
+
+double Sampler::uniform() {
+  return static_cast<double>(rng_() >> 11) * (1.0 / 9007199254740992.0);  // 53 random bits
+}
+
+int32_t Sampler::sample_row(const float* logits, int64_t V) {
+  if (options_.temperature == 0.0f) {
+    return static_cast<int32_t>(std::max_element(logits, logits + V) - logits);
+  }
+  // Softmax at temperature T, in fp64 for a stable cumulative sum.
+  const float top = *std::max_element(logits, logits + V);
+  std::vector<double> probs(static_cast<size_t>(V));
+  double total = 0.0;
+  for (int64_t i = 0; i < V; ++i) {
+    probs[i] = std::exp(static_cast<double>(logits[i] - top) / options_.temperature);
+    total += probs[i];
+  }
+  std::vector<int32_t> order(static_cast<size_t>(V));
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int32_t a, int32_t b) { return probs[a] > probs[b]; });
+  // The nucleus: the fewest most-likely tokens whose mass reaches top_p.
+  size_t keep = 0;
+  double mass = 0.0;
+  while (keep < order.size() && (keep == 0 || mass < options_.top_p * total)) {
+    mass += probs[order[keep++]];
+  }
+  double target = uniform() * mass;
+  for (size_t i = 0; i < keep; ++i) {
+    target -= probs[order[i]];
+    if (target < 0.0) return order[i];
+  }
+  return order[keep - 1];
+}
+
+}  // namespace infinigen

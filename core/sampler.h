@@ -1,0 +1,33 @@
+// core: next-token selection from logits: greedy, or seeded temperature / nucleus (top-p).
+#pragma once
+
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace infinigen {
+
+struct SamplingOptions {
+  float temperature = 0.0f;  // 0 = greedy (argmax, lowest id on ties)
+  float top_p = 1.0f;        // nucleus mass in (0, 1]
+  uint64_t seed = 0;
+};
+
+class Sampler {
+ public:
+  explicit Sampler(const SamplingOptions& options);
+  // logits (B, V) fp32 on the CPU -> one token per row. Draws are a pure function of the seed
+  // and the sequence of calls (the same on every platform: no std distributions).
+  std::vector<int32_t> sample(const Tensor& logits);
+
+ private:
+  int32_t sample_row(const float* logits, int64_t vocab);
+  double uniform();  // [0, 1)
+
+  SamplingOptions options_;
+  std::mt19937_64 rng_;
+};
+
+}  // namespace infinigen

@@ -1,0 +1,229 @@
+// core: the synthetic OPT weight generator.
+#include "core/synthetic_model.h"
+
+#include <unistd.h>
+
+#include <Eigen/Dense>
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <numbers>
+
+#include "core/resources.h"
+#include "core/safetensors.h"
+#include "core/tokenizer.h"
+
+namespace infinigen {
+namespace {
+
+using Matrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+uint64_t fnv1a(const std::string& text) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (unsigned char ch : text) h = (h ^ ch) * 0x100000001b3ull;
+  return h;
+}
+
+// A stream of standard normals indexed by position: normal(i) depends on (key, i) only.
+class NormalStream {
+ public:
+  NormalStream(uint64_t seed, const std::string& name) : key_(splitmix64(seed ^ fnv1a(name))) {}
+  float operator()(uint64_t i) const {
+    // Box-Muller on two 53-bit uniforms; element i uses the cosine or sine of pair i / 2.
+    const uint64_t pair = i >> 1;
+    const double u1 = (static_cast<double>(splitmix64(key_ + 2 * pair) >> 11) + 1.0) * 0x1p-53;
+    const double u2 = static_cast<double>(splitmix64(key_ + 2 * pair + 1) >> 11) * 0x1p-53;
+    const double radius = std::sqrt(-2.0 * std::log(u1));
+    const double angle = 2.0 * std::numbers::pi * u2;
+    return static_cast<float>((i & 1) ? radius * std::sin(angle) : radius * std::cos(angle));
+  }
+
+ private:
+  uint64_t key_;
+};
+
+Matrix gaussian(const NormalStream& normal, int64_t rows, int64_t cols, float std) {
+  Matrix m(rows, cols);
+  float* data = m.data();
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < rows * cols; ++i) data[i] = std * normal(static_cast<uint64_t>(i));
+  return m;
+}
+
+// A (rows x cols) matrix with orthonormal columns, spanning random directions.
+Matrix orthonormal_columns(const Matrix& random) {
+  Eigen::HouseholderQR<Matrix> qr(random);
+  return qr.householderQ() * Matrix::Identity(random.rows(), random.cols());
+}
+
+class Generator {
+ public:
+  Generator(const ModelConfig& config, const SyntheticModelOptions& options)
+      : c_(config), o_(options) {
+    const int64_t D = c_.hidden_size;
+    const int64_t n_outliers = std::clamp<int64_t>(o_.outlier_channels, 0, D / 16);
+    // Outlier channels and their signs: a fixed draw, the same for every layer.
+    const NormalStream pick(o_.seed, "outlier_channels");
+    std::vector<std::pair<float, int64_t>> keyed;
+    for (int64_t ch = 0; ch < D; ++ch) keyed.push_back({pick(static_cast<uint64_t>(ch)), ch});
+    std::partial_sort(keyed.begin(), keyed.begin() + n_outliers, keyed.end());
+    for (int64_t i = 0; i < n_outliers; ++i) {
+      outliers_.push_back(keyed[i].second);
+      outlier_signs_.push_back(pick(static_cast<uint64_t>(D + i)) >= 0 ? 1.0f : -1.0f);
+    }
+    // Expected variance of a non-outlier channel after LayerNorm: the outliers take most of the
+    // row's variance, which sets how large the query/key maps must be.
+    const double m2 = static_cast<double>(o_.outlier_magnitude) * o_.outlier_magnitude;
+    const double e2 = static_cast<double>(o_.embed_std) * o_.embed_std;
+    const double row_var = (n_outliers * m2 + (D - n_outliers) * e2) / D;
+    normed_var_ = static_cast<float>(e2 / row_var);
+  }
+
+  Tensor make(const std::string& name, const Shape& shape) const {
+    const NormalStream normal(o_.seed, name);
+    const int64_t rows = shape[0], cols = shape.size() > 1 ? shape[1] : 1;
+    Matrix m;
+    const float residual_std = o_.weight_std / std::sqrt(2.0f * static_cast<float>(c_.num_layers));
+    if (name.ends_with("embed_tokens.weight")) {
+      m = gaussian(normal, rows, cols, o_.embed_std);
+      for (size_t i = 0; i < outliers_.size(); ++i) {
+        m.col(outliers_[i]).array() += o_.outlier_magnitude * outlier_signs_[i];
+      }
+    } else if (name.ends_with("embed_positions.weight")) {
+      m = gaussian(normal, rows, cols, 0.1f * o_.embed_std);
+    } else if (name.ends_with("layer_norm.weight")) {
+      m = Matrix::Ones(rows, 1) + gaussian(normal, rows, 1, 0.02f);
+    } else if (name.ends_with(".bias")) {
+      m = gaussian(normal, rows, 1, 0.5f * o_.weight_std);
+    } else if (name.ends_with("q_proj.weight") || name.ends_with("k_proj.weight")) {
+      m = query_key(name, normal, rows, cols);
+    } else if (name.ends_with("out_proj.weight") || name.ends_with("fc2.weight")) {
+      m = gaussian(normal, rows, cols, residual_std);
+    } else {
+      m = gaussian(normal, rows, cols, o_.weight_std);
+    }
+    Tensor out = Tensor::empty(shape, c_.dtype);
+    convert_from_f32(m.data(), out.raw(), c_.dtype, static_cast<size_t>(m.size()));
+    return out;
+  }
+
+ private:
+  // Head h of W_q is s * U_h V_h^T and of W_k is s * U_h R_h V_h^T (plus small noise), with V_h
+  // (D x r) orthonormal and away from the outlier channels, U_h (d x r) orthonormal and R_h an
+  // r x r rotation. Then q.k / sqrt(d) = s^2 (V^T x_q)^T R (V^T x_k) / sqrt(d), whose std between
+  // unrelated tokens is s^2 * sqrt(r) * var(x) / sqrt(d): s is chosen to hit the target std.
+  // Query and key share the layer's seed so they are built from the same U_h, V_h.
+  Matrix query_key(const std::string& name, const NormalStream& noise, int64_t D_out,
+                   int64_t D_in) const {
+    const bool is_key = name.ends_with("k_proj.weight");
+    const std::string layer = name.substr(0, name.find("self_attn"));
+    const int64_t H = c_.num_heads, d = c_.head_dim();
+    const int64_t r = std::clamp<int64_t>(o_.attention_rank, 1, d);
+    const float s = std::sqrt(o_.attention_logit_std * std::sqrt(static_cast<float>(d)) /
+                              (std::sqrt(static_cast<float>(r)) * normed_var_));
+    Matrix w = gaussian(noise, D_out, D_in, 0.25f * o_.weight_std);
+    for (int64_t h = 0; h < H; ++h) {
+      const std::string head = layer + "head" + std::to_string(h);
+      Matrix v_random = gaussian(NormalStream(o_.seed, head + ".V"), D_in, r, 1.0f);
+      for (int64_t ch : outliers_) v_random.row(ch).setZero();
+      const Matrix V = orthonormal_columns(v_random);
+      const Matrix U = orthonormal_columns(gaussian(NormalStream(o_.seed, head + ".U"), d, r, 1.0f));
+      Matrix core = s * Matrix::Identity(r, r);
+      if (is_key) core = s * orthonormal_columns(gaussian(NormalStream(o_.seed, head + ".R"), r, r, 1.0f));
+      w.middleRows(h * d, d) += U * core * V.transpose();
+    }
+    return w;
+  }
+
+  const ModelConfig& c_;
+  const SyntheticModelOptions& o_;
+  std::vector<int64_t> outliers_;
+  std::vector<float> outlier_signs_;
+  float normed_var_ = 1.0f;
+};
+
+void write_text(const std::filesystem::path& path, std::string_view text) {
+  std::ofstream out(path, std::ios::binary);
+  out.write(text.data(), static_cast<std::streamsize>(text.size()));
+  INFINIGEN_CHECK(out.good(), path.string(), ": cannot write");
+}
+
+}  // namespace
+
+void generate_synthetic_opt(const ModelConfig& config, const SyntheticModelOptions& options,
+                            const std::function<void(const std::string&, const Tensor&)>& sink) {
+  const Generator generator(config, options);
+  for (const OptTensorSpec& spec : opt_tensor_specs(config)) {
+    sink(spec.name, generator.make(spec.name, spec.shape));
+  }
+}
+
+OptWeights synthetic_opt_weights(const ModelConfig& config, const SyntheticModelOptions& options,
+                                 Device device) {
+  OptWeightsBuilder builder(config, device);
+  generate_synthetic_opt(config, options,
+                         [&](const std::string& name, const Tensor& t) { builder.add(name, t); });
+  return builder.finish();
+}
+
+void write_synthetic_checkpoint(const ModelConfig& config, const SyntheticModelOptions& options,
+                                const std::string& directory,
+                                const std::function<void(int64_t, int64_t)>& progress) {
+  namespace fs = std::filesystem;
+  const fs::path target(directory);
+  INFINIGEN_CHECK(!fs::exists(target) || (fs::is_directory(target) && fs::is_empty(target)),
+                  directory, ": already exists and is not an empty directory");
+  const Tokenizer tokenizer = Tokenizer::bundled();
+  INFINIGEN_CHECK(config.vocab_size >= tokenizer.vocab_size(), config.name, ": vocab_size ",
+                  config.vocab_size, " is smaller than the bundled tokenizer's ",
+                  tokenizer.vocab_size(), " tokens");
+  const fs::path staging =
+      target.parent_path() / (target.filename().string() + ".partial-" + std::to_string(getpid()));
+  fs::remove_all(staging);
+  fs::create_directories(staging);
+  try {
+    std::vector<TensorRecord> records;
+    for (const OptTensorSpec& spec : opt_tensor_specs(config)) {
+      records.push_back({spec.name, config.dtype, spec.shape});
+    }
+    const int64_t total = static_cast<int64_t>(records.size());
+    SafetensorsWriter writer((staging / "model.safetensors").string(), records,
+                             {{"format", "pt"}});
+    int64_t done = 0;
+    generate_synthetic_opt(config, options, [&](const std::string& name, const Tensor& t) {
+      writer.write(name, t.raw(), t.nbytes());
+      if (progress) progress(++done, total);
+    });
+    writer.finish();
+    write_text(staging / "config.json", config_to_hf_json(config).dump(2) + "\n");
+    write_text(staging / "vocab.json", *embedded_config("tokenizer/vocab.json"));
+    write_text(staging / "merges.txt", *embedded_config("tokenizer/merges.txt"));
+    const nlohmann::json record = {
+        {"generator", "infinigen make-model"},
+        {"seed", options.seed},
+        {"outlier_channels", options.outlier_channels},
+        {"outlier_magnitude", options.outlier_magnitude},
+        {"embed_std", options.embed_std},
+        {"attention_rank", options.attention_rank},
+        {"attention_logit_std", options.attention_logit_std},
+        {"weight_std", options.weight_std}};
+    write_text(staging / "synthetic.json", record.dump(2) + "\n");
+    if (fs::exists(target)) fs::remove(target);  // empty, checked above
+    fs::rename(staging, target);
+  } catch (...) {
+    std::error_code ignored;
+    fs::remove_all(staging, ignored);
+    throw;
+  }
+}
+
+}  // namespace infinigen

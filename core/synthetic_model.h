@@ -1,0 +1,50 @@
+// core: OPT weights with LLM-like statistics, for running and testing without real checkpoints.
+//
+// Real LLMs have two properties that matter to KV offloading and that random weights lack:
+//  - massive activations: a few residual-stream channels hold values far larger than the rest,
+//    the same channels for every token (they survive LayerNorm as outliers);
+//  - concentrated attention: each head's query/key interaction has low rank, so most of a
+//    query's attention weight lands on a few tokens, and the query/key columns are skewed (a few
+//    directions carry most of the energy: what InfiniGen's SVD exploits).
+// The generator builds both in, with the knobs below (documented in docs/synthetic-models.md).
+// Values are a pure function of (seed, tensor name, element index): the same on every machine and
+// with any number of threads.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "core/model_config.h"
+#include "core/opt_weights.h"
+
+namespace infinigen {
+
+struct SyntheticModelOptions {
+  uint64_t seed = 0;
+  int64_t outlier_channels = 4;      // residual channels with massive activations (<= D/16 used)
+  float outlier_magnitude = 1.0f;    // their value in every token embedding (sign per channel)
+  float embed_std = 0.1f;            // std of the other embedding entries
+  int64_t attention_rank = 8;        // rank of each head's query-key interaction (<= head_dim)
+  float attention_logit_std = 3.0f;  // target std of attention logits between unrelated tokens
+  float weight_std = 0.02f;          // std of the remaining matrices (as OPT's init_std)
+};
+
+// Calls `sink(name, tensor)` for every tensor of the checkpoint, in opt_tensor_specs order; each
+// tensor is a fresh CPU tensor of config.dtype.
+void generate_synthetic_opt(const ModelConfig& config, const SyntheticModelOptions& options,
+                            const std::function<void(const std::string&, const Tensor&)>& sink);
+
+// Synthetic weights held in memory on `device` (for presets without a checkpoint).
+OptWeights synthetic_opt_weights(const ModelConfig& config, const SyntheticModelOptions& options,
+                                 Device device);
+
+// Writes a complete HF-layout checkpoint into `directory` (created; must not exist or be empty):
+// config.json, model.safetensors, vocab.json and merges.txt (the bundled tokenizer), and
+// synthetic.json recording the options. Written into a sibling temporary directory and renamed
+// into place, so a partial checkpoint never appears. `progress(done, total)` counts tensors.
+void write_synthetic_checkpoint(const ModelConfig& config, const SyntheticModelOptions& options,
+                                const std::string& directory,
+                                const std::function<void(int64_t, int64_t)>& progress = {});
+
+}  // namespace infinigen

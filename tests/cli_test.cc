@@ -1,0 +1,168 @@
+// tests: the infinigen command line: normal runs on the tiny fixture model, and every bad input
+// ending in exactly one line on stderr and a non-zero exit status.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "tests/test_util.h"
+
+namespace infinigen {
+namespace {
+
+using testing_util::CommandResult;
+using testing_util::run_infinigen;
+using testing_util::TempDir;
+
+const std::string kTiny = std::string(INFINIGEN_FIXTURES_DIR) + "/opt-tiny";
+
+int count_lines(const std::string& text) {
+  return static_cast<int>(std::count(text.begin(), text.end(), '\n'));
+}
+
+// Expects failure with one line on stderr containing every fragment.
+void expect_one_line_error(const std::vector<std::string>& args,
+                           const std::vector<std::string>& fragments) {
+  const CommandResult r = run_infinigen(args);
+  std::string joined;
+  for (const auto& a : args) joined += a + " ";
+  EXPECT_NE(r.exit_code, 0) << joined;
+  EXPECT_EQ(count_lines(r.err), 1) << joined << "\nstderr:\n" << r.err;
+  for (const std::string& fragment : fragments) {
+    EXPECT_NE(r.err.find(fragment), std::string::npos)
+        << joined << "\nmissing '" << fragment << "' in: " << r.err;
+  }
+}
+
+TEST(Cli, RunPrintsTextAndTimings) {
+  const CommandResult r = run_infinigen({"run", "--model", kTiny, "--gen-len", "4", "--prompt",
+                                         "Hello world", "--batch", "2"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  for (const char* fragment : {"prefill latency", "decode latency", "throughput", "[2]"}) {
+    EXPECT_NE(r.out.find(fragment), std::string::npos) << fragment << "\n" << r.out;
+  }
+  EXPECT_TRUE(r.err.empty()) << r.err;  // no progress display when stderr is not a terminal
+}
+
+TEST(Cli, JsonOutputIsMachineReadable) {
+  const CommandResult r = run_infinigen(
+      {"run", "--model", kTiny, "--gen-len", "3", "--prompt-len", "10", "--batch", "3", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["batch"], 3);
+  EXPECT_EQ(j["prompt_len"], 10);
+  EXPECT_EQ(j["outputs"].size(), 3u);
+  EXPECT_EQ(j["outputs"][0]["tokens"].size(), 3u);
+  EXPECT_GT(j["throughput_tok_s"].get<double>(), 0.0);
+}
+
+TEST(Cli, ConfigFileSetsOptionsAndCommandLineWins) {
+  TempDir dir("cli-config");
+  const auto config = dir.path() / "run.yaml";
+  std::ofstream(config) << "model: " << kTiny << "\nbatch: 2\ngen-len: 2\nprompt-len: 6\njson: true\n";
+  CommandResult r = run_infinigen({"run", "--config", config.string()});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(nlohmann::json::parse(r.out)["batch"], 2);
+  r = run_infinigen({"run", "--config", config.string(), "--batch", "3"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(nlohmann::json::parse(r.out)["batch"], 3);
+}
+
+TEST(Cli, PromptFileGivesOneSequencePerLine) {
+  TempDir dir("cli-prompts");
+  const auto prompts = dir.path() / "prompts.txt";
+  std::ofstream(prompts) << "first prompt\nsecond one\n\nthird\n";
+  const CommandResult r = run_infinigen(
+      {"run", "--model", kTiny, "--prompt-file", prompts.string(), "--gen-len", "2", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(nlohmann::json::parse(r.out)["batch"], 3);
+}
+
+TEST(Cli, InspectListsTensors) {
+  const CommandResult r = run_infinigen({"inspect", kTiny});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("model.decoder.layers.1.fc2.weight"), std::string::npos);
+  EXPECT_NE(r.out.find("every tensor matches the config"), std::string::npos);
+}
+
+TEST(Cli, MakeModelWritesALoadableCheckpoint) {
+  TempDir dir("cli-make");
+  const std::string out = (dir.path() / "m").string();
+  CommandResult r = run_infinigen({"make-model", "--preset", "opt-tiny", "--out", out, "--seed", "3"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  r = run_infinigen({"run", "--model", out, "--gen-len", "2"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  expect_one_line_error({"make-model", "--preset", "opt-tiny", "--out", out},
+                        {out, "not an empty directory"});
+}
+
+TEST(Cli, BadFlagsEndWithOneLine) {
+  expect_one_line_error({"run", "--model", kTiny, "--batch", "0"}, {"--batch", "at least 1"});
+  expect_one_line_error({"run", "--model", kTiny, "--gen-len", "-5"}, {"--gen-len"});
+  expect_one_line_error({"run", "--model", kTiny, "--prompt-len", "0"}, {"--prompt-len"});
+  expect_one_line_error({"run", "--model", kTiny, "--gen-len", "5000"},
+                        {"--gen-len 5000", "context of 256 positions"});
+  expect_one_line_error({"run", "--model", kTiny, "--device", "tpu"}, {"--device", "tpu"});
+  expect_one_line_error({"run", "--model", kTiny, "--top-p", "1.5"}, {"--top-p"});
+  expect_one_line_error({"run", "--model", kTiny, "--kv-dtype", "int3"}, {"int3"});
+  expect_one_line_error({"run", "--model", kTiny, "--batch", "many"}, {"--batch"});
+  expect_one_line_error({"run", "--no-such-flag"}, {"--no-such-flag"});
+  expect_one_line_error({"run", "--model", kTiny, "--prompt", "a", "--prompt-len", "3"},
+                        {"--prompt"});
+  expect_one_line_error({"run", "--model", kTiny, "--prompt-file", "/nonexistent/prompts.txt"},
+                        {"--prompt-file", "/nonexistent/prompts.txt"});
+  expect_one_line_error({"run", "--config", "/nonexistent/run.yaml"}, {"/nonexistent/run.yaml"});
+}
+
+TEST(Cli, UnknownModelsEndWithOneLine) {
+  expect_one_line_error({"run", "--model", "opt-7b"}, {"opt-7b", "opt-6.7b"});
+  expect_one_line_error({"run", "--model", "/nonexistent/model"},
+                        {"/nonexistent/model", "no such directory"});
+  expect_one_line_error({"make-model", "--preset", "gpt-5", "--out", "/tmp/x"}, {"gpt-5"});
+  expect_one_line_error({"inspect", "/nonexistent/model"}, {"/nonexistent/model"});
+}
+
+// A copy of the tiny checkpoint, damaged by `damage`, must be refused with one line naming it.
+void expect_damaged_checkpoint_refused(const std::function<void(const std::filesystem::path&)>& damage,
+                                       const std::vector<std::string>& fragments) {
+  TempDir dir("cli-damaged");
+  const auto copy = dir.path() / "model";
+  std::filesystem::copy(kTiny, copy);
+  damage(copy);
+  expect_one_line_error({"run", "--model", copy.string(), "--gen-len", "2"}, fragments);
+  expect_one_line_error({"inspect", copy.string()}, fragments);
+}
+
+TEST(Cli, DamagedCheckpointsEndWithOneLine) {
+  namespace fs = std::filesystem;
+  expect_damaged_checkpoint_refused(
+      [](const fs::path& dir) {
+        fs::resize_file(dir / "model.safetensors", fs::file_size(dir / "model.safetensors") / 2);
+      },
+      {"model.safetensors"});
+  expect_damaged_checkpoint_refused(
+      [](const fs::path& dir) { fs::remove(dir / "model.safetensors"); }, {"model.safetensors"});
+  expect_damaged_checkpoint_refused(
+      [](const fs::path& dir) { fs::remove(dir / "config.json"); }, {"config.json"});
+  expect_damaged_checkpoint_refused(
+      [](const fs::path& dir) {
+        // The config now disagrees with the tensors' shapes.
+        std::ifstream in(dir / "config.json");
+        nlohmann::json config = nlohmann::json::parse(in);
+        config["ffn_dim"] = 128;
+        std::ofstream(dir / "config.json") << config.dump();
+      },
+      {"fc1.weight", "(256, 64)", "(128, 64)"});
+  expect_damaged_checkpoint_refused(
+      [](const fs::path& dir) {
+        std::ifstream in(dir / "config.json");
+        nlohmann::json config = nlohmann::json::parse(in);
+        config["do_layer_norm_before"] = false;
+        std::ofstream(dir / "config.json") << config.dump();
+      },
+      {"do_layer_norm_before"});
+}
+
+}  // namespace
+}  // namespace infinigen

@@ -1,0 +1,161 @@
+// tests: CPU kernels against naive fp64 loops on random inputs.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "kernels/cpu/attention.h"
+#include "kernels/cpu/layer_norm.h"
+#include "kernels/cpu/linear.h"
+#include "tests/test_util.h"
+
+namespace infinigen::kernels::cpu {
+namespace {
+
+using testing_util::relative_error;
+
+std::vector<float> random_values(size_t n, uint64_t seed, float scale = 1.0f) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = normal(rng);
+  return v;
+}
+
+class LinearTest : public ::testing::TestWithParam<Element> {};
+
+TEST_P(LinearTest, MatchesNaiveProduct) {
+  const int64_t M = 5, N = 131, K = 67;  // N not a multiple of the block size
+  const std::vector<float> x = random_values(M * K, 1), w = random_values(N * K, 2);
+  const std::vector<float> bias = random_values(N, 3);
+  const Element type = GetParam();
+  // Store w in the tested type and compute the reference from the rounded values.
+  std::vector<uint16_t> w16(w.size());
+  std::vector<float> w_rounded(w.size());
+  const void* w_ptr = w.data();
+  if (type == Element::F16) {
+    f32_to_f16(w.data(), w16.data(), w.size());
+    f16_to_f32(w16.data(), w_rounded.data(), w.size());
+    w_ptr = w16.data();
+  } else if (type == Element::BF16) {
+    f32_to_bf16(w.data(), w16.data(), w.size());
+    bf16_to_f32(w16.data(), w_rounded.data(), w.size());
+    w_ptr = w16.data();
+  } else {
+    w_rounded = w;
+  }
+  for (bool relu : {false, true}) {
+    std::vector<float> y(M * N), expected(M * N);
+    linear(x.data(), w_ptr, type, bias.data(), y.data(), M, N, K, relu);
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t n = 0; n < N; ++n) {
+        double acc = bias[n];
+        for (int64_t k = 0; k < K; ++k) acc += static_cast<double>(x[m * K + k]) * w_rounded[n * K + k];
+        expected[m * N + n] = static_cast<float>(relu ? std::max(acc, 0.0) : acc);
+      }
+    }
+    EXPECT_LT(relative_error(y.data(), expected.data(), y.size()), 1e-6) << "relu " << relu;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(WeightTypes, LinearTest,
+                         ::testing::Values(Element::F32, Element::F16, Element::BF16));
+
+TEST(LayerNorm, MatchesNaive) {
+  const int64_t rows = 7, cols = 96;
+  std::vector<float> x = random_values(rows * cols, 4, 3.0f);
+  x[5] = 400.0f;  // an outlier channel
+  const std::vector<float> gamma = random_values(cols, 5), beta = random_values(cols, 6);
+  std::vector<float> y(x.size()), expected(x.size());
+  layer_norm(x.data(), gamma.data(), beta.data(), y.data(), rows, cols, 1e-5f);
+  for (int64_t r = 0; r < rows; ++r) {
+    double mean = 0, var = 0;
+    for (int64_t c = 0; c < cols; ++c) mean += x[r * cols + c];
+    mean /= cols;
+    for (int64_t c = 0; c < cols; ++c) var += std::pow(x[r * cols + c] - mean, 2);
+    var /= cols;
+    for (int64_t c = 0; c < cols; ++c) {
+      expected[r * cols + c] =
+          static_cast<float>((x[r * cols + c] - mean) / std::sqrt(var + 1e-5) * gamma[c] + beta[c]);
+    }
+  }
+  EXPECT_LT(relative_error(y.data(), expected.data(), y.size()), 1e-6);
+}
+
+// Naive causal attention of one (sequence, head) over keys [start, i].
+std::vector<float> naive_attention(const std::vector<float>& q, const std::vector<float>& k,
+                                   const std::vector<float>& v, int64_t B, int64_t n, int64_t H,
+                                   int64_t d, const std::vector<int32_t>& first_valid) {
+  std::vector<float> out(q.size(), 0.0f);
+  const int64_t D = H * d;
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t i = first_valid[b]; i < n; ++i) {
+        std::vector<double> s;
+        double top = -std::numeric_limits<double>::infinity();
+        for (int64_t j = first_valid[b]; j <= i; ++j) {
+          double dot = 0;
+          for (int64_t c = 0; c < d; ++c) {
+            dot += static_cast<double>(q[(b * n + i) * D + h * d + c]) * k[(b * n + j) * D + h * d + c];
+          }
+          s.push_back(dot);
+          top = std::max(top, dot);
+        }
+        double total = 0;
+        for (double& x : s) total += (x = std::exp(x - top));
+        for (int64_t c = 0; c < d; ++c) {
+          double acc = 0;
+          for (size_t j = 0; j < s.size(); ++j) {
+            acc += s[j] / total * v[(b * n + first_valid[b] + static_cast<int64_t>(j)) * D + h * d + c];
+          }
+          out[(b * n + i) * D + h * d + c] = static_cast<float>(acc);
+        }
+      }
+    }
+  }
+  return out;
+}
+
+TEST(Attention, PrefillMatchesNaiveWithPadding) {
+  const int64_t B = 3, n = 150, H = 2, d = 16;  // n spans several query blocks
+  const std::vector<int32_t> first_valid = {0, 37, 149};
+  const auto q = random_values(B * n * H * d, 7), k = random_values(B * n * H * d, 8),
+             v = random_values(B * n * H * d, 9);
+  std::vector<float> out(q.size(), std::nanf(""));
+  attention_prefill(q.data(), k.data(), v.data(), out.data(), B, n, H, d, first_valid.data());
+  const std::vector<float> expected = naive_attention(q, k, v, B, n, H, d, first_valid);
+  EXPECT_LT(relative_error(out.data(), expected.data(), out.size()), 1e-5);
+}
+
+TEST(Attention, DecodeOverCacheMatchesLastPrefillRow) {
+  const int64_t B = 2, n = 20, H = 3, d = 8, capacity = 32;
+  const std::vector<int32_t> first_valid = {0, 6};
+  const auto q = random_values(B * n * H * d, 10), k = random_values(B * n * H * d, 11),
+             v = random_values(B * n * H * d, 12);
+  const std::vector<float> expected = naive_attention(q, k, v, B, n, H, d, first_valid);
+  for (Element type : {Element::F32, Element::F16}) {
+    std::vector<uint16_t> k16(B * H * capacity * d), v16(k16.size());
+    std::vector<float> k32(k16.size()), v32(k16.size());
+    void* k_cache = type == Element::F32 ? static_cast<void*>(k32.data()) : k16.data();
+    void* v_cache = type == Element::F32 ? static_cast<void*>(v32.data()) : v16.data();
+    cache_store(k.data(), k_cache, type, B, n, H, d, capacity, 0);
+    cache_store(v.data(), v_cache, type, B, n, H, d, capacity, 0);
+    // The last token's query, (B, H, d).
+    std::vector<float> q_last(B * H * d), out(B * H * d), expected_last(B * H * d);
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t c = 0; c < H * d; ++c) {
+        q_last[b * H * d + c] = q[(b * n + n - 1) * H * d + c];
+        expected_last[b * H * d + c] = expected[(b * n + n - 1) * H * d + c];
+      }
+    }
+    attention_decode(q_last.data(), k_cache, v_cache, type, out.data(), B, H, d, capacity, n,
+                     first_valid.data());
+    const double tolerance = type == Element::F32 ? 1e-5 : 2e-3;
+    EXPECT_LT(relative_error(out.data(), expected_last.data(), out.size()), tolerance);
+  }
+}
+
+}  // namespace
+}  // namespace infinigen::kernels::cpu

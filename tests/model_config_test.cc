@@ -1,0 +1,109 @@
+// tests: presets, HF config.json parsing and the refusal of unsupported OPT variants.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "core/model_config.h"
+#include "tests/test_util.h"
+
+namespace infinigen {
+namespace {
+
+using nlohmann::json;
+
+json opt_125m_json() {
+  return json::parse(R"({"model_type": "opt", "hidden_size": 768, "num_hidden_layers": 12,
+    "num_attention_heads": 12, "ffn_dim": 3072, "vocab_size": 50272,
+    "max_position_embeddings": 2048, "word_embed_proj_dim": 768, "do_layer_norm_before": true,
+    "activation_function": "relu", "pad_token_id": 1, "bos_token_id": 2, "eos_token_id": 2,
+    "torch_dtype": "float16", "enable_bias": true})");
+}
+
+std::string error_of(const json& j) {
+  try {
+    config_from_json(j, "config.json");
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(ModelConfig, EveryPresetLoads) {
+  const std::vector<std::string> names = preset_names();
+  for (const char* expected : {"opt-125m", "opt-1.3b", "opt-2.7b", "opt-6.7b", "opt-13b",
+                               "opt-30b", "opt-66b", "builtin", "opt-tiny"}) {
+    EXPECT_NE(std::find(names.begin(), names.end(), expected), names.end()) << expected;
+    EXPECT_EQ(load_preset(expected).name, expected);
+  }
+}
+
+TEST(ModelConfig, ParameterCountsMatchThePublishedSizes) {
+  EXPECT_NEAR(static_cast<double>(load_preset("opt-125m").num_parameters()), 125.2e6, 0.5e6);
+  EXPECT_NEAR(static_cast<double>(load_preset("opt-13b").num_parameters()), 12.85e9, 0.05e9);
+  EXPECT_NEAR(static_cast<double>(load_preset("opt-30b").num_parameters()), 29.97e9, 0.1e9);
+  const ModelConfig c = load_preset("opt-13b");
+  EXPECT_EQ(c.head_dim(), 128);
+  EXPECT_EQ(c.kv_bytes_per_token(DType::F16), 2u * 40 * 5120 * 2);
+}
+
+TEST(ModelConfig, HfJsonRoundTrips) {
+  const ModelConfig c = config_from_json(opt_125m_json(), "config.json");
+  EXPECT_EQ(c.hidden_size, 768);
+  EXPECT_EQ(c.dtype, DType::F16);
+  const ModelConfig back = config_from_json(config_to_hf_json(c), "again");
+  EXPECT_EQ(back.num_parameters(), c.num_parameters());
+  EXPECT_EQ(back.max_positions, 2048);
+}
+
+TEST(ModelConfig, UnsupportedVariantsAreRefusedByName) {
+  json post_ln = opt_125m_json();
+  post_ln["do_layer_norm_before"] = false;  // opt-350m
+  EXPECT_NE(error_of(post_ln).find("do_layer_norm_before"), std::string::npos);
+  json projected = opt_125m_json();
+  projected["word_embed_proj_dim"] = 512;
+  EXPECT_NE(error_of(projected).find("project_in"), std::string::npos);
+  json gelu = opt_125m_json();
+  gelu["activation_function"] = "gelu";
+  EXPECT_NE(error_of(gelu).find("activation_function"), std::string::npos);
+  json llama = opt_125m_json();
+  llama["model_type"] = "llama";
+  EXPECT_NE(error_of(llama).find("model_type"), std::string::npos);
+}
+
+TEST(ModelConfig, BadValuesNameTheKey) {
+  json missing = opt_125m_json();
+  missing.erase("ffn_dim");
+  EXPECT_NE(error_of(missing).find("'ffn_dim'"), std::string::npos);
+  json negative = opt_125m_json();
+  negative["num_hidden_layers"] = -3;
+  EXPECT_NE(error_of(negative).find("'num_hidden_layers'"), std::string::npos);
+  json indivisible = opt_125m_json();
+  indivisible["num_attention_heads"] = 7;
+  EXPECT_NE(error_of(indivisible).find("not divisible"), std::string::npos);
+  json bad_token = opt_125m_json();
+  bad_token["eos_token_id"] = 60000;
+  EXPECT_NE(error_of(bad_token).find("outside the vocabulary"), std::string::npos);
+}
+
+TEST(ModelConfig, FilesAndPresetsReportWhatIsWrong) {
+  testing_util::TempDir dir("config");
+  EXPECT_THROW(load_hf_config(dir.str()), Error);  // no config.json
+  std::ofstream(dir.path() / "config.json") << "{ not json";
+  try {
+    load_hf_config(dir.str());
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("config.json: not valid JSON"), std::string::npos);
+  }
+  try {
+    load_preset("opt-7b");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("unknown model preset 'opt-7b'"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("opt-6.7b"), std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace infinigen

@@ -1,0 +1,78 @@
+// tests: shared helpers.
+#include "tests/test_util.h"
+
+#include <unistd.h>
+#include <sys/wait.h>
+
+#include <atomic>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+namespace infinigen::testing_util {
+namespace {
+
+std::string quote(const std::string& arg) {
+  std::string out = "'";
+  for (char ch : arg) {
+    if (ch == '\'') {
+      out.append("'\\''");
+    } else {
+      out.push_back(ch);
+    }
+  }
+  out.push_back('\'');
+  return out;
+}
+
+std::string slurp(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+}  // namespace
+
+TempDir::TempDir(const std::string& tag) {
+  static std::atomic<int> counter{0};
+  path_ = std::filesystem::temp_directory_path() /
+          ("infinigen-test-" + tag + "-" + std::to_string(getpid()) + "-" +
+           std::to_string(counter++));
+  std::filesystem::remove_all(path_);
+  std::filesystem::create_directories(path_);
+}
+
+TempDir::~TempDir() {
+  std::error_code ignored;
+  std::filesystem::remove_all(path_, ignored);
+}
+
+double relative_error(const float* a, const float* b, size_t n) {
+  double diff = 0.0, norm = 0.0;
+  for (size_t i = 0; i < n; ++i) {
+    diff += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
+    norm += static_cast<double>(b[i]) * b[i];
+  }
+  return std::sqrt(diff) / std::max(std::sqrt(norm), 1e-30);
+}
+
+CommandResult run_infinigen(const std::vector<std::string>& args,
+                            const std::vector<std::string>& env) {
+  TempDir capture("cli");
+  std::string command;
+  for (const std::string& assignment : env) command.append(assignment).append(" ");
+  command.append(quote(INFINIGEN_BINARY));
+  for (const std::string& arg : args) command.append(" ").append(quote(arg));
+  const auto out_path = capture.path() / "out", err_path = capture.path() / "err";
+  command.append(" </dev/null >").append(quote(out_path.string()));
+  command.append(" 2>").append(quote(err_path.string()));
+  CommandResult result;
+  const int status = std::system(command.c_str());
+  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  result.out = slurp(out_path);
+  result.err = slurp(err_path);
+  return result;
+}
+
+}  // namespace infinigen::testing_util

@@ -1,0 +1,38 @@
+// tests: helpers shared by the suites (temporary directories, error comparisons, the CLI).
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+namespace infinigen::testing_util {
+
+// A fresh directory under the system temp dir, removed when the object goes out of scope.
+class TempDir {
+ public:
+  explicit TempDir(const std::string& tag);
+  ~TempDir();
+  const std::filesystem::path& path() const { return path_; }
+  std::string str() const { return path_.string(); }
+
+ private:
+  std::filesystem::path path_;
+};
+
+// ||a - b|| / ||b|| over n values.
+double relative_error(const float* a, const float* b, size_t n);
+
+struct CommandResult {
+  int exit_code = -1;
+  std::string out;
+  std::string err;
+};
+// Runs the infinigen binary with `args` (shell-quoted here), with extra environment assignments
+// such as "INFINIGEN_CACHE_DIR=/tmp/x" prepended.
+CommandResult run_infinigen(const std::vector<std::string>& args,
+                            const std::vector<std::string>& env = {});
+
+}  // namespace infinigen::testing_util

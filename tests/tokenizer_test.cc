@@ -1,0 +1,386 @@
+// tests: the byte-level BPE tokenizer against HF tokenizers' reference encodings.
+#include "core/tokenizer.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/error.h"
+
+namespace infinigen {
+namespace {
+
+struct Case {
+  std::string text;
+  std::vector<int32_t> ids;
+  std::string decoded;
+};
+
+const std::vector<Case>& fixture_cases() {
+  static const std::vector<Case> cases = [] {
+    std::ifstream in(INFINIGEN_FIXTURES_DIR "/tokenizer_cases.json");
+    EXPECT_TRUE(in.good()) << "missing fixture tokenizer_cases.json";
+    std::vector<Case> out;
+    if (!in.good()) return out;
+    for (const auto& item : nlohmann::json::parse(in)) {
+      out.push_back({item.at("text").get<std::string>(), item.at("ids").get<std::vector<int32_t>>(),
+                     item.at("decoded").get<std::string>()});
+    }
+    return out;
+  }();
+  return cases;
+}
+
+std::string disk_directory() {
+  return INFINIGEN_SOURCE_DIR "/configs/tokenizer";
+}
+
+// Message of the Error that `body` throws, or "" (and a test failure) if it throws none.
+std::string error_of(const std::function<void()>& body) {
+  try {
+    body();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected an infinigen::Error";
+  return "";
+}
+
+// Python's bytes.decode("utf-8", errors="replace"), written from the table of well-formed byte
+// sequences in the Unicode standard (Table 3-7) independently of the tokenizer's decoder.
+std::string python_lossy(const std::string& bytes) {
+  struct Form {
+    unsigned char lead_lo, lead_hi, second_lo, second_hi;
+    int length;
+  };
+  static constexpr Form kForms[] = {
+      {0x00, 0x7F, 0, 0, 1},       {0xC2, 0xDF, 0x80, 0xBF, 2}, {0xE0, 0xE0, 0xA0, 0xBF, 3},
+      {0xE1, 0xEC, 0x80, 0xBF, 3}, {0xED, 0xED, 0x80, 0x9F, 3}, {0xEE, 0xEF, 0x80, 0xBF, 3},
+      {0xF0, 0xF0, 0x90, 0xBF, 4}, {0xF1, 0xF3, 0x80, 0xBF, 4}, {0xF4, 0xF4, 0x80, 0x8F, 4},
+  };
+  std::string out;
+  size_t i = 0;
+  while (i < bytes.size()) {
+    const auto lead = static_cast<unsigned char>(bytes[i]);
+    const Form* form = nullptr;
+    for (const Form& f : kForms) {
+      if (lead >= f.lead_lo && lead <= f.lead_hi) form = &f;
+    }
+    if (form == nullptr) {
+      out += "\xEF\xBF\xBD";
+      ++i;
+      continue;
+    }
+    int good = 1;  // bytes of the sequence that are well-formed so far
+    while (good < form->length && i + good < bytes.size()) {
+      const auto c = static_cast<unsigned char>(bytes[i + good]);
+      const bool ok =
+          good == 1 ? (c >= form->second_lo && c <= form->second_hi) : (c >= 0x80 && c <= 0xBF);
+      if (!ok) break;
+      ++good;
+    }
+    if (good == form->length) {
+      out += bytes.substr(i, good);
+    } else {
+      out += "\xEF\xBF\xBD";
+    }
+    i += good;
+  }
+  return out;
+}
+
+bool is_valid_utf8(const std::string& s) {
+  return python_lossy(s) == s;
+}
+
+// The token of byte `b` alone: GPT-2's byte -> character table, as UTF-8.
+std::string byte_token(unsigned char b) {
+  int next = 256, cp = 0;
+  for (int c = 0; c <= b; ++c) {
+    const bool printable = (c >= '!' && c <= '~') || (c >= 0xA1 && c <= 0xAC) || c >= 0xAE;
+    cp = printable ? c : next++;
+  }
+  if (cp < 0x80) return std::string(1, static_cast<char>(cp));
+  return {static_cast<char>(0xC0 | (cp >> 6)), static_cast<char>(0x80 | (cp & 0x3F))};
+}
+
+TEST(Tokenizer, FixtureIsPresent) {
+  EXPECT_GE(fixture_cases().size(), 60u);
+}
+
+TEST(Tokenizer, MatchesReferenceEncodings) {
+  const Tokenizer tokenizer = Tokenizer::bundled();
+  for (const Case& c : fixture_cases()) {
+    EXPECT_EQ(tokenizer.encode(c.text), c.ids) << "text " << nlohmann::json(c.text).dump();
+    EXPECT_EQ(tokenizer.decode(c.ids), c.decoded) << "text " << nlohmann::json(c.text).dump();
+  }
+}
+
+TEST(Tokenizer, BundledEqualsDirectoryOnDisk) {
+  const Tokenizer bundled = Tokenizer::bundled();
+  const Tokenizer disk = Tokenizer::from_directory(disk_directory());
+  EXPECT_EQ(bundled.vocab_size(), disk.vocab_size());
+  for (const Case& c : fixture_cases()) EXPECT_EQ(bundled.encode(c.text), disk.encode(c.text));
+  for (const char* token : {"<s>", "<pad>", "</s>", "<unk>", "\xC4\xA0the", "e"}) {
+    EXPECT_EQ(bundled.token_to_id(token), disk.token_to_id(token)) << token;
+  }
+}
+
+TEST(Tokenizer, BundledVocabularyLayout) {
+  const Tokenizer tokenizer = Tokenizer::bundled();
+  EXPECT_EQ(tokenizer.vocab_size(), 2048);
+  EXPECT_EQ(tokenizer.token_to_id("<s>"), 0);
+  EXPECT_EQ(tokenizer.token_to_id("<pad>"), 1);
+  EXPECT_EQ(tokenizer.token_to_id("</s>"), 2);
+  EXPECT_EQ(tokenizer.token_to_id("<unk>"), 3);
+  EXPECT_EQ(tokenizer.token_to_id("not a token at all"), std::nullopt);
+  // Every byte has a token of its own, so any input can be encoded.
+  for (int b = 0; b < 256; ++b) {
+    EXPECT_TRUE(tokenizer.token_to_id(byte_token(static_cast<unsigned char>(b)))) << b;
+  }
+}
+
+TEST(Tokenizer, RoundTripsValidText) {
+  const Tokenizer tokenizer = Tokenizer::bundled();
+  for (const Case& c : fixture_cases()) {
+    ASSERT_TRUE(is_valid_utf8(c.text));
+    EXPECT_EQ(tokenizer.decode(tokenizer.encode(c.text)), c.text)
+        << "text " << nlohmann::json(c.text).dump();
+  }
+  std::ifstream corpus(INFINIGEN_SOURCE_DIR "/configs/tokenizer/corpus.txt", std::ios::binary);
+  const std::string text((std::istreambuf_iterator<char>(corpus)), {});
+  ASSERT_GT(text.size(), 10000u);
+  const std::vector<int32_t> ids = tokenizer.encode(text);
+  EXPECT_EQ(tokenizer.decode(ids), text);
+  // A tokenizer trained on this text compresses it well below one token per 3 bytes.
+  EXPECT_LT(ids.size() * 3, text.size());
+}
+
+TEST(Tokenizer, DecodeRendersUnknownIdsAndSkipsSpecialOnes) {
+  const Tokenizer tokenizer = Tokenizer::bundled();
+  const std::vector<int32_t> hi = tokenizer.encode("Hi");
+  const std::vector<int32_t> there = tokenizer.encode(" there");
+  std::vector<int32_t> ids = {0};
+  ids.insert(ids.end(), hi.begin(), hi.end());
+  ids.push_back(2);
+  ids.push_back(1);
+  ids.insert(ids.end(), there.begin(), there.end());
+  ids.push_back(3);
+  EXPECT_EQ(tokenizer.decode(ids), "Hi there");
+  EXPECT_EQ(tokenizer.decode(ids, /*skip_special=*/false), "<s>Hi</s><pad> there<unk>");
+
+  const int32_t n = tokenizer.vocab_size();
+  std::vector<int32_t> odd = hi;
+  odd.push_back(n);
+  odd.push_back(-1);
+  odd.push_back(1000000);
+  EXPECT_EQ(tokenizer.decode(odd), cat("Hi<id ", n, "><id -1><id 1000000>"));
+  EXPECT_EQ(tokenizer.decode({}), "");
+}
+
+TEST(Tokenizer, DecodeJoinsCharactersSplitAcrossTokens) {
+  const Tokenizer tokenizer = Tokenizer::bundled();
+  const std::string text = "\xF0\x9F\x98\x80";  // U+1F600, four byte tokens
+  const std::vector<int32_t> ids = tokenizer.encode(text);
+  ASSERT_EQ(ids.size(), 4u);
+  EXPECT_EQ(tokenizer.decode(ids), text);
+  // Alone, a partial character is replaced like Python's errors="replace" does.
+  EXPECT_EQ(tokenizer.decode({ids[0], ids[1]}), "\xEF\xBF\xBD");
+  EXPECT_EQ(tokenizer.decode({ids[1]}), "\xEF\xBF\xBD");
+  // An unknown id between the halves splits them.
+  EXPECT_EQ(tokenizer.decode({ids[0], ids[1], -7, ids[2], ids[3]}),
+            "\xEF\xBF\xBD<id -7>\xEF\xBF\xBD\xEF\xBF\xBD");
+}
+
+// Invalid UTF-8 cannot reach HF from Python (a str is always valid), so the contract is the one
+// of a lossy decode: encode keeps every byte (each invalid byte becomes its byte token and the
+// pattern treats it like U+FFFD), and decode replaces the invalid bytes like Python does.
+TEST(Tokenizer, InvalidUtf8KeepsBytesAndDecodesLikePython) {
+  const Tokenizer tokenizer = Tokenizer::bundled();
+  for (int b = 0x80; b < 0x100; ++b) {
+    const std::string byte(1, static_cast<char>(b));
+    EXPECT_EQ(
+        tokenizer.encode(byte),
+        std::vector<int32_t>{*tokenizer.token_to_id(byte_token(static_cast<unsigned char>(b)))})
+        << b;
+  }
+  // Expected strings from Python 3: bytes.decode("utf-8", errors="replace").
+  const std::pair<std::string, std::string> known[] = {
+      {"\xFF", "\xEF\xBF\xBD"},
+      {"abc\x80"
+       "def",
+       "abc\xEF\xBF\xBD"
+       "def"},
+      {"\xE0\x80", "\xEF\xBF\xBD\xEF\xBF\xBD"},
+      {"\xE2\x82", "\xEF\xBF\xBD"},
+      {"\xE2\x82 x", "\xEF\xBF\xBD x"},
+      {"\xC0\xAF", "\xEF\xBF\xBD\xEF\xBF\xBD"},
+      {"\xED\xA0\x80", "\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD"},
+      {"\xF4\x90\x80\x80", "\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD"},
+      {"\xF0\x9F\x98", "\xEF\xBF\xBD"},
+      {"it\xFF's", "it\xEF\xBF\xBD's"},
+  };
+  for (const auto& [bytes, expected] : known) {
+    EXPECT_EQ(python_lossy(bytes), expected);
+    EXPECT_EQ(tokenizer.decode(tokenizer.encode(bytes)), expected);
+  }
+  // Valid text around an invalid byte is split where HF splits text around U+FFFD.
+  const std::vector<int32_t> hello = tokenizer.encode("hello");
+  const std::vector<int32_t> bad = tokenizer.encode("\xFF");
+  const std::vector<int32_t> world = tokenizer.encode(" world");
+  std::vector<int32_t> joined = hello;
+  joined.insert(joined.end(), bad.begin(), bad.end());
+  joined.insert(joined.end(), world.begin(), world.end());
+  EXPECT_EQ(tokenizer.encode("hello\xFF world"), joined);
+
+  std::mt19937 rng(1234);
+  std::uniform_int_distribution<int> length(0, 40);
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::uniform_int_distribution<int> ascii(0x20, 0x7E);
+  for (int trial = 0; trial < 2000; ++trial) {
+    std::string s;
+    const int n = length(rng);
+    for (int i = 0; i < n; ++i) {
+      s.push_back(
+          static_cast<char>(trial % 2 == 0 ? byte(rng) : (i % 5 == 0 ? byte(rng) : ascii(rng))));
+    }
+    const std::vector<int32_t> ids = tokenizer.encode(s);
+    EXPECT_EQ(tokenizer.decode(ids), python_lossy(s)) << "trial " << trial;
+    // One token per byte at most: bytes are never dropped or invented.
+    EXPECT_LE(ids.size(), s.size());
+  }
+}
+
+TEST(Tokenizer, EncodeIsSafeFromManyThreads) {
+  const Tokenizer tokenizer = Tokenizer::bundled();
+  const std::vector<Case>& cases = fixture_cases();
+  std::vector<std::thread> threads;
+  std::vector<int> mismatches(4, 0);
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (int round = 0; round < 5; ++round) {
+        for (const Case& c : cases) {
+          if (tokenizer.encode(c.text) != c.ids) ++mismatches[t];
+        }
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  EXPECT_EQ(mismatches, std::vector<int>(4, 0));
+}
+
+TEST(Tokenizer, TinyVocabularyAppliesMergesByRank) {
+  // "a b" has the better rank, so "abc" becomes "ab" + "c" although "bc" exists too.
+  const std::string vocab = R"({"a": 0, "b": 1, "c": 2, "ab": 3, "bc": 4, "abc": 5, "Ġ": 6})";
+  const Tokenizer first = Tokenizer::from_strings(vocab, "#version: 0.2\na b\nb c\nab c\n", "t");
+  EXPECT_EQ(first.encode("abc"), (std::vector<int32_t>{5}));
+  EXPECT_EQ(first.encode("abcbc"), (std::vector<int32_t>{5, 4}));
+  const Tokenizer second = Tokenizer::from_strings(vocab, "b c\r\na b\r\n\r\n", "t");
+  EXPECT_EQ(second.encode("abc"), (std::vector<int32_t>{0, 4}));
+  // Bytes without a token are dropped, as HF's BPE does when it has no unknown token.
+  EXPECT_EQ(second.encode("a z"), (std::vector<int32_t>{0, 6}));
+  EXPECT_EQ(second.vocab_size(), 7);
+}
+
+class TokenizerFiles : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::temp_directory_path() /
+           cat("infinigen_tokenizer_test_", ::testing::UnitTest::GetInstance()->random_seed(), "_",
+               ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    std::filesystem::remove_all(dir_);
+    std::filesystem::create_directories(dir_);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  void write(const std::string& name, const std::string& content) {
+    std::ofstream(dir_ / name, std::ios::binary) << content;
+  }
+  std::string dir() const { return dir_.string(); }
+
+  std::filesystem::path dir_;
+};
+
+constexpr const char* kVocab = R"({"<s>": 0, "a": 1, "b": 2, "ab": 3})";
+
+TEST_F(TokenizerFiles, LoadsAValidDirectory) {
+  write("vocab.json", kVocab);
+  write("merges.txt", "#version: 0.2\na b\n");
+  const Tokenizer tokenizer = Tokenizer::from_directory(dir() + "/");
+  EXPECT_EQ(tokenizer.encode("abba"), (std::vector<int32_t>{3, 2, 1}));
+}
+
+TEST_F(TokenizerFiles, MissingDirectoryOrFile) {
+  const std::string missing = dir() + "/nowhere";
+  std::string message = error_of([&] { Tokenizer::from_directory(missing); });
+  EXPECT_NE(message.find(missing), std::string::npos) << message;
+  EXPECT_NE(message.find("vocab.json"), std::string::npos) << message;
+  EXPECT_NE(message.find("no such"), std::string::npos) << message;
+
+  message = error_of([&] { Tokenizer::from_directory(dir()); });
+  EXPECT_NE(message.find(dir() + "/vocab.json: no such file"), std::string::npos) << message;
+
+  write("vocab.json", kVocab);
+  message = error_of([&] { Tokenizer::from_directory(dir()); });
+  EXPECT_NE(message.find(dir() + "/merges.txt: no such file"), std::string::npos) << message;
+}
+
+TEST_F(TokenizerFiles, MalformedVocabulary) {
+  write("merges.txt", "");
+  write("vocab.json", R"({"a": 0, "b": )");
+  std::string message = error_of([&] { Tokenizer::from_directory(dir()); });
+  EXPECT_NE(message.find(dir() + "/vocab.json: malformed JSON"), std::string::npos) << message;
+  EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+
+  write("vocab.json", R"(["a", "b"])");
+  message = error_of([&] { Tokenizer::from_directory(dir()); });
+  EXPECT_NE(message.find("vocab.json: expected a JSON object"), std::string::npos) << message;
+}
+
+TEST(TokenizerErrors, BadVocabularyIds) {
+  std::string message =
+      error_of([] { Tokenizer::from_strings(R"({"a": 0, "b": "1"})", "", "here"); });
+  EXPECT_NE(message.find("here/vocab.json: the id of token \"b\" is not an integer"),
+            std::string::npos)
+      << message;
+  message = error_of([] { Tokenizer::from_strings(R"({"a": 0, "b": 1.5})", "", "here"); });
+  EXPECT_NE(message.find("is not an integer"), std::string::npos) << message;
+  message = error_of([] { Tokenizer::from_strings(R"({"a": -1})", "", "here"); });
+  EXPECT_NE(message.find("is out of range"), std::string::npos) << message;
+  message = error_of([] { Tokenizer::from_strings(R"({"a": 99999999999})", "", "here"); });
+  EXPECT_NE(message.find("is out of range"), std::string::npos) << message;
+  message = error_of([] { Tokenizer::from_strings(R"({"a": 0, "b": 0})", "", "here"); });
+  EXPECT_NE(message.find("here/vocab.json: tokens \"a\" and \"b\" both have id 0"),
+            std::string::npos)
+      << message;
+}
+
+TEST(TokenizerErrors, BadMerges) {
+  std::string message =
+      error_of([] { Tokenizer::from_strings(kVocab, "#version: 0.2\na b\na b ab\n", "here"); });
+  EXPECT_NE(message.find("here/merges.txt:3: expected two tokens"), std::string::npos) << message;
+  EXPECT_NE(message.find("found 3 parts"), std::string::npos) << message;
+
+  message = error_of([] { Tokenizer::from_strings(kVocab, "ab\n", "here"); });
+  EXPECT_NE(message.find("here/merges.txt:1: expected two tokens"), std::string::npos) << message;
+
+  message = error_of([] { Tokenizer::from_strings(kVocab, "a b\nb c\n", "here"); });
+  EXPECT_NE(message.find("here/merges.txt:2: token \"c\" is not in the vocabulary"),
+            std::string::npos)
+      << message;
+
+  message = error_of([] { Tokenizer::from_strings(kVocab, "b a\n", "here"); });
+  EXPECT_NE(message.find("here/merges.txt:1: merged token \"ba\" is not in the vocabulary"),
+            std::string::npos)
+      << message;
+}
+
+}  // namespace
+}  // namespace infinigen
