@@ -16,7 +16,7 @@ namespace {
 namespace fs = std::filesystem;
 
 // Bumped whenever the generator or the built-in preset changes, so stale caches are not reused.
-constexpr const char* kBuiltinVersion = "builtin-v1";
+constexpr const char* kBuiltinVersion = "builtin-v2";
 
 std::string gib(size_t bytes) {
   std::ostringstream out;
@@ -59,15 +59,22 @@ std::string cache_directory() {
 
 std::string ensure_builtin_model(const ModelLoadOptions& options) {
   const fs::path dir = fs::path(cache_directory()) / "models" / kBuiltinVersion;
-  if (fs::exists(dir / "config.json") && fs::exists(dir / "model.safetensors")) return dir.string();
+  const auto complete = [&] {
+    return fs::exists(dir / "config.json") && fs::exists(dir / "model.safetensors");
+  };
+  if (complete()) return dir.string();
   std::error_code error;
   fs::create_directories(dir.parent_path(), error);
   INFINIGEN_CHECK(!error, dir.parent_path().string(), ": cannot create (", error.message(), ")");
   if (options.notice) {
     options.notice("generating the built-in model (first use) into " + dir.string());
   }
-  ModelConfig config = load_preset(kBuiltinModel);
-  write_synthetic_checkpoint(config, SyntheticModelOptions{}, dir.string(), options.progress);
+  try {
+    write_synthetic_checkpoint(load_preset(kBuiltinModel), SyntheticModelOptions{}, dir.string(),
+                               options.progress);
+  } catch (const std::exception&) {
+    if (!complete()) throw;  // another process finished the same checkpoint first: use it
+  }
   return dir.string();
 }
 

@@ -80,23 +80,38 @@ class Generator {
       outliers_.push_back(keyed[i].second);
       outlier_signs_.push_back(pick(static_cast<uint64_t>(D + i)) >= 0 ? 1.0f : -1.0f);
     }
-    // Expected variance of a non-outlier channel after LayerNorm: the outliers take most of the
-    // row's variance, which sets how large the query/key maps must be.
-    const double m2 = static_cast<double>(o_.outlier_magnitude) * o_.outlier_magnitude;
+    // Typical channel std of the residual stream entering each layer. Each layer adds an
+    // update of roughly independent variance: the FFN's fc2(relu(fc1(x))) with x of unit mean
+    // square gives w^2 F (w^2 D / 2); attention's out_proj(avg of v) about w^2 D (w^2 D / 2).
+    const double w2 = static_cast<double>(o_.weight_std) * o_.weight_std;
+    const double update = w2 * c_.ffn_dim * (w2 * D / 2) + w2 * D * (w2 * D / 2);
     const double e2 = static_cast<double>(o_.embed_std) * o_.embed_std;
-    const double row_var = (n_outliers * m2 + (D - n_outliers) * e2) / D;
-    normed_var_ = static_cast<float>(e2 / row_var);
+    for (int64_t l = 0; l <= c_.num_layers; ++l) {
+      stream_std_.push_back(static_cast<float>(std::sqrt(e2 + static_cast<double>(l) * update)));
+    }
+    // Outlier channels hold outlier_ratio times the typical magnitude at every depth, so after
+    // LayerNorm a typical channel has variance D / (D - n + n * ratio^2): that, not 1, is what
+    // the query/key maps see.
+    const double ratio2 = static_cast<double>(o_.outlier_ratio) * o_.outlier_ratio;
+    normed_var_ = static_cast<float>(D / (D - n_outliers + n_outliers * ratio2));
   }
 
   Tensor make(const std::string& name, const Shape& shape) const {
     const NormalStream normal(o_.seed, name);
     const int64_t rows = shape[0], cols = shape.size() > 1 ? shape[1] : 1;
     Matrix m;
-    const float residual_std = o_.weight_std / std::sqrt(2.0f * static_cast<float>(c_.num_layers));
     if (name.ends_with("embed_tokens.weight")) {
       m = gaussian(normal, rows, cols, o_.embed_std);
       for (size_t i = 0; i < outliers_.size(); ++i) {
-        m.col(outliers_[i]).array() += o_.outlier_magnitude * outlier_signs_[i];
+        m.col(outliers_[i]).array() += o_.outlier_ratio * stream_std_[0] * outlier_signs_[i];
+      }
+    } else if (name.ends_with("fc2.bias")) {
+      // Grows the outlier channels with the stream, keeping them outlier_ratio times larger.
+      m = gaussian(normal, rows, 1, 0.5f * o_.weight_std);
+      const size_t l = static_cast<size_t>(layer_index(name));
+      for (size_t i = 0; i < outliers_.size(); ++i) {
+        m(outliers_[i], 0) +=
+            o_.outlier_ratio * (stream_std_[l + 1] - stream_std_[l]) * outlier_signs_[i];
       }
     } else if (name.ends_with("embed_positions.weight")) {
       m = gaussian(normal, rows, cols, 0.1f * o_.embed_std);
@@ -106,8 +121,6 @@ class Generator {
       m = gaussian(normal, rows, 1, 0.5f * o_.weight_std);
     } else if (name.ends_with("q_proj.weight") || name.ends_with("k_proj.weight")) {
       m = query_key(name, normal, rows, cols);
-    } else if (name.ends_with("out_proj.weight") || name.ends_with("fc2.weight")) {
-      m = gaussian(normal, rows, cols, residual_std);
     } else {
       m = gaussian(normal, rows, cols, o_.weight_std);
     }
@@ -117,6 +130,11 @@ class Generator {
   }
 
  private:
+  static int64_t layer_index(const std::string& name) {
+    const size_t start = name.find("layers.") + 7;
+    return std::stoll(name.substr(start, name.find('.', start) - start));
+  }
+
   // Head h of W_q is s * U_h V_h^T and of W_k is s * U_h R_h V_h^T (plus small noise), with V_h
   // (D x r) orthonormal and away from the outlier channels, U_h (d x r) orthonormal and R_h an
   // r x r rotation. Then q.k / sqrt(d) = s^2 (V^T x_q)^T R (V^T x_k) / sqrt(d), whose std between
@@ -148,6 +166,7 @@ class Generator {
   const SyntheticModelOptions& o_;
   std::vector<int64_t> outliers_;
   std::vector<float> outlier_signs_;
+  std::vector<float> stream_std_;  // (L + 1): typical residual channel std before each layer
   float normed_var_ = 1.0f;
 };
 
@@ -211,7 +230,7 @@ void write_synthetic_checkpoint(const ModelConfig& config, const SyntheticModelO
         {"generator", "infinigen make-model"},
         {"seed", options.seed},
         {"outlier_channels", options.outlier_channels},
-        {"outlier_magnitude", options.outlier_magnitude},
+        {"outlier_ratio", options.outlier_ratio},
         {"embed_std", options.embed_std},
         {"attention_rank", options.attention_rank},
         {"attention_logit_std", options.attention_logit_std},

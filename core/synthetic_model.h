@@ -23,7 +23,7 @@ namespace infinigen {
 struct SyntheticModelOptions {
   uint64_t seed = 0;
   int64_t outlier_channels = 4;      // residual channels with massive activations (<= D/16 used)
-  float outlier_magnitude = 1.0f;    // their value in every token embedding (sign per channel)
+  float outlier_ratio = 10.0f;       // outlier magnitude / typical channel magnitude, every layer
   float embed_std = 0.1f;            // std of the other embedding entries
   int64_t attention_rank = 8;        // rank of each head's query-key interaction (<= head_dim)
   float attention_logit_std = 3.0f;  // target std of attention logits between unrelated tokens

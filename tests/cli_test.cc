@@ -117,6 +117,9 @@ TEST(Cli, BadFlagsEndWithOneLine) {
 
 TEST(Cli, UnknownModelsEndWithOneLine) {
   expect_one_line_error({"run", "--model", "opt-7b"}, {"opt-7b", "opt-6.7b"});
+  // 132 GB of fp16 weights: refused before anything is allocated, with the numbers.
+  expect_one_line_error({"run", "--model", "opt-66b", "--device", "cpu"},
+                        {"opt-66b", "GiB", "available"});
   expect_one_line_error({"run", "--model", "/nonexistent/model"},
                         {"/nonexistent/model", "no such directory"});
   expect_one_line_error({"make-model", "--preset", "gpt-5", "--out", "/tmp/x"}, {"gpt-5"});

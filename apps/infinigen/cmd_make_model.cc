@@ -49,8 +49,8 @@ Command add_make_model_command(CLI::App& app) {
   app.add_option("--outlier-channels", s.outlier_channels,
                  "Residual channels with massive activations")
       ->capture_default_str();
-  app.add_option("--outlier-magnitude", s.outlier_magnitude,
-                 "Value of the outlier channels in every token embedding")
+  app.add_option("--outlier-ratio", s.outlier_ratio,
+                 "Outlier channel magnitude over a typical channel's, at every layer")
       ->capture_default_str();
   app.add_option("--embed-std", s.embed_std, "Std of the other embedding entries")
       ->capture_default_str();
