@@ -226,15 +226,17 @@ void write_synthetic_checkpoint(const ModelConfig& config, const SyntheticModelO
     write_text(staging / "config.json", config_to_hf_json(config).dump(2) + "\n");
     write_text(staging / "vocab.json", *embedded_config("tokenizer/vocab.json"));
     write_text(staging / "merges.txt", *embedded_config("tokenizer/merges.txt"));
+    // Floats as the decimal the user typed (0.1, not 0.10000000149).
+    const auto decimal = [](float v) { return std::stod(std::to_string(v)); };
     const nlohmann::json record = {
         {"generator", "infinigen make-model"},
         {"seed", options.seed},
         {"outlier_channels", options.outlier_channels},
-        {"outlier_ratio", options.outlier_ratio},
-        {"embed_std", options.embed_std},
+        {"outlier_ratio", decimal(options.outlier_ratio)},
+        {"embed_std", decimal(options.embed_std)},
         {"attention_rank", options.attention_rank},
-        {"attention_logit_std", options.attention_logit_std},
-        {"weight_std", options.weight_std}};
+        {"attention_logit_std", decimal(options.attention_logit_std)},
+        {"weight_std", decimal(options.weight_std)}};
     write_text(staging / "synthetic.json", record.dump(2) + "\n");
     if (fs::exists(target)) fs::remove(target);  // empty, checked above
     fs::rename(staging, target);
