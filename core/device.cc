@@ -22,7 +22,9 @@ void check_cuda(int code, const char* what) {
 
 }  // namespace
 
-std::string_view device_name(Device device) { return device == Device::Cpu ? "cpu" : "cuda"; }
+std::string_view device_name(Device device) {
+  return device == Device::Cpu ? "cpu" : "cuda";
+}
 
 bool cuda_compiled() {
 #ifdef INFINIGEN_CUDA
@@ -64,7 +66,8 @@ Device resolve_device(DeviceRequest request, bool cuda_runs_model, std::string* 
   }
   if (!cuda_compiled() || cuda_devices().empty()) return Device::Cpu;
   if (!cuda_runs_model) {
-    *reason = "a CUDA device is present but the CUDA backend does not run this job yet; using the CPU";
+    *reason =
+        "a CUDA device is present but the CUDA backend does not run this job yet; using the CPU";
     return Device::Cpu;
   }
   return Device::Cuda;

@@ -11,22 +11,32 @@ namespace infinigen {
 
 size_t dtype_size(DType dtype) {
   switch (dtype) {
-    case DType::F32: return 4;
-    case DType::F16: return 2;
-    case DType::BF16: return 2;
-    case DType::I32: return 4;
-    case DType::I64: return 8;
+    case DType::F32:
+      return 4;
+    case DType::F16:
+      return 2;
+    case DType::BF16:
+      return 2;
+    case DType::I32:
+      return 4;
+    case DType::I64:
+      return 8;
   }
   return 0;
 }
 
 std::string_view dtype_name(DType dtype) {
   switch (dtype) {
-    case DType::F32: return "F32";
-    case DType::F16: return "F16";
-    case DType::BF16: return "BF16";
-    case DType::I32: return "I32";
-    case DType::I64: return "I64";
+    case DType::F32:
+      return "F32";
+    case DType::F16:
+      return "F16";
+    case DType::BF16:
+      return "BF16";
+    case DType::I32:
+      return "I32";
+    case DType::I64:
+      return "I64";
   }
   return "?";
 }
@@ -52,7 +62,9 @@ DType parse_float_dtype(std::string_view name) {
 float f16_to_float(f16 value) {
   return static_cast<float>(Eigen::numext::bit_cast<Eigen::half>(value.bits));
 }
-f16 float_to_f16(float value) { return {Eigen::numext::bit_cast<uint16_t>(Eigen::half(value))}; }
+f16 float_to_f16(float value) {
+  return {Eigen::numext::bit_cast<uint16_t>(Eigen::half(value))};
+}
 float bf16_to_float(bf16 value) {
   return static_cast<float>(Eigen::numext::bit_cast<Eigen::bfloat16>(value.bits));
 }
@@ -62,19 +74,33 @@ bf16 float_to_bf16(float value) {
 
 void convert_to_f32(const void* src, DType src_dtype, float* dst, size_t n) {
   switch (src_dtype) {
-    case DType::F32: std::memcpy(dst, src, n * sizeof(float)); return;
-    case DType::F16: kernels::cpu::f16_to_f32(static_cast<const uint16_t*>(src), dst, n); return;
-    case DType::BF16: kernels::cpu::bf16_to_f32(static_cast<const uint16_t*>(src), dst, n); return;
-    default: fail("cannot convert ", dtype_name(src_dtype), " to F32");
+    case DType::F32:
+      std::memcpy(dst, src, n * sizeof(float));
+      return;
+    case DType::F16:
+      kernels::cpu::f16_to_f32(static_cast<const uint16_t*>(src), dst, n);
+      return;
+    case DType::BF16:
+      kernels::cpu::bf16_to_f32(static_cast<const uint16_t*>(src), dst, n);
+      return;
+    default:
+      fail("cannot convert ", dtype_name(src_dtype), " to F32");
   }
 }
 
 void convert_from_f32(const float* src, void* dst, DType dst_dtype, size_t n) {
   switch (dst_dtype) {
-    case DType::F32: std::memcpy(dst, src, n * sizeof(float)); return;
-    case DType::F16: kernels::cpu::f32_to_f16(src, static_cast<uint16_t*>(dst), n); return;
-    case DType::BF16: kernels::cpu::f32_to_bf16(src, static_cast<uint16_t*>(dst), n); return;
-    default: fail("cannot convert F32 to ", dtype_name(dst_dtype));
+    case DType::F32:
+      std::memcpy(dst, src, n * sizeof(float));
+      return;
+    case DType::F16:
+      kernels::cpu::f32_to_f16(src, static_cast<uint16_t*>(dst), n);
+      return;
+    case DType::BF16:
+      kernels::cpu::f32_to_bf16(src, static_cast<uint16_t*>(dst), n);
+      return;
+    default:
+      fail("cannot convert F32 to ", dtype_name(dst_dtype));
   }
 }
 

@@ -29,15 +29,25 @@ DType parse_float_dtype(std::string_view name);
 template <typename T>
 constexpr DType dtype_of();
 template <>
-constexpr DType dtype_of<float>() { return DType::F32; }
+constexpr DType dtype_of<float>() {
+  return DType::F32;
+}
 template <>
-constexpr DType dtype_of<f16>() { return DType::F16; }
+constexpr DType dtype_of<f16>() {
+  return DType::F16;
+}
 template <>
-constexpr DType dtype_of<bf16>() { return DType::BF16; }
+constexpr DType dtype_of<bf16>() {
+  return DType::BF16;
+}
 template <>
-constexpr DType dtype_of<int32_t>() { return DType::I32; }
+constexpr DType dtype_of<int32_t>() {
+  return DType::I32;
+}
 template <>
-constexpr DType dtype_of<int64_t>() { return DType::I64; }
+constexpr DType dtype_of<int64_t>() {
+  return DType::I64;
+}
 
 // Scalar conversions (IEEE binary16 and bfloat16, round to nearest even), via Eigen's types.
 float f16_to_float(f16 value);

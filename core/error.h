@@ -30,8 +30,8 @@ template <typename... Parts>
   throw Error(cat(std::forward<Parts>(parts)...));
 }
 
-#define INFINIGEN_CHECK(cond, ...)           \
-  do {                                       \
+#define INFINIGEN_CHECK(cond, ...)               \
+  do {                                           \
     if (!(cond)) ::infinigen::fail(__VA_ARGS__); \
   } while (0)
 

@@ -53,8 +53,8 @@ GenerationResult generate(const OptModel& model, const GenerationRequest& reques
     }
     longest = std::max<int64_t>(longest, static_cast<int64_t>(prompt.size()));
   }
-  INFINIGEN_CHECK(longest + request.gen_len <= config.max_positions, "--gen-len ",
-                  request.gen_len, ": prompt (", longest, " tokens) plus generation exceeds the ",
+  INFINIGEN_CHECK(longest + request.gen_len <= config.max_positions, "--gen-len ", request.gen_len,
+                  ": prompt (", longest, " tokens) plus generation exceeds the ",
                   "model's context of ", config.max_positions, " positions");
 
   GenerationResult result;
@@ -65,8 +65,8 @@ GenerationResult generate(const OptModel& model, const GenerationRequest& reques
   Sampler sampler(request.sampling);
   std::vector<int32_t> first_valid;
   const std::vector<int32_t> tokens = left_pad(request.prompts, config.pad_token_id, &first_valid);
-  KvCache cache = KvCache::allocate(config, B, longest + request.gen_len, request.kv_dtype,
-                                    model.device());
+  KvCache cache =
+      KvCache::allocate(config, B, longest + request.gen_len, request.kv_dtype, model.device());
 
   auto start = std::chrono::steady_clock::now();
   std::vector<int32_t> next = sampler.sample(model.prefill(tokens, first_valid, cache));

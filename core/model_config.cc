@@ -72,7 +72,8 @@ json yaml_to_json(const YAML::Node& node) {
       }
       return text;
     }
-    default: return nullptr;
+    default:
+      return nullptr;
   }
 }
 
@@ -175,8 +176,9 @@ ModelConfig load_preset(const std::string& name) {
 }
 
 json config_to_hf_json(const ModelConfig& c) {
-  std::string dtype = c.dtype == DType::F32 ? "float32" : c.dtype == DType::BF16 ? "bfloat16"
-                                                                                 : "float16";
+  std::string dtype = c.dtype == DType::F32    ? "float32"
+                      : c.dtype == DType::BF16 ? "bfloat16"
+                                               : "float16";
   return json{{"architectures", {"OPTForCausalLM"}},
               {"model_type", "opt"},
               {"hidden_size", c.hidden_size},

@@ -3,10 +3,9 @@
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json_fwd.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json_fwd.hpp>
 
 #include "core/dtype.h"
 #include "core/error.h"
@@ -14,18 +13,18 @@
 namespace infinigen {
 
 struct ModelConfig {
-  std::string name;  // preset name or checkpoint directory, for messages
-  int64_t hidden_size = 0;      // D
-  int64_t num_layers = 0;       // L
-  int64_t num_heads = 0;        // H
-  int64_t ffn_dim = 0;          // F
-  int64_t vocab_size = 0;       // V
-  int64_t max_positions = 0;    // learned positions; the table has max_positions + 2 rows
+  std::string name;           // preset name or checkpoint directory, for messages
+  int64_t hidden_size = 0;    // D
+  int64_t num_layers = 0;     // L
+  int64_t num_heads = 0;      // H
+  int64_t ffn_dim = 0;        // F
+  int64_t vocab_size = 0;     // V
+  int64_t max_positions = 0;  // learned positions; the table has max_positions + 2 rows
   int32_t pad_token_id = 1;
   int32_t bos_token_id = 2;
   int32_t eos_token_id = 2;
   float layer_norm_eps = 1e-5f;
-  DType dtype = DType::F16;     // storage type of the weights (HF torch_dtype)
+  DType dtype = DType::F16;  // storage type of the weights (HF torch_dtype)
 
   // OPT offsets learned position ids by 2 (rows 0 and 1 of the table are never used by real
   // tokens; left padding maps to row 1).

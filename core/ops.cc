@@ -15,10 +15,14 @@ namespace cpu = kernels::cpu;
 
 cpu::Element element(DType dtype) {
   switch (dtype) {
-    case DType::F32: return cpu::Element::F32;
-    case DType::F16: return cpu::Element::F16;
-    case DType::BF16: return cpu::Element::BF16;
-    default: fail("tensor of ", dtype_name(dtype), " where a floating-point tensor is needed");
+    case DType::F32:
+      return cpu::Element::F32;
+    case DType::F16:
+      return cpu::Element::F16;
+    case DType::BF16:
+      return cpu::Element::BF16;
+    default:
+      fail("tensor of ", dtype_name(dtype), " where a floating-point tensor is needed");
   }
 }
 
@@ -41,7 +45,9 @@ void check_shape(const char* op, const Tensor& t, const Shape& expected) {
 
 }  // namespace
 
-bool device_runs_transformer(Device device) { return device == Device::Cpu; }
+bool device_runs_transformer(Device device) {
+  return device == Device::Cpu;
+}
 
 void embed(const std::vector<int32_t>& tokens, const std::vector<int32_t>& positions,
            const Tensor& tokens_table, const Tensor& positions_table, Tensor& out) {
@@ -97,7 +103,8 @@ void attention_prefill(const Tensor& q, const Tensor& k, const Tensor& v, Tensor
                        int64_t batch, int64_t num_heads, const std::vector<int32_t>& first_valid) {
   common_device("attention_prefill", {&q, &k, &v, &out});
   const int64_t n = q.dim(0) / batch, D = q.dim(1), d = D / num_heads;
-  for (const Tensor* t : std::initializer_list<const Tensor*>{&k, &v, &out}) check_shape("attention_prefill", *t, q.shape());
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&k, &v, &out})
+    check_shape("attention_prefill", *t, q.shape());
   INFINIGEN_CHECK(static_cast<int64_t>(first_valid.size()) == batch && n * batch == q.dim(0),
                   "attention_prefill: batch ", batch, " does not divide ", q.dim(0), " rows");
   cpu::attention_prefill(q.data<float>(), k.data<float>(), v.data<float>(), out.data<float>(),

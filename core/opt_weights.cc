@@ -67,14 +67,20 @@ Tensor* OptWeightsBuilder::slot(const std::string& name) {
   OptLayerWeights& L = w.layers[static_cast<size_t>(l)];
   const std::string_view rest = std::string_view(name).substr(dot + 1);
   const std::pair<std::string_view, Tensor*> table[] = {
-      {"self_attn.q_proj.weight", &L.q_weight},     {"self_attn.q_proj.bias", &L.q_bias},
-      {"self_attn.k_proj.weight", &L.k_weight},     {"self_attn.k_proj.bias", &L.k_bias},
-      {"self_attn.v_proj.weight", &L.v_weight},     {"self_attn.v_proj.bias", &L.v_bias},
-      {"self_attn.out_proj.weight", &L.out_weight}, {"self_attn.out_proj.bias", &L.out_bias},
+      {"self_attn.q_proj.weight", &L.q_weight},
+      {"self_attn.q_proj.bias", &L.q_bias},
+      {"self_attn.k_proj.weight", &L.k_weight},
+      {"self_attn.k_proj.bias", &L.k_bias},
+      {"self_attn.v_proj.weight", &L.v_weight},
+      {"self_attn.v_proj.bias", &L.v_bias},
+      {"self_attn.out_proj.weight", &L.out_weight},
+      {"self_attn.out_proj.bias", &L.out_bias},
       {"self_attn_layer_norm.weight", &L.attn_norm_weight},
       {"self_attn_layer_norm.bias", &L.attn_norm_bias},
-      {"fc1.weight", &L.fc1_weight},                {"fc1.bias", &L.fc1_bias},
-      {"fc2.weight", &L.fc2_weight},                {"fc2.bias", &L.fc2_bias},
+      {"fc1.weight", &L.fc1_weight},
+      {"fc1.bias", &L.fc1_bias},
+      {"fc2.weight", &L.fc2_weight},
+      {"fc2.bias", &L.fc2_bias},
       {"final_layer_norm.weight", &L.ffn_norm_weight},
       {"final_layer_norm.bias", &L.ffn_norm_bias},
   };
@@ -116,10 +122,10 @@ std::vector<std::string> check_opt_checkpoint(const SafetensorsCheckpoint& check
     INFINIGEN_CHECK(entry.shape == spec.shape, file, ": tensor '", stored, "' has shape ",
                     shape_string(entry.shape), ", expected ", shape_string(spec.shape),
                     " from the model config");
-    INFINIGEN_CHECK(entry.dtype == DType::F16 || entry.dtype == DType::BF16 ||
-                        entry.dtype == DType::F32,
-                    file, ": tensor '", stored, "' has dtype ", dtype_name(entry.dtype),
-                    ", expected F16, BF16 or F32");
+    INFINIGEN_CHECK(
+        entry.dtype == DType::F16 || entry.dtype == DType::BF16 || entry.dtype == DType::F32, file,
+        ": tensor '", stored, "' has dtype ", dtype_name(entry.dtype),
+        ", expected F16, BF16 or F32");
     stored_names.push_back(stored);
   }
   return stored_names;

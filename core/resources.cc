@@ -5,7 +5,8 @@ namespace infinigen {
 
 std::optional<std::string_view> embedded_config(std::string_view path) {
   for (int i = 0; i < detail::kEmbeddedFileCount; ++i) {
-    if (path == detail::kEmbeddedFiles[i].path) return std::string_view(detail::kEmbeddedFiles[i].content);
+    if (path == detail::kEmbeddedFiles[i].path)
+      return std::string_view(detail::kEmbeddedFiles[i].content);
   }
   return std::nullopt;
 }

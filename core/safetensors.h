@@ -71,7 +71,7 @@ class SafetensorsCheckpoint {
   const SafetensorsFile& file_of(std::string_view name) const;
   // A CPU tensor holding a copy of the tensor's bytes, in its stored dtype.
   Tensor load(std::string_view name) const;
-  size_t total_bytes() const;  // sum of all tensors' sizes
+  size_t total_bytes() const;                                  // sum of all tensors' sizes
   const std::map<std::string, std::string>& metadata() const;  // of the first file
 
  private:

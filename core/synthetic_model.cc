@@ -154,9 +154,11 @@ class Generator {
       Matrix v_random = gaussian(NormalStream(o_.seed, head + ".V"), D_in, r, 1.0f);
       for (int64_t ch : outliers_) v_random.row(ch).setZero();
       const Matrix V = orthonormal_columns(v_random);
-      const Matrix U = orthonormal_columns(gaussian(NormalStream(o_.seed, head + ".U"), d, r, 1.0f));
+      const Matrix U =
+          orthonormal_columns(gaussian(NormalStream(o_.seed, head + ".U"), d, r, 1.0f));
       Matrix core = s * Matrix::Identity(r, r);
-      if (is_key) core = s * orthonormal_columns(gaussian(NormalStream(o_.seed, head + ".R"), r, r, 1.0f));
+      if (is_key)
+        core = s * orthonormal_columns(gaussian(NormalStream(o_.seed, head + ".R"), r, r, 1.0f));
       w.middleRows(h * d, d) += U * core * V.transpose();
     }
     return w;
@@ -215,8 +217,7 @@ void write_synthetic_checkpoint(const ModelConfig& config, const SyntheticModelO
       records.push_back({spec.name, config.dtype, spec.shape});
     }
     const int64_t total = static_cast<int64_t>(records.size());
-    SafetensorsWriter writer((staging / "model.safetensors").string(), records,
-                             {{"format", "pt"}});
+    SafetensorsWriter writer((staging / "model.safetensors").string(), records, {{"format", "pt"}});
     int64_t done = 0;
     generate_synthetic_opt(config, options, [&](const std::string& name, const Tensor& t) {
       writer.write(name, t.raw(), t.nbytes());
@@ -228,15 +229,14 @@ void write_synthetic_checkpoint(const ModelConfig& config, const SyntheticModelO
     write_text(staging / "merges.txt", *embedded_config("tokenizer/merges.txt"));
     // Floats as the decimal the user typed (0.1, not 0.10000000149).
     const auto decimal = [](float v) { return std::stod(std::to_string(v)); };
-    const nlohmann::json record = {
-        {"generator", "infinigen make-model"},
-        {"seed", options.seed},
-        {"outlier_channels", options.outlier_channels},
-        {"outlier_ratio", decimal(options.outlier_ratio)},
-        {"embed_std", decimal(options.embed_std)},
-        {"attention_rank", options.attention_rank},
-        {"attention_logit_std", decimal(options.attention_logit_std)},
-        {"weight_std", decimal(options.weight_std)}};
+    const nlohmann::json record = {{"generator", "infinigen make-model"},
+                                   {"seed", options.seed},
+                                   {"outlier_channels", options.outlier_channels},
+                                   {"outlier_ratio", decimal(options.outlier_ratio)},
+                                   {"embed_std", decimal(options.embed_std)},
+                                   {"attention_rank", options.attention_rank},
+                                   {"attention_logit_std", decimal(options.attention_logit_std)},
+                                   {"weight_std", decimal(options.weight_std)}};
     write_text(staging / "synthetic.json", record.dump(2) + "\n");
     if (fs::exists(target)) fs::remove(target);  // empty, checked above
     fs::rename(staging, target);

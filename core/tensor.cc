@@ -4,7 +4,6 @@
 #include <cstring>
 #include <sstream>
 
-
 namespace infinigen {
 
 int64_t shape_numel(const Shape& shape) {
@@ -22,7 +21,8 @@ std::string shape_string(const Shape& shape) {
 }
 
 Tensor Tensor::empty(Shape shape, DType dtype, Device device) {
-  for (int64_t extent : shape) INFINIGEN_CHECK(extent >= 0, "negative extent in shape ", shape_string(shape));
+  for (int64_t extent : shape)
+    INFINIGEN_CHECK(extent >= 0, "negative extent in shape ", shape_string(shape));
   Tensor t;
   t.shape_ = std::move(shape);
   t.dtype_ = dtype;
@@ -67,7 +67,8 @@ Tensor Tensor::from_floats(Shape shape, const std::vector<float>& values) {
 int64_t Tensor::dim(int axis) const {
   const int r = rank();
   if (axis < 0) axis += r;
-  INFINIGEN_CHECK(axis >= 0 && axis < r, "axis ", axis, " out of range for shape ", shape_string(shape_));
+  INFINIGEN_CHECK(axis >= 0 && axis < r, "axis ", axis, " out of range for shape ",
+                  shape_string(shape_));
   return shape_[axis];
 }
 
@@ -113,11 +114,10 @@ Tensor Tensor::to_dtype(DType dtype) const {
 }
 
 float Tensor::item_as_float(int64_t index) const {
-  INFINIGEN_CHECK(device_ == Device::Cpu && index >= 0 && index < numel(),
-                  "item_as_float: index ", index, " out of range or tensor not on the CPU");
+  INFINIGEN_CHECK(device_ == Device::Cpu && index >= 0 && index < numel(), "item_as_float: index ",
+                  index, " out of range or tensor not on the CPU");
   float value = 0.0f;
-  convert_to_f32(static_cast<const char*>(data_) + index * dtype_size(dtype_), dtype_,
-                               &value, 1);
+  convert_to_f32(static_cast<const char*>(data_) + index * dtype_size(dtype_), dtype_, &value, 1);
   return value;
 }
 

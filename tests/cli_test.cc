@@ -36,8 +36,8 @@ void expect_one_line_error(const std::vector<std::string>& args,
 }
 
 TEST(Cli, RunPrintsTextAndTimings) {
-  const CommandResult r = run_infinigen({"run", "--model", kTiny, "--gen-len", "4", "--prompt",
-                                         "Hello world", "--batch", "2"});
+  const CommandResult r = run_infinigen(
+      {"run", "--model", kTiny, "--gen-len", "4", "--prompt", "Hello world", "--batch", "2"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   for (const char* fragment : {"prefill latency", "decode latency", "throughput", "[2]"}) {
     EXPECT_NE(r.out.find(fragment), std::string::npos) << fragment << "\n" << r.out;
@@ -60,7 +60,8 @@ TEST(Cli, JsonOutputIsMachineReadable) {
 TEST(Cli, ConfigFileSetsOptionsAndCommandLineWins) {
   TempDir dir("cli-config");
   const auto config = dir.path() / "run.yaml";
-  std::ofstream(config) << "model: " << kTiny << "\nbatch: 2\ngen-len: 2\nprompt-len: 6\njson: true\n";
+  std::ofstream(config) << "model: " << kTiny
+                        << "\nbatch: 2\ngen-len: 2\nprompt-len: 6\njson: true\n";
   CommandResult r = run_infinigen({"run", "--config", config.string()});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(nlohmann::json::parse(r.out)["batch"], 2);
@@ -89,7 +90,8 @@ TEST(Cli, InspectListsTensors) {
 TEST(Cli, MakeModelWritesALoadableCheckpoint) {
   TempDir dir("cli-make");
   const std::string out = (dir.path() / "m").string();
-  CommandResult r = run_infinigen({"make-model", "--preset", "opt-tiny", "--out", out, "--seed", "3"});
+  CommandResult r =
+      run_infinigen({"make-model", "--preset", "opt-tiny", "--out", out, "--seed", "3"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   r = run_infinigen({"run", "--model", out, "--gen-len", "2"});
   EXPECT_EQ(r.exit_code, 0) << r.err;
@@ -127,8 +129,9 @@ TEST(Cli, UnknownModelsEndWithOneLine) {
 }
 
 // A copy of the tiny checkpoint, damaged by `damage`, must be refused with one line naming it.
-void expect_damaged_checkpoint_refused(const std::function<void(const std::filesystem::path&)>& damage,
-                                       const std::vector<std::string>& fragments) {
+void expect_damaged_checkpoint_refused(
+    const std::function<void(const std::filesystem::path&)>& damage,
+    const std::vector<std::string>& fragments) {
   TempDir dir("cli-damaged");
   const auto copy = dir.path() / "model";
   std::filesystem::copy(kTiny, copy);
@@ -146,8 +149,8 @@ TEST(Cli, DamagedCheckpointsEndWithOneLine) {
       {"model.safetensors"});
   expect_damaged_checkpoint_refused(
       [](const fs::path& dir) { fs::remove(dir / "model.safetensors"); }, {"model.safetensors"});
-  expect_damaged_checkpoint_refused(
-      [](const fs::path& dir) { fs::remove(dir / "config.json"); }, {"config.json"});
+  expect_damaged_checkpoint_refused([](const fs::path& dir) { fs::remove(dir / "config.json"); },
+                                    {"config.json"});
   expect_damaged_checkpoint_refused(
       [](const fs::path& dir) {
         // The config now disagrees with the tensors' shapes.

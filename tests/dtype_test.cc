@@ -1,10 +1,11 @@
 // tests: fp16/bf16 conversions and Tensor basics.
+#include "core/dtype.h"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <limits>
 
-#include "core/dtype.h"
 #include "core/tensor.h"
 
 namespace infinigen {
@@ -41,7 +42,8 @@ TEST(DType, BulkConversionMatchesScalar) {
     EXPECT_EQ(h.data<f16>()[i].bits, float_to_f16(values[i]).bits);
   }
   const std::vector<float> back = h.to_floats();
-  for (size_t i = 0; i < values.size(); ++i) EXPECT_EQ(back[i], f16_to_float(float_to_f16(values[i])));
+  for (size_t i = 0; i < values.size(); ++i)
+    EXPECT_EQ(back[i], f16_to_float(float_to_f16(values[i])));
 }
 
 TEST(Tensor, ShapeAndTypeChecks) {

@@ -52,7 +52,8 @@ TEST_P(LinearTest, MatchesNaiveProduct) {
     for (int64_t m = 0; m < M; ++m) {
       for (int64_t n = 0; n < N; ++n) {
         double acc = bias[n];
-        for (int64_t k = 0; k < K; ++k) acc += static_cast<double>(x[m * K + k]) * w_rounded[n * K + k];
+        for (int64_t k = 0; k < K; ++k)
+          acc += static_cast<double>(x[m * K + k]) * w_rounded[n * K + k];
         expected[m * N + n] = static_cast<float>(relu ? std::max(acc, 0.0) : acc);
       }
     }
@@ -98,7 +99,8 @@ std::vector<float> naive_attention(const std::vector<float>& q, const std::vecto
         for (int64_t j = first_valid[b]; j <= i; ++j) {
           double dot = 0;
           for (int64_t c = 0; c < d; ++c) {
-            dot += static_cast<double>(q[(b * n + i) * D + h * d + c]) * k[(b * n + j) * D + h * d + c];
+            dot += static_cast<double>(q[(b * n + i) * D + h * d + c]) *
+                   k[(b * n + j) * D + h * d + c];
           }
           s.push_back(dot);
           top = std::max(top, dot);
@@ -108,7 +110,8 @@ std::vector<float> naive_attention(const std::vector<float>& q, const std::vecto
         for (int64_t c = 0; c < d; ++c) {
           double acc = 0;
           for (size_t j = 0; j < s.size(); ++j) {
-            acc += s[j] / total * v[(b * n + first_valid[b] + static_cast<int64_t>(j)) * D + h * d + c];
+            acc += s[j] / total *
+                   v[(b * n + first_valid[b] + static_cast<int64_t>(j)) * D + h * d + c];
           }
           out[(b * n + i) * D + h * d + c] = static_cast<float>(acc);
         }

@@ -1,10 +1,11 @@
 // tests: presets, HF config.json parsing and the refusal of unsupported OPT variants.
+#include "core/model_config.h"
+
 #include <gtest/gtest.h>
 
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "core/model_config.h"
 #include "tests/test_util.h"
 
 namespace infinigen {
@@ -31,8 +32,8 @@ std::string error_of(const json& j) {
 
 TEST(ModelConfig, EveryPresetLoads) {
   const std::vector<std::string> names = preset_names();
-  for (const char* expected : {"opt-125m", "opt-1.3b", "opt-2.7b", "opt-6.7b", "opt-13b",
-                               "opt-30b", "opt-66b", "builtin", "opt-tiny"}) {
+  for (const char* expected : {"opt-125m", "opt-1.3b", "opt-2.7b", "opt-6.7b", "opt-13b", "opt-30b",
+                               "opt-66b", "builtin", "opt-tiny"}) {
     EXPECT_NE(std::find(names.begin(), names.end(), expected), names.end()) << expected;
     EXPECT_EQ(load_preset(expected).name, expected);
   }

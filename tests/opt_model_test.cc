@@ -37,7 +37,7 @@ const std::vector<int32_t> kLong = {2, 500, 600, 700, 800, 900, 1000, 1100, 1200
 
 TEST_F(OptModelTest, LeftPaddingDoesNotChangeResults) {
   const int64_t V = model_->config().vocab_size;
-  const Tensor alone = all_logits({kShort});  // (1, 5, V)
+  const Tensor alone = all_logits({kShort});           // (1, 5, V)
   const Tensor batched = all_logits({kShort, kLong});  // (2, 9, V): kShort padded by 4
   for (int64_t i = 0; i < 5; ++i) {
     EXPECT_LT(relative_error(batched.data<float>() + (4 + i) * V, alone.data<float>() + i * V, V),

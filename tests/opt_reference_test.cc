@@ -70,7 +70,7 @@ TEST_F(OptReference, PrefillAndDecodeMatchTransformers) {
   EXPECT_GT(compared, 20);
 
   const std::vector<int32_t> decode_tokens = ints("decode_tokens");  // (steps, B)
-  const Tensor expected_decode = load("decode_logits");  // (steps, B, V)
+  const Tensor expected_decode = load("decode_logits");              // (steps, B, V)
   const int64_t steps = expected_decode.dim(0);
   for (int64_t s = 0; s < steps; ++s) {
     const std::vector<int32_t> step(decode_tokens.begin() + s * B,

@@ -1,5 +1,7 @@
 // tests: the synthetic weight generator: determinism, checkpoints that load back exactly, and the
 // LLM-like statistics it promises (outlier channels, concentrated attention).
+#include "core/synthetic_model.h"
+
 #include <gtest/gtest.h>
 
 #include <Eigen/Dense>
@@ -9,7 +11,6 @@
 
 #include "core/model_loader.h"
 #include "core/ops.h"
-#include "core/synthetic_model.h"
 #include "tests/test_util.h"
 
 namespace infinigen {
@@ -34,11 +35,14 @@ Matrix to_matrix(const Tensor& t) {
 TEST(SyntheticModel, SameSeedSameBytesOtherSeedOtherBytes) {
   const ModelConfig c = load_preset("opt-tiny");
   std::vector<std::vector<float>> first, second, other;
-  generate_synthetic_opt(c, {}, [&](const std::string&, const Tensor& t) { first.push_back(t.to_floats()); });
-  generate_synthetic_opt(c, {}, [&](const std::string&, const Tensor& t) { second.push_back(t.to_floats()); });
+  generate_synthetic_opt(
+      c, {}, [&](const std::string&, const Tensor& t) { first.push_back(t.to_floats()); });
+  generate_synthetic_opt(
+      c, {}, [&](const std::string&, const Tensor& t) { second.push_back(t.to_floats()); });
   SyntheticModelOptions seeded;
   seeded.seed = 1;
-  generate_synthetic_opt(c, seeded, [&](const std::string&, const Tensor& t) { other.push_back(t.to_floats()); });
+  generate_synthetic_opt(
+      c, seeded, [&](const std::string&, const Tensor& t) { other.push_back(t.to_floats()); });
   EXPECT_EQ(first, second);
   EXPECT_NE(first, other);
   EXPECT_EQ(first.size(), opt_tensor_specs(c).size());
@@ -49,8 +53,8 @@ TEST(SyntheticModel, CheckpointLoadsBackToTheSameModel) {
   const ModelConfig c = load_preset("opt-tiny");
   const std::string path = (dir.path() / "model").string();
   write_synthetic_checkpoint(c, {}, path);
-  for (const char* file : {"config.json", "model.safetensors", "vocab.json", "merges.txt",
-                           "synthetic.json"}) {
+  for (const char* file :
+       {"config.json", "model.safetensors", "vocab.json", "merges.txt", "synthetic.json"}) {
     EXPECT_TRUE(std::filesystem::exists(dir.path() / "model" / file)) << file;
   }
   const LoadedModel loaded = load_model(path, {});
@@ -77,8 +81,8 @@ TEST(SyntheticModel, ResidualStreamHasOutlierChannels) {
   std::vector<float> sorted(channel_rms.data(), channel_rms.data() + channel_rms.size());
   std::sort(sorted.begin(), sorted.end());
   const float median = sorted[sorted.size() / 2];
-  const int64_t outliers = std::count_if(sorted.begin(), sorted.end(),
-                                         [&](float v) { return v > 6.0f * median; });
+  const int64_t outliers =
+      std::count_if(sorted.begin(), sorted.end(), [&](float v) { return v > 6.0f * median; });
   EXPECT_GE(outliers, 2);
   EXPECT_LE(outliers, 16);
 }

@@ -1,8 +1,8 @@
 // tests: shared helpers.
 #include "tests/test_util.h"
 
-#include <unistd.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cstdio>
@@ -36,9 +36,9 @@ std::string slurp(const std::filesystem::path& path) {
 
 TempDir::TempDir(const std::string& tag) {
   static std::atomic<int> counter{0};
-  path_ = std::filesystem::temp_directory_path() /
-          ("infinigen-test-" + tag + "-" + std::to_string(getpid()) + "-" +
-           std::to_string(counter++));
+  path_ =
+      std::filesystem::temp_directory_path() /
+      ("infinigen-test-" + tag + "-" + std::to_string(getpid()) + "-" + std::to_string(counter++));
   std::filesystem::remove_all(path_);
   std::filesystem::create_directories(path_);
 }

@@ -15,13 +15,13 @@ int inspect(const std::string& directory) {
   const ModelConfig config = load_hf_config(directory);
   const SafetensorsCheckpoint checkpoint = SafetensorsCheckpoint::open(directory);
   std::printf("checkpoint %s\n", directory.c_str());
-  std::printf("  OPT: %lld layers, hidden %lld, %lld heads of %lld, ffn %lld, vocab %lld, "
-              "%lld positions, %s\n",
-              static_cast<long long>(config.num_layers), static_cast<long long>(config.hidden_size),
-              static_cast<long long>(config.num_heads), static_cast<long long>(config.head_dim()),
-              static_cast<long long>(config.ffn_dim), static_cast<long long>(config.vocab_size),
-              static_cast<long long>(config.max_positions),
-              std::string(dtype_name(config.dtype)).c_str());
+  std::printf(
+      "  OPT: %lld layers, hidden %lld, %lld heads of %lld, ffn %lld, vocab %lld, "
+      "%lld positions, %s\n",
+      static_cast<long long>(config.num_layers), static_cast<long long>(config.hidden_size),
+      static_cast<long long>(config.num_heads), static_cast<long long>(config.head_dim()),
+      static_cast<long long>(config.ffn_dim), static_cast<long long>(config.vocab_size),
+      static_cast<long long>(config.max_positions), std::string(dtype_name(config.dtype)).c_str());
   std::printf("  parameters %.1fM, KV cache %.1f KiB per token (f16)\n\n",
               static_cast<double>(config.num_parameters()) / 1e6,
               static_cast<double>(config.kv_bytes_per_token(DType::F16)) / 1024.0);
@@ -30,8 +30,8 @@ int inspect(const std::string& directory) {
   for (const std::string& name : checkpoint.names()) {
     const SafetensorsEntry& e = checkpoint.entry(name);
     parameters += shape_numel(e.shape);
-    std::printf("  %-56s %-5s %-16s %12zu\n", name.c_str(), std::string(dtype_name(e.dtype)).c_str(),
-                shape_string(e.shape).c_str(), e.nbytes);
+    std::printf("  %-56s %-5s %-16s %12zu\n", name.c_str(),
+                std::string(dtype_name(e.dtype)).c_str(), shape_string(e.shape).c_str(), e.nbytes);
   }
   std::printf("\n  %zu tensors, %lld parameters, %.1f MiB\n", checkpoint.names().size(),
               static_cast<long long>(parameters),

@@ -41,8 +41,7 @@ int make_model(const MakeModelOptions& o) {
 Command add_make_model_command(CLI::App& app) {
   auto o = std::make_shared<MakeModelOptions>();
   SyntheticModelOptions& s = o->synthetic;
-  app.add_option("--preset", o->preset, "Model preset (configs/models), e.g. opt-125m")
-      ->required();
+  app.add_option("--preset", o->preset, "Model preset (configs/models), e.g. opt-125m")->required();
   app.add_option("--out,-o", o->out, "Output directory (must not exist, or be empty)")->required();
   app.add_option("--seed", s.seed, "Seed of the weights")->capture_default_str();
   app.add_option("--dtype", o->dtype, "Storage type: f16, bf16 or f32 (default: the preset's)");
@@ -54,8 +53,7 @@ Command add_make_model_command(CLI::App& app) {
       ->capture_default_str();
   app.add_option("--embed-std", s.embed_std, "Std of the other embedding entries")
       ->capture_default_str();
-  app.add_option("--attention-rank", s.attention_rank,
-                 "Rank of each head's query-key interaction")
+  app.add_option("--attention-rank", s.attention_rank, "Rank of each head's query-key interaction")
       ->capture_default_str();
   app.add_option("--attention-logit-std", s.attention_logit_std,
                  "Std of attention logits between unrelated tokens (higher = sharper)")

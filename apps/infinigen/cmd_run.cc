@@ -59,9 +59,10 @@ std::vector<std::vector<int32_t>> build_prompts(const RunOptions& o, const Loade
   std::vector<std::vector<int32_t>> prompts;
   if (o.prompt_len > 0) {
     // Deterministic ids that the tokenizer can print, excluding the 4 special tokens.
-    const int32_t top = loaded.tokenizer ? std::min<int32_t>(loaded.tokenizer->vocab_size(),
-                                                             static_cast<int32_t>(config.vocab_size))
-                                         : static_cast<int32_t>(config.vocab_size);
+    const int32_t top = loaded.tokenizer
+                            ? std::min<int32_t>(loaded.tokenizer->vocab_size(),
+                                                static_cast<int32_t>(config.vocab_size))
+                            : static_cast<int32_t>(config.vocab_size);
     INFINIGEN_CHECK(top > 4, "the vocabulary is too small for synthetic prompts");
     std::mt19937_64 rng(o.seed);
     for (int64_t b = 0; b < std::max<int64_t>(o.batch, 1); ++b) {
@@ -131,7 +132,8 @@ int run(const RunOptions& o) {
   Progress build_progress("writing model");
   load_options.progress = [&](int64_t done, int64_t total) { build_progress.update(done, total); };
   const LoadedModel loaded = load_model(o.model, load_options);
-  if (loaded.synthetic && !o.json) std::fprintf(stderr, "infinigen: %s\n", loaded.description.c_str());
+  if (loaded.synthetic && !o.json)
+    std::fprintf(stderr, "infinigen: %s\n", loaded.description.c_str());
 
   GenerationRequest request;
   request.prompts = build_prompts(o, loaded);
@@ -145,9 +147,9 @@ int run(const RunOptions& o) {
                       [&](int64_t done, int64_t total) { progress.update(done, total); });
   }
 
-  const double ms_per_step = result.gen_len > 1
-                                 ? 1000.0 * result.decode_seconds / static_cast<double>(result.gen_len - 1)
-                                 : 0.0;
+  const double ms_per_step =
+      result.gen_len > 1 ? 1000.0 * result.decode_seconds / static_cast<double>(result.gen_len - 1)
+                         : 0.0;
   if (o.json) {
     nlohmann::json outputs = nlohmann::json::array();
     for (size_t b = 0; b < request.prompts.size(); ++b) {
@@ -156,21 +158,20 @@ int run(const RunOptions& o) {
                          {"text", render(loaded, result.tokens[b])},
                          {"tokens", result.tokens[b]}});
     }
-    const nlohmann::json report = {
-        {"model", loaded.description},
-        {"synthetic_weights", loaded.synthetic},
-        {"device", device_name(device)},
-        {"threads", omp_get_max_threads()},
-        {"batch", result.batch},
-        {"prompt_len", result.prompt_len},
-        {"gen_len", result.gen_len},
-        {"kv_dtype", dtype_name(kv_dtype)},
-        {"prefill_latency_s", result.prefill_seconds},
-        {"decode_latency_s", result.decode_seconds},
-        {"total_latency_s", result.total_seconds()},
-        {"throughput_tok_s", result.throughput()},
-        {"decode_throughput_tok_s", result.decode_throughput()},
-        {"outputs", outputs}};
+    const nlohmann::json report = {{"model", loaded.description},
+                                   {"synthetic_weights", loaded.synthetic},
+                                   {"device", device_name(device)},
+                                   {"threads", omp_get_max_threads()},
+                                   {"batch", result.batch},
+                                   {"prompt_len", result.prompt_len},
+                                   {"gen_len", result.gen_len},
+                                   {"kv_dtype", dtype_name(kv_dtype)},
+                                   {"prefill_latency_s", result.prefill_seconds},
+                                   {"decode_latency_s", result.decode_seconds},
+                                   {"total_latency_s", result.total_seconds()},
+                                   {"throughput_tok_s", result.throughput()},
+                                   {"decode_throughput_tok_s", result.decode_throughput()},
+                                   {"outputs", outputs}};
     std::printf("%s\n", report.dump(2).c_str());
     return 0;
   }
@@ -202,8 +203,8 @@ Command add_run_command(CLI::App& app) {
   auto* prompt = app.add_option("--prompt,-p", o->prompt, "Prompt text (every sequence)");
   auto* prompt_file =
       app.add_option("--prompt-file", o->prompt_file, "File with one prompt per line");
-  auto* prompt_len = app.add_option("--prompt-len", o->prompt_len,
-                                    "Synthetic prompts of N tokens (BOS included)");
+  auto* prompt_len =
+      app.add_option("--prompt-len", o->prompt_len, "Synthetic prompts of N tokens (BOS included)");
   prompt->excludes(prompt_file)->excludes(prompt_len);
   prompt_file->excludes(prompt_len);
   auto* batch = app.add_option("--batch,-b", o->batch, "Sequences (default: one per prompt)");

@@ -26,8 +26,8 @@ void Progress::update(int64_t done, int64_t total) {
   const int filled = static_cast<int>(kWidth * done / total);
   const double elapsed = std::chrono::duration<double>(now - start_).count();
   std::fprintf(stderr, "\r%s [%.*s%*s] %lld/%lld %.1fs", label_.c_str(), filled,
-               "##############################", kWidth - filled, "",
-               static_cast<long long>(done), static_cast<long long>(total), elapsed);
+               "##############################", kWidth - filled, "", static_cast<long long>(done),
+               static_cast<long long>(total), elapsed);
   std::fflush(stderr);
   drawn_ = true;
 }

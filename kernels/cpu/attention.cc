@@ -1,11 +1,12 @@
 // kernels/cpu: attention on Eigen, parallel over (sequence, head[, query block]).
-#include "kernels/cpu/parallel.h"
 #include "kernels/cpu/attention.h"
 
 #include <Eigen/Core>
 #include <algorithm>
 #include <limits>
 #include <vector>
+
+#include "kernels/cpu/parallel.h"
 
 namespace infinigen::kernels::cpu {
 namespace {
@@ -67,9 +68,9 @@ void attention_prefill(const float* q, const float* k, const float* v, float* ou
   }
 }
 
-void attention_decode(const float* q, const void* k_cache, const void* v_cache,
-                      Element cache_type, float* out, int64_t B, int64_t H, int64_t d,
-                      int64_t capacity, int64_t length, const int32_t* first_valid) {
+void attention_decode(const float* q, const void* k_cache, const void* v_cache, Element cache_type,
+                      float* out, int64_t B, int64_t H, int64_t d, int64_t capacity, int64_t length,
+                      const int32_t* first_valid) {
 #pragma omp parallel if (B * H * length * d >= kParallelWork)
   {
     std::vector<float> keys, values;
@@ -94,14 +95,15 @@ void attention_decode(const float* q, const void* k_cache, const void* v_cache,
   }
 }
 
-void cache_store(const float* src, void* cache, Element cache_type, int64_t B, int64_t n,
-                 int64_t H, int64_t d, int64_t capacity, int64_t offset) {
+void cache_store(const float* src, void* cache, Element cache_type, int64_t B, int64_t n, int64_t H,
+                 int64_t d, int64_t capacity, int64_t offset) {
 #pragma omp parallel for collapse(3) schedule(static) if (B * H * n * d >= kParallelWork)
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < H; ++h) {
       for (int64_t t = 0; t < n; ++t) {
         const float* row = src + ((b * n + t) * H + h) * d;
-        narrow(row, cache, cache_type, static_cast<size_t>(((b * H + h) * capacity + offset + t) * d),
+        narrow(row, cache, cache_type,
+               static_cast<size_t>(((b * H + h) * capacity + offset + t) * d),
                static_cast<size_t>(d));
       }
     }

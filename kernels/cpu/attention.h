@@ -15,12 +15,12 @@ void attention_prefill(const float* q, const float* k, const float* v, float* ou
 
 // q, out: (B, H, d) fp32, q scaled; k_cache, v_cache: (B, H, capacity, d) of `cache_type`.
 // Sequence b attends to cache rows [first_valid[b], length).
-void attention_decode(const float* q, const void* k_cache, const void* v_cache,
-                      Element cache_type, float* out, int64_t B, int64_t H, int64_t d,
-                      int64_t capacity, int64_t length, const int32_t* first_valid);
+void attention_decode(const float* q, const void* k_cache, const void* v_cache, Element cache_type,
+                      float* out, int64_t B, int64_t H, int64_t d, int64_t capacity, int64_t length,
+                      const int32_t* first_valid);
 
 // Stores rows src (B, n, H, d) fp32 into cache (B, H, capacity, d) at tokens [offset, offset+n).
-void cache_store(const float* src, void* cache, Element cache_type, int64_t B, int64_t n,
-                 int64_t H, int64_t d, int64_t capacity, int64_t offset);
+void cache_store(const float* src, void* cache, Element cache_type, int64_t B, int64_t n, int64_t H,
+                 int64_t d, int64_t capacity, int64_t offset);
 
 }  // namespace infinigen::kernels::cpu

@@ -41,7 +41,8 @@ void bf16_to_f32(const uint16_t* src, float* dst, size_t n) {
 }
 
 void f32_to_bf16(const float* src, uint16_t* dst, size_t n) {
-  for (size_t i = 0; i < n; ++i) dst[i] = Eigen::numext::bit_cast<uint16_t>(Eigen::bfloat16(src[i]));
+  for (size_t i = 0; i < n; ++i)
+    dst[i] = Eigen::numext::bit_cast<uint16_t>(Eigen::bfloat16(src[i]));
 }
 
 }  // namespace infinigen::kernels::cpu

@@ -16,8 +16,12 @@ inline void widen(const void* src, Element type, size_t offset, float* dst, size
     case Element::F32:
       for (size_t i = 0; i < n; ++i) dst[i] = static_cast<const float*>(src)[offset + i];
       return;
-    case Element::F16: f16_to_f32(static_cast<const uint16_t*>(src) + offset, dst, n); return;
-    case Element::BF16: bf16_to_f32(static_cast<const uint16_t*>(src) + offset, dst, n); return;
+    case Element::F16:
+      f16_to_f32(static_cast<const uint16_t*>(src) + offset, dst, n);
+      return;
+    case Element::BF16:
+      bf16_to_f32(static_cast<const uint16_t*>(src) + offset, dst, n);
+      return;
   }
 }
 
@@ -27,8 +31,12 @@ inline void narrow(const float* src, void* dst, Element type, size_t offset, siz
     case Element::F32:
       for (size_t i = 0; i < n; ++i) static_cast<float*>(dst)[offset + i] = src[i];
       return;
-    case Element::F16: f32_to_f16(src, static_cast<uint16_t*>(dst) + offset, n); return;
-    case Element::BF16: f32_to_bf16(src, static_cast<uint16_t*>(dst) + offset, n); return;
+    case Element::F16:
+      f32_to_f16(src, static_cast<uint16_t*>(dst) + offset, n);
+      return;
+    case Element::BF16:
+      f32_to_bf16(src, static_cast<uint16_t*>(dst) + offset, n);
+      return;
   }
 }
 

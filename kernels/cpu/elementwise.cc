@@ -1,6 +1,7 @@
 // kernels/cpu: elementwise ops, parallel over elements.
-#include "kernels/cpu/parallel.h"
 #include "kernels/cpu/elementwise.h"
+
+#include "kernels/cpu/parallel.h"
 
 namespace infinigen::kernels::cpu {
 

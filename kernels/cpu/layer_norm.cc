@@ -1,8 +1,9 @@
 // kernels/cpu: LayerNorm, one row per iteration, two passes (mean, then variance) as PyTorch does.
-#include "kernels/cpu/parallel.h"
 #include "kernels/cpu/layer_norm.h"
 
 #include <cmath>
+
+#include "kernels/cpu/parallel.h"
 
 namespace infinigen::kernels::cpu {
 
@@ -20,7 +21,8 @@ void layer_norm(const float* x, const float* gamma, const float* beta, float* y,
       const float centred = in[c] - mean;
       sq += static_cast<double>(centred) * centred;
     }
-    const float inv_std = 1.0f / std::sqrt(static_cast<float>(sq / static_cast<double>(cols)) + eps);
+    const float inv_std =
+        1.0f / std::sqrt(static_cast<float>(sq / static_cast<double>(cols)) + eps);
     for (int64_t c = 0; c < cols; ++c) out[c] = (in[c] - mean) * inv_std * gamma[c] + beta[c];
   }
 }

@@ -1,10 +1,11 @@
 // kernels/cpu: fully connected layer on Eigen GEMMs, parallel over blocks of output features.
-#include "kernels/cpu/parallel.h"
 #include "kernels/cpu/linear.h"
 
 #include <Eigen/Core>
 #include <algorithm>
 #include <vector>
+
+#include "kernels/cpu/parallel.h"
 
 namespace infinigen::kernels::cpu {
 namespace {

@@ -28,9 +28,13 @@ int device_properties(int index, DeviceProperties* out) {
   return cudaSuccess;
 }
 
-int malloc_device(void** pointer, size_t bytes) { return cudaMalloc(pointer, bytes); }
+int malloc_device(void** pointer, size_t bytes) {
+  return cudaMalloc(pointer, bytes);
+}
 
-int free_device(void* pointer) { return cudaFree(pointer); }
+int free_device(void* pointer) {
+  return cudaFree(pointer);
+}
 
 int copy(void* dst, const void* src, size_t bytes, int kind) {
   const cudaMemcpyKind kinds[] = {cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost,
@@ -38,6 +42,8 @@ int copy(void* dst, const void* src, size_t bytes, int kind) {
   return cudaMemcpy(dst, src, bytes, kinds[kind]);
 }
 
-const char* error_string(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }
+const char* error_string(int code) {
+  return cudaGetErrorString(static_cast<cudaError_t>(code));
+}
 
 }  // namespace infinigen::kernels::cuda
