@@ -37,8 +37,8 @@ std::vector<int32_t> left_pad(const std::vector<std::vector<int32_t>>& prompts, 
   return tokens;
 }
 
-GenerationResult generate(const OptModel& model, const GenerationRequest& request,
-                          const ProgressCallback& progress) {
+GenerationResult generate(OptModel& model, const GenerationRequest& request,
+                          const ProgressCallback& progress, const KvStoreFactory& make_store) {
   const ModelConfig& config = model.config();
   const int64_t B = static_cast<int64_t>(request.prompts.size());
   INFINIGEN_CHECK(B > 0, "--batch must be at least 1");
@@ -65,8 +65,11 @@ GenerationResult generate(const OptModel& model, const GenerationRequest& reques
   Sampler sampler(request.sampling);
   std::vector<int32_t> first_valid;
   const std::vector<int32_t> tokens = left_pad(request.prompts, config.pad_token_id, &first_valid);
-  KvCache cache =
-      KvCache::allocate(config, B, longest + request.gen_len, request.kv_dtype, model.device());
+  const int64_t capacity = longest + request.gen_len;
+  std::unique_ptr<KvStore> store =
+      make_store ? make_store(B, capacity)
+                 : std::make_unique<KvCache>(config, B, capacity, request.kv_dtype, model.device());
+  KvStore& cache = *store;
 
   auto start = std::chrono::steady_clock::now();
   std::vector<int32_t> next = sampler.sample(model.prefill(tokens, first_valid, cache));

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include "core/opt_model.h"
@@ -36,12 +37,16 @@ struct GenerationResult {
 
 // Called after each generated token position (1..gen_len).
 using ProgressCallback = std::function<void(int64_t done, int64_t total)>;
+// Makes the KV store of a request: (batch, capacity in tokens per sequence) -> store.
+using KvStoreFactory = std::function<std::unique_ptr<KvStore>(int64_t batch, int64_t capacity)>;
 
 // Checks the request against the model (non-empty prompts, ids in the vocabulary, prompt +
 // generation within the context) with one-line errors, then generates exactly gen_len tokens per
 // sequence (EOS does not stop a sequence, as in FlexGen's benchmarks).
-GenerationResult generate(const OptModel& model, const GenerationRequest& request,
-                          const ProgressCallback& progress = {});
+// KV lives in `make_store`'s store, or in a resident KvCache on the model's device when empty.
+GenerationResult generate(OptModel& model, const GenerationRequest& request,
+                          const ProgressCallback& progress = {},
+                          const KvStoreFactory& make_store = {});
 
 // Left-pads `prompts` into (B, n) with `pad_id`; returns the padded tokens and first_valid (B).
 std::vector<int32_t> left_pad(const std::vector<std::vector<int32_t>>& prompts, int32_t pad_id,

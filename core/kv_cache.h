@@ -1,5 +1,10 @@
-// core: the KV cache of the non-offloaded engine: every layer's keys and values resident on the
-// model's device.
+// core: where attention keeps and finds its keys and values, the seam between the model and the
+// offloading runtime.
+//
+// A forward pass of n new tokens per sequence calls, in order: begin_pass(n); for each layer l:
+// begin_layer(l), append(l, k, v) with the new rows, and (decode only) view(l) for what attention
+// reads; then end_pass(n). KvCache keeps every layer resident on the model's device; offload/
+// implements stores that pool KV in host memory and stage what each layer needs on the device.
 #pragma once
 
 #include <cstdint>
@@ -10,17 +15,59 @@
 
 namespace infinigen {
 
-struct KvCache {
-  DType dtype = DType::F16;
-  int64_t batch = 0;
-  int64_t capacity = 0;              // tokens per sequence, padding included
-  int64_t length = 0;                // tokens stored so far (the same for every sequence)
-  std::vector<int32_t> first_valid;  // (B): tokens before this index are left padding
-  std::vector<Tensor> keys;          // per layer: (B, H, capacity, d)
-  std::vector<Tensor> values;        // per layer: (B, H, capacity, d)
+class KvStore {
+ public:
+  KvStore(int64_t batch, int64_t capacity);
+  virtual ~KvStore() = default;
+  KvStore(const KvStore&) = delete;
+  KvStore& operator=(const KvStore&) = delete;
 
-  static KvCache allocate(const ModelConfig& config, int64_t batch, int64_t capacity, DType dtype,
-                          Device device);
+  int64_t batch() const { return batch_; }
+  int64_t capacity() const { return capacity_; }  // tokens per sequence, padding included
+  int64_t length() const { return length_; }      // tokens stored (the same for every sequence)
+  int64_t pass_tokens() const { return pass_tokens_; }  // tokens per sequence of the open pass
+  // (B): in sequence b, tokens before first_valid[b] are left padding.
+  const std::vector<int32_t>& first_valid() const { return first_valid_; }
+  void set_first_valid(std::vector<int32_t> first_valid);
+
+  // Keys and values a decode step's attention reads for one layer: (B, H, capacity, d) each,
+  // rows [first_valid[b], length) valid, the token appended in this pass included.
+  struct View {
+    const Tensor* keys;
+    const Tensor* values;
+    int64_t length;
+  };
+
+  virtual void begin_pass(int64_t n_new);
+  virtual void begin_layer(int64_t layer) { (void)layer; }
+  // New keys and values of `layer`: rows (B * n_new, H * d) fp32 on the model's device, for
+  // tokens [length(), length() + n_new) of every sequence.
+  virtual void append(int64_t layer, const Tensor& keys, const Tensor& values) = 0;
+  virtual View view(int64_t layer) = 0;
+  virtual void end_pass(int64_t n_new);
+
+ private:
+  int64_t batch_;
+  int64_t capacity_;
+  int64_t length_ = 0;
+  int64_t pass_tokens_ = 0;
+  std::vector<int32_t> first_valid_;
+};
+
+// Every layer's keys and values resident on one device (the non-offloaded engine, and the `gpu`
+// policy).
+class KvCache : public KvStore {
+ public:
+  KvCache(const ModelConfig& config, int64_t batch, int64_t capacity, DType dtype, Device device);
+
+  DType dtype() const { return dtype_; }
+  void append(int64_t layer, const Tensor& keys, const Tensor& values) override;
+  View view(int64_t layer) override;
+
+ private:
+  DType dtype_;
+  std::vector<Tensor> keys_;    // per layer: (B, H, capacity, d)
+  std::vector<Tensor> values_;  // per layer: (B, H, capacity, d)
 };
 
 }  // namespace infinigen

@@ -7,29 +7,39 @@
 
 namespace infinigen {
 
-KvCache KvCache::allocate(const ModelConfig& config, int64_t batch, int64_t capacity, DType dtype,
-                          Device device) {
-  KvCache cache;
-  cache.dtype = dtype;
-  cache.batch = batch;
-  cache.capacity = capacity;
-  cache.first_valid.assign(static_cast<size_t>(batch), 0);
-  const Shape shape = {batch, config.num_heads, capacity, config.head_dim()};
-  for (int64_t l = 0; l < config.num_layers; ++l) {
-    cache.keys.push_back(Tensor::empty(shape, dtype, device));
-    cache.values.push_back(Tensor::empty(shape, dtype, device));
+namespace {
+
+// The default source: every layer resident in OptWeights.
+class ResidentLayers : public LayerWeightSource {
+ public:
+  explicit ResidentLayers(const std::vector<OptLayerWeights>& layers) : layers_(layers) {}
+  const OptLayerWeights& layer(int64_t layer) override {
+    return layers_[static_cast<size_t>(layer)];
   }
-  return cache;
-}
+
+ private:
+  const std::vector<OptLayerWeights>& layers_;
+};
+
+}  // namespace
 
 OptModel::OptModel(ModelConfig config, OptWeights weights, Device device)
-    : config_(std::move(config)), weights_(std::move(weights)), device_(device) {}
+    : config_(std::move(config)), weights_(std::move(weights)), device_(device) {
+  layers_ = std::make_unique<ResidentLayers>(weights_.layers);
+}
+
+OptModel::OptModel(ModelConfig config, OptWeights weights, Device device,
+                   std::unique_ptr<LayerWeightSource> layers)
+    : config_(std::move(config)),
+      weights_(std::move(weights)),
+      device_(device),
+      layers_(std::move(layers)) {}
 
 Tensor OptModel::prefill(const std::vector<int32_t>& tokens,
-                         const std::vector<int32_t>& first_valid, KvCache& cache,
-                         bool all_positions) const {
-  const int64_t B = cache.batch;
-  INFINIGEN_CHECK(cache.length == 0, "prefill needs an empty KV cache");
+                         const std::vector<int32_t>& first_valid, KvStore& cache,
+                         bool all_positions) {
+  const int64_t B = cache.batch();
+  INFINIGEN_CHECK(cache.length() == 0, "prefill needs an empty KV cache");
   INFINIGEN_CHECK(B > 0 && static_cast<int64_t>(tokens.size()) % B == 0 &&
                       static_cast<int64_t>(first_valid.size()) == B,
                   "prefill: ", tokens.size(), " tokens do not form a batch of ", B);
@@ -37,7 +47,7 @@ Tensor OptModel::prefill(const std::vector<int32_t>& tokens,
   for (int32_t start : first_valid) {
     INFINIGEN_CHECK(start >= 0 && start < n, "prefill: every sequence needs at least one token");
   }
-  cache.first_valid = first_valid;
+  cache.set_first_valid(first_valid);
   const Tensor hidden = forward(tokens, n, cache);  // (B*n, D)
   if (all_positions) return lm_head(hidden).reshape({B, n, config_.vocab_size});
   // Only each sequence's last row feeds the next token.
@@ -49,25 +59,25 @@ Tensor OptModel::prefill(const std::vector<int32_t>& tokens,
   return lm_head(last);
 }
 
-Tensor OptModel::decode(const std::vector<int32_t>& tokens, KvCache& cache) const {
-  INFINIGEN_CHECK(cache.length > 0, "decode needs a prefilled KV cache");
-  INFINIGEN_CHECK(static_cast<int64_t>(tokens.size()) == cache.batch, "decode: ", tokens.size(),
-                  " tokens for a batch of ", cache.batch);
+Tensor OptModel::decode(const std::vector<int32_t>& tokens, KvStore& cache) {
+  INFINIGEN_CHECK(cache.length() > 0, "decode needs a prefilled KV cache");
+  INFINIGEN_CHECK(static_cast<int64_t>(tokens.size()) == cache.batch(), "decode: ", tokens.size(),
+                  " tokens for a batch of ", cache.batch());
   return lm_head(forward(tokens, 1, cache));
 }
 
-Tensor OptModel::forward(const std::vector<int32_t>& tokens, int64_t n, KvCache& cache) const {
+Tensor OptModel::forward(const std::vector<int32_t>& tokens, int64_t n, KvStore& cache) {
   const ModelConfig& c = config_;
-  const int64_t B = cache.batch, D = c.hidden_size, rows = B * n;
-  const int64_t past = cache.length;
-  INFINIGEN_CHECK(past + n <= cache.capacity, "KV cache full: ", past + n, " tokens, capacity ",
-                  cache.capacity);
+  const int64_t B = cache.batch(), D = c.hidden_size, rows = B * n;
+  const int64_t past = cache.length();
+  const std::vector<int32_t>& first_valid = cache.first_valid();
+  cache.begin_pass(n);
 
   // Positions count real tokens only: OPT's learned table is offset by 2, padding uses row 1.
   std::vector<int32_t> positions(static_cast<size_t>(rows));
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t i = 0; i < n; ++i) {
-      const int64_t t = past + i, start = cache.first_valid[static_cast<size_t>(b)];
+      const int64_t t = past + i, start = first_valid[static_cast<size_t>(b)];
       positions[static_cast<size_t>(b * n + i)] = static_cast<int32_t>(
           t < start ? ModelConfig::kPositionOffset - 1 : t - start + ModelConfig::kPositionOffset);
     }
@@ -84,21 +94,20 @@ Tensor OptModel::forward(const std::vector<int32_t>& tokens, int64_t n, KvCache&
 
   ops::embed(tokens, positions, weights_.embed_tokens, weights_.embed_positions, h);
   for (int64_t l = 0; l < c.num_layers; ++l) {
-    const OptLayerWeights& w = weights_.layers[static_cast<size_t>(l)];
+    cache.begin_layer(l);
+    const OptLayerWeights& w = layers_->layer(l);
     // Self-attention block: h += out_proj(attention(LN(h))).
     ops::layer_norm(h, w.attn_norm_weight, w.attn_norm_bias, c.layer_norm_eps, x);
     ops::linear(x, w.q_weight, w.q_bias, q);
     ops::scale_inplace(q, q_scale);
     ops::linear(x, w.k_weight, w.k_bias, k);
     ops::linear(x, w.v_weight, w.v_bias, v);
-    ops::cache_store(k, cache.keys[static_cast<size_t>(l)], past);
-    ops::cache_store(v, cache.values[static_cast<size_t>(l)], past);
+    cache.append(l, k, v);
     if (past == 0) {
-      ops::attention_prefill(q, k, v, attn, B, c.num_heads, cache.first_valid);
+      ops::attention_prefill(q, k, v, attn, B, c.num_heads, first_valid);
     } else {
-      ops::attention_decode(q, cache.keys[static_cast<size_t>(l)],
-                            cache.values[static_cast<size_t>(l)], attn, past + n,
-                            cache.first_valid);
+      const KvStore::View kv = cache.view(l);
+      ops::attention_decode(q, *kv.keys, *kv.values, attn, kv.length, first_valid);
     }
     ops::linear(attn, w.out_weight, w.out_bias, x);
     ops::add_inplace(h, x);
@@ -108,7 +117,7 @@ Tensor OptModel::forward(const std::vector<int32_t>& tokens, int64_t n, KvCache&
     ops::linear(ffn, w.fc2_weight, w.fc2_bias, x);
     ops::add_inplace(h, x);
   }
-  cache.length = past + n;
+  cache.end_pass(n);
   return h;
 }
 

@@ -33,6 +33,16 @@ struct OptWeights {
   Tensor final_norm_weight, final_norm_bias;  // (D) f32
 };
 
+// Where the forward pass finds a layer's weights: resident on the device (the default), or
+// streamed from host memory ahead of use by offload/.
+class LayerWeightSource {
+ public:
+  virtual ~LayerWeightSource() = default;
+  // Layer `layer`'s weights on the model's device, valid until layer(layer + 2) is requested.
+  // Layers are requested in order within a pass, starting from 0.
+  virtual const OptLayerWeights& layer(int64_t layer) = 0;
+};
+
 // One expected checkpoint tensor: its HF name (with the "model.decoder." prefix) and shape.
 struct OptTensorSpec {
   std::string name;

@@ -22,9 +22,8 @@ class OptModelTest : public ::testing::Test {
   static Tensor all_logits(const std::vector<std::vector<int32_t>>& prompts) {
     std::vector<int32_t> first_valid;
     const std::vector<int32_t> tokens = left_pad(prompts, 1, &first_valid);
-    KvCache cache = KvCache::allocate(model_->config(), static_cast<int64_t>(prompts.size()),
-                                      static_cast<int64_t>(tokens.size() / prompts.size()),
-                                      DType::F32, Device::Cpu);
+    KvCache cache(model_->config(), static_cast<int64_t>(prompts.size()),
+                  static_cast<int64_t>(tokens.size() / prompts.size()), DType::F32, Device::Cpu);
     return model_->prefill(tokens, first_valid, cache, true);
   }
 
@@ -53,7 +52,7 @@ TEST_F(OptModelTest, DecodeWithCacheEqualsFullRecompute) {
   full.insert(full.end(), extra.begin(), extra.end());
   const Tensor reference = all_logits({full});  // (1, 12, V)
 
-  KvCache cache = KvCache::allocate(model_->config(), 1, 16, DType::F32, Device::Cpu);
+  KvCache cache(model_->config(), 1, 16, DType::F32, Device::Cpu);
   model_->prefill(kLong, {0}, cache);
   for (size_t s = 0; s < extra.size(); ++s) {
     const Tensor logits = model_->decode({extra[s]}, cache);
@@ -61,7 +60,7 @@ TEST_F(OptModelTest, DecodeWithCacheEqualsFullRecompute) {
     EXPECT_LT(relative_error(logits.data<float>(), reference.data<float>() + position * V, V), 1e-5)
         << "step " << s;
   }
-  EXPECT_EQ(cache.length, 12);
+  EXPECT_EQ(cache.length(), 12);
 }
 
 TEST_F(OptModelTest, Fp16CacheStaysCloseToFp32) {

@@ -44,7 +44,7 @@ class OptReference : public ::testing::Test {
 };
 
 TEST_F(OptReference, PrefillAndDecodeMatchTransformers) {
-  const OptModel& model = *loaded_.model;
+  OptModel& model = *loaded_.model;
   const int64_t V = model.config().vocab_size;
   const std::vector<int32_t> tokens = ints("tokens");
   const std::vector<int32_t> first_valid = ints("first_valid");
@@ -53,7 +53,7 @@ TEST_F(OptReference, PrefillAndDecodeMatchTransformers) {
   const Tensor expected_prefill = load("prefill_logits");  // (B, n, V)
   ASSERT_EQ(expected_prefill.shape(), (Shape{B, n, V}));
 
-  KvCache cache = KvCache::allocate(model.config(), B, n + 8, DType::F32, Device::Cpu);
+  KvCache cache(model.config(), B, n + 8, DType::F32, Device::Cpu);
   const Tensor prefill = model.prefill(tokens, first_valid, cache, /*all_positions=*/true);
   ASSERT_EQ(prefill.shape(), expected_prefill.shape());
   int64_t compared = 0;

@@ -58,10 +58,10 @@ TEST(SyntheticModel, CheckpointLoadsBackToTheSameModel) {
     EXPECT_TRUE(std::filesystem::exists(dir.path() / "model" / file)) << file;
   }
   const LoadedModel loaded = load_model(path, {});
-  const OptModel in_memory(c, synthetic_opt_weights(c, {}, Device::Cpu), Device::Cpu);
+  OptModel in_memory(c, synthetic_opt_weights(c, {}, Device::Cpu), Device::Cpu);
   ASSERT_TRUE(loaded.tokenizer.has_value());
-  KvCache a = KvCache::allocate(c, 1, 8, DType::F32, Device::Cpu);
-  KvCache b = KvCache::allocate(c, 1, 8, DType::F32, Device::Cpu);
+  KvCache a(c, 1, 8, DType::F32, Device::Cpu);
+  KvCache b(c, 1, 8, DType::F32, Device::Cpu);
   const std::vector<int32_t> prompt = {2, 100, 200, 300};
   EXPECT_EQ(loaded.model->prefill(prompt, {0}, a).to_floats(),
             in_memory.prefill(prompt, {0}, b).to_floats());

@@ -1,0 +1,87 @@
+// core: streams and events, the ordering primitives of the layer pipeline.
+//
+// A Stream runs tasks in the order they were enqueued; an Event marks a point in a stream and
+// completes when every task enqueued before it has run. `Stream::wait(event)` orders later tasks
+// of one stream after a point of another, without blocking the host, so loads, stores and compute
+// overlap and only real dependencies serialise them (no device-wide synchronisation).
+//
+// On the CPU backend a stream is a worker thread with a FIFO queue, or "inline" (tasks run on the
+// calling thread at enqueue time: the compute stream, whose kernels already use OpenMP).
+// A task that throws poisons its stream: the exception is rethrown to the host by the next
+// `synchronize()` or `Event::wait()` that depends on it, never lost and never a crash.
+#pragma once
+
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+namespace infinigen {
+
+class Event {
+ public:
+  Event() = default;
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+
+  // Blocks the calling thread until the event completes; rethrows a failure of the task stream
+  // it was recorded on.
+  void wait() const;
+  bool ready() const;
+  // Completes the event (failure = the exception of a task before it, or null).
+  void complete(std::exception_ptr failure = nullptr);
+  // Seconds since the steady clock's epoch at completion (0 before); for statistics.
+  double completed_at() const;
+
+ private:
+  mutable std::mutex mutex_;
+  mutable std::condition_variable done_;
+  bool ready_ = false;
+  std::exception_ptr failure_;
+  double completed_at_ = 0.0;
+};
+
+using EventPtr = std::shared_ptr<Event>;
+
+// An event that is already complete (for "no dependency").
+EventPtr completed_event();
+
+class Stream {
+ public:
+  enum class Mode { Worker, Inline };
+  explicit Stream(std::string name, Mode mode = Mode::Worker);
+  ~Stream();  // runs what is queued, then joins the worker
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+
+  const std::string& name() const { return name_; }
+  void enqueue(std::function<void()> task);
+  // An event completed once every task enqueued so far has run.
+  EventPtr record();
+  // Tasks enqueued after this call start only once `event` is complete.
+  void wait(EventPtr event);
+  // Blocks until every task enqueued so far has run; rethrows the first task failure.
+  void synchronize();
+  // Wall-clock seconds spent running tasks (waits excluded), since construction.
+  double busy_seconds() const;
+
+ private:
+  void worker_loop();
+  void run(std::function<void()>& task);
+
+  std::string name_;
+  Mode mode_;
+  mutable std::mutex mutex_;
+  std::condition_variable has_work_;
+  std::deque<std::function<void()>> queue_;
+  bool stopping_ = false;
+  std::exception_ptr failure_;  // first failure; later tasks are skipped
+  double busy_seconds_ = 0.0;
+  std::thread worker_;
+};
+
+}  // namespace infinigen

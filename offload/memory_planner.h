@@ -1,0 +1,51 @@
+// offload: the memory plan of a request, computed before anything is allocated.
+//
+// Device: resident weights, staging for streamed weights (two layers), KV (the whole cache for
+// the `gpu` policy; for offloading policies a double-buffered staging of K and V for one layer),
+// and activations (the prefill pass dominates: hidden states, Q/K/V, FFN and one attention score
+// block per worker). Host (pinned): host-resident weights and the KV pool.
+// If the plan does not fit, `plan_memory` throws one line with the numbers and a configuration
+// that would fit (a smaller batch, fewer weights on the device, or an offloading policy).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "core/model_config.h"
+
+namespace infinigen {
+
+enum class KvPolicy { Gpu, Full };
+
+struct MemoryRequest {
+  ModelConfig config;
+  int64_t batch = 1;
+  int64_t prompt_len = 1;  // padded
+  int64_t gen_len = 1;
+  KvPolicy policy = KvPolicy::Full;
+  double weights_gpu_percent = 100.0;  // share of each layer's weights kept on the device
+  DType kv_dtype = DType::F16;
+  int64_t kv_block_tokens = 64;
+  size_t device_capacity = 0;  // bytes usable on the device
+  size_t host_capacity = 0;    // bytes of pinned host memory available
+};
+
+struct MemoryPlan {
+  size_t device_weights = 0;
+  size_t device_weight_staging = 0;
+  size_t device_kv = 0;
+  size_t device_activations = 0;
+  size_t host_weights = 0;
+  size_t host_kv_pool = 0;
+  size_t device_total() const;
+  size_t host_total() const;
+  std::string describe() const;  // multi-line breakdown for --stats
+};
+
+// Sizes of the plan, without checking capacities.
+MemoryPlan compute_memory_plan(const MemoryRequest& request);
+// compute_memory_plan, then checks both capacities; throws Error (one line) if it cannot fit.
+MemoryPlan plan_memory(const MemoryRequest& request);
+
+}  // namespace infinigen
