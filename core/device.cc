@@ -1,9 +1,14 @@
 // core: device discovery, device memory and the CUDA/no-CUDA seam.
 #include "core/device.h"
 
+#include <atomic>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
+#include <mutex>
 #include <new>
+#include <unordered_set>
 
 #ifdef INFINIGEN_CUDA
 #include "kernels/cuda/runtime.h"
@@ -18,7 +23,33 @@ constexpr size_t kHostAlignment = 64;
 void check_cuda(int code, const char* what) {
   if (code != 0) fail("CUDA ", what, " failed: ", kernels::cuda::error_string(code));
 }
+
+// Pointers that pinned_alloc got from cudaHostAlloc; every other pinned pointer came from the
+// host allocator. Recorded per pointer so that pinned_free never guesses (a wrong free corrupts
+// the heap). Never destroyed, so buffers freed during static destruction are still found.
+std::mutex& cuda_pinned_mutex() {
+  static auto* mutex = new std::mutex;
+  return *mutex;
+}
+std::unordered_set<void*>& cuda_pinned_pointers() {
+  static auto* pointers = new std::unordered_set<void*>;
+  return *pointers;
+}
+
+bool pin_with_cuda() {
+  // Discovered once: asking the driver on every staging allocation would be slow.
+  static const bool present = kernels::cuda::device_count() > 0;
+  return present;
+}
 #endif
+
+std::atomic<bool>& debug_poison_flag() {
+  static std::atomic<bool> flag{[] {
+    const char* value = std::getenv("INFINIGEN_DEBUG_NAN");
+    return value != nullptr && std::strcmp(value, "1") == 0;
+  }()};
+  return flag;
+}
 
 }  // namespace
 
@@ -75,8 +106,9 @@ Device resolve_device(DeviceRequest request, bool cuda_runs_model, std::string* 
 
 void* device_alloc(Device device, size_t bytes) {
   if (device == Device::Cpu) {
+    INFINIGEN_CHECK(bytes <= SIZE_MAX - kHostAlignment, "cannot allocate ", bytes, " bytes");
     const size_t rounded = (bytes + kHostAlignment - 1) / kHostAlignment * kHostAlignment;
-    void* p = std::aligned_alloc(kHostAlignment, rounded);
+    void* p = std::aligned_alloc(kHostAlignment, rounded == 0 ? kHostAlignment : rounded);
     if (p == nullptr) fail("out of host memory allocating ", bytes, " bytes");
     return p;
   }
@@ -114,6 +146,57 @@ void device_copy(void* dst, Device dst_device, const void* src, Device src_devic
 #else
   throw_cuda_not_compiled();
 #endif
+}
+
+void* pinned_alloc(size_t bytes) {
+  // Zero-byte requests still return a distinct pointer, as device_alloc's callers expect.
+  const size_t request = bytes == 0 ? 1 : bytes;
+  INFINIGEN_CHECK(request <= std::numeric_limits<size_t>::max() - kHostAlignment,
+                  "pinned host allocation of ", bytes, " bytes is too large");
+#ifdef INFINIGEN_CUDA
+  if (pin_with_cuda()) {
+    void* p = nullptr;
+    const int code = kernels::cuda::host_alloc_pinned(&p, request);
+    if (code != 0 || p == nullptr) {
+      fail("pinned host allocation of ", bytes,
+           " bytes failed: ", kernels::cuda::error_string(code));
+    }
+    try {
+      std::lock_guard lock(cuda_pinned_mutex());
+      cuda_pinned_pointers().insert(p);
+    } catch (...) {
+      kernels::cuda::free_host_pinned(p);
+      throw;
+    }
+    return p;
+  }
+#endif
+  return device_alloc(Device::Cpu, request);
+}
+
+void pinned_free(void* pointer) {
+  if (pointer == nullptr) return;
+#ifdef INFINIGEN_CUDA
+  bool from_cuda = false;
+  {
+    std::lock_guard lock(cuda_pinned_mutex());
+    from_cuda = cuda_pinned_pointers().erase(pointer) != 0;
+  }
+  // Freed outside the lock: cudaFreeHost may wait for the device, and other threads allocate.
+  if (from_cuda) {
+    kernels::cuda::free_host_pinned(pointer);  // errors on free cannot be handled meaningfully
+    return;
+  }
+#endif
+  device_free(Device::Cpu, pointer);
+}
+
+bool debug_poison() {
+  return debug_poison_flag().load(std::memory_order_relaxed);
+}
+
+void set_debug_poison(bool enabled) {
+  debug_poison_flag().store(enabled, std::memory_order_relaxed);
 }
 
 void throw_cuda_not_compiled() {

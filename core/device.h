@@ -47,6 +47,17 @@ void device_free(Device device, void* pointer);
 // Synchronous copy between any two devices.
 void device_copy(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes);
 
+// Host memory that transfers to the device read directly: page-locked (cudaHostAlloc) when a
+// CUDA device is in use, ordinary 64-byte aligned memory otherwise. Throws Error when exhausted.
+void* pinned_alloc(size_t bytes);
+void pinned_free(void* pointer);
+
+// Debug mode for catching reads of data that was never written or transferred: every device
+// buffer is filled with NaN when allocated and staging buffers are refilled before reuse.
+// On when INFINIGEN_DEBUG_NAN=1 at start-up, or after set_debug_poison(true).
+bool debug_poison();
+void set_debug_poison(bool enabled);
+
 [[noreturn]] void throw_cuda_not_compiled();
 // Throws the error for an op that has no kernel on `device` (yet).
 [[noreturn]] void throw_op_not_on_device(std::string_view op, Device device);

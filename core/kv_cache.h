@@ -2,9 +2,10 @@
 // offloading runtime.
 //
 // A forward pass of n new tokens per sequence calls, in order: begin_pass(n); for each layer l:
-// begin_layer(l), append(l, k, v) with the new rows, and (decode only) view(l) for what attention
-// reads; then end_pass(n). KvCache keeps every layer resident on the model's device; offload/
-// implements stores that pool KV in host memory and stage what each layer needs on the device.
+// begin_layer(l), observe(l, ...) with the layer's attention input and queries, append(l, k, v)
+// with the new rows, and (decode only) view(l) for what attention reads; then end_pass(n). KvCache
+// keeps every layer resident on the model's device; offload/ implements stores that pool KV in host
+// memory and stage what each layer needs on the device.
 #pragma once
 
 #include <cstdint>
@@ -14,6 +15,8 @@
 #include "core/tensor.h"
 
 namespace infinigen {
+
+struct OptLayerWeights;
 
 class KvStore {
  public:
@@ -36,7 +39,19 @@ class KvStore {
     const Tensor* keys;
     const Tensor* values;
     int64_t length;
+    // Left padding of the rows in `keys`/`values`; null means first_valid() (rows stored at
+    // their token positions). Stores that stage a compact selection of rows set their own.
+    const std::vector<int32_t>* first_valid = nullptr;
   };
+
+  // What layer `layer` computes from, before its attention: the LayerNorm output `normed`
+  // (B * n_new, D), the queries `queries` (B * n_new, H * d, already scaled by 1/sqrt(d)), and the
+  // layer's weights. Stores that speculate on the next layer's attention (InfiniGen) or record
+  // activations (skewing) use it; the default ignores it.
+  virtual void observe(int64_t layer, const Tensor& normed, const Tensor& queries,
+                       const OptLayerWeights& weights) {
+    (void)layer, (void)normed, (void)queries, (void)weights;
+  }
 
   virtual void begin_pass(int64_t n_new);
   virtual void begin_layer(int64_t layer) { (void)layer; }

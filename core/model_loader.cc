@@ -78,27 +78,23 @@ std::string ensure_builtin_model(const ModelLoadOptions& options) {
   return dir.string();
 }
 
-LoadedModel load_model(const std::string& spec, const ModelLoadOptions& options) {
-  LoadedModel loaded;
-  std::string directory;
+ModelSource resolve_model(const std::string& spec, const ModelLoadOptions& options) {
+  ModelSource source;
+  source.seed = options.seed;
   if (spec == kBuiltinModel) {
-    directory = ensure_builtin_model(options);
-    loaded.description = "built-in model (OPT-125M shape, synthetic weights)";
+    source.directory = ensure_builtin_model(options);
+    source.description = "built-in model (OPT-125M shape, synthetic weights)";
+    source.synthetic = true;
   } else if (fs::is_directory(spec)) {
-    directory = spec;
-    loaded.description = "checkpoint " + spec;
+    source.directory = spec;
+    source.description = "checkpoint " + spec;
   } else if (is_preset(spec)) {
-    ModelConfig config = load_preset(spec);
-    check_fits_in_memory(config, options.device);
-    loaded.description = spec + " preset on seeded synthetic weights (seed " +
+    source.config = load_preset(spec);
+    source.description = spec + " preset on seeded synthetic weights (seed " +
                          std::to_string(options.seed) + "; no checkpoint given)";
-    SyntheticModelOptions synthetic;
-    synthetic.seed = options.seed;
-    loaded.model = std::make_unique<OptModel>(
-        config, synthetic_opt_weights(config, synthetic, options.device), options.device);
-    loaded.tokenizer = Tokenizer::bundled();
-    loaded.synthetic = true;
-    return loaded;
+    source.tokenizer = Tokenizer::bundled();
+    source.synthetic = true;
+    return source;
   } else if (fs::exists(spec)) {
     fail("--model ", spec, ": not a directory");
   } else if (spec.find('/') != std::string::npos) {
@@ -108,16 +104,33 @@ LoadedModel load_model(const std::string& spec, const ModelLoadOptions& options)
     for (const std::string& name : preset_names()) known += (known.empty() ? "" : ", ") + name;
     fail("--model ", spec, ": not a checkpoint directory or a preset (presets: ", known, ")");
   }
-
-  ModelConfig config = load_hf_config(directory);
-  check_fits_in_memory(config, options.device);
-  const SafetensorsCheckpoint checkpoint = SafetensorsCheckpoint::open(directory);
-  loaded.model = std::make_unique<OptModel>(
-      config, load_opt_weights(checkpoint, config, options.device), options.device);
-  if (fs::exists(fs::path(directory) / "vocab.json")) {
-    loaded.tokenizer = Tokenizer::from_directory(directory);
+  source.config = load_hf_config(source.directory);
+  // Fail on a malformed checkpoint now, before any planning or allocation.
+  check_opt_checkpoint(SafetensorsCheckpoint::open(source.directory), source.config);
+  if (fs::exists(fs::path(source.directory) / "vocab.json")) {
+    source.tokenizer = Tokenizer::from_directory(source.directory);
   }
-  loaded.synthetic = spec == kBuiltinModel;
+  return source;
+}
+
+OptWeights load_weights(const ModelSource& source, Device device) {
+  if (source.directory.empty()) {
+    SyntheticModelOptions synthetic;
+    synthetic.seed = source.seed;
+    return synthetic_opt_weights(source.config, synthetic, device);
+  }
+  return load_opt_weights(SafetensorsCheckpoint::open(source.directory), source.config, device);
+}
+
+LoadedModel load_model(const std::string& spec, const ModelLoadOptions& options) {
+  ModelSource source = resolve_model(spec, options);
+  check_fits_in_memory(source.config, options.device);
+  LoadedModel loaded;
+  loaded.model = std::make_unique<OptModel>(source.config, load_weights(source, options.device),
+                                            options.device);
+  loaded.tokenizer = std::move(source.tokenizer);
+  loaded.description = source.description;
+  loaded.synthetic = source.synthetic;
   return loaded;
 }
 

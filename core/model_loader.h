@@ -15,6 +15,16 @@ namespace infinigen {
 
 inline constexpr const char* kBuiltinModel = "builtin";
 
+// A resolved --model: its architecture and tokenizer, and where its weights come from.
+struct ModelSource {
+  ModelConfig config;
+  std::string directory;  // checkpoint directory; empty for a preset on synthetic weights
+  std::optional<Tokenizer> tokenizer;  // absent when a checkpoint ships none
+  std::string description;
+  bool synthetic = false;
+  uint64_t seed = 0;  // of synthetic weights
+};
+
 struct LoadedModel {
   std::unique_ptr<OptModel> model;
   std::optional<Tokenizer> tokenizer;  // absent when a checkpoint ships none
@@ -36,9 +46,14 @@ std::string cache_directory();
 // Directory of the built-in model checkpoint, generated deterministically when missing.
 std::string ensure_builtin_model(const ModelLoadOptions& options);
 
-// Resolves `spec`: an existing directory is a checkpoint; "builtin" is the built-in model; a
-// preset name runs on synthetic weights. Checks that the weights fit in memory before
-// allocating. Throws a one-line Error for anything else.
+// Resolves `spec` without reading weights: an existing directory is a checkpoint; "builtin" is
+// the built-in model (generated on first use); a preset name runs on synthetic weights. Throws a
+// one-line Error for anything else.
+ModelSource resolve_model(const std::string& spec, const ModelLoadOptions& options);
+// The weights of `source` on `device`, every tensor checked against the config.
+OptWeights load_weights(const ModelSource& source, Device device);
+// resolve_model + load_weights into a model with resident weights, after checking that they fit
+// in available memory.
 LoadedModel load_model(const std::string& spec, const ModelLoadOptions& options);
 
 // Memory the host can give us now (MemAvailable), in bytes; 0 if unknown.

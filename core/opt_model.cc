@@ -102,12 +102,14 @@ Tensor OptModel::forward(const std::vector<int32_t>& tokens, int64_t n, KvStore&
     ops::scale_inplace(q, q_scale);
     ops::linear(x, w.k_weight, w.k_bias, k);
     ops::linear(x, w.v_weight, w.v_bias, v);
+    cache.observe(l, x, q, w);
     cache.append(l, k, v);
     if (past == 0) {
       ops::attention_prefill(q, k, v, attn, B, c.num_heads, first_valid);
     } else {
       const KvStore::View kv = cache.view(l);
-      ops::attention_decode(q, *kv.keys, *kv.values, attn, kv.length, first_valid);
+      ops::attention_decode(q, *kv.keys, *kv.values, attn, kv.length,
+                            kv.first_valid ? *kv.first_valid : first_valid);
     }
     ops::linear(attn, w.out_weight, w.out_bias, x);
     ops::add_inplace(h, x);

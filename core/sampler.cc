@@ -29,6 +29,12 @@ double Sampler::uniform() {
 }
 
 int32_t Sampler::sample_row(const float* logits, int64_t V) {
+  // A NaN or infinity here means a kernel read memory that was never written or transferred:
+  // stop rather than emit a token picked from garbage.
+  for (int64_t i = 0; i < V; ++i) {
+    INFINIGEN_CHECK(std::isfinite(logits[i]), "non-finite logit (", logits[i], ") for token ", i,
+                    ": the forward pass read invalid data");
+  }
   if (options_.temperature == 0.0f) {
     return static_cast<int32_t>(std::max_element(logits, logits + V) - logits);
   }

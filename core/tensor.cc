@@ -1,10 +1,30 @@
 // core: Tensor storage, views and conversions.
 #include "core/tensor.h"
 
+#include <algorithm>
 #include <cstring>
 #include <sstream>
 
 namespace infinigen {
+namespace {
+
+bool is_floating(DType dtype) {
+  return dtype == DType::F32 || dtype == DType::F16 || dtype == DType::BF16;
+}
+
+// Fills `count` elements of `T` at `data` on `device` with `pattern`.
+template <typename T>
+void fill_pattern(void* data, Device device, size_t count, T pattern) {
+  if (device == Device::Cpu) {
+    std::fill_n(static_cast<T*>(data), count, pattern);
+    return;
+  }
+  // No fill kernel exists; a host copy of the pattern costs one transfer, fine for a debug mode.
+  std::vector<T> host(count, pattern);
+  device_copy(data, device, host.data(), Device::Cpu, count * sizeof(T));
+}
+
+}  // namespace
 
 int64_t shape_numel(const Shape& shape) {
   int64_t n = 1;
@@ -20,6 +40,26 @@ std::string shape_string(const Shape& shape) {
   return out.str();
 }
 
+void fill_nan(Tensor& tensor) {
+  const size_t n = static_cast<size_t>(tensor.numel());
+  switch (tensor.dtype()) {
+    case DType::F32:
+      fill_pattern<uint32_t>(tensor.raw(), tensor.device(), n, 0x7fc00000u);
+      return;
+    case DType::F16:
+      fill_pattern<uint16_t>(tensor.raw(), tensor.device(), n, 0x7e00u);
+      return;
+    case DType::BF16:
+      fill_pattern<uint16_t>(tensor.raw(), tensor.device(), n, 0x7fc0u);
+      return;
+    case DType::I32:
+    case DType::I64:
+      break;
+  }
+  fail("fill_nan: tensor of ", dtype_name(tensor.dtype()), " ", shape_string(tensor.shape()),
+       " is not floating-point");
+}
+
 Tensor Tensor::empty(Shape shape, DType dtype, Device device) {
   for (int64_t extent : shape)
     INFINIGEN_CHECK(extent >= 0, "negative extent in shape ", shape_string(shape));
@@ -31,6 +71,7 @@ Tensor Tensor::empty(Shape shape, DType dtype, Device device) {
   void* data = device_alloc(device, bytes == 0 ? 1 : bytes);
   t.storage_ = std::shared_ptr<void>(data, [device](void* p) { device_free(device, p); });
   t.data_ = data;
+  if (debug_poison() && is_floating(dtype)) fill_nan(t);
   return t;
 }
 

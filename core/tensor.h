@@ -20,13 +20,17 @@ namespace infinigen {
 using Shape = std::vector<int64_t>;
 
 int64_t shape_numel(const Shape& shape);
+
+class Tensor;
+// Fills a floating-point tensor with NaN (quiet NaN bit patterns of its dtype), on any device.
+void fill_nan(Tensor& tensor);
 std::string shape_string(const Shape& shape);  // "(2, 3, 4)"
 
 class Tensor {
  public:
   Tensor() = default;
 
-  // Uninitialised memory on `device`.
+  // Uninitialised memory on `device` (NaN-filled when debug_poison() is on).
   static Tensor empty(Shape shape, DType dtype, Device device = Device::Cpu);
   static Tensor zeros(Shape shape, DType dtype, Device device = Device::Cpu);
   // A view of memory someone else owns; `owner` keeps it alive for the tensor's lifetime.

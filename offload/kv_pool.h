@@ -26,7 +26,7 @@ struct KvPoolShape {
   int64_t num_heads = 0;   // H
   int64_t head_dim = 0;    // d
   int64_t max_tokens = 0;  // per sequence, padding included (prompt + generation)
-  int64_t block_tokens = 64;
+  int64_t block_tokens = 128;
   DType dtype = DType::F16;
 };
 

@@ -26,7 +26,7 @@ struct MemoryRequest {
   KvPolicy policy = KvPolicy::Full;
   double weights_gpu_percent = 100.0;  // share of each layer's weights kept on the device
   DType kv_dtype = DType::F16;
-  int64_t kv_block_tokens = 64;
+  int64_t kv_block_tokens = 128;
   size_t device_capacity = 0;  // bytes usable on the device
   size_t host_capacity = 0;    // bytes of pinned host memory available
 };

@@ -3,7 +3,8 @@
 // FlexGen's rule, per layer: walk the layer's tensors in order; a tensor stays on the device when
 // the midpoint of its byte range within the layer falls below `gpu_percent` of the layer's bytes,
 // otherwise it lives in pinned host memory and is loaded ahead of use. Embeddings, positions and
-// the final LayerNorm (the LM head is tied) follow the same rule as one more "layer".
+// the final LayerNorm (the LM head is tied) are read at both ends of every pass and always stay
+// on the device.
 #pragma once
 
 #include <string>

@@ -121,7 +121,15 @@ TEST(Cli, UnknownModelsEndWithOneLine) {
   expect_one_line_error({"run", "--model", "opt-7b"}, {"opt-7b", "opt-6.7b"});
   // 132 GB of fp16 weights: refused before anything is allocated, with the numbers.
   expect_one_line_error({"run", "--model", "opt-66b", "--device", "cpu"},
-                        {"opt-66b", "GiB", "available"});
+                        {"does not fit", "GiB", "weights"});
+  expect_one_line_error(
+      {"run", "--model", "opt-tiny", "--policy", "gpu", "--device-memory", "0.0001"},
+      {"does not fit", "the device needs"});
+  expect_one_line_error({"run", "--model", kTiny, "--policy", "h3o"}, {"--policy", "h3o"});
+  expect_one_line_error({"run", "--model", kTiny, "--weights-gpu-percent", "120"},
+                        {"--weights-gpu-percent"});
+  expect_one_line_error({"run", "--model", kTiny, "--emulate-link-gbps", "-1"},
+                        {"--emulate-link-gbps"});
   expect_one_line_error({"run", "--model", "/nonexistent/model"},
                         {"/nonexistent/model", "no such directory"});
   expect_one_line_error({"make-model", "--preset", "gpt-5", "--out", "/tmp/x"}, {"gpt-5"});

@@ -7,7 +7,7 @@ set -euo pipefail
 packages=(
   build-essential cmake ninja-build pkg-config git
   libeigen3-dev libcli11-dev libyaml-cpp-dev nlohmann-json3-dev libpcre2-dev
-  libgtest-dev libgmock-dev
+  libgtest-dev libgmock-dev libbenchmark-dev
 )
 
 run_as_root() {

@@ -8,9 +8,11 @@
 
 #include "apps/infinigen/commands.h"
 #include "apps/infinigen/progress.h"
+#include "apps/infinigen/run_report.h"
 #include "core/generation.h"
 #include "core/model_loader.h"
 #include "core/ops.h"
+#include "offload/runtime.h"
 
 namespace infinigen::cli {
 namespace {
@@ -39,6 +41,14 @@ struct RunOptions {
   std::string kv_dtype = "f16";
   int threads = 0;
   bool json = false;
+  bool stats = false;
+  bool debug_nan = false;
+  std::string policy = "full";
+  double weights_gpu_percent = 100.0;
+  double link_gbps = 0.0;
+  double link_latency_us = 0.0;
+  int64_t kv_block_tokens = 128;
+  double device_memory_gib = 0.0;
 };
 
 std::vector<std::string> read_prompt_file(const std::string& path) {
@@ -54,8 +64,8 @@ std::vector<std::string> read_prompt_file(const std::string& path) {
 }
 
 // Prompt token ids per sequence: BOS, then the text's tokens (or synthetic ids).
-std::vector<std::vector<int32_t>> build_prompts(const RunOptions& o, const LoadedModel& loaded) {
-  const ModelConfig& config = loaded.model->config();
+std::vector<std::vector<int32_t>> build_prompts(const RunOptions& o, const ModelSource& loaded) {
+  const ModelConfig& config = loaded.config;
   std::vector<std::vector<int32_t>> prompts;
   if (o.prompt_len > 0) {
     // Deterministic ids that the tokenizer can print, excluding the 4 special tokens.
@@ -94,7 +104,7 @@ std::vector<std::vector<int32_t>> build_prompts(const RunOptions& o, const Loade
   return prompts;
 }
 
-std::string render(const LoadedModel& loaded, const std::vector<int32_t>& ids) {
+std::string render(const ModelSource& loaded, const std::vector<int32_t>& ids) {
   if (loaded.tokenizer) return loaded.tokenizer->decode(ids);
   std::string out;
   for (int32_t id : ids) out += (out.empty() ? "" : " ") + std::to_string(id);
@@ -123,6 +133,21 @@ int run(const RunOptions& o) {
                                        ops::device_runs_transformer(Device::Cuda), &fallback);
   if (!fallback.empty()) std::fprintf(stderr, "infinigen: %s\n", fallback.c_str());
 
+  INFINIGEN_CHECK(o.link_gbps >= 0, "--emulate-link-gbps must be >= 0, got ", o.link_gbps);
+  INFINIGEN_CHECK(o.link_latency_us >= 0, "--emulate-link-latency-us must be >= 0, got ",
+                  o.link_latency_us);
+  INFINIGEN_CHECK(o.kv_block_tokens >= 1, "--kv-block-tokens must be at least 1, got ",
+                  o.kv_block_tokens);
+  INFINIGEN_CHECK(o.device_memory_gib >= 0, "--device-memory must be >= 0, got ",
+                  o.device_memory_gib);
+  OffloadOptions offload;
+  offload.policy = parse_kv_policy(o.policy);
+  offload.weights_gpu_percent = o.weights_gpu_percent;
+  offload.link = {o.link_gbps, o.link_latency_us};
+  offload.kv_block_tokens = o.kv_block_tokens;
+  offload.device_memory = static_cast<size_t>(o.device_memory_gib * 1024.0 * 1024.0 * 1024.0);
+  if (o.debug_nan) set_debug_poison(true);
+
   ModelLoadOptions load_options;
   load_options.device = device;
   load_options.seed = o.seed;
@@ -131,21 +156,21 @@ int run(const RunOptions& o) {
   };
   Progress build_progress("writing model");
   load_options.progress = [&](int64_t done, int64_t total) { build_progress.update(done, total); };
-  const LoadedModel loaded = load_model(o.model, load_options);
-  if (loaded.synthetic && !o.json)
-    std::fprintf(stderr, "infinigen: %s\n", loaded.description.c_str());
+  const ModelSource loaded = resolve_model(o.model, load_options);
 
   GenerationRequest request;
   request.prompts = build_prompts(o, loaded);
   request.gen_len = o.gen_len;
   request.sampling = {o.temperature, o.top_p, o.seed};
   request.kv_dtype = kv_dtype;
-  GenerationResult result;
+  OffloadRun run;
   {
     Progress progress("generating");
-    result = generate(*loaded.model, request,
-                      [&](int64_t done, int64_t total) { progress.update(done, total); });
+    run = run_offloaded(loaded, request, offload, device,
+                        [&](int64_t done, int64_t total) { progress.update(done, total); });
   }
+  const GenerationResult& result = run.result;
+  const TransferSummary transfers = summarize(run);
 
   const double ms_per_step =
       result.gen_len > 1 ? 1000.0 * result.decode_seconds / static_cast<double>(result.gen_len - 1)
@@ -158,25 +183,36 @@ int run(const RunOptions& o) {
                          {"text", render(loaded, result.tokens[b])},
                          {"tokens", result.tokens[b]}});
     }
-    const nlohmann::json report = {{"model", loaded.description},
-                                   {"synthetic_weights", loaded.synthetic},
-                                   {"device", device_name(device)},
-                                   {"threads", omp_get_max_threads()},
-                                   {"batch", result.batch},
-                                   {"prompt_len", result.prompt_len},
-                                   {"gen_len", result.gen_len},
-                                   {"kv_dtype", dtype_name(kv_dtype)},
-                                   {"prefill_latency_s", result.prefill_seconds},
-                                   {"decode_latency_s", result.decode_seconds},
-                                   {"total_latency_s", result.total_seconds()},
-                                   {"throughput_tok_s", result.throughput()},
-                                   {"decode_throughput_tok_s", result.decode_throughput()},
-                                   {"outputs", outputs}};
+    nlohmann::json report = {{"model", loaded.description},
+                             {"synthetic_weights", loaded.synthetic},
+                             {"device", device_name(device)},
+                             {"threads", omp_get_max_threads()},
+                             {"batch", result.batch},
+                             {"prompt_len", result.prompt_len},
+                             {"gen_len", result.gen_len},
+                             {"kv_dtype", dtype_name(kv_dtype)},
+                             {"prefill_latency_s", result.prefill_seconds},
+                             {"decode_latency_s", result.decode_seconds},
+                             {"total_latency_s", result.total_seconds()},
+                             {"throughput_tok_s", result.throughput()},
+                             {"decode_throughput_tok_s", result.decode_throughput()},
+                             {"policy", o.policy},
+                             {"weights_gpu_percent", o.weights_gpu_percent},
+                             {"emulated_link_gbps", o.link_gbps},
+                             {"transfer", transfers_json(transfers)},
+                             {"memory_plan", plan_json(run.plan)},
+                             {"outputs", outputs}};
+    if (o.stats) report["steps"] = steps_json(run.stats);
     std::printf("%s\n", report.dump(2).c_str());
     return 0;
   }
   std::printf("model: %s\ndevice: %s (%d threads)\n", loaded.description.c_str(),
               std::string(device_name(device)).c_str(), omp_get_max_threads());
+  std::printf("policy %s, %.0f%% of weights on the device, link %s\n", o.policy.c_str(),
+              o.weights_gpu_percent,
+              o.link_gbps > 0
+                  ? (std::to_string(o.link_gbps).substr(0, 5) + " GB/s (emulated)").c_str()
+                  : "not emulated");
   std::printf("batch %lld, prompt %lld tokens (longest), %lld generated tokens per sequence\n\n",
               static_cast<long long>(result.batch), static_cast<long long>(result.prompt_len),
               static_cast<long long>(result.gen_len));
@@ -190,6 +226,7 @@ int run(const RunOptions& o) {
               static_cast<long long>(result.gen_len - 1), ms_per_step);
   std::printf("throughput       %9.1f tok/s  (decode only: %.1f tok/s)\n", result.throughput(),
               result.decode_throughput());
+  print_transfers(transfers, run, o.stats);
   return 0;
 }
 
@@ -220,6 +257,25 @@ Command add_run_command(CLI::App& app) {
       ->capture_default_str();
   app.add_option("--threads", o->threads, "CPU threads (default: all cores)");
   app.add_flag("--json", o->json, "Print the result as JSON on stdout");
+  app.add_option("--policy", o->policy,
+                 "KV policy: full (all KV in host memory, fetched every layer) or gpu (resident)")
+      ->capture_default_str();
+  app.add_option("--weights-gpu-percent", o->weights_gpu_percent,
+                 "Share of each layer's weights kept on the device; the rest is streamed")
+      ->capture_default_str();
+  app.add_option("--emulate-link-gbps", o->link_gbps,
+                 "Make host<->device copies take the time of a link of this many GB/s (0: off)")
+      ->capture_default_str();
+  app.add_option("--emulate-link-latency-us", o->link_latency_us,
+                 "Per-transfer latency of the emulated link")
+      ->capture_default_str();
+  app.add_option("--kv-block-tokens", o->kv_block_tokens, "Tokens per KV pool block")
+      ->capture_default_str();
+  app.add_option("--device-memory", o->device_memory_gib,
+                 "Device memory to plan for, GiB (default: what the device has)");
+  app.add_flag("--stats", o->stats, "Per-layer and per-step transfer statistics");
+  app.add_flag("--debug-nan", o->debug_nan,
+               "Fill device buffers with NaN before use, to expose reads of untransferred data");
   return [o, batch, prompt_len] {
     o->batch_given = batch->count() > 0;
     o->prompt_len_given = prompt_len->count() > 0;

@@ -36,6 +36,16 @@ int free_device(void* pointer) {
   return cudaFree(pointer);
 }
 
+int host_alloc_pinned(void** pointer, size_t bytes) {
+  // Mapped so that a kernel can gather rows straight from host memory; portable so that every
+  // device sees it as pinned.
+  return cudaHostAlloc(pointer, bytes, cudaHostAllocMapped | cudaHostAllocPortable);
+}
+
+int free_host_pinned(void* pointer) {
+  return cudaFreeHost(pointer);
+}
+
 int copy(void* dst, const void* src, size_t bytes, int kind) {
   const cudaMemcpyKind kinds[] = {cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost,
                                   cudaMemcpyDeviceToDevice};

@@ -21,6 +21,9 @@ int device_properties(int index, DeviceProperties* out);
 
 int malloc_device(void** pointer, size_t bytes);
 int free_device(void* pointer);
+// Page-locked host memory, mapped into the device address space (cudaHostAlloc).
+int host_alloc_pinned(void** pointer, size_t bytes);
+int free_host_pinned(void* pointer);
 // kind: 0 host->device, 1 device->host, 2 device->device.
 int copy(void* dst, const void* src, size_t bytes, int kind);
 const char* error_string(int code);

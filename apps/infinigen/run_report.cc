@@ -1,0 +1,132 @@
+// apps/infinigen: transfer summaries, JSON and tables for `infinigen run`.
+#include "apps/infinigen/run_report.h"
+
+#include <cstdio>
+
+namespace infinigen::cli {
+namespace {
+
+double mib(double bytes) {
+  return bytes / (1024.0 * 1024.0);
+}
+
+}  // namespace
+
+TransferSummary summarize(const OffloadRun& run) {
+  TransferSummary s;
+  const auto& steps = run.stats.steps();
+  if (!steps.empty()) {
+    s.prefill_h2d_bytes = steps[0].h2d_bytes;
+    s.prefill_d2h_bytes = steps[0].d2h_bytes;
+  }
+  double busy = 0, wait = 0;
+  for (size_t i = 1; i < steps.size(); ++i) {
+    s.h2d_bytes_per_step += static_cast<double>(steps[i].h2d_bytes);
+    s.d2h_bytes_per_step += static_cast<double>(steps[i].d2h_bytes);
+    busy += steps[i].load_busy_seconds;
+    wait += steps[i].load_wait_seconds;
+  }
+  s.decode_steps = steps.empty() ? 0 : static_cast<int64_t>(steps.size()) - 1;
+  if (s.decode_steps > 0) {
+    const double n = static_cast<double>(s.decode_steps);
+    s.h2d_bytes_per_step /= n;
+    s.d2h_bytes_per_step /= n;
+    s.load_busy_per_step = busy / n;
+    s.load_wait_per_step = wait / n;
+    s.hidden_fraction = busy > 0 ? std::max(0.0, busy - wait) / busy : 0.0;
+  }
+  s.total_h2d_bytes = run.totals.h2d_bytes;
+  s.total_d2h_bytes = run.totals.d2h_bytes;
+  return s;
+}
+
+nlohmann::json transfers_json(const TransferSummary& s) {
+  return {{"decode_steps", s.decode_steps},
+          {"h2d_bytes_per_decode_step", s.h2d_bytes_per_step},
+          {"d2h_bytes_per_decode_step", s.d2h_bytes_per_step},
+          {"load_busy_s_per_decode_step", s.load_busy_per_step},
+          {"load_wait_s_per_decode_step", s.load_wait_per_step},
+          {"hidden_load_fraction", s.hidden_fraction},
+          {"prefill_h2d_bytes", s.prefill_h2d_bytes},
+          {"prefill_d2h_bytes", s.prefill_d2h_bytes},
+          {"total_h2d_bytes", s.total_h2d_bytes},
+          {"total_d2h_bytes", s.total_d2h_bytes}};
+}
+
+nlohmann::json plan_json(const MemoryPlan& p) {
+  return {{"device_weights_bytes", p.device_weights},
+          {"device_weight_staging_bytes", p.device_weight_staging},
+          {"device_kv_bytes", p.device_kv},
+          {"device_activations_bytes", p.device_activations},
+          {"device_total_bytes", p.device_total()},
+          {"host_weights_bytes", p.host_weights},
+          {"host_kv_pool_bytes", p.host_kv_pool},
+          {"host_total_bytes", p.host_total()}};
+}
+
+nlohmann::json steps_json(const OffloadStats& stats) {
+  nlohmann::json steps = nlohmann::json::array();
+  for (const StepStats& step : stats.steps()) {
+    nlohmann::json layers = nlohmann::json::array();
+    for (const LayerTraffic& l : step.layers) {
+      layers.push_back({{"kv_h2d_bytes", l.kv_h2d_bytes},
+                        {"kv_d2h_bytes", l.kv_d2h_bytes},
+                        {"weight_h2d_bytes", l.weight_h2d_bytes},
+                        {"load_wait_s", l.load_wait_seconds}});
+    }
+    steps.push_back({{"seconds", step.seconds},
+                     {"h2d_bytes", step.h2d_bytes},
+                     {"d2h_bytes", step.d2h_bytes},
+                     {"load_busy_s", step.load_busy_seconds},
+                     {"store_busy_s", step.store_busy_seconds},
+                     {"load_wait_s", step.load_wait_seconds},
+                     {"hidden_load_s", step.hidden_load_seconds()},
+                     {"layers", layers}});
+  }
+  return steps;
+}
+
+void print_transfers(const TransferSummary& s, const OffloadRun& run, bool per_layer) {
+  std::printf("host->device     %9.2f MiB/step  (decode mean; prefill %.2f MiB)\n",
+              mib(s.h2d_bytes_per_step), mib(static_cast<double>(s.prefill_h2d_bytes)));
+  std::printf("device->host     %9.2f MiB/step  (decode mean; prefill %.2f MiB)\n",
+              mib(s.d2h_bytes_per_step), mib(static_cast<double>(s.prefill_d2h_bytes)));
+  if (s.load_busy_per_step > 0) {
+    std::printf(
+        "loads            %9.2f ms/step, %.0f%% hidden under compute (%.2f ms/step "
+        "exposed)\n",
+        1e3 * s.load_busy_per_step, 100.0 * s.hidden_fraction, 1e3 * s.load_wait_per_step);
+  }
+  if (!per_layer) return;
+  std::printf("\nmemory plan\n%s\n", run.plan.describe().c_str());
+  const auto& steps = run.stats.steps();
+  if (steps.size() < 2) return;
+  std::printf("per layer, mean over %lld decode steps\n", static_cast<long long>(s.decode_steps));
+  std::printf("  %5s %12s %12s %12s %10s\n", "layer", "KV in MiB", "weights MiB", "KV out KiB",
+              "wait ms");
+  const size_t layers = steps[1].layers.size();
+  const double n = static_cast<double>(s.decode_steps);
+  for (size_t l = 0; l < layers; ++l) {
+    double kv_in = 0, w_in = 0, kv_out = 0, wait = 0;
+    for (size_t i = 1; i < steps.size(); ++i) {
+      const LayerTraffic& t = steps[i].layers[l];
+      kv_in += static_cast<double>(t.kv_h2d_bytes);
+      w_in += static_cast<double>(t.weight_h2d_bytes);
+      kv_out += static_cast<double>(t.kv_d2h_bytes);
+      wait += t.load_wait_seconds;
+    }
+    std::printf("  %5zu %12.3f %12.3f %12.3f %10.3f\n", l, mib(kv_in / n), mib(w_in / n),
+                kv_out / n / 1024.0, 1e3 * wait / n);
+  }
+  std::printf("\nper step\n  %5s %10s %12s %12s %10s %10s\n", "step", "ms", "in MiB", "out KiB",
+              "load ms", "wait ms");
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const StepStats& st = steps[i];
+    std::printf("  %5s %10.2f %12.3f %12.3f %10.2f %10.2f\n",
+                i == 0 ? "pre" : std::to_string(i).c_str(), 1e3 * st.seconds,
+                mib(static_cast<double>(st.h2d_bytes)), static_cast<double>(st.d2h_bytes) / 1024.0,
+                1e3 * st.load_busy_seconds, 1e3 * st.load_wait_seconds);
+  }
+}
+
+}  // namespace infinigen::cli

@@ -1,0 +1,26 @@
+// offload: statistics helpers.
+#include "offload/offload_stats.h"
+
+#include <algorithm>
+
+namespace infinigen {
+
+double StepStats::hidden_load_seconds() const {
+  return std::max(0.0, load_busy_seconds - load_wait_seconds);
+}
+
+void OffloadStats::begin_step(int64_t num_layers, const TransferCounters& counters) {
+  steps_.emplace_back();
+  steps_.back().layers.resize(static_cast<size_t>(num_layers));
+  counters_at_start_ = counters;
+  start_ = std::chrono::steady_clock::now();
+}
+
+void OffloadStats::end_step(const TransferCounters& counters) {
+  StepStats& step = steps_.back();
+  step.load_busy_seconds = counters.h2d_busy_seconds - counters_at_start_.h2d_busy_seconds;
+  step.store_busy_seconds = counters.d2h_busy_seconds - counters_at_start_.d2h_busy_seconds;
+  step.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+}
+
+}  // namespace infinigen

@@ -1,0 +1,47 @@
+// offload: what the runtime measured, per decode step and per layer.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <vector>
+
+#include "offload/transfer_engine.h"
+
+namespace infinigen {
+
+struct LayerTraffic {
+  uint64_t kv_h2d_bytes = 0;      // KV loaded for this layer
+  uint64_t kv_d2h_bytes = 0;      // new KV stored from this layer
+  uint64_t weight_h2d_bytes = 0;  // streamed weights of this layer
+  double load_wait_seconds = 0;   // compute stalled waiting for this layer's loads
+};
+
+struct StepStats {
+  double seconds = 0.0;  // wall time of the step (prefill: the prompt pass)
+  uint64_t h2d_bytes = 0;
+  uint64_t d2h_bytes = 0;
+  double load_busy_seconds = 0.0;  // time the load stream spent transferring
+  double store_busy_seconds = 0.0;
+  double load_wait_seconds = 0.0;  // compute stalled on loads: transfer that was not hidden
+  std::vector<LayerTraffic> layers;
+  // Transfer time that overlapped compute (never negative).
+  double hidden_load_seconds() const;
+};
+
+// Everything a run measured: steps[0] is the prefill, then one entry per decode step.
+class OffloadStats {
+ public:
+  // Opens a step; `counters` are the transfer engine's totals now.
+  void begin_step(int64_t num_layers, const TransferCounters& counters);
+  // Closes it: wall time and stream busy time since begin_step.
+  void end_step(const TransferCounters& counters);
+  StepStats& current() { return steps_.back(); }
+  const std::vector<StepStats>& steps() const { return steps_; }
+
+ private:
+  std::vector<StepStats> steps_;
+  TransferCounters counters_at_start_;
+  std::chrono::steady_clock::time_point start_;
+};
+
+}  // namespace infinigen

@@ -1,0 +1,148 @@
+// offload: the `full` KV policy.
+#include "offload/offloaded_kv.h"
+
+#include "core/ops.h"
+
+namespace infinigen {
+namespace {
+
+uint64_t chunk_bytes(const std::vector<CopyChunk>& chunks) {
+  uint64_t total = 0;
+  for (const CopyChunk& c : chunks) total += c.bytes;
+  return total;
+}
+
+}  // namespace
+
+OffloadedKv::OffloadedKv(const ModelConfig& config, int64_t batch, int64_t capacity, DType kv_dtype,
+                         Device device, int64_t block_tokens, TransferEngine& engine,
+                         OffloadStats& stats)
+    : KvStore(batch, capacity),
+      num_layers_(config.num_layers),
+      pool_({config.num_layers, batch, config.num_heads, config.head_dim(), capacity, block_tokens,
+             kv_dtype}),
+      engine_(engine),
+      stats_(stats),
+      loaded_(static_cast<size_t>(config.num_layers)),
+      stored_(static_cast<size_t>(config.num_layers), completed_event()) {
+  const Shape staging = {batch, config.num_heads, capacity, config.head_dim()};
+  const Shape store = {batch, config.num_heads, 1, config.head_dim()};
+  for (int p = 0; p < 2; ++p) {
+    staging_keys_[p] = Tensor::empty(staging, kv_dtype, device);
+    staging_values_[p] = Tensor::empty(staging, kv_dtype, device);
+    store_keys_[p] = Tensor::empty(store, kv_dtype, device);
+    store_values_[p] = Tensor::empty(store, kv_dtype, device);
+  }
+}
+
+OffloadedKv::~OffloadedKv() {
+  try {
+    engine_.synchronize();  // transfers still read our buffers
+  } catch (...) {
+    // The failure was already reported to the pass that caused it.
+  }
+}
+
+void OffloadedKv::begin_pass(int64_t n_new) {
+  KvStore::begin_pass(n_new);
+  stats_.begin_step(num_layers_, engine_.counters());
+  if (length() > 0) issue_load(0);  // decode: layer 0's KV starts moving before the embedding
+}
+
+void OffloadedKv::begin_layer(int64_t layer) {
+  // While this layer computes, the next layer's KV moves into the other staging buffer (which
+  // layer - 1 has finished reading: compute runs in order).
+  if (length() > 0 && layer + 1 < num_layers_) issue_load(layer + 1);
+}
+
+void OffloadedKv::issue_load(int64_t layer) {
+  const size_t p = static_cast<size_t>(layer % 2);
+  Tensor& keys = staging_keys_[p];
+  Tensor& values = staging_values_[p];
+  if (debug_poison()) {  // rows that the load does not bring must never be read
+    fill_nan(keys);
+    fill_nan(values);
+  }
+  std::vector<CopyChunk> chunks;
+  pool_.gather_chunks(layer, KvKind::Key, 0, length(), keys.raw(), capacity(), 0, &chunks);
+  pool_.gather_chunks(layer, KvKind::Value, 0, length(), values.raw(), capacity(), 0, &chunks);
+  const uint64_t bytes = chunk_bytes(chunks);
+  stats_.current().layers[static_cast<size_t>(layer)].kv_h2d_bytes += bytes;
+  stats_.current().h2d_bytes += bytes;
+  // The pool must hold the previous step's token of this layer before it is read.
+  loaded_[static_cast<size_t>(layer)] =
+      engine_.load(std::move(chunks), stored_[static_cast<size_t>(layer)]);
+}
+
+void OffloadedKv::append(int64_t layer, const Tensor& keys, const Tensor& values) {
+  const size_t p = static_cast<size_t>(layer % 2);
+  if (length() == 0) {
+    // Prefill: attention reads the fresh rows directly; staging[p] only carries them to the pool.
+    // It was last read by the store of layer - 2.
+    if (layer >= 2) stored_[static_cast<size_t>(layer - 2)]->wait();
+    ops::cache_store(keys, staging_keys_[p], 0);
+    ops::cache_store(values, staging_values_[p], 0);
+    issue_store(layer, staging_keys_[p], staging_values_[p], 0, pass_tokens());
+    return;
+  }
+  // Decode: the new row joins this step's staging (attention reads it) and goes to the pool from
+  // the store buffer, which the store of layer - 2 has finished reading.
+  ops::cache_store(keys, staging_keys_[p], length());
+  ops::cache_store(values, staging_values_[p], length());
+  if (layer >= 2) stored_[static_cast<size_t>(layer - 2)]->wait();
+  ops::cache_store(keys, store_keys_[p], 0);
+  ops::cache_store(values, store_values_[p], 0);
+  issue_store(layer, store_keys_[p], store_values_[p], 0, 1);
+}
+
+void OffloadedKv::issue_store(int64_t layer, const Tensor& keys, const Tensor& values, int64_t row0,
+                              int64_t n) {
+  std::vector<CopyChunk> chunks;
+  const int64_t src_capacity = keys.dim(2);
+  pool_.scatter_chunks(layer, KvKind::Key, keys.raw(), src_capacity, row0, length(), n, &chunks);
+  pool_.scatter_chunks(layer, KvKind::Value, values.raw(), src_capacity, row0, length(), n,
+                       &chunks);
+  const uint64_t bytes = chunk_bytes(chunks);
+  stats_.current().layers[static_cast<size_t>(layer)].kv_d2h_bytes += bytes;
+  stats_.current().d2h_bytes += bytes;
+  stored_[static_cast<size_t>(layer)] = engine_.store(std::move(chunks));
+}
+
+KvStore::View OffloadedKv::view(int64_t layer) {
+  const auto start = std::chrono::steady_clock::now();
+  loaded_[static_cast<size_t>(layer)]->wait();
+  const double waited =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  stats_.current().layers[static_cast<size_t>(layer)].load_wait_seconds += waited;
+  stats_.current().load_wait_seconds += waited;
+  const size_t p = static_cast<size_t>(layer % 2);
+  return {&staging_keys_[p], &staging_values_[p], length() + pass_tokens()};
+}
+
+void OffloadedKv::end_pass(int64_t n_new) {
+  if (length() == 0) {
+    // The prefill's stores read the staging buffers that the first decode loads overwrite.
+    engine_.store_stream().synchronize();
+  }
+  KvStore::end_pass(n_new);
+  stats_.end_step(engine_.counters());
+}
+
+ResidentKv::ResidentKv(const ModelConfig& config, int64_t batch, int64_t capacity, DType kv_dtype,
+                       Device device, TransferEngine& engine, OffloadStats& stats)
+    : KvCache(config, batch, capacity, kv_dtype, device),
+      num_layers_(config.num_layers),
+      engine_(engine),
+      stats_(stats) {}
+
+void ResidentKv::begin_pass(int64_t n_new) {
+  KvCache::begin_pass(n_new);
+  stats_.begin_step(num_layers_, engine_.counters());
+}
+
+void ResidentKv::end_pass(int64_t n_new) {
+  KvCache::end_pass(n_new);
+  stats_.end_step(engine_.counters());
+}
+
+}  // namespace infinigen

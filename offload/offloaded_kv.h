@@ -1,0 +1,68 @@
+// offload: the `full` policy (FlexGen): all KV in the host pool, each layer's whole KV loaded into
+// a device staging buffer while the previous layer computes.
+//
+// Device buffers: staging K and V (B, H, capacity, d) in the KV dtype, double-buffered by layer
+// parity: layer l's attention reads staging[l % 2] while layer l + 1's load fills the other.
+// The new token's K and V go into the staging row `length` (for this step's attention) and into
+// a small store buffer (B, H, 1, d), from which the store stream copies them to the pool.
+// Ordering, all by events (no device-wide synchronisation): the load of layer l waits for the
+// previous step's store of layer l; reusing a buffer waits for the transfer that last read it.
+#pragma once
+
+#include <array>
+#include <vector>
+
+#include "core/kv_cache.h"
+#include "offload/kv_pool.h"
+#include "offload/offload_stats.h"
+#include "offload/transfer_engine.h"
+
+namespace infinigen {
+
+class OffloadedKv : public KvStore {
+ public:
+  OffloadedKv(const ModelConfig& config, int64_t batch, int64_t capacity, DType kv_dtype,
+              Device device, int64_t block_tokens, TransferEngine& engine, OffloadStats& stats);
+  ~OffloadedKv() override;
+
+  void begin_pass(int64_t n_new) override;
+  void begin_layer(int64_t layer) override;
+  void append(int64_t layer, const Tensor& keys, const Tensor& values) override;
+  View view(int64_t layer) override;
+  void end_pass(int64_t n_new) override;
+
+  const KvPool& pool() const { return pool_; }
+
+ private:
+  void issue_load(int64_t layer);
+  // Stores rows [row0, row0 + n) of src K/V buffers (B, H, src_capacity, d) into the pool at
+  // tokens [length(), length() + n).
+  void issue_store(int64_t layer, const Tensor& keys, const Tensor& values, int64_t row0,
+                   int64_t n);
+
+  int64_t num_layers_;
+  KvPool pool_;
+  TransferEngine& engine_;
+  OffloadStats& stats_;
+  std::array<Tensor, 2> staging_keys_, staging_values_;  // (B, H, capacity, d) by layer parity
+  std::array<Tensor, 2> store_keys_, store_values_;      // (B, H, 1, d) by layer parity
+  std::vector<EventPtr> loaded_;                         // per layer: this step's load
+  std::vector<EventPtr> stored_;                         // per layer: latest store into the pool
+};
+
+// The `gpu` policy: every layer's KV resident on the device (only when it fits), with the same
+// per-step statistics as the offloading policies.
+class ResidentKv : public KvCache {
+ public:
+  ResidentKv(const ModelConfig& config, int64_t batch, int64_t capacity, DType kv_dtype,
+             Device device, TransferEngine& engine, OffloadStats& stats);
+  void begin_pass(int64_t n_new) override;
+  void end_pass(int64_t n_new) override;
+
+ private:
+  int64_t num_layers_;
+  TransferEngine& engine_;
+  OffloadStats& stats_;
+};
+
+}  // namespace infinigen

@@ -1,0 +1,86 @@
+// offload: the runtime's entry point.
+#include "offload/runtime.h"
+
+#include <algorithm>
+
+#include "offload/offloaded_kv.h"
+#include "offload/streamed_weights.h"
+#include "offload/weight_placement.h"
+
+namespace infinigen {
+
+KvPolicy parse_kv_policy(const std::string& name) {
+  if (name == "gpu") return KvPolicy::Gpu;
+  if (name == "full") return KvPolicy::Full;
+  fail("--policy: unknown policy '", name, "' (expected gpu or full)");
+}
+
+const char* kv_policy_name(KvPolicy policy) {
+  return policy == KvPolicy::Gpu ? "gpu" : "full";
+}
+
+OffloadRun run_offloaded(const ModelSource& source, const GenerationRequest& request,
+                         const OffloadOptions& options, Device device,
+                         const ProgressCallback& progress) {
+  const ModelConfig& config = source.config;
+  INFINIGEN_CHECK(!request.prompts.empty(), "--batch must be at least 1");
+  int64_t longest = 0;
+  for (const auto& prompt : request.prompts) {
+    longest = std::max<int64_t>(longest, static_cast<int64_t>(prompt.size()));
+  }
+  INFINIGEN_CHECK(longest + request.gen_len <= config.max_positions, "--gen-len ", request.gen_len,
+                  ": prompt (", longest, " tokens) plus generation exceeds the ",
+                  "model's context of ", config.max_positions, " positions");
+
+  MemoryRequest memory;
+  memory.config = config;
+  memory.batch = static_cast<int64_t>(request.prompts.size());
+  memory.prompt_len = longest;
+  memory.gen_len = request.gen_len;
+  memory.policy = options.policy;
+  memory.weights_gpu_percent = options.weights_gpu_percent;
+  memory.kv_dtype = request.kv_dtype;
+  memory.kv_block_tokens = options.kv_block_tokens;
+  // On the CPU backend device and pinned host memory come out of the same RAM: the host gets
+  // what the device part leaves (all of it when the device part alone cannot fit, so that the
+  // error names the device side).
+  const size_t available = available_host_memory();
+  const size_t device_needs = compute_memory_plan(memory).device_total();
+  memory.device_capacity = options.device_memory > 0 ? options.device_memory : available;
+  memory.host_capacity = available;
+  if (device == Device::Cpu && device_needs <= memory.device_capacity &&
+      device_needs <= available) {
+    memory.host_capacity = available - device_needs;
+  }
+  OffloadRun run;
+  run.plan = plan_memory(memory);
+
+  // Weights: load to the host, then place (FlexGen's per-tensor rule).
+  OptWeights weights = load_weights(source, Device::Cpu);
+  const std::vector<WeightHome> homes = place_weights(config, options.weights_gpu_percent);
+  TransferEngine engine(device, options.link);
+  std::vector<OptLayerWeights> layers = std::move(weights.layers);
+  weights.layers.clear();
+  for (Tensor* t : {&weights.embed_tokens, &weights.embed_positions, &weights.final_norm_weight,
+                    &weights.final_norm_bias}) {
+    if (t->device() != device) *t = t->to(device);
+  }
+  OptModel model(config, std::move(weights), device,
+                 std::make_unique<StreamedLayers>(config, std::move(layers), homes, device, engine,
+                                                  run.stats));
+  const KvStoreFactory make_store = [&](int64_t batch,
+                                        int64_t capacity) -> std::unique_ptr<KvStore> {
+    if (options.policy == KvPolicy::Gpu) {
+      return std::make_unique<ResidentKv>(config, batch, capacity, request.kv_dtype, device, engine,
+                                          run.stats);
+    }
+    return std::make_unique<OffloadedKv>(config, batch, capacity, request.kv_dtype, device,
+                                         options.kv_block_tokens, engine, run.stats);
+  };
+  run.result = generate(model, request, progress, make_store);
+  engine.synchronize();
+  run.totals = engine.counters();
+  return run;
+}
+
+}  // namespace infinigen

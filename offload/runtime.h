@@ -1,0 +1,40 @@
+// offload: a generation request run by the offloading runtime: the memory plan first, then the
+// weights placed between device and host, then the layer pipeline with the chosen KV policy.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+#include "core/generation.h"
+#include "core/model_loader.h"
+#include "offload/memory_planner.h"
+#include "offload/offload_stats.h"
+#include "offload/transfer_engine.h"
+
+namespace infinigen {
+
+struct OffloadOptions {
+  KvPolicy policy = KvPolicy::Full;
+  double weights_gpu_percent = 100.0;
+  LinkEmulation link;
+  int64_t kv_block_tokens = 128;
+  size_t device_memory = 0;  // bytes usable on the device; 0 = what the device has free
+};
+
+KvPolicy parse_kv_policy(const std::string& name);  // "gpu" | "full"
+const char* kv_policy_name(KvPolicy policy);
+
+struct OffloadRun {
+  GenerationResult result;
+  OffloadStats stats;
+  MemoryPlan plan;
+  TransferCounters totals;
+};
+
+// Plans memory for `request` (throws a one-line Error with a configuration that would fit when it
+// cannot), loads the weights with their placement, and generates.
+OffloadRun run_offloaded(const ModelSource& source, const GenerationRequest& request,
+                         const OffloadOptions& options, Device device,
+                         const ProgressCallback& progress = {});
+
+}  // namespace infinigen

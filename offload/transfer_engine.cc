@@ -1,0 +1,110 @@
+// offload: the transfer engine, one stream task per gather list, with optional link emulation.
+#include "offload/transfer_engine.h"
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <thread>
+#include <utility>
+
+#include "core/error.h"
+
+namespace infinigen {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// How long a real link would need for `bytes`: latency + bytes / bandwidth. The two terms are
+// independent so a latency-only or bandwidth-only link can be emulated.
+Clock::duration link_time(const LinkEmulation& link, uint64_t bytes) {
+  double seconds = link.latency_us * 1e-6;
+  if (link.gbps > 0.0) seconds += static_cast<double>(bytes) / (link.gbps * 1e9);
+  return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+}
+
+}  // namespace
+
+TransferEngine::TransferEngine(Device device, LinkEmulation link)
+    : device_(device),
+      link_(link),
+      load_stream_("load", Stream::Mode::Worker),
+      store_stream_("store", Stream::Mode::Worker) {
+  INFINIGEN_CHECK(std::isfinite(link.gbps) && link.gbps >= 0.0, "link emulation: bandwidth ",
+                  link.gbps, " GB/s is not a non-negative number");
+  INFINIGEN_CHECK(std::isfinite(link.latency_us) && link.latency_us >= 0.0,
+                  "link emulation: latency ", link.latency_us, " us is not a non-negative number");
+  // Fail here rather than inside the first copy task, where it would surface only at the next
+  // synchronize().
+  if (device == Device::Cuda && !cuda_compiled()) throw_cuda_not_compiled();
+}
+
+EventPtr TransferEngine::load(std::vector<CopyChunk> chunks, EventPtr after) {
+  return enqueue(load_stream_, std::move(chunks), std::move(after), true);
+}
+
+EventPtr TransferEngine::store(std::vector<CopyChunk> chunks, EventPtr after) {
+  return enqueue(store_stream_, std::move(chunks), std::move(after), false);
+}
+
+void TransferEngine::synchronize() {
+  // Both streams are drained before a failure of either is reported, so no copy is still
+  // running on a buffer the caller frees while handling the error.
+  std::exception_ptr failure;
+  for (Stream* stream : {&load_stream_, &store_stream_}) {
+    try {
+      stream->synchronize();
+    } catch (...) {
+      if (!failure) failure = std::current_exception();
+    }
+  }
+  if (failure) std::rethrow_exception(failure);
+}
+
+TransferCounters TransferEngine::counters() const {
+  std::lock_guard lock(counters_mutex_);
+  return counters_;
+}
+
+EventPtr TransferEngine::enqueue(Stream& stream, std::vector<CopyChunk> chunks, EventPtr after,
+                                 bool to_device) {
+  uint64_t bytes = 0;
+  for (const CopyChunk& chunk : chunks) {
+    INFINIGEN_CHECK(chunk.bytes == 0 || (chunk.dst != nullptr && chunk.src != nullptr),
+                    "transfer on stream '", stream.name(), "': a chunk of ", chunk.bytes,
+                    " bytes has a null pointer");
+    bytes += chunk.bytes;
+  }
+  if (after) stream.wait(std::move(after));
+  const Device dst_device = to_device ? device_ : Device::Cpu;
+  const Device src_device = to_device ? Device::Cpu : device_;
+  stream.enqueue([this, chunks = std::move(chunks), bytes, to_device, dst_device, src_device] {
+    // Emulation is measured from the task's own start, not from enqueue, so time spent queued
+    // behind other transfers or waiting on `after` is not counted as link time.
+    const Clock::time_point start = Clock::now();
+    for (const CopyChunk& chunk : chunks) {
+      if (chunk.bytes == 0) continue;
+      if (device_ == Device::Cpu) {
+        std::memcpy(chunk.dst, chunk.src, chunk.bytes);
+      } else {
+        device_copy(chunk.dst, dst_device, chunk.src, src_device, chunk.bytes);
+      }
+    }
+    if (link_.gbps > 0.0 || link_.latency_us > 0.0) {
+      std::this_thread::sleep_until(start + link_time(link_, bytes));
+    }
+    const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+    std::lock_guard lock(counters_mutex_);
+    if (to_device) {
+      counters_.h2d_bytes += bytes;
+      counters_.h2d_transfers += 1;
+      counters_.h2d_busy_seconds += seconds;
+    } else {
+      counters_.d2h_bytes += bytes;
+      counters_.d2h_transfers += 1;
+      counters_.d2h_busy_seconds += seconds;
+    }
+  });
+  return stream.record();
+}
+
+}  // namespace infinigen

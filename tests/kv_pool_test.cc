@@ -1,0 +1,242 @@
+// tests: the paged KV pool: scatter/gather round trips, chunk counts, row addresses, errors.
+#include "offload/kv_pool.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+
+namespace infinigen {
+namespace {
+
+void run(const std::vector<CopyChunk>& chunks) {
+  for (const CopyChunk& chunk : chunks) std::memcpy(chunk.dst, chunk.src, chunk.bytes);
+}
+
+// Blocks of bt tokens that [t0, t0 + n) touches.
+int64_t blocks_touched(int64_t t0, int64_t n, int64_t bt) {
+  return n == 0 ? 0 : (t0 + n - 1) / bt - t0 / bt + 1;
+}
+
+// A distinct 16-bit pattern per (layer, kind, b, h, t, i) so misplaced rows show up.
+uint16_t pattern(int64_t layer, KvKind kind, int64_t b, int64_t h, int64_t t, int64_t i) {
+  return static_cast<uint16_t>((((layer * 2 + static_cast<int64_t>(kind)) * 7 + b) * 5 + h) * 977 +
+                               t * 13 + i);
+}
+
+// A source buffer (B, H, capacity, d) of f16 bits whose rows [row0, row0 + n) hold tokens
+// [t0, t0 + n) of (layer, kind).
+// Other rows hold `fill`.
+std::vector<uint16_t> make_source(const KvPoolShape& s, int64_t layer, KvKind kind,
+                                  int64_t capacity, int64_t row0, int64_t t0, int64_t n,
+                                  uint16_t fill = 0xFFFF) {
+  std::vector<uint16_t> src(static_cast<size_t>(s.batch * s.num_heads * capacity * s.head_dim),
+                            fill);
+  for (int64_t b = 0; b < s.batch; ++b) {
+    for (int64_t h = 0; h < s.num_heads; ++h) {
+      for (int64_t j = 0; j < n; ++j) {
+        for (int64_t i = 0; i < s.head_dim; ++i) {
+          src[static_cast<size_t>(((b * s.num_heads + h) * capacity + row0 + j) * s.head_dim + i)] =
+              pattern(layer, kind, b, h, t0 + j, i);
+        }
+      }
+    }
+  }
+  return src;
+}
+
+void store(KvPool& pool, int64_t layer, KvKind kind, int64_t t0, int64_t n) {
+  const KvPoolShape& s = pool.shape();
+  // Rows start at 3 inside a larger buffer, as a device staging buffer would hold them.
+  const int64_t capacity = n + 5, row0 = 3;
+  const std::vector<uint16_t> src = make_source(s, layer, kind, capacity, row0, t0, n);
+  std::vector<CopyChunk> chunks;
+  pool.scatter_chunks(layer, kind, src.data(), capacity, row0, t0, n, &chunks);
+  EXPECT_EQ(static_cast<int64_t>(chunks.size()),
+            s.batch * s.num_heads * blocks_touched(t0, n, s.block_tokens));
+  run(chunks);
+}
+
+class KvPoolRoundTrip : public ::testing::TestWithParam<int64_t> {};
+
+TEST_P(KvPoolRoundTrip, ScatterThenGatherReturnsTheSameBytes) {
+  KvPoolShape s;
+  s.num_layers = 3;
+  s.batch = 2;
+  s.num_heads = 3;
+  s.head_dim = 8;
+  s.max_tokens = 150;
+  s.block_tokens = GetParam();
+  KvPool pool(s);
+  EXPECT_EQ(pool.num_blocks(), 0);
+  EXPECT_EQ(pool.allocated_bytes(), 0u);
+
+  // A prompt of 100 tokens, then 20 decoded one at a time, into every layer and both kinds.
+  for (int64_t layer = 0; layer < s.num_layers; ++layer) {
+    for (KvKind kind : {KvKind::Key, KvKind::Value}) {
+      store(pool, layer, kind, 0, 100);
+      for (int64_t t = 100; t < 120; ++t) store(pool, layer, kind, t, 1);
+    }
+  }
+  const int64_t bt = s.block_tokens;
+  EXPECT_EQ(pool.num_blocks(), (120 + bt - 1) / bt);
+  EXPECT_EQ(pool.allocated_bytes(), static_cast<size_t>(pool.num_blocks() * 2 * s.num_layers *
+                                                        s.batch * s.num_heads * bt * s.head_dim) *
+                                        2);
+
+  // Ranges that start and end inside blocks, on block edges, and hold a single token.
+  const std::vector<std::pair<int64_t, int64_t>> ranges = {
+      {0, 120}, {5, 107}, {63, 65}, {64, 120}, {119, 120}, {7, 14}, {30, 30}};
+  for (const auto& [t0, t1] : ranges) {
+    for (int64_t layer = 0; layer < s.num_layers; ++layer) {
+      for (KvKind kind : {KvKind::Key, KvKind::Value}) {
+        const int64_t capacity = t1 - t0 + 9, row0 = 4;
+        std::vector<uint16_t> dst(
+            static_cast<size_t>(s.batch * s.num_heads * capacity * s.head_dim), 0xABCD);
+        std::vector<CopyChunk> chunks;
+        pool.gather_chunks(layer, kind, t0, t1, dst.data(), capacity, row0, &chunks);
+        ASSERT_EQ(static_cast<int64_t>(chunks.size()),
+                  s.batch * s.num_heads * blocks_touched(t0, t1 - t0, bt))
+            << "range [" << t0 << ", " << t1 << ")";
+        run(chunks);
+        // Rows outside [row0, row0 + n) are untouched by the gather.
+        const std::vector<uint16_t> want =
+            make_source(s, layer, kind, capacity, row0, t0, t1 - t0, 0xABCD);
+        ASSERT_EQ(dst, want) << "layer " << layer << " range [" << t0 << ", " << t1 << ")";
+
+        // row() points at the same bytes the gather copied.
+        for (int64_t b = 0; b < s.batch; ++b) {
+          for (int64_t h = 0; h < s.num_heads; ++h) {
+            for (int64_t t = t0; t < t1; ++t) {
+              const uint16_t* got = &dst[static_cast<size_t>(
+                  ((b * s.num_heads + h) * capacity + row0 + t - t0) * s.head_dim)];
+              ASSERT_EQ(std::memcmp(pool.row(layer, kind, b, h, t), got,
+                                    static_cast<size_t>(s.head_dim) * 2),
+                        0);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(BlockSizes, KvPoolRoundTrip, ::testing::Values(1, 7, 64));
+
+TEST(KvPool, ChunksAreContiguousRunsInsideBlocks) {
+  KvPoolShape s;
+  s.num_layers = 1;
+  s.batch = 2;
+  s.num_heads = 2;
+  s.head_dim = 4;
+  s.max_tokens = 40;
+  s.block_tokens = 8;
+  s.dtype = DType::F32;
+  KvPool pool(s);
+  pool.reserve(40);
+  std::vector<float> dst(static_cast<size_t>(2 * 2 * 30 * 4));
+  std::vector<CopyChunk> chunks;
+  pool.gather_chunks(0, KvKind::Value, 5, 27, dst.data(), 30, 0, &chunks);
+  // Blocks touched: [5, 8), [8, 16), [16, 24), [24, 27) for each of the 4 (sequence, head).
+  ASSERT_EQ(chunks.size(), 16u);
+  const size_t row_bytes = 4 * sizeof(float);
+  const size_t runs[] = {3, 8, 8, 3};
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const int64_t bh = static_cast<int64_t>(i / 4);
+    EXPECT_EQ(chunks[i].bytes, runs[i % 4] * row_bytes);
+    const int64_t t = i % 4 == 0 ? 5 : static_cast<int64_t>(8 * (i % 4));
+    EXPECT_EQ(chunks[i].src, pool.row(0, KvKind::Value, bh / 2, bh % 2, t));
+    EXPECT_EQ(chunks[i].dst, &dst[static_cast<size_t>((bh * 30 + t - 5) * 4)]);
+  }
+  // Chunks are appended, so K and V of a layer can form one transfer.
+  pool.gather_chunks(0, KvKind::Key, 0, 8, dst.data(), 30, 0, &chunks);
+  EXPECT_EQ(chunks.size(), 20u);
+  // K and V, and different layers, live in different memory.
+  EXPECT_NE(pool.row(0, KvKind::Key, 0, 0, 0), pool.row(0, KvKind::Value, 0, 0, 0));
+}
+
+TEST(KvPool, CapacityBytesRoundsUpToWholeBlocks) {
+  KvPoolShape s;
+  s.num_layers = 3;
+  s.batch = 2;
+  s.num_heads = 4;
+  s.head_dim = 8;
+  s.max_tokens = 100;
+  s.block_tokens = 64;
+  // 2 (K, V) * L * B * H * 128 tokens * d * 2 bytes.
+  EXPECT_EQ(KvPool::capacity_bytes(s), 2u * 3 * 2 * 4 * 128 * 8 * 2);
+  s.block_tokens = 1;
+  EXPECT_EQ(KvPool::capacity_bytes(s), 2u * 3 * 2 * 4 * 100 * 8 * 2);
+  s.block_tokens = 7;  // 15 blocks = 105 tokens
+  s.dtype = DType::F32;
+  EXPECT_EQ(KvPool::capacity_bytes(s), 2u * 3 * 2 * 4 * 105 * 8 * 4);
+
+  KvPool pool(s);
+  pool.reserve(s.max_tokens);
+  EXPECT_EQ(pool.allocated_bytes(), KvPool::capacity_bytes(s));
+  pool.reserve(10);  // never shrinks
+  EXPECT_EQ(pool.num_blocks(), 15);
+}
+
+TEST(KvPool, BadRangesThrowOneLineErrors) {
+  KvPoolShape s;
+  s.num_layers = 2;
+  s.batch = 1;
+  s.num_heads = 2;
+  s.head_dim = 4;
+  s.max_tokens = 20;
+  s.block_tokens = 8;
+  KvPool pool(s);
+  std::vector<uint16_t> buffer(2 * 32 * 4);
+  std::vector<CopyChunk> chunks;
+  auto expect_error = [](auto&& call, const std::string& needle) {
+    try {
+      call();
+      ADD_FAILURE() << "no error; expected one containing '" << needle << "'";
+    } catch (const Error& error) {
+      const std::string message = error.what();
+      EXPECT_NE(message.find(needle), std::string::npos) << message;
+      EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+    }
+  };
+  expect_error([&] { pool.reserve(21); }, "max_tokens 20");
+  expect_error([&] { pool.scatter_chunks(0, KvKind::Key, buffer.data(), 32, 0, 15, 6, &chunks); },
+               "beyond max_tokens 20");
+  expect_error([&] { pool.scatter_chunks(2, KvKind::Key, buffer.data(), 32, 0, 0, 4, &chunks); },
+               "layer 2 out of range");
+  expect_error([&] { pool.scatter_chunks(-1, KvKind::Key, buffer.data(), 32, 0, 0, 4, &chunks); },
+               "layer -1 out of range");
+  expect_error([&] { pool.scatter_chunks(0, KvKind::Key, buffer.data(), 10, 8, 0, 4, &chunks); },
+               "source capacity 10");
+  expect_error([&] { pool.scatter_chunks(0, KvKind::Key, buffer.data(), 32, 0, 0, -1, &chunks); },
+               "invalid K store");
+  EXPECT_TRUE(chunks.empty());
+  EXPECT_EQ(pool.num_blocks(), 0);  // failed stores reserve nothing
+
+  pool.scatter_chunks(1, KvKind::Value, buffer.data(), 32, 0, 0, 12, &chunks);
+  EXPECT_EQ(pool.num_blocks(), 2);
+  chunks.clear();
+  expect_error([&] { pool.gather_chunks(0, KvKind::Key, 5, 3, buffer.data(), 32, 0, &chunks); },
+               "invalid K token range [5, 3)");
+  expect_error([&] { pool.gather_chunks(0, KvKind::Key, 0, 21, buffer.data(), 32, 0, &chunks); },
+               "beyond max_tokens 20");
+  expect_error([&] { pool.gather_chunks(0, KvKind::Key, 0, 17, buffer.data(), 32, 0, &chunks); },
+               "beyond the 16 reserved tokens");
+  expect_error([&] { pool.gather_chunks(5, KvKind::Value, 0, 4, buffer.data(), 32, 0, &chunks); },
+               "layer 5 out of range");
+  expect_error([&] { pool.gather_chunks(0, KvKind::Value, 0, 12, buffer.data(), 14, 3, &chunks); },
+               "destination capacity 14");
+  expect_error([&] { pool.row(0, KvKind::Key, 0, 0, 16); }, "token 16 is not reserved");
+  expect_error([&] { pool.row(0, KvKind::Key, 1, 0, 0); }, "sequence 1 head 0 out of range");
+  EXPECT_TRUE(chunks.empty());
+
+  KvPoolShape bad = s;
+  bad.block_tokens = 0;
+  expect_error([&] { KvPool pool2(bad); }, "invalid shape");
+}
+
+}  // namespace
+}  // namespace infinigen

@@ -1,0 +1,350 @@
+// tests: weight placement and the memory planner: byte counts, failures and their suggestions.
+#include "offload/memory_planner.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "offload/weight_placement.h"
+
+namespace infinigen {
+namespace {
+
+constexpr size_t kGiB = size_t{1} << 30;
+
+// OPT-13B, batch 20, 1920 prompt + 128 generated (the paper's main setting).
+MemoryRequest opt13b_request() {
+  MemoryRequest r;
+  r.config = load_preset("opt-13b");
+  r.batch = 20;
+  r.prompt_len = 1920;
+  r.gen_len = 128;
+  r.policy = KvPolicy::Full;
+  r.weights_gpu_percent = 100;
+  r.device_capacity = 48 * kGiB;
+  r.host_capacity = 256 * kGiB;
+  return r;
+}
+
+// Group of a tensor as the placement rule sees it: its layer, or -1 for the embeddings group.
+int64_t group_of(const std::string& name) {
+  const std::string layers = "model.decoder.layers.";
+  if (name.rfind(layers, 0) != 0) return -1;
+  return std::stoll(name.substr(layers.size()));
+}
+
+std::string plan_error(const MemoryRequest& request) {
+  try {
+    plan_memory(request);
+  } catch (const Error& error) {
+    return error.what();
+  }
+  return "";
+}
+
+// Applies the flags after "try " in a failure message to `request`.
+MemoryRequest apply_suggestion(MemoryRequest request, const std::string& message) {
+  const size_t at = message.find("; try ");
+  EXPECT_NE(at, std::string::npos) << message;
+  if (at == std::string::npos) return request;
+  std::istringstream flags(message.substr(at + 6));
+  std::string flag, value;
+  while (flags >> flag >> value) {
+    if (flag == "--batch") {
+      request.batch = std::stoll(value);
+    } else if (flag == "--weights-gpu-percent") {
+      request.weights_gpu_percent = std::stod(value);
+    } else if (flag == "--policy") {
+      EXPECT_TRUE(value == "full" || value == "gpu") << message;
+      request.policy = value == "gpu" ? KvPolicy::Gpu : KvPolicy::Full;
+    } else {
+      ADD_FAILURE() << "unknown flag " << flag << " in: " << message;
+    }
+  }
+  return request;
+}
+
+std::string gib1(size_t bytes) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.1f", static_cast<double>(bytes) / static_cast<double>(kGiB));
+  return text;
+}
+
+TEST(WeightPlacement, AllNoneAndHalf) {
+  const ModelConfig config = load_preset("opt-13b");
+  size_t total = 0;
+  for (const WeightHome& home : place_weights(config, 100)) {
+    EXPECT_TRUE(home.on_device) << home.name;
+    total += home.bytes;
+  }
+  EXPECT_EQ(total, config.weight_bytes());
+  // Embeddings, positions and the final LayerNorm stay on the device whatever the percent.
+  for (const WeightHome& home : place_weights(config, 0)) {
+    EXPECT_EQ(home.on_device, group_of(home.name) < 0) << home.name;
+  }
+
+  // The midpoint rule misses the target share of a group by at most half of one tensor.
+  for (double percent : {50.0, 30.0, 85.0}) {
+    std::map<int64_t, size_t> group_total, group_device, group_largest;
+    const std::vector<WeightHome> homes = place_weights(config, percent);
+    ASSERT_EQ(homes.size(), 4 + 16 * static_cast<size_t>(config.num_layers));
+    for (const WeightHome& home : homes) {
+      const int64_t group = group_of(home.name);
+      group_total[group] += home.bytes;
+      if (home.on_device) group_device[group] += home.bytes;
+      group_largest[group] = std::max(group_largest[group], home.bytes);
+    }
+    EXPECT_EQ(group_total.size(), static_cast<size_t>(config.num_layers) + 1);
+    for (const auto& [group, bytes] : group_total) {
+      if (group < 0) {
+        EXPECT_EQ(group_device[group], bytes);
+        continue;
+      }
+      const double target = percent / 100.0 * static_cast<double>(bytes);
+      EXPECT_LE(std::abs(static_cast<double>(group_device[group]) - target),
+                0.5 * static_cast<double>(group_largest[group]))
+          << "group " << group << " at " << percent << "%";
+    }
+  }
+}
+
+TEST(WeightPlacement, MidpointRuleOnATinyModel) {
+  ModelConfig c;
+  c.name = "tiny";
+  c.hidden_size = 4;
+  c.num_heads = 2;
+  c.ffn_dim = 8;
+  c.vocab_size = 16;
+  c.max_positions = 6;
+  c.num_layers = 1;
+  c.dtype = DType::F32;
+  // Layer elements in order (offsets): q.w 16 [0, 16), q.b 4 [16, 20), k.w 16 [20, 36),
+  // k.b 4 [36, 40), v.w 16 [40, 56), v.b 4, out.w 16, out.b 4 [76, 80), ln.w 4 [80, 84),
+  // ln.b 4 [84, 88), fc1.w 32, fc1.b 8, fc2.w 32, fc2.b 4, ln.w 4, ln.b 4: 172 in all.
+  // Embeddings group: embed_tokens 64 [0, 64), positions 32 [64, 96), final ln 4 + 4: 104.
+  auto on_device = [&](double percent) {
+    std::vector<std::string> names;
+    for (const WeightHome& home : place_weights(c, percent)) {
+      const std::string name = home.name.substr(std::string("model.decoder.").size());
+      if (!name.starts_with("layers.")) {
+        EXPECT_TRUE(home.on_device) << name;  // embeddings and final LayerNorm: always
+      } else if (home.on_device) {
+        names.push_back(name);
+      }
+    }
+    return names;
+  };
+  // 25%: layer limit 43 elements, so v.w (midpoint 48) is the first on the host.
+  EXPECT_EQ(on_device(25), (std::vector<std::string>{
+                               "layers.0.self_attn.q_proj.weight",
+                               "layers.0.self_attn.q_proj.bias",
+                               "layers.0.self_attn.k_proj.weight",
+                               "layers.0.self_attn.k_proj.bias",
+                           }));
+  // 50%: layer limit 86: self_attn_layer_norm.weight (midpoint 82) stays, its bias (midpoint
+  // exactly 86) does not.
+  EXPECT_EQ(on_device(50), (std::vector<std::string>{
+                               "layers.0.self_attn.q_proj.weight",
+                               "layers.0.self_attn.q_proj.bias",
+                               "layers.0.self_attn.k_proj.weight",
+                               "layers.0.self_attn.k_proj.bias",
+                               "layers.0.self_attn.v_proj.weight",
+                               "layers.0.self_attn.v_proj.bias",
+                               "layers.0.self_attn.out_proj.weight",
+                               "layers.0.self_attn.out_proj.bias",
+                               "layers.0.self_attn_layer_norm.weight",
+                           }));
+  const std::vector<WeightHome> homes = place_weights(c, 50);
+  EXPECT_EQ(homes[0].bytes, 64u * 4);
+  EXPECT_EQ(homes.back().name, "model.decoder.final_layer_norm.bias");
+}
+
+TEST(WeightPlacement, PercentOutOfRangeNamesTheFlag) {
+  const ModelConfig config = load_preset("opt-125m");
+  for (double percent : {-1.0, 100.5, std::nan("")}) {
+    try {
+      place_weights(config, percent);
+      ADD_FAILURE() << "no error for " << percent;
+    } catch (const Error& error) {
+      EXPECT_NE(std::string(error.what()).find("--weights-gpu-percent"), std::string::npos);
+    }
+  }
+}
+
+TEST(MemoryPlanner, Opt13bByteCountsMatchTheFormulas) {
+  const MemoryRequest r = opt13b_request();
+  const MemoryPlan plan = compute_memory_plan(r);
+  // D 5120, F 20480, V 50272, 2050 position rows, L 40, fp16 weights.
+  // Per layer: 4 * (D*D + D) + 2*D*F + F + D + 4*D = 314,639,360 parameters.
+  const size_t params = 40 * size_t{314639360} + 50272 * 5120 + 2050 * 5120 + 2 * 5120;
+  EXPECT_EQ(params * 2, 25706946560u);
+  EXPECT_EQ(plan.device_weights, 25706946560u);
+  EXPECT_EQ(plan.device_weight_staging, 0u);
+  EXPECT_EQ(plan.host_weights, 0u);
+  // Full policy: K and V of one layer, double-buffered: 2 * 2 * B * H * 2048 * d * 2.
+  EXPECT_EQ(plan.device_kv, 2u * 2 * 20 * 40 * 2048 * 128 * 2);
+  EXPECT_EQ(plan.device_kv, 1677721600u);
+  // The pool: 2 * L * B * 2048 * D * 2 bytes (2048 is a whole number of 64-token blocks).
+  EXPECT_EQ(plan.host_kv_pool, 33554432000u);
+  EXPECT_EQ(plan.host_kv_pool, 2048 * 20 * r.config.kv_bytes_per_token(DType::F16));
+  // Prefill activations, fp32: 6 * B*n*D + B*n*F + B*V + 64*n*16 scores, n = 1920.
+  EXPECT_EQ(plan.device_activations, size_t{4718592000} + size_t{3145728000} + 4021760 + 7864320);
+  EXPECT_EQ(plan.device_total(), 25706946560u + 1677721600u + 7876206080u);
+  EXPECT_EQ(plan.host_total(), 33554432000u);
+
+  const std::string table = plan.describe();
+  EXPECT_NE(table.find("KV cache"), std::string::npos) << table;
+  EXPECT_NE(table.find("31.25 GiB"), std::string::npos) << table;  // the pool
+  EXPECT_NE(table.find("23.94 GiB"), std::string::npos) << table;  // the weights
+  EXPECT_GE(std::count(table.begin(), table.end(), '\n'), 5);
+}
+
+TEST(MemoryPlanner, GpuPolicyNeedsTheWholeKvOnTheDevice) {
+  MemoryRequest r = opt13b_request();
+  r.policy = KvPolicy::Gpu;
+  const MemoryPlan plan = compute_memory_plan(r);
+  EXPECT_EQ(plan.device_kv, 33554432000u);
+  EXPECT_EQ(plan.host_kv_pool, 0u);
+  EXPECT_EQ(plan.host_total(), 0u);
+}
+
+TEST(MemoryPlanner, HalfTheWeightsOnTheHostNeedStagingForTwoLayers) {
+  MemoryRequest r = opt13b_request();
+  r.weights_gpu_percent = 50;
+  const MemoryPlan plan = compute_memory_plan(r);
+  // Per layer the midpoint rule keeps attention and fc1.weight (midpoint 157,317,120 of
+  // 314,639,360 parameters); fc1.bias, fc2 and the final LayerNorm (F + D*F + D + 2*D) go to the
+  // host. Embeddings, positions and the final norm always stay on the device.
+  const size_t D = 5120, F = 20480;
+  const size_t layer_host = (F + D * F + D + 2 * D) * 2;
+  EXPECT_EQ(plan.host_weights, 40 * layer_host);
+  EXPECT_EQ(plan.device_weights + plan.host_weights, 25706946560u);
+  EXPECT_EQ(plan.device_weight_staging, 2 * layer_host);
+  EXPECT_EQ(plan.host_total(), plan.host_weights + 33554432000u);
+}
+
+TEST(MemoryPlanner, FittingPlanIsReturned) {
+  const MemoryRequest r = opt13b_request();
+  const MemoryPlan plan = plan_memory(r);
+  EXPECT_EQ(plan.device_total(), compute_memory_plan(r).device_total());
+}
+
+TEST(MemoryPlanner, SmallerBatchIsSuggestedAndFits) {
+  MemoryRequest r = opt13b_request();
+  r.device_capacity = 30 * kGiB;
+  const MemoryPlan plan = compute_memory_plan(r);
+  const std::string message = plan_error(r);
+  EXPECT_EQ(message.find('\n'), std::string::npos);
+  EXPECT_EQ(message.rfind("plan does not fit: the device needs " + gib1(plan.device_total()) +
+                              " GiB (weights " + gib1(plan.device_weights) + ", KV " +
+                              gib1(plan.device_kv) + ", activations " +
+                              gib1(plan.device_activations) + ") but has 30.0 GiB; try --batch ",
+                          0),
+            0u)
+      << message;
+  const MemoryRequest fixed = apply_suggestion(r, message);
+  EXPECT_LT(fixed.batch, r.batch);
+  EXPECT_NO_THROW(plan_memory(fixed));
+  MemoryRequest one_more = fixed;
+  one_more.batch += 1;
+  EXPECT_THROW(plan_memory(one_more), Error);  // the largest batch that fits
+}
+
+TEST(MemoryPlanner, WeightsOffTheDeviceWhenEvenBatchOneDoesNotFit) {
+  MemoryRequest r = opt13b_request();
+  r.device_capacity = 24 * kGiB;  // the weights alone are 23.9 GiB
+  const std::string message = plan_error(r);
+  EXPECT_NE(message.find("but has 24.0 GiB; try --weights-gpu-percent "), std::string::npos)
+      << message;
+  const MemoryRequest fixed = apply_suggestion(r, message);
+  EXPECT_LT(fixed.weights_gpu_percent, 100);
+  EXPECT_NO_THROW(plan_memory(fixed)) << message;
+  MemoryRequest more = fixed;
+  more.weights_gpu_percent += 5;
+  if (more.batch == r.batch) {
+    EXPECT_THROW(plan_memory(more), Error);  // the largest share that fits
+  }
+}
+
+TEST(MemoryPlanner, GpuPolicySuggestsOffloadingTheKv) {
+  MemoryRequest r = opt13b_request();
+  r.policy = KvPolicy::Gpu;
+  r.batch = 40;  // the KV alone is 62.5 GiB; a smaller batch still fits with the gpu policy
+  std::string message = plan_error(r);
+  EXPECT_NE(message.find("KV 62.5"), std::string::npos) << message;
+  EXPECT_NE(message.find("; try --batch 12"), std::string::npos) << message;
+  EXPECT_NO_THROW(plan_memory(apply_suggestion(r, message))) << message;
+
+  // Even one sequence does not fit (23.9 GiB weights + 1.6 GiB KV + activations): offload the KV
+  // and move some weights to the host.
+  r.batch = 20;
+  r.device_capacity = 25 * kGiB;
+  message = plan_error(r);
+  EXPECT_NE(message.find("; try --policy full --weights-gpu-percent "), std::string::npos)
+      << message;
+  const MemoryRequest fixed = apply_suggestion(r, message);
+  EXPECT_EQ(fixed.batch, 20);
+  EXPECT_NO_THROW(plan_memory(fixed)) << message;
+}
+
+TEST(MemoryPlanner, HostShortfallSaysNeededAndAvailable) {
+  MemoryRequest r = opt13b_request();
+  r.host_capacity = 16 * kGiB;  // the pool is 31.25 GiB, 1.5625 GiB per sequence
+  const std::string message = plan_error(r);
+  EXPECT_EQ(message,
+            "plan does not fit: the host needs 31.2 GiB of pinned memory (weights 0.0, KV pool "
+            "31.2) but has 16.0 GiB available; try --batch 10");
+  EXPECT_NO_THROW(plan_memory(apply_suggestion(r, message)));
+}
+
+TEST(MemoryPlanner, NothingFitsSaysSo) {
+  MemoryRequest r = opt13b_request();
+  r.device_capacity = kGiB / 2;
+  const std::string message = plan_error(r);
+  EXPECT_NE(message.find("the device needs"), std::string::npos) << message;
+  EXPECT_EQ(message.find("try "), std::string::npos) << message;
+  EXPECT_NE(message.find("no smaller batch"), std::string::npos) << message;
+}
+
+TEST(MemoryPlanner, EverySuggestionFits) {
+  for (KvPolicy policy : {KvPolicy::Gpu, KvPolicy::Full}) {
+    for (size_t device_gib : {2, 8, 16, 24, 40, 80}) {
+      for (size_t host_gib : {4, 16, 64}) {
+        for (int64_t batch : {1, 8, 64}) {
+          for (double percent : {100.0, 37.0, 0.0}) {
+            MemoryRequest r = opt13b_request();
+            r.config = load_preset("opt-6.7b");
+            r.policy = policy;
+            r.batch = batch;
+            r.weights_gpu_percent = percent;
+            r.device_capacity = device_gib * kGiB;
+            r.host_capacity = host_gib * kGiB;
+            const std::string message = plan_error(r);
+            if (message.empty() || message.find("; try ") == std::string::npos) continue;
+            EXPECT_EQ(message.find('\n'), std::string::npos);
+            EXPECT_NO_THROW(plan_memory(apply_suggestion(r, message))) << message;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(MemoryPlanner, BadRequestsThrow) {
+  MemoryRequest r = opt13b_request();
+  r.batch = 0;
+  EXPECT_THROW(compute_memory_plan(r), Error);
+  r = opt13b_request();
+  r.weights_gpu_percent = 120;
+  EXPECT_THROW(compute_memory_plan(r), Error);
+}
+
+}  // namespace
+}  // namespace infinigen

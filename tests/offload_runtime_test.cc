@@ -1,0 +1,124 @@
+// tests: the offloading runtime against the non-offloaded engine: same tokens for every policy and
+// weight placement, bytes moved equal to the formulas, and no read of untransferred KV (NaN mode).
+#include <gtest/gtest.h>
+
+#include "core/generation.h"
+#include "offload/runtime.h"
+#include "tests/test_util.h"
+
+namespace infinigen {
+namespace {
+
+class OffloadRuntime : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    source_ = resolve_model("opt-tiny", {});
+    request_.prompts = {
+        {2, 10, 11, 12, 13}, {2, 500, 600, 700, 800, 900, 1000, 1100, 1200}, {2, 7, 8}};
+    request_.gen_len = 6;
+  }
+  void TearDown() override { set_debug_poison(false); }
+
+  // Tokens of the non-offloaded engine (resident weights and KV cache).
+  std::vector<std::vector<int32_t>> reference_tokens(DType kv_dtype) {
+    OptModel model(source_.config, load_weights(source_, Device::Cpu), Device::Cpu);
+    GenerationRequest request = request_;
+    request.kv_dtype = kv_dtype;
+    return generate(model, request).tokens;
+  }
+
+  OffloadRun run(KvPolicy policy, double weights_gpu_percent, DType kv_dtype = DType::F16) {
+    OffloadOptions options;
+    options.policy = policy;
+    options.weights_gpu_percent = weights_gpu_percent;
+    options.kv_block_tokens = 4;  // several blocks per sequence
+    GenerationRequest request = request_;
+    request.kv_dtype = kv_dtype;
+    return run_offloaded(source_, request, options, Device::Cpu);
+  }
+
+  ModelSource source_;
+  GenerationRequest request_;
+};
+
+TEST_F(OffloadRuntime, EveryPolicyAndPlacementGivesTheEngineTokens) {
+  for (DType kv : {DType::F16, DType::F32}) {
+    const auto expected = reference_tokens(kv);
+    for (KvPolicy policy : {KvPolicy::Full, KvPolicy::Gpu}) {
+      for (double percent : {100.0, 50.0, 0.0}) {
+        EXPECT_EQ(run(policy, percent, kv).result.tokens, expected)
+            << kv_policy_name(policy) << " " << percent << "% " << dtype_name(kv);
+      }
+    }
+  }
+}
+
+TEST_F(OffloadRuntime, FullPolicyMovesExactlyTheFormulaBytes) {
+  const ModelConfig& c = source_.config;
+  const uint64_t L = c.num_layers, B = request_.prompts.size(), H = c.num_heads, d = c.head_dim();
+  const uint64_t prompt = 9;  // the longest prompt, padding included
+  const OffloadRun r = run(KvPolicy::Full, 100.0);
+  const auto& steps = r.stats.steps();
+  ASSERT_EQ(steps.size(), static_cast<size_t>(request_.gen_len));
+  EXPECT_EQ(steps[0].h2d_bytes, 0u);
+  EXPECT_EQ(steps[0].d2h_bytes, 2 * L * B * prompt * H * d * 2);  // the prompt's KV, once
+  for (size_t i = 1; i < steps.size(); ++i) {
+    const uint64_t n = prompt + i - 1;  // tokens in the pool when decode step i starts
+    EXPECT_EQ(steps[i].h2d_bytes, 2 * L * B * n * H * d * 2) << "step " << i;
+    EXPECT_EQ(steps[i].d2h_bytes, 2 * L * B * 1 * H * d * 2) << "step " << i;
+    for (const LayerTraffic& layer : steps[i].layers) {
+      EXPECT_EQ(layer.kv_h2d_bytes, 2 * B * n * H * d * 2);
+      EXPECT_EQ(layer.weight_h2d_bytes, 0u);
+    }
+  }
+  uint64_t total_h2d = 0;
+  for (const StepStats& s : steps) total_h2d += s.h2d_bytes;
+  EXPECT_EQ(r.totals.h2d_bytes, total_h2d);
+}
+
+TEST_F(OffloadRuntime, GpuPolicyMovesNoKvAndStreamedWeightsAreCounted) {
+  const OffloadRun resident = run(KvPolicy::Gpu, 100.0);
+  EXPECT_EQ(resident.totals.h2d_bytes, 0u);
+  EXPECT_EQ(resident.totals.d2h_bytes, 0u);
+  // With every weight on the host, each decode step loads every layer's weights once (with more
+  // layers than the two staging buffers; two layers would simply stay staged).
+  for (int64_t layers : {4, 5}) {
+    source_.config.num_layers = layers;
+    const OffloadRun streamed = run(KvPolicy::Gpu, 0.0);
+    const ModelConfig& c = source_.config;
+    const uint64_t D = c.hidden_size, F = c.ffn_dim;
+    const uint64_t matrices = (4 * D * D + 2 * D * F) * 2;  // fp16
+    const uint64_t vectors = (4 * D + F + D + 4 * D) * 4;   // biases and LayerNorms, fp32
+    const auto& steps = streamed.stats.steps();
+    for (size_t i = 1; i < steps.size(); ++i) {
+      uint64_t weights = 0;
+      for (const LayerTraffic& layer : steps[i].layers) weights += layer.weight_h2d_bytes;
+      EXPECT_EQ(weights, static_cast<uint64_t>(layers) * (matrices + vectors))
+          << layers << " layers, step " << i;
+    }
+  }
+}
+
+TEST_F(OffloadRuntime, NothingReadsKvThatWasNotTransferred) {
+  set_debug_poison(true);  // every staging buffer is NaN until a transfer fills it
+  const auto expected = reference_tokens(DType::F16);
+  EXPECT_EQ(run(KvPolicy::Full, 100.0).result.tokens, expected);
+  EXPECT_EQ(run(KvPolicy::Full, 0.0).result.tokens, expected);
+}
+
+TEST_F(OffloadRuntime, PlansThatCannotFitAreRefusedBeforeAllocating) {
+  OffloadOptions options;
+  options.policy = KvPolicy::Gpu;
+  options.device_memory = 64 * 1024;  // 64 KiB of "device" memory
+  try {
+    run_offloaded(source_, request_, options, Device::Cpu);
+    FAIL() << "expected the plan to be refused";
+  } catch (const Error& e) {
+    const std::string message = e.what();
+    EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+    EXPECT_NE(message.find("does not fit"), std::string::npos) << message;
+  }
+}
+
+}  // namespace
+}  // namespace infinigen
