@@ -16,7 +16,7 @@ namespace {
 namespace fs = std::filesystem;
 
 // Bumped whenever the generator or the built-in preset changes, so stale caches are not reused.
-constexpr const char* kBuiltinVersion = "builtin-v2";
+constexpr const char* kBuiltinVersion = "builtin-v3";
 
 std::string gib(size_t bytes) {
   std::ostringstream out;

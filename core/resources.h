@@ -1,4 +1,5 @@
-// core: files from configs/ compiled into the binary (model presets, the bundled tokenizer).
+// core: files from configs/ compiled into the binary (model presets, the bundled tokenizer and
+// its corpus).
 #pragma once
 
 #include <optional>

@@ -80,20 +80,35 @@ class Generator {
       outliers_.push_back(keyed[i].second);
       outlier_signs_.push_back(pick(static_cast<uint64_t>(D + i)) >= 0 ? 1.0f : -1.0f);
     }
-    // Typical channel std of the residual stream entering each layer. Each layer adds an
-    // update of roughly independent variance: the FFN's fc2(relu(fc1(x))) with x of unit mean
-    // square gives w^2 F (w^2 D / 2); attention's out_proj(avg of v) about w^2 D (w^2 D / 2).
+    // Typical channel std of the residual stream entering each layer. Each layer adds an update
+    // of std residual_update_ratio times the stream's (so consecutive layers see similar inputs,
+    // as in trained models: what lets layer l - 1 speculate layer l's attention). With x of unit
+    // mean square, the FFN's fc2(relu(fc1(x))) has variance s^2 w^2 F (w^2 D / 2) and attention's
+    // out_proj(average of v) about s^2 w^2 D (w^2 D / 2), s scaling fc2 and out_proj.
     const double w2 = static_cast<double>(o_.weight_std) * o_.weight_std;
-    const double update = w2 * c_.ffn_dim * (w2 * D / 2) + w2 * D * (w2 * D / 2);
-    const double e2 = static_cast<double>(o_.embed_std) * o_.embed_std;
+    const double base = w2 * c_.ffn_dim * (w2 * D / 2) + w2 * D * (w2 * D / 2);
+    const double rho2 = static_cast<double>(o_.residual_update_ratio) * o_.residual_update_ratio;
+    double var = static_cast<double>(o_.embed_std) * o_.embed_std;
     for (int64_t l = 0; l <= c_.num_layers; ++l) {
-      stream_std_.push_back(static_cast<float>(std::sqrt(e2 + static_cast<double>(l) * update)));
+      stream_std_.push_back(static_cast<float>(std::sqrt(var)));
+      output_scale_.push_back(static_cast<float>(std::sqrt(rho2 * var / base)));
+      var *= 1.0 + rho2;
     }
     // Outlier channels hold outlier_ratio times the typical magnitude at every depth, so after
     // LayerNorm a typical channel has variance D / (D - n + n * ratio^2): that, not 1, is what
     // the query/key maps see.
     const double ratio2 = static_cast<double>(o_.outlier_ratio) * o_.outlier_ratio;
     normed_var_ = static_cast<float>(D / (D - n_outliers + n_outliers * ratio2));
+    // The attention sink: one more channel, non-zero only in the BOS embedding (as large as an
+    // outlier there), that keys map onto a per-head sink direction which every query holds
+    // through its outlier channels.
+    if (n_outliers > 0 && o_.attention_sink_logit > 0 && n_outliers < D) {
+      sink_channel_ = keyed[static_cast<size_t>(n_outliers)].second;
+      const double typical = 1.0 / std::sqrt((n_outliers * ratio2 + (D - n_outliers)) / D);
+      outlier_normed_ = static_cast<float>(o_.outlier_ratio * typical);
+      const double bos_row = ((n_outliers + 1) * ratio2 + (D - n_outliers - 1)) / D;
+      sink_normed_ = static_cast<float>(o_.outlier_ratio / std::sqrt(bos_row));
+    }
   }
 
   Tensor make(const std::string& name, const Shape& shape) const {
@@ -104,6 +119,10 @@ class Generator {
       m = gaussian(normal, rows, cols, o_.embed_std);
       for (size_t i = 0; i < outliers_.size(); ++i) {
         m.col(outliers_[i]).array() += o_.outlier_ratio * stream_std_[0] * outlier_signs_[i];
+      }
+      if (sink_channel_ >= 0) {
+        m.col(sink_channel_).setZero();
+        m(c_.bos_token_id, sink_channel_) = o_.outlier_ratio * stream_std_[0];
       }
     } else if (name.ends_with("fc2.bias")) {
       // Grows the outlier channels with the stream, keeping them outlier_ratio times larger.
@@ -119,6 +138,9 @@ class Generator {
       m = Matrix::Ones(rows, 1) + gaussian(normal, rows, 1, 0.02f);
     } else if (name.ends_with(".bias")) {
       m = gaussian(normal, rows, 1, 0.5f * o_.weight_std);
+    } else if (name.ends_with("fc2.weight") || name.ends_with("out_proj.weight")) {
+      m = gaussian(normal, rows, cols,
+                   output_scale_[static_cast<size_t>(layer_index(name))] * o_.weight_std);
     } else if (name.ends_with("q_proj.weight") || name.ends_with("k_proj.weight")) {
       m = query_key(name, normal, rows, cols);
     } else {
@@ -153,6 +175,7 @@ class Generator {
       const std::string head = layer + "head" + std::to_string(h);
       Matrix v_random = gaussian(NormalStream(o_.seed, head + ".V"), D_in, r, 1.0f);
       for (int64_t ch : outliers_) v_random.row(ch).setZero();
+      if (sink_channel_ >= 0) v_random.row(sink_channel_).setZero();
       const Matrix V = orthonormal_columns(v_random);
       const Matrix U =
           orthonormal_columns(gaussian(NormalStream(o_.seed, head + ".U"), d, r, 1.0f));
@@ -160,6 +183,23 @@ class Generator {
       if (is_key)
         core = s * orthonormal_columns(gaussian(NormalStream(o_.seed, head + ".R"), r, r, 1.0f));
       w.middleRows(h * d, d) += U * core * V.transpose();
+      if (sink_channel_ >= 0) {
+        // Sink direction: unit, orthogonal to the head's attention subspace U. Queries get
+        // q.u = Q0 from the outlier channels, BOS's key gets k.u = K0 from the sink channel, so
+        // every query gives BOS the logit Q0 K0 / sqrt(d) = attention_sink_logit.
+        Eigen::VectorXf u = gaussian(NormalStream(o_.seed, head + ".S"), d, 1, 1.0f).col(0);
+        u -= U * (U.transpose() * u);
+        u.normalize();
+        const float q0 = std::sqrt(o_.attention_sink_logit * std::sqrt(static_cast<float>(d)));
+        if (is_key) {
+          w.block(h * d, sink_channel_, d, 1) += (q0 / sink_normed_) * u;
+        } else {
+          const float gain = q0 / (static_cast<float>(outliers_.size()) * outlier_normed_);
+          for (size_t i = 0; i < outliers_.size(); ++i) {
+            w.block(h * d, outliers_[i], d, 1) += gain * outlier_signs_[i] * u;
+          }
+        }
+      }
     }
     return w;
   }
@@ -168,7 +208,11 @@ class Generator {
   const SyntheticModelOptions& o_;
   std::vector<int64_t> outliers_;
   std::vector<float> outlier_signs_;
-  std::vector<float> stream_std_;  // (L + 1): typical residual channel std before each layer
+  std::vector<float> stream_std_;    // (L + 1): typical residual channel std before each layer
+  std::vector<float> output_scale_;  // (L + 1): scale of fc2 / out_proj std in each layer
+  int64_t sink_channel_ = -1;        // residual channel carrying BOS's sink feature, or -1
+  float outlier_normed_ = 0.0f;      // |outlier channel| after LayerNorm, ordinary token
+  float sink_normed_ = 0.0f;         // sink channel after LayerNorm, BOS
   float normed_var_ = 1.0f;
 };
 
@@ -229,14 +273,17 @@ void write_synthetic_checkpoint(const ModelConfig& config, const SyntheticModelO
     write_text(staging / "merges.txt", *embedded_config("tokenizer/merges.txt"));
     // Floats as the decimal the user typed (0.1, not 0.10000000149).
     const auto decimal = [](float v) { return std::stod(std::to_string(v)); };
-    const nlohmann::json record = {{"generator", "infinigen make-model"},
-                                   {"seed", options.seed},
-                                   {"outlier_channels", options.outlier_channels},
-                                   {"outlier_ratio", decimal(options.outlier_ratio)},
-                                   {"embed_std", decimal(options.embed_std)},
-                                   {"attention_rank", options.attention_rank},
-                                   {"attention_logit_std", decimal(options.attention_logit_std)},
-                                   {"weight_std", decimal(options.weight_std)}};
+    const nlohmann::json record = {
+        {"generator", "infinigen make-model"},
+        {"seed", options.seed},
+        {"outlier_channels", options.outlier_channels},
+        {"outlier_ratio", decimal(options.outlier_ratio)},
+        {"residual_update_ratio", decimal(options.residual_update_ratio)},
+        {"attention_sink_logit", decimal(options.attention_sink_logit)},
+        {"embed_std", decimal(options.embed_std)},
+        {"attention_rank", options.attention_rank},
+        {"attention_logit_std", decimal(options.attention_logit_std)},
+        {"weight_std", decimal(options.weight_std)}};
     write_text(staging / "synthetic.json", record.dump(2) + "\n");
     if (fs::exists(target)) fs::remove(target);  // empty, checked above
     fs::rename(staging, target);

@@ -22,12 +22,14 @@ namespace infinigen {
 
 struct SyntheticModelOptions {
   uint64_t seed = 0;
-  int64_t outlier_channels = 4;      // residual channels with massive activations (<= D/16 used)
-  float outlier_ratio = 10.0f;       // outlier magnitude / typical channel magnitude, every layer
-  float embed_std = 0.1f;            // std of the other embedding entries
-  int64_t attention_rank = 8;        // rank of each head's query-key interaction (<= head_dim)
-  float attention_logit_std = 3.0f;  // target std of attention logits between unrelated tokens
-  float weight_std = 0.02f;          // std of the remaining matrices (as OPT's init_std)
+  int64_t outlier_channels = 4;  // residual channels with massive activations (<= D/16 used)
+  float outlier_ratio = 10.0f;   // outlier magnitude / typical channel magnitude, every layer
+  float embed_std = 0.1f;        // std of the other embedding entries
+  float residual_update_ratio = 0.15f;  // each layer's update std / the residual stream's
+  int64_t attention_rank = 8;           // rank of each head's query-key interaction (<= head_dim)
+  float attention_logit_std = 6.0f;     // target std of attention logits between unrelated tokens
+  float attention_sink_logit = 0.0f;    // logit every query gives the BOS token (0: no sink)
+  float weight_std = 0.02f;             // std of the remaining matrices (as OPT's init_std)
 };
 
 // Calls `sink(name, tensor)` for every tensor of the checkpoint, in opt_tensor_specs order; each

@@ -75,7 +75,7 @@ int64_t largest_fitting_batch(MemoryRequest request, int64_t max_batch) {
 }
 
 const char* policy_flag(KvPolicy policy) {
-  return policy == KvPolicy::Gpu ? "gpu" : "full";
+  return policy == KvPolicy::Gpu ? "gpu" : policy == KvPolicy::Full ? "full" : "infinigen";
 }
 
 // The flags that turn `from` into `to`, e.g. "--policy full --weights-gpu-percent 60".
@@ -199,6 +199,11 @@ MemoryPlan compute_memory_plan(const MemoryRequest& r) {
     pool.block_tokens = r.kv_block_tokens;
     pool.dtype = r.kv_dtype;
     plan.host_kv_pool = KvPool::capacity_bytes(pool);
+    if (r.policy == KvPolicy::Infinigen) {
+      const size_t rp =
+          std::max<size_t>(1, static_cast<size_t>(r.partial_ratio * static_cast<double>(d)));
+      plan.device_kv += L * (B * H * tokens * rp + H * rp * D + H * rp) * 4;
+    }
   }
 
   // Activations: the prefill peak (n = prompt_len), all fp32:

@@ -1,7 +1,8 @@
 // offload: the memory plan of a request, computed before anything is allocated.
 //
 // Device: resident weights, staging for streamed weights (two layers), KV (the whole cache for
-// the `gpu` policy; for offloading policies a double-buffered staging of K and V for one layer),
+// the `gpu` policy; for offloading policies a double-buffered staging of K and V for one layer,
+// plus for `infinigen` every layer's partial key cache and partial query weights in fp32),
 // and activations (the prefill pass dominates: hidden states, Q/K/V, FFN and one attention score
 // block per worker). Host (pinned): host-resident weights and the KV pool.
 // If the plan does not fit, `plan_memory` throws one line with the numbers and a configuration
@@ -16,7 +17,7 @@
 
 namespace infinigen {
 
-enum class KvPolicy { Gpu, Full };
+enum class KvPolicy { Gpu, Full, Infinigen };
 
 struct MemoryRequest {
   ModelConfig config;
@@ -27,6 +28,7 @@ struct MemoryRequest {
   double weights_gpu_percent = 100.0;  // share of each layer's weights kept on the device
   DType kv_dtype = DType::F16;
   int64_t kv_block_tokens = 128;
+  double partial_ratio = 0.3;  // InfiniGen: partial columns per head = floor(ratio * d)
   size_t device_capacity = 0;  // bytes usable on the device
   size_t host_capacity = 0;    // bytes of pinned host memory available
 };

@@ -67,7 +67,12 @@ void OffloadedKv::issue_load(int64_t layer) {
   pool_.gather_chunks(layer, KvKind::Key, 0, length(), keys.raw(), capacity(), 0, &chunks);
   pool_.gather_chunks(layer, KvKind::Value, 0, length(), values.raw(), capacity(), 0, &chunks);
   const uint64_t bytes = chunk_bytes(chunks);
-  stats_.current().layers[static_cast<size_t>(layer)].kv_h2d_bytes += bytes;
+  LayerTraffic& traffic = stats_.current().layers[static_cast<size_t>(layer)];
+  traffic.kv_h2d_bytes += bytes;
+  for (int32_t start : first_valid()) {
+    traffic.tokens_fetched += static_cast<uint64_t>((length() - start) * keys.dim(1));
+  }
+  traffic.tokens_stored = traffic.tokens_fetched;
   stats_.current().h2d_bytes += bytes;
   // The pool must hold the previous step's token of this layer before it is read.
   loaded_[static_cast<size_t>(layer)] =
@@ -89,6 +94,11 @@ void OffloadedKv::append(int64_t layer, const Tensor& keys, const Tensor& values
   // the store buffer, which the store of layer - 2 has finished reading.
   ops::cache_store(keys, staging_keys_[p], length());
   ops::cache_store(values, staging_values_[p], length());
+  store_new_token(layer, keys, values);
+}
+
+void OffloadedKv::store_new_token(int64_t layer, const Tensor& keys, const Tensor& values) {
+  const size_t p = static_cast<size_t>(layer % 2);
   if (layer >= 2) stored_[static_cast<size_t>(layer - 2)]->wait();
   ops::cache_store(keys, store_keys_[p], 0);
   ops::cache_store(values, store_values_[p], 0);

@@ -33,8 +33,11 @@ class OffloadedKv : public KvStore {
 
   const KvPool& pool() const { return pool_; }
 
- private:
+ protected:
   void issue_load(int64_t layer);
+  // Decode: copies the new token's rows (B, H * d) into the layer's store buffer and enqueues
+  // their store into the pool at token length().
+  void store_new_token(int64_t layer, const Tensor& keys, const Tensor& values);
   // Stores rows [row0, row0 + n) of src K/V buffers (B, H, src_capacity, d) into the pool at
   // tokens [length(), length() + n).
   void issue_store(int64_t layer, const Tensor& keys, const Tensor& values, int64_t row0,

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 
+#include "offload/infinigen_kv.h"
 #include "offload/offloaded_kv.h"
 #include "offload/streamed_weights.h"
 #include "offload/weight_placement.h"
@@ -12,11 +13,12 @@ namespace infinigen {
 KvPolicy parse_kv_policy(const std::string& name) {
   if (name == "gpu") return KvPolicy::Gpu;
   if (name == "full") return KvPolicy::Full;
-  fail("--policy: unknown policy '", name, "' (expected gpu or full)");
+  if (name == "infinigen") return KvPolicy::Infinigen;
+  fail("--policy: unknown policy '", name, "' (expected infinigen, full or gpu)");
 }
 
 const char* kv_policy_name(KvPolicy policy) {
-  return policy == KvPolicy::Gpu ? "gpu" : "full";
+  return policy == KvPolicy::Gpu ? "gpu" : policy == KvPolicy::Full ? "full" : "infinigen";
 }
 
 OffloadRun run_offloaded(const ModelSource& source, const GenerationRequest& request,
@@ -41,6 +43,8 @@ OffloadRun run_offloaded(const ModelSource& source, const GenerationRequest& req
   memory.weights_gpu_percent = options.weights_gpu_percent;
   memory.kv_dtype = request.kv_dtype;
   memory.kv_block_tokens = options.kv_block_tokens;
+  memory.partial_ratio = options.speculation.partial_ratio;
+  if (options.policy == KvPolicy::Infinigen) options.speculation.validate();
   // On the CPU backend device and pinned host memory come out of the same RAM: the host gets
   // what the device part leaves (all of it when the device part alone cannot fit, so that the
   // error names the device side).
@@ -73,6 +77,11 @@ OffloadRun run_offloaded(const ModelSource& source, const GenerationRequest& req
     if (options.policy == KvPolicy::Gpu) {
       return std::make_unique<ResidentKv>(config, batch, capacity, request.kv_dtype, device, engine,
                                           run.stats);
+    }
+    if (options.policy == KvPolicy::Infinigen) {
+      return std::make_unique<InfinigenKv>(config, batch, capacity, request.kv_dtype, device,
+                                           options.kv_block_tokens, engine, run.stats,
+                                           options.speculation, options.check_recall);
     }
     return std::make_unique<OffloadedKv>(config, batch, capacity, request.kv_dtype, device,
                                          options.kv_block_tokens, engine, run.stats);

@@ -10,18 +10,21 @@
 #include "offload/memory_planner.h"
 #include "offload/offload_stats.h"
 #include "offload/transfer_engine.h"
+#include "speculate/speculation.h"
 
 namespace infinigen {
 
 struct OffloadOptions {
-  KvPolicy policy = KvPolicy::Full;
+  KvPolicy policy = KvPolicy::Infinigen;
   double weights_gpu_percent = 100.0;
   LinkEmulation link;
   int64_t kv_block_tokens = 128;
-  size_t device_memory = 0;  // bytes usable on the device; 0 = what the device has free
+  size_t device_memory = 0;        // bytes usable on the device; 0 = what the device has free
+  SpeculationOptions speculation;  // policy infinigen
+  bool check_recall = false;       // policy infinigen: measure the recall of attention weight
 };
 
-KvPolicy parse_kv_policy(const std::string& name);  // "gpu" | "full"
+KvPolicy parse_kv_policy(const std::string& name);  // "gpu" | "full" | "infinigen"
 const char* kv_policy_name(KvPolicy policy);
 
 struct OffloadRun {

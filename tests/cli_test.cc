@@ -130,6 +130,12 @@ TEST(Cli, UnknownModelsEndWithOneLine) {
                         {"--weights-gpu-percent"});
   expect_one_line_error({"run", "--model", kTiny, "--emulate-link-gbps", "-1"},
                         {"--emulate-link-gbps"});
+  expect_one_line_error({"run", "--model", kTiny, "--alpha", "-1"}, {"--alpha"});
+  expect_one_line_error({"run", "--model", kTiny, "--partial-ratio", "0"}, {"--partial-ratio"});
+  expect_one_line_error({"run", "--model", kTiny, "--partial-ratio", "1.5"}, {"--partial-ratio"});
+  expect_one_line_error({"run", "--model", kTiny, "--max-num-kv", "0"}, {"--max-num-kv"});
+  expect_one_line_error({"run", "--model", kTiny, "--partial-index-rule", "kq"},
+                        {"--partial-index-rule"});
   expect_one_line_error({"run", "--model", "/nonexistent/model"},
                         {"/nonexistent/model", "no such directory"});
   expect_one_line_error({"make-model", "--preset", "gpt-5", "--out", "/tmp/x"}, {"gpt-5"});

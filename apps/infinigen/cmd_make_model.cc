@@ -24,6 +24,8 @@ int make_model(const MakeModelOptions& o) {
   INFINIGEN_CHECK(s.attention_rank >= 1, "--attention-rank must be >= 1");
   INFINIGEN_CHECK(s.attention_logit_std > 0, "--attention-logit-std must be > 0");
   INFINIGEN_CHECK(s.embed_std > 0 && s.weight_std > 0, "--embed-std and --weight-std must be > 0");
+  INFINIGEN_CHECK(s.residual_update_ratio > 0, "--residual-update-ratio must be > 0");
+  INFINIGEN_CHECK(s.attention_sink_logit >= 0, "--attention-sink-logit must be >= 0");
   {
     Progress progress("writing tensors");
     write_synthetic_checkpoint(config, s, o.out,
@@ -51,12 +53,18 @@ Command add_make_model_command(CLI::App& app) {
   app.add_option("--outlier-ratio", s.outlier_ratio,
                  "Outlier channel magnitude over a typical channel's, at every layer")
       ->capture_default_str();
+  app.add_option("--residual-update-ratio", s.residual_update_ratio,
+                 "Std of each layer's residual update over the residual stream's")
+      ->capture_default_str();
   app.add_option("--embed-std", s.embed_std, "Std of the other embedding entries")
       ->capture_default_str();
   app.add_option("--attention-rank", s.attention_rank, "Rank of each head's query-key interaction")
       ->capture_default_str();
   app.add_option("--attention-logit-std", s.attention_logit_std,
                  "Std of attention logits between unrelated tokens (higher = sharper)")
+      ->capture_default_str();
+  app.add_option("--attention-sink-logit", s.attention_sink_logit,
+                 "Attention logit of the BOS token for every query (0: no attention sink)")
       ->capture_default_str();
   app.add_option("--weight-std", s.weight_std, "Std of the other weight matrices")
       ->capture_default_str();

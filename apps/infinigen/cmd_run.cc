@@ -43,12 +43,18 @@ struct RunOptions {
   bool json = false;
   bool stats = false;
   bool debug_nan = false;
-  std::string policy = "full";
+  std::string policy = "infinigen";
   double weights_gpu_percent = 100.0;
   double link_gbps = 0.0;
   double link_latency_us = 0.0;
   int64_t kv_block_tokens = 128;
   double device_memory_gib = 0.0;
+  double alpha = 4.0;
+  double partial_ratio = 0.3;
+  std::string partial_index_rule = "qk";
+  int64_t max_num_kv = 0;
+  int64_t dense_layers = 2;
+  bool check_recall = false;
 };
 
 std::vector<std::string> read_prompt_file(const std::string& path) {
@@ -146,6 +152,13 @@ int run(const RunOptions& o) {
   offload.link = {o.link_gbps, o.link_latency_us};
   offload.kv_block_tokens = o.kv_block_tokens;
   offload.device_memory = static_cast<size_t>(o.device_memory_gib * 1024.0 * 1024.0 * 1024.0);
+  offload.speculation.alpha = o.alpha;
+  offload.speculation.partial_ratio = o.partial_ratio;
+  offload.speculation.index_rule = parse_partial_index_rule(o.partial_index_rule);
+  offload.speculation.max_num_kv = o.max_num_kv;
+  offload.speculation.dense_layers = o.dense_layers;
+  offload.speculation.validate();
+  offload.check_recall = o.check_recall;
   if (o.debug_nan) set_debug_poison(true);
 
   ModelLoadOptions load_options;
@@ -258,7 +271,7 @@ Command add_run_command(CLI::App& app) {
   app.add_option("--threads", o->threads, "CPU threads (default: all cores)");
   app.add_flag("--json", o->json, "Print the result as JSON on stdout");
   app.add_option("--policy", o->policy,
-                 "KV policy: full (all KV in host memory, fetched every layer) or gpu (resident)")
+                 "KV policy: infinigen (speculated subset), full (all KV, every layer) or gpu")
       ->capture_default_str();
   app.add_option("--weights-gpu-percent", o->weights_gpu_percent,
                  "Share of each layer's weights kept on the device; the rest is streamed")
@@ -274,9 +287,28 @@ Command add_run_command(CLI::App& app) {
   app.add_option("--device-memory", o->device_memory_gib,
                  "Device memory to plan for, GiB (default: what the device has)");
   app.add_flag("--stats", o->stats, "Per-layer and per-step transfer statistics");
+  app.add_option("--alpha", o->alpha,
+                 "infinigen: fetch tokens whose speculated logit is within alpha of the top")
+      ->capture_default_str();
+  app.add_option("--partial-ratio", o->partial_ratio,
+                 "infinigen: share of each head's query/key columns used to speculate")
+      ->capture_default_str();
+  app.add_option("--partial-index-rule", o->partial_index_rule,
+                 "infinigen: choose partial columns by |Q|+|K| (qk) or |Q| (q)")
+      ->capture_default_str();
+  auto* max_num_kv = app.add_option(
+      "--max-num-kv", o->max_num_kv,
+      "infinigen: most tokens fetched per head and layer (default: 20% of prompt+gen)");
+  app.add_option("--dense-layers", o->dense_layers,
+                 "infinigen: first layers that always fetch their whole KV")
+      ->capture_default_str();
+  app.add_flag("--check-recall", o->check_recall,
+               "infinigen: measure the share of full attention weight the fetched tokens carry");
   app.add_flag("--debug-nan", o->debug_nan,
                "Fill device buffers with NaN before use, to expose reads of untransferred data");
-  return [o, batch, prompt_len] {
+  return [o, batch, prompt_len, max_num_kv] {
+    INFINIGEN_CHECK(max_num_kv->count() == 0 || o->max_num_kv >= 1,
+                    "--max-num-kv must be at least 1, got ", o->max_num_kv);
     o->batch_given = batch->count() > 0;
     o->prompt_len_given = prompt_len->count() > 0;
     return run(*o);

@@ -26,6 +26,8 @@ int main(int argc, char** argv) {
   };
   add("run", "Generate text (batch inference)", cli::add_run_command);
   add("make-model", "Write a synthetic OPT checkpoint", cli::add_make_model_command);
+  add("skew", "Write a copy of a checkpoint with SVD-skewed query/key projections",
+      cli::add_skew_command);
   add("inspect", "Print a checkpoint's config and tensors", cli::add_inspect_command);
   try {
     app.parse(argc, argv);

@@ -2,6 +2,7 @@
 #include "apps/infinigen/run_report.h"
 
 #include <cstdio>
+#include <vector>
 
 namespace infinigen::cli {
 namespace {
@@ -19,8 +20,23 @@ TransferSummary summarize(const OffloadRun& run) {
     s.prefill_h2d_bytes = steps[0].h2d_bytes;
     s.prefill_d2h_bytes = steps[0].d2h_bytes;
   }
-  double busy = 0, wait = 0;
+  double busy = 0, wait = 0, fetched = 0, stored = 0, recall_sum = 0;
+  int64_t recall_count = 0;
+  std::vector<double> layer_recall, layer_recall_n;
   for (size_t i = 1; i < steps.size(); ++i) {
+    layer_recall.resize(steps[i].layers.size(), 0.0);
+    layer_recall_n.resize(steps[i].layers.size(), 0.0);
+    for (size_t l = 0; l < steps[i].layers.size(); ++l) {
+      const LayerTraffic& t = steps[i].layers[l];
+      fetched += static_cast<double>(t.tokens_fetched);
+      stored += static_cast<double>(t.tokens_stored);
+      if (t.recall >= 0) {
+        recall_sum += t.recall;
+        ++recall_count;
+        layer_recall[l] += t.recall;
+        layer_recall_n[l] += 1;
+      }
+    }
     s.h2d_bytes_per_step += static_cast<double>(steps[i].h2d_bytes);
     s.d2h_bytes_per_step += static_cast<double>(steps[i].d2h_bytes);
     busy += steps[i].load_busy_seconds;
@@ -34,6 +50,15 @@ TransferSummary summarize(const OffloadRun& run) {
     s.load_busy_per_step = busy / n;
     s.load_wait_per_step = wait / n;
     s.hidden_fraction = busy > 0 ? std::max(0.0, busy - wait) / busy : 0.0;
+  }
+  s.fetched_fraction = stored > 0 ? fetched / stored : 0.0;
+  if (recall_count > 0) {
+    s.mean_recall = recall_sum / static_cast<double>(recall_count);
+    for (size_t l = 0; l < layer_recall.size(); ++l) {
+      if (layer_recall_n[l] == 0) continue;
+      const double mean = layer_recall[l] / layer_recall_n[l];
+      if (s.min_layer_recall < 0 || mean < s.min_layer_recall) s.min_layer_recall = mean;
+    }
   }
   s.total_h2d_bytes = run.totals.h2d_bytes;
   s.total_d2h_bytes = run.totals.d2h_bytes;
@@ -50,7 +75,10 @@ nlohmann::json transfers_json(const TransferSummary& s) {
           {"prefill_h2d_bytes", s.prefill_h2d_bytes},
           {"prefill_d2h_bytes", s.prefill_d2h_bytes},
           {"total_h2d_bytes", s.total_h2d_bytes},
-          {"total_d2h_bytes", s.total_d2h_bytes}};
+          {"total_d2h_bytes", s.total_d2h_bytes},
+          {"kv_fetched_fraction", s.fetched_fraction},
+          {"mean_recall", s.mean_recall},
+          {"min_layer_recall", s.min_layer_recall}};
 }
 
 nlohmann::json plan_json(const MemoryPlan& p) {
@@ -72,7 +100,10 @@ nlohmann::json steps_json(const OffloadStats& stats) {
       layers.push_back({{"kv_h2d_bytes", l.kv_h2d_bytes},
                         {"kv_d2h_bytes", l.kv_d2h_bytes},
                         {"weight_h2d_bytes", l.weight_h2d_bytes},
-                        {"load_wait_s", l.load_wait_seconds}});
+                        {"load_wait_s", l.load_wait_seconds},
+                        {"tokens_fetched", l.tokens_fetched},
+                        {"tokens_stored", l.tokens_stored},
+                        {"recall", l.recall}});
     }
     steps.push_back({{"seconds", step.seconds},
                      {"h2d_bytes", step.h2d_bytes},
@@ -97,26 +128,46 @@ void print_transfers(const TransferSummary& s, const OffloadRun& run, bool per_l
         "exposed)\n",
         1e3 * s.load_busy_per_step, 100.0 * s.hidden_fraction, 1e3 * s.load_wait_per_step);
   }
+  if (s.fetched_fraction > 0) {
+    std::printf("KV fetched       %9.1f%% of the stored tokens (decode, all layers)",
+                100.0 * s.fetched_fraction);
+    if (s.mean_recall >= 0) {
+      std::printf("; recall %.3f (worst layer %.3f)", s.mean_recall, s.min_layer_recall);
+    }
+    std::printf("\n");
+  }
   if (!per_layer) return;
   std::printf("\nmemory plan\n%s\n", run.plan.describe().c_str());
   const auto& steps = run.stats.steps();
   if (steps.size() < 2) return;
   std::printf("per layer, mean over %lld decode steps\n", static_cast<long long>(s.decode_steps));
-  std::printf("  %5s %12s %12s %12s %10s\n", "layer", "KV in MiB", "weights MiB", "KV out KiB",
-              "wait ms");
+  std::printf("  %5s %12s %12s %12s %10s %9s %8s\n", "layer", "KV in MiB", "weights MiB",
+              "KV out KiB", "wait ms", "fetched", "recall");
   const size_t layers = steps[1].layers.size();
   const double n = static_cast<double>(s.decode_steps);
   for (size_t l = 0; l < layers; ++l) {
-    double kv_in = 0, w_in = 0, kv_out = 0, wait = 0;
+    double kv_in = 0, w_in = 0, kv_out = 0, wait = 0, fetched = 0, stored = 0, recall = 0;
+    int recalls = 0;
     for (size_t i = 1; i < steps.size(); ++i) {
       const LayerTraffic& t = steps[i].layers[l];
       kv_in += static_cast<double>(t.kv_h2d_bytes);
       w_in += static_cast<double>(t.weight_h2d_bytes);
       kv_out += static_cast<double>(t.kv_d2h_bytes);
       wait += t.load_wait_seconds;
+      fetched += static_cast<double>(t.tokens_fetched);
+      stored += static_cast<double>(t.tokens_stored);
+      if (t.recall >= 0) {
+        recall += t.recall;
+        ++recalls;
+      }
     }
-    std::printf("  %5zu %12.3f %12.3f %12.3f %10.3f\n", l, mib(kv_in / n), mib(w_in / n),
-                kv_out / n / 1024.0, 1e3 * wait / n);
+    std::printf("  %5zu %12.3f %12.3f %12.3f %10.3f %8.1f%%", l, mib(kv_in / n), mib(w_in / n),
+                kv_out / n / 1024.0, 1e3 * wait / n, stored > 0 ? 100.0 * fetched / stored : 0.0);
+    if (recalls > 0) {
+      std::printf(" %8.3f\n", recall / recalls);
+    } else {
+      std::printf(" %8s\n", "-");
+    }
   }
   std::printf("\nper step\n  %5s %10s %12s %12s %10s %10s\n", "step", "ms", "in MiB", "out KiB",
               "load ms", "wait ms");

@@ -20,6 +20,9 @@ struct TransferSummary {
   uint64_t prefill_d2h_bytes = 0;
   uint64_t total_h2d_bytes = 0;
   uint64_t total_d2h_bytes = 0;
+  double fetched_fraction = 0;   // KV rows loaded / rows stored, decode steps, all layers
+  double mean_recall = -1;       // over measured layers and steps (-1: not measured)
+  double min_layer_recall = -1;  // the worst layer's mean recall
 };
 
 TransferSummary summarize(const OffloadRun& run);

@@ -1,0 +1,401 @@
+// speculate: computing the skewing matrices from calibration queries and writing a skewed
+// checkpoint.
+#include "speculate/skew.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <exception>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <numeric>
+#include <set>
+#include <string_view>
+
+#include "core/kv_cache.h"
+#include "core/model_config.h"
+#include "core/opt_weights.h"
+#include "core/resources.h"
+#include "core/safetensors.h"
+#include "core/tokenizer.h"
+
+namespace infinigen {
+namespace {
+
+namespace fs = std::filesystem;
+
+using RowMatrixXf = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+// Files of a checkpoint directory, besides the weights, that a skewed copy keeps as they are.
+constexpr const char* kCopiedFiles[] = {
+    "config.json",           "generation_config.json", "vocab.json", "merges.txt", "tokenizer.json",
+    "tokenizer_config.json", "special_tokens_map.json"};
+
+// Longest calibration text read, in bytes per calibration token: no token is this long, so a
+// prefix of the file gives as many tokens as the whole of it would.
+constexpr size_t kCalibrationBytesPerToken = 64;
+
+Tensor on_host(const Tensor& t) {
+  return t.device() == Device::Cpu ? t : t.to(Device::Cpu);
+}
+
+// Rows [begin, begin + count) of a CPU tensor (rows, cols) of any floating dtype, as fp64
+// (count, cols). A rank-1 tensor is one column.
+Eigen::MatrixXd rows_f64(const Tensor& t, int64_t begin, int64_t count) {
+  const int64_t cols = t.rank() == 1 ? 1 : t.dim(1);
+  std::vector<float> values(static_cast<size_t>(count * cols));
+  convert_to_f32(static_cast<const char*>(t.raw()) + begin * cols * dtype_size(t.dtype()),
+                 t.dtype(), values.data(), values.size());
+  return Eigen::Map<const RowMatrixXf>(values.data(), count, cols).cast<double>();
+}
+
+// Flips columns so that each one's largest-magnitude entry is positive: singular vectors are
+// defined up to sign, and a canonical choice makes the rotation independent of how the SVD
+// happened to converge. Negation is exact, so orthogonality is untouched.
+void canonicalise_signs(Eigen::MatrixXd& a) {
+  for (Eigen::Index j = 0; j < a.cols(); ++j) {
+    Eigen::Index top = 0;
+    a.col(j).cwiseAbs().maxCoeff(&top);
+    if (a(top, j) < 0) a.col(j) = -a.col(j);
+  }
+}
+
+// A resident fp32 KV cache that, as each layer's attention input goes by, computes that layer's
+// rotations (heads in parallel) and keeps only them.
+class CalibrationCache final : public KvCache {
+ public:
+  CalibrationCache(const ModelConfig& config, int64_t tokens, Device device, SkewMatrices* out,
+                   const SkewProgress& progress)
+      : KvCache(config, 1, tokens, DType::F32, device),
+        config_(config),
+        out_(out),
+        progress_(progress) {}
+
+  int64_t layers_seen() const { return layers_seen_; }
+
+  void observe(int64_t layer, const Tensor& normed, const Tensor& queries,
+               const OptLayerWeights& weights) override {
+    (void)queries;  // scaled fp32; recomputed below in fp64 before the scaling instead
+    const int64_t H = config_.num_heads, d = config_.head_dim(), D = config_.hidden_size;
+    const Tensor x_host = on_host(normed);
+    const int64_t n = x_host.dim(0);
+    // (n, D): the layer's attention input, exactly the values the model projects.
+    const Eigen::MatrixXd x =
+        Eigen::Map<const RowMatrixXf>(x_host.data<float>(), n, D).cast<double>();
+    const Tensor wq = on_host(weights.q_weight);  // (D, D), HF layout
+    const Tensor bq = on_host(weights.q_bias);    // (D)
+    std::vector<Eigen::MatrixXd>& rotations = out_->rotations[static_cast<size_t>(layer)];
+    std::vector<Eigen::VectorXd>& singular = out_->singular_values[static_cast<size_t>(layer)];
+    std::vector<double> top_before(static_cast<size_t>(H)), top_after(static_cast<size_t>(H)),
+        total(static_cast<size_t>(H));
+    std::exception_ptr failure;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t h = 0; h < H; ++h) {
+      try {
+        const size_t hs = static_cast<size_t>(h);
+        const Eigen::MatrixXd w = rows_f64(wq, h * d, d);  // (d, D)
+        const Eigen::VectorXd b = rows_f64(bq, h * d, d);  // (d)
+        Eigen::MatrixXd q = x * w.transpose();             // (n, d)
+        q.rowwise() += b.transpose();
+        // Full V: with fewer calibration tokens than d, the trailing columns complete the basis.
+        Eigen::BDCSVD<Eigen::MatrixXd> svd(q, Eigen::ComputeFullV);
+        Eigen::MatrixXd a = svd.matrixV();  // (d, d)
+        canonicalise_signs(a);
+        Eigen::VectorXd s = Eigen::VectorXd::Zero(d);
+        s.head(svd.singularValues().size()) = svd.singularValues();
+        top_before[hs] = top_column_energy(q, kSkewEnergyColumnRatio, &total[hs]);
+        double unused = 0.0;
+        top_after[hs] = top_column_energy(q * a, kSkewEnergyColumnRatio, &unused);
+        rotations[hs] = std::move(a);
+        singular[hs] = std::move(s);
+      } catch (...) {
+#pragma omp critical(infinigen_skew_failure)
+        failure = std::current_exception();
+      }
+    }
+    if (failure) std::rethrow_exception(failure);
+    const double sum = std::accumulate(total.begin(), total.end(), 0.0);
+    const auto fraction = [&](const std::vector<double>& top) {
+      return sum > 0 ? std::accumulate(top.begin(), top.end(), 0.0) / sum : 0.0;
+    };
+    out_->energy_before[static_cast<size_t>(layer)] = fraction(top_before);
+    out_->energy_after[static_cast<size_t>(layer)] = fraction(top_after);
+    ++layers_seen_;
+    if (progress_) progress_("calibrating", layers_seen_, config_.num_layers);
+  }
+
+ private:
+  const ModelConfig& config_;
+  SkewMatrices* out_;
+  const SkewProgress& progress_;
+  int64_t layers_seen_ = 0;
+};
+
+void write_text(const fs::path& path, std::string_view text) {
+  std::ofstream out(path, std::ios::binary);
+  out.write(text.data(), static_cast<std::streamsize>(text.size()));
+  INFINIGEN_CHECK(out.good(), path.string(), ": cannot write");
+}
+
+// Up to `limit` bytes of a calibration file (whole file when shorter); `cut` says whether more
+// followed.
+std::string read_calibration_file(const std::string& path, size_t limit, bool* cut) {
+  INFINIGEN_CHECK(fs::is_regular_file(path), path, ": calibration file not found");
+  std::ifstream in(path, std::ios::binary);
+  INFINIGEN_CHECK(in.good(), path, ": cannot read calibration file");
+  std::string text(limit + 1, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(text.size()));
+  text.resize(static_cast<size_t>(in.gcount()));
+  *cut = text.size() > limit;
+  if (*cut) text.resize(limit);
+  INFINIGEN_CHECK(!text.empty(), path, ": calibration file is empty");
+  return text;
+}
+
+}  // namespace
+
+double top_column_energy(const Eigen::MatrixXd& queries, double ratio, double* total) {
+  const Eigen::Index cols = queries.cols();
+  const Eigen::VectorXd l1 = queries.cwiseAbs().colwise().sum().transpose();       // (cols)
+  const Eigen::VectorXd energy = queries.cwiseAbs2().colwise().sum().transpose();  // (cols)
+  const Eigen::Index r =
+      std::max<Eigen::Index>(1, static_cast<Eigen::Index>(std::floor(ratio * cols)));
+  std::vector<Eigen::Index> order(static_cast<size_t>(cols));
+  std::iota(order.begin(), order.end(), 0);
+  // Ties to the lower column, so the choice does not depend on the sort's stability.
+  std::partial_sort(
+      order.begin(), order.begin() + std::min(r, cols), order.end(),
+      [&](Eigen::Index a, Eigen::Index b) { return l1(a) != l1(b) ? l1(a) > l1(b) : a < b; });
+  double top = 0.0;
+  for (Eigen::Index i = 0; i < std::min(r, cols); ++i) top += energy(order[static_cast<size_t>(i)]);
+  if (total) *total = energy.sum();
+  return top;
+}
+
+std::vector<int32_t> calibration_tokens(const std::vector<int32_t>& ids, int32_t bos_id,
+                                        int64_t length) {
+  INFINIGEN_CHECK(length >= 1, "calibration length ", length, " must be positive");
+  INFINIGEN_CHECK(length == 1 || !ids.empty(), "no calibration tokens");
+  std::vector<int32_t> tokens;
+  tokens.reserve(static_cast<size_t>(length));
+  tokens.push_back(bos_id);
+  for (size_t i = 0; static_cast<int64_t>(tokens.size()) < length; ++i) {
+    tokens.push_back(ids[i % ids.size()]);
+  }
+  return tokens;
+}
+
+SkewMatrices compute_skew_matrices(OptModel& model, const std::vector<int32_t>& tokens,
+                                   const SkewProgress& progress) {
+  const ModelConfig& config = model.config();
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  INFINIGEN_CHECK(n >= 2 && n <= config.max_positions, config.name, ": ", n,
+                  " calibration tokens, expected 2..", config.max_positions);
+  SkewMatrices out;
+  out.num_layers = config.num_layers;
+  out.num_heads = config.num_heads;
+  out.head_dim = config.head_dim();
+  const size_t L = static_cast<size_t>(config.num_layers);
+  out.rotations.assign(L, std::vector<Eigen::MatrixXd>(static_cast<size_t>(config.num_heads)));
+  out.singular_values.assign(L,
+                             std::vector<Eigen::VectorXd>(static_cast<size_t>(config.num_heads)));
+  out.energy_before.assign(L, 0.0);
+  out.energy_after.assign(L, 0.0);
+  CalibrationCache cache(config, n, model.device(), &out, progress);
+  model.prefill(tokens, {0}, cache);
+  INFINIGEN_CHECK(cache.layers_seen() == config.num_layers, config.name, ": calibration saw ",
+                  cache.layers_seen(), " of ", config.num_layers, " layers");
+  return out;
+}
+
+Eigen::MatrixXd rotate_head_rows(const Eigen::MatrixXd& rows,
+                                 const std::vector<Eigen::MatrixXd>& layer_rotations) {
+  const Eigen::Index H = static_cast<Eigen::Index>(layer_rotations.size());
+  INFINIGEN_CHECK(H > 0 && rows.rows() % H == 0, "rotate_head_rows: ", rows.rows(),
+                  " rows do not split into ", H, " heads");
+  const Eigen::Index d = rows.rows() / H;
+  Eigen::MatrixXd out(rows.rows(), rows.cols());
+  for (Eigen::Index h = 0; h < H; ++h) {
+    const Eigen::MatrixXd& a = layer_rotations[static_cast<size_t>(h)];  // (d, d)
+    INFINIGEN_CHECK(a.rows() == d && a.cols() == d, "rotate_head_rows: head ", h, " rotation is ",
+                    a.rows(), "x", a.cols(), ", expected ", d, "x", d);
+    out.middleRows(h * d, d).noalias() = a.transpose() * rows.middleRows(h * d, d);
+  }
+  return out;
+}
+
+Tensor rotate_projection(const Tensor& projection,
+                         const std::vector<Eigen::MatrixXd>& layer_rotations) {
+  INFINIGEN_CHECK(projection.rank() == 1 || projection.rank() == 2,
+                  "rotate_projection: expected a weight (D, D) or a bias (D), got ",
+                  shape_string(projection.shape()));
+  const Tensor host = on_host(projection);
+  // Row-major (D, cols) in fp64 -> rotated -> back to row-major fp32 -> the stored dtype. fp32
+  // to F16/BF16 rounds once more, which is below the 16-bit types' own resolution in practice.
+  const Eigen::MatrixXd rotated = rotate_head_rows(rows_f64(host, 0, host.dim(0)), layer_rotations);
+  const RowMatrixXf narrow = rotated.cast<float>();
+  Tensor out = Tensor::empty(host.shape(), host.dtype());
+  convert_from_f32(narrow.data(), out.raw(), out.dtype(), static_cast<size_t>(out.numel()));
+  return out;
+}
+
+double SkewReport::mean_energy_before() const {
+  return energy_before.empty() ? 0.0
+                               : std::accumulate(energy_before.begin(), energy_before.end(), 0.0) /
+                                     static_cast<double>(energy_before.size());
+}
+
+double SkewReport::mean_energy_after() const {
+  return energy_after.empty() ? 0.0
+                              : std::accumulate(energy_after.begin(), energy_after.end(), 0.0) /
+                                    static_cast<double>(energy_after.size());
+}
+
+SkewReport skew_checkpoint(const std::string& in_dir, const std::string& out_dir,
+                           const SkewOptions& options, const SkewProgress& progress) {
+  INFINIGEN_CHECK(fs::is_directory(in_dir), in_dir, ": no such directory");
+  INFINIGEN_CHECK(!fs::exists(fs::path(in_dir) / "skew.json"), in_dir,
+                  ": already skewed (skew.json)");
+  fs::path target(out_dir);
+  if (!target.has_filename()) target = target.parent_path();  // "out/" names "out"
+  INFINIGEN_CHECK(!fs::exists(target) || (fs::is_directory(target) && fs::is_empty(target)),
+                  out_dir, ": already exists and is not an empty directory");
+
+  const ModelConfig config = load_hf_config(in_dir);
+  const SafetensorsCheckpoint checkpoint = SafetensorsCheckpoint::open(in_dir);
+  const std::vector<std::string> stored = check_opt_checkpoint(checkpoint, config);
+
+  SkewReport report;
+  report.source = fs::weakly_canonical(fs::absolute(in_dir)).string();
+  report.calib_len = options.calib_len.value_or(
+      std::min<int64_t>(kDefaultCalibrationLength, config.max_positions));
+  INFINIGEN_CHECK(report.calib_len >= 2 && report.calib_len <= config.max_positions, "calib-len ",
+                  report.calib_len, ": must be between 2 and the model's max_positions (",
+                  config.max_positions, ")");
+
+  std::vector<int32_t> ids = options.calib_tokens;
+  if (!ids.empty()) {
+    report.calib_source = "token ids";
+  } else {
+    std::string text;
+    bool cut = false;
+    const size_t limit = kCalibrationBytesPerToken * static_cast<size_t>(report.calib_len);
+    if (options.calib_file.empty()) {
+      report.calib_source = "bundled corpus";
+      const std::string_view corpus = *embedded_config("tokenizer/corpus.txt");
+      text.assign(corpus.substr(0, std::min(corpus.size(), limit + 1)));
+      cut = text.size() > limit;
+      if (cut) text.resize(limit);
+    } else {
+      report.calib_source = fs::path(options.calib_file).filename().string();
+      text = read_calibration_file(options.calib_file, limit, &cut);
+    }
+    INFINIGEN_CHECK(fs::exists(fs::path(in_dir) / "vocab.json"), in_dir,
+                    ": no tokenizer (vocab.json, merges.txt) to encode the calibration text, "
+                    "and no calibration token ids given");
+    ids = Tokenizer::from_directory(in_dir).encode(text);
+    if (cut && ids.size() > 1) ids.pop_back();  // the cut may have split the last token
+    INFINIGEN_CHECK(!ids.empty(), report.calib_source, ": calibration text has no tokens");
+  }
+  for (int32_t id : ids) {
+    INFINIGEN_CHECK(id >= 0 && id < config.vocab_size, report.calib_source, ": token id ", id,
+                    " is outside the vocabulary of ", config.vocab_size);
+  }
+  const std::vector<int32_t> tokens =
+      calibration_tokens(ids, config.bos_token_id, report.calib_len);
+
+  SkewMatrices matrices;
+  {
+    OptModel model(config, load_opt_weights(checkpoint, config, Device::Cpu), Device::Cpu);
+    matrices = compute_skew_matrices(model, tokens, progress);
+  }  // the weights go before the output is written
+  report.energy_before = matrices.energy_before;
+  report.energy_after = matrices.energy_after;
+
+  // Stored name of each rotated tensor -> its layer.
+  std::map<std::string, size_t, std::less<>> rotated;
+  const std::vector<OptTensorSpec> specs = opt_tensor_specs(config);
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const std::string& name = specs[i].name;
+    for (const char* suffix : {".self_attn.q_proj.weight", ".self_attn.q_proj.bias",
+                               ".self_attn.k_proj.weight", ".self_attn.k_proj.bias"}) {
+      if (!name.ends_with(suffix)) continue;
+      const std::string layers = "model.decoder.layers.";
+      rotated[stored[i]] = static_cast<size_t>(std::stoll(name.substr(layers.size())));
+    }
+  }
+  const std::string q0 = stored[static_cast<size_t>(
+      std::find_if(specs.begin(), specs.end(),
+                   [](const OptTensorSpec& s) { return s.name.ends_with("q_proj.weight"); }) -
+      specs.begin())];
+  report.dtype = checkpoint.entry(q0).dtype;
+
+  // Every tensor of the input, in its original order (file, then offset).
+  std::vector<std::string> names = checkpoint.names();
+  std::stable_sort(names.begin(), names.end(), [&](const std::string& a, const std::string& b) {
+    const std::string &fa = checkpoint.file_of(a).path(), &fb = checkpoint.file_of(b).path();
+    return fa != fb ? fa < fb : checkpoint.entry(a).begin < checkpoint.entry(b).begin;
+  });
+  std::vector<TensorRecord> records;
+  for (const std::string& name : names) {
+    const SafetensorsEntry& e = checkpoint.entry(name);
+    records.push_back({name, e.dtype, e.shape});
+  }
+  std::map<std::string, std::string> metadata = checkpoint.metadata();
+  metadata.emplace("format", "pt");  // transformers refuses safetensors without it
+
+  const fs::path staging =
+      target.parent_path() / (target.filename().string() + ".partial-" + std::to_string(getpid()));
+  fs::remove_all(staging);
+  fs::create_directories(staging);
+  try {
+    SafetensorsWriter writer((staging / "model.safetensors").string(), records, metadata);
+    int64_t done = 0;
+    const int64_t total = static_cast<int64_t>(names.size());
+    for (const std::string& name : names) {
+      if (const auto it = rotated.find(name); it != rotated.end()) {
+        const Tensor t = rotate_projection(checkpoint.load(name), matrices.rotations[it->second]);
+        writer.write(name, t.raw(), t.nbytes());
+      } else {
+        const SafetensorsEntry& e = checkpoint.entry(name);
+        writer.write(name, checkpoint.file_of(name).bytes(e), e.nbytes);
+      }
+      if (progress) progress("writing", ++done, total);
+    }
+    writer.finish();
+    for (const char* file : kCopiedFiles) {
+      const fs::path from = fs::path(in_dir) / file;
+      if (fs::exists(from)) fs::copy_file(from, staging / file);
+    }
+    nlohmann::json layers = nlohmann::json::array();
+    for (size_t l = 0; l < report.energy_before.size(); ++l) {
+      layers.push_back({{"layer", l},
+                        {"energy_before", report.energy_before[l]},
+                        {"energy_after", report.energy_after[l]}});
+    }
+    const nlohmann::json record = {
+        {"format_version", kSkewFormatVersion},
+        {"generator", "infinigen skew"},
+        {"source", report.source},
+        {"calibration", {{"tokens", report.calib_len}, {"source", report.calib_source}}},
+        {"dtype", dtype_name(report.dtype)},
+        {"rotated", "q_proj, k_proj (weight and bias) of every head"},
+        {"energy_column_ratio", kSkewEnergyColumnRatio},
+        {"energy_before", report.mean_energy_before()},
+        {"energy_after", report.mean_energy_after()},
+        {"layers", layers}};
+    write_text(staging / "skew.json", record.dump(2) + "\n");
+    if (fs::exists(target)) fs::remove(target);  // empty, checked above
+    fs::rename(staging, target);
+  } catch (...) {
+    std::error_code ignored;
+    fs::remove_all(staging, ignored);
+    throw;
+  }
+  return report;
+}
+
+}  // namespace infinigen

@@ -1,0 +1,161 @@
+// speculate: partial weights, partial key cache and speculation on the CPU.
+#include "speculate/speculation.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "core/ops.h"
+
+namespace infinigen {
+
+PartialIndexRule parse_partial_index_rule(const std::string& name) {
+  if (name == "qk") return PartialIndexRule::QK;
+  if (name == "q") return PartialIndexRule::Q;
+  fail("--partial-index-rule: unknown rule '", name, "' (expected qk or q)");
+}
+
+void SpeculationOptions::validate() const {
+  INFINIGEN_CHECK(alpha >= 0 && !std::isnan(alpha), "--alpha must be >= 0, got ", alpha);
+  INFINIGEN_CHECK(partial_ratio > 0 && partial_ratio <= 1,
+                  "--partial-ratio must be in (0, 1], got ", partial_ratio);
+  INFINIGEN_CHECK(max_num_kv >= 0, "--max-num-kv must be at least 1, got ", max_num_kv);
+  INFINIGEN_CHECK(dense_layers >= 1, "--dense-layers must be at least 1 (layer 0 has no previous ",
+                  "layer to speculate from), got ", dense_layers);
+}
+
+void PartialLayer::build(const Tensor& queries, const Tensor& keys, const Tensor& q_weight,
+                         const Tensor& q_bias, const std::vector<int32_t>& first_valid,
+                         int64_t num_heads, int64_t capacity, int64_t r, PartialIndexRule rule) {
+  batch_ = static_cast<int64_t>(first_valid.size());
+  heads_ = num_heads;
+  const int64_t D = queries.dim(1), n = queries.dim(0) / batch_;
+  head_dim_ = D / num_heads;
+  capacity_ = capacity;
+  r_ = r;
+  const float* q = queries.data<float>();
+  const float* k = keys.data<float>();
+
+  // Column scores per head over every valid prompt token of every sequence.
+  std::vector<double> score(static_cast<size_t>(D), 0.0);
+  for (int64_t b = 0; b < batch_; ++b) {
+    for (int64_t t = first_valid[static_cast<size_t>(b)]; t < n; ++t) {
+      const float* qrow = q + (b * n + t) * D;
+      const float* krow = k + (b * n + t) * D;
+      for (int64_t c = 0; c < D; ++c) {
+        score[static_cast<size_t>(c)] += std::fabs(qrow[c]);
+        if (rule == PartialIndexRule::QK) score[static_cast<size_t>(c)] += std::fabs(krow[c]);
+      }
+    }
+  }
+  columns_.assign(static_cast<size_t>(heads_ * r_), 0);
+  for (int64_t h = 0; h < heads_; ++h) {
+    std::vector<int32_t> order(static_cast<size_t>(head_dim_));
+    std::iota(order.begin(), order.end(), 0);
+    const double* head_score = score.data() + h * head_dim_;
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int32_t a, int32_t c) { return head_score[a] > head_score[c]; });
+    std::sort(order.begin(), order.begin() + r_);
+    std::copy(order.begin(), order.begin() + r_, columns_.begin() + h * r_);
+  }
+
+  // Partial query weights: the chosen rows of W_q (HF layout: rows are output features).
+  const Tensor w = q_weight.to_dtype(DType::F32);
+  const Tensor bq = q_bias.to_dtype(DType::F32);
+  weight_ = Tensor::empty({heads_ * r_, D}, DType::F32);
+  bias_ = Tensor::empty({heads_ * r_}, DType::F32);
+  for (int64_t h = 0; h < heads_; ++h) {
+    for (int64_t j = 0; j < r_; ++j) {
+      const int64_t row = h * head_dim_ + columns_[static_cast<size_t>(h * r_ + j)];
+      std::copy_n(w.data<float>() + row * D, D, weight_.data<float>() + (h * r_ + j) * D);
+      bias_.data<float>()[h * r_ + j] = bq.data<float>()[row];
+    }
+  }
+
+  // Partial key cache of the prompt (padding rows too; speculation skips them).
+  keys_.assign(static_cast<size_t>(batch_ * heads_ * capacity_ * r_), 0.0f);
+  for (int64_t b = 0; b < batch_; ++b) {
+    for (int64_t t = 0; t < n; ++t) {
+      const float* krow = k + (b * n + t) * D;
+      for (int64_t h = 0; h < heads_; ++h) {
+        float* dst = keys_.data() + ((b * heads_ + h) * capacity_ + t) * r_;
+        for (int64_t j = 0; j < r_; ++j) dst[j] = krow[h * head_dim_ + columns_[h * r_ + j]];
+      }
+    }
+  }
+}
+
+void PartialLayer::append(const Tensor& keys, int64_t position) {
+  INFINIGEN_CHECK(position < capacity_, "partial key cache full at ", position);
+  const float* k = keys.data<float>();
+  const int64_t D = heads_ * head_dim_;
+  for (int64_t b = 0; b < batch_; ++b) {
+    for (int64_t h = 0; h < heads_; ++h) {
+      float* dst = keys_.data() + ((b * heads_ + h) * capacity_ + position) * r_;
+      for (int64_t j = 0; j < r_; ++j) dst[j] = k[b * D + h * head_dim_ + columns_[h * r_ + j]];
+    }
+  }
+}
+
+PartialLayer::Selection PartialLayer::speculate(const Tensor& x, int64_t length,
+                                                const std::vector<int32_t>& first_valid,
+                                                double alpha, int64_t max_num_kv) const {
+  // Partial queries (B, H * r), scaled like the real ones.
+  Tensor pq = Tensor::empty({batch_, heads_ * r_}, DType::F32);
+  ops::linear(x, weight_, bias_, pq);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim_));
+
+  // Attention-logit estimates of every stored token, and the alpha count per row.
+  std::vector<float> scores(static_cast<size_t>(batch_ * heads_ * length));
+  std::vector<int64_t> counts(static_cast<size_t>(batch_ * heads_));
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t b = 0; b < batch_; ++b) {
+    for (int64_t h = 0; h < heads_; ++h) {
+      const float* query = pq.data<float>() + (b * heads_ + h) * r_;
+      float* s = scores.data() + (b * heads_ + h) * length;
+      float top = -INFINITY;
+      for (int64_t t = first_valid[static_cast<size_t>(b)]; t < length; ++t) {
+        const float* key = keys_.data() + ((b * heads_ + h) * capacity_ + t) * r_;
+        float dot = 0.0f;
+        for (int64_t j = 0; j < r_; ++j) dot += query[j] * key[j];
+        s[t] = dot * scale;
+        top = std::max(top, s[t]);
+      }
+      int64_t count = 0;
+      for (int64_t t = first_valid[static_cast<size_t>(b)]; t < length; ++t) {
+        count += s[t] > top - alpha ? 1 : 0;
+      }
+      counts[static_cast<size_t>(b * heads_ + h)] = count;
+    }
+  }
+  Selection sel;
+  sel.mean_count = static_cast<double>(std::accumulate(counts.begin(), counts.end(), int64_t{0})) /
+                   static_cast<double>(counts.size());
+  sel.fetch = std::clamp<int64_t>(static_cast<int64_t>(std::floor(sel.mean_count)), 1, max_num_kv);
+  sel.take.resize(static_cast<size_t>(batch_));
+  sel.tokens.assign(static_cast<size_t>(batch_ * heads_ * sel.fetch), 0);
+  for (int64_t b = 0; b < batch_; ++b) {
+    const int64_t valid = length - first_valid[static_cast<size_t>(b)];
+    sel.take[static_cast<size_t>(b)] = static_cast<int32_t>(std::min(sel.fetch, valid));
+  }
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t b = 0; b < batch_; ++b) {
+    for (int64_t h = 0; h < heads_; ++h) {
+      const int64_t start = first_valid[static_cast<size_t>(b)];
+      const int64_t take = sel.take[static_cast<size_t>(b)];
+      const float* s = scores.data() + (b * heads_ + h) * length;
+      std::vector<int32_t> order(static_cast<size_t>(length - start));
+      std::iota(order.begin(), order.end(), static_cast<int32_t>(start));
+      // Top `take` by estimated logit (ties to the older token), then in token order, so that
+      // selecting everything reproduces full attention's order of summation.
+      std::nth_element(
+          order.begin(), order.begin() + (take - 1), order.end(),
+          [&](int32_t a, int32_t c) { return s[a] > s[c] || (s[a] == s[c] && a < c); });
+      std::sort(order.begin(), order.begin() + take);
+      std::copy_n(order.begin(), take, sel.tokens.begin() + (b * heads_ + h) * sel.fetch);
+    }
+  }
+  return sel;
+}
+
+}  // namespace infinigen

@@ -1,0 +1,69 @@
+// speculate: InfiniGen's per-layer state and its decode-time speculation (DESIGN.md section 1).
+//
+// At prefill, for each layer and head, the r = floor(ratio * d) "partial" columns with the largest
+// sum over the prompt of |Q~| + |K~| (rule qk, the paper's) or |Q~| (rule q, the reference code's)
+// are chosen; the partial query weights W_q~[S] (+ bias) and the partial key cache K~[:, S] are
+// kept. At decode, layer l's attention is speculated at layer l - 1 from that layer's attention
+// input x: pq = x W_q~[S]^T + b_q~[S], s[t] = pq . Kp[t] / sqrt(d) for every stored token t. Per
+// (sequence, head) count = |{t : s[t] > max(s) - alpha}|; one fetch size for the layer,
+// n' = clamp(floor(mean count over the B * H rows), 1, max_num_kv); each (sequence, head) fetches
+// its top-n' tokens (fewer when the sequence has fewer tokens).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace infinigen {
+
+enum class PartialIndexRule { QK, Q };
+PartialIndexRule parse_partial_index_rule(const std::string& name);  // "qk" | "q"
+
+struct SpeculationOptions {
+  double alpha = 4.0;          // logit threshold below the row maximum
+  double partial_ratio = 0.3;  // r = floor(ratio * d), at least 1
+  PartialIndexRule index_rule = PartialIndexRule::QK;
+  int64_t max_num_kv = 0;    // cap on n' per layer; 0 = 20% of the sequence capacity
+  int64_t dense_layers = 2;  // layers [0, dense_layers) always fetch their whole KV
+  void validate() const;     // one-line Error naming the flag
+};
+
+// One layer's speculation state, on the CPU backend: (H, r) column indices, the partial query
+// weights (H * r, D) and bias (H * r) in fp32, and the partial key cache (B, H, capacity, r).
+class PartialLayer {
+ public:
+  PartialLayer() = default;
+
+  // From the prefill's queries (unscaled, (B * n, H * d)), keys (B * n, H * d) and the layer's
+  // query projection (D, D) + bias (D): columns, partial weights, partial keys of tokens [0, n).
+  void build(const Tensor& queries, const Tensor& keys, const Tensor& q_weight,
+             const Tensor& q_bias, const std::vector<int32_t>& first_valid, int64_t num_heads,
+             int64_t capacity, int64_t r, PartialIndexRule rule);
+  // Appends the partial keys of one new token per sequence at `position`; keys (B, H * d).
+  void append(const Tensor& keys, int64_t position);
+
+  struct Selection {
+    int64_t fetch = 0;            // n': rows per (sequence, head)
+    std::vector<int32_t> take;    // (B): tokens taken per sequence, min(n', valid tokens)
+    std::vector<int32_t> tokens;  // (B, H, fetch): the first take[b] ascending, rest unused
+    double mean_count = 0.0;      // mean over rows of the alpha count
+  };
+  // Speculates attention over tokens [first_valid[b], length) from x (B, D), the LayerNorm output
+  // of the previous layer.
+  Selection speculate(const Tensor& x, int64_t length, const std::vector<int32_t>& first_valid,
+                      double alpha, int64_t max_num_kv) const;
+
+  int64_t r() const { return r_; }
+  const std::vector<int32_t>& columns() const { return columns_; }
+
+ private:
+  int64_t batch_ = 0, heads_ = 0, head_dim_ = 0, capacity_ = 0, r_ = 0;
+  std::vector<int32_t> columns_;  // (H, r), ascending within a head
+  Tensor weight_;                 // (H * r, D) fp32
+  Tensor bias_;                   // (H * r) fp32
+  std::vector<float> keys_;       // (B, H, capacity, r)
+};
+
+}  // namespace infinigen
