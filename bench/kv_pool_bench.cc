@@ -3,7 +3,7 @@
 // Shapes of one OPT-13B layer's keys for batch 8 and 2048 tokens (H 40, d 128, fp16: 160 MiB):
 //  - range: every token of every (sequence, head), the `full` policy's per-layer load;
 //  - selected: 10% of the tokens of each (sequence, head), scattered, row by row (d elements), as
-//    a host-side gather of InfiniGen's selection does.
+//    a host-side gather of InfiniGen's selection does, on one thread or on every OpenMP thread.
 #include <benchmark/benchmark.h>
 
 #include <cstring>
@@ -51,16 +51,18 @@ void BM_GatherRange(benchmark::State& state) {
 
 void BM_GatherSelected(benchmark::State& state) {
   Filled filled(state.range(0));
+  const bool parallel = state.range(1) != 0;
   const int64_t keep = kTokens / 10;
   std::vector<int32_t> picks(static_cast<size_t>(kBatch * kHeads * keep));
   std::mt19937 rng(1);
   for (int32_t& p : picks) p = static_cast<int32_t>(rng() % kTokens);
   std::vector<uint16_t> staging(static_cast<size_t>(kBatch * kHeads * keep * kHeadDim));
   for (auto _ : state) {
-    size_t i = 0;
+#pragma omp parallel for collapse(2) schedule(static) if (parallel)
     for (int64_t b = 0; b < kBatch; ++b) {
       for (int64_t h = 0; h < kHeads; ++h) {
-        for (int64_t k = 0; k < keep; ++k, ++i) {
+        for (int64_t k = 0; k < keep; ++k) {
+          const size_t i = static_cast<size_t>((b * kHeads + h) * keep + k);
           std::memcpy(staging.data() + i * kHeadDim,
                       filled.pool.row(0, KvKind::Key, b, h, picks[i]), kHeadDim * 2);
         }
@@ -83,7 +85,10 @@ void BM_Memcpy(benchmark::State& state) {
 }
 
 BENCHMARK(BM_GatherRange)->Arg(16)->Arg(64)->Arg(128)->Arg(256)->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_GatherSelected)->Arg(16)->Arg(64)->Arg(128)->Arg(256)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_GatherSelected)
+    ->ArgsProduct({{16, 64, 128, 256}, {0, 1}})
+    ->ArgNames({"bt", "omp"})
+    ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_Memcpy)->Unit(benchmark::kMillisecond);
 
 }  // namespace

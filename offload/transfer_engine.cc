@@ -10,6 +10,9 @@
 #include "core/error.h"
 
 namespace infinigen {
+
+// Chunks in one transfer from which the CPU backend copies them in parallel.
+constexpr int64_t kParallelGatherChunks = 4096;
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -81,12 +84,18 @@ EventPtr TransferEngine::enqueue(Stream& stream, std::vector<CopyChunk> chunks, 
     // Emulation is measured from the task's own start, not from enqueue, so time spent queued
     // behind other transfers or waiting on `after` is not counted as link time.
     const Clock::time_point start = Clock::now();
-    for (const CopyChunk& chunk : chunks) {
-      if (chunk.bytes == 0) continue;
-      if (device_ == Device::Cpu) {
-        std::memcpy(chunk.dst, chunk.src, chunk.bytes);
-      } else {
-        device_copy(chunk.dst, dst_device, chunk.src, src_device, chunk.bytes);
+    if (device_ == Device::Cpu) {
+      // A gather of many rows (InfiniGen's selection) is spread over OpenMP threads, as the host
+      // gather into pinned staging is; a few large chunks are copied by this thread.
+      const int64_t n = static_cast<int64_t>(chunks.size());
+#pragma omp parallel for schedule(static) if (n >= kParallelGatherChunks)
+      for (int64_t i = 0; i < n; ++i) {
+        const CopyChunk& chunk = chunks[static_cast<size_t>(i)];
+        if (chunk.bytes != 0) std::memcpy(chunk.dst, chunk.src, chunk.bytes);
+      }
+    } else {
+      for (const CopyChunk& chunk : chunks) {
+        if (chunk.bytes != 0) device_copy(chunk.dst, dst_device, chunk.src, src_device, chunk.bytes);
       }
     }
     if (link_.gbps > 0.0 || link_.latency_us > 0.0) {
