@@ -72,14 +72,16 @@ GenerationResult generate(OptModel& model, const GenerationRequest& request,
   KvStore& cache = *store;
 
   auto start = std::chrono::steady_clock::now();
-  std::vector<int32_t> next = sampler.sample(model.prefill(tokens, first_valid, cache));
+  result.last_logits = model.prefill(tokens, first_valid, cache);
+  std::vector<int32_t> next = sampler.sample(result.last_logits);
   result.prefill_seconds = seconds_since(start);
   for (int64_t b = 0; b < B; ++b) result.tokens[b].push_back(next[b]);
   if (progress) progress(1, request.gen_len);
 
   start = std::chrono::steady_clock::now();
   for (int64_t step = 1; step < request.gen_len; ++step) {
-    next = sampler.sample(model.decode(next, cache));
+    result.last_logits = model.decode(next, cache);
+    next = sampler.sample(result.last_logits);
     for (int64_t b = 0; b < B; ++b) result.tokens[b].push_back(next[b]);
     if (progress) progress(step + 1, request.gen_len);
   }

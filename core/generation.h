@@ -29,6 +29,7 @@ struct GenerationResult {
   int64_t gen_len = 0;
   double prefill_seconds = 0.0;
   double decode_seconds = 0.0;
+  Tensor last_logits;  // (B, V) fp32: the logits the last token was chosen from
 
   double total_seconds() const { return prefill_seconds + decode_seconds; }
   double throughput() const;         // B * gen_len / total

@@ -11,23 +11,51 @@ namespace infinigen {
 
 InfinigenKv::InfinigenKv(const ModelConfig& config, int64_t batch, int64_t capacity, DType kv_dtype,
                          Device device, int64_t block_tokens, TransferEngine& engine,
-                         OffloadStats& stats, const SpeculationOptions& options, bool check_recall)
-    : OffloadedKv(config, batch, capacity, kv_dtype, device, block_tokens, engine, stats),
+                         OffloadStats& stats, const SpeculationOptions& options, bool check_recall,
+                         const KvPoolLimit& limit)
+    : OffloadedKv(config, batch, capacity, kv_dtype, device, block_tokens, engine, stats,
+                  limit.positions > 0 ? std::min(limit.positions, capacity) : 0),
       options_(options),
       check_recall_(check_recall),
       head_dim_(config.head_dim()),
+      heads_(config.num_heads),
+      slots_(limit.positions > 0 ? std::min(limit.positions, capacity) : capacity),
       partial_(static_cast<size_t>(config.num_layers)),
       selection_(static_cast<size_t>(config.num_layers)) {
   options_.validate();
+  INFINIGEN_CHECK(device == Device::Cpu, "--policy infinigen runs on the CPU backend for now");
+  INFINIGEN_CHECK(slots_ >= 2, "--kv-pool-limit leaves ", slots_,
+                  " position per sequence and head; at least 2 are needed");
   if (options_.max_num_kv == 0) {
     options_.max_num_kv = std::max<int64_t>(1, capacity / 5);  // 20% of prompt + generation
   }
-  INFINIGEN_CHECK(device == Device::Cpu, "--policy infinigen runs on the CPU backend for now");
+  if (limited()) {
+    position_tokens_.assign(static_cast<size_t>(config.num_layers),
+                            std::vector<int32_t>(static_cast<size_t>(batch * heads_ * slots_), -1));
+    for (int64_t l = 0; l < config.num_layers; ++l) {
+      eviction_.emplace_back(limit.eviction, batch * heads_, slots_);
+    }
+  }
+}
+
+int32_t InfinigenKv::token_at(int64_t layer, int64_t b, int64_t h, int64_t position) const {
+  if (!limited()) return static_cast<int32_t>(position);
+  return position_tokens_[static_cast<size_t>(layer)]
+                         [static_cast<size_t>((b * heads_ + h) * slots_ + position)];
 }
 
 void InfinigenKv::begin_layer(int64_t layer) {
-  // Dense layers load everything, as `full` does; sparse ones are loaded from observe().
+  // Dense layers are loaded one layer ahead, as `full` does; speculated ones from observe().
   if (dense(layer + 1)) OffloadedKv::begin_layer(layer);
+}
+
+void InfinigenKv::issue_load(int64_t layer) {
+  if (!limited()) {
+    OffloadedKv::issue_load(layer);
+    return;
+  }
+  selection_[static_cast<size_t>(layer)] = select_all(layer);
+  load_selection(layer);
 }
 
 void InfinigenKv::observe(int64_t layer, const Tensor& normed, const Tensor& queries,
@@ -46,8 +74,27 @@ void InfinigenKv::observe(int64_t layer, const Tensor& normed, const Tensor& que
 
 void InfinigenKv::append(int64_t layer, const Tensor& keys, const Tensor& values) {
   const size_t l = static_cast<size_t>(layer);
+  const size_t p = l % 2;
   if (length() == 0) {
-    OffloadedKv::append(layer, keys, values);
+    const int64_t n = pass_tokens();
+    const int64_t keep_from = std::max<int64_t>(0, n - slots_);  // a limited pool keeps the newest
+    if (keep_from == 0) {
+      OffloadedKv::append(layer, keys, values);
+    } else {
+      if (layer >= 2) stored_[l - 2]->wait();
+      ops::cache_store(keys, staging_keys_[p], 0);
+      ops::cache_store(values, staging_values_[p], 0);
+      issue_store(layer, staging_keys_[p], staging_values_[p], keep_from, n - keep_from);
+    }
+    if (limited()) {
+      for (int64_t row = 0; row < batch() * heads_; ++row) {
+        for (int64_t j = 0; j < n - keep_from; ++j) {
+          position_tokens_[l][static_cast<size_t>(row * slots_ + j)] =
+              static_cast<int32_t>(keep_from + j);
+          eviction_[l].on_insert(row, j, keep_from + j);
+        }
+      }
+    }
     if (dense(layer)) return;
     // The partial columns come from the real queries, before the 1/sqrt(d) scaling.
     Tensor queries = prefill_queries_->clone();
@@ -56,50 +103,141 @@ void InfinigenKv::append(int64_t layer, const Tensor& keys, const Tensor& values
         1,
         static_cast<int64_t>(std::floor(options_.partial_ratio * static_cast<double>(head_dim_))));
     partial_[l].build(queries, keys, prefill_weights_->q_weight, prefill_weights_->q_bias,
-                      first_valid(), keys.dim(1) / head_dim_, capacity(), r, options_.index_rule);
+                      first_valid(), heads_, slots_, r, options_.index_rule, keep_from);
     return;
   }
-  if (dense(layer)) {
+  if (!compact(layer)) {
     OffloadedKv::append(layer, keys, values);
     return;
   }
-  // The new token goes after the selected rows (row n'), and to the pool and partial key cache.
-  const size_t p = l % 2;
+  // The new token goes after the staged rows (row n'), and to the pool and partial key cache.
   ops::cache_store(keys, staging_keys_[p], selection_[l].fetch);
   ops::cache_store(values, staging_values_[p], selection_[l].fetch);
-  store_new_token(layer, keys, values);
-  partial_[l].append(keys, length());
+  if (!limited()) {
+    store_new_token(layer, keys, values);
+    partial_[l].append(keys, length());
+    return;
+  }
+  const std::vector<int32_t> positions = place_new_token(layer);
+  // As store_new_token, but each row to its own position.
+  store_buffer_read_[p]->wait();
+  ops::cache_store(keys, store_keys_[p], 0);
+  ops::cache_store(values, store_values_[p], 0);
+  const size_t row_bytes = static_cast<size_t>(head_dim_) * dtype_size(store_keys_[p].dtype());
+  std::vector<CopyChunk> chunks;
+  for (int64_t b = 0; b < batch(); ++b) {
+    for (int64_t h = 0; h < heads_; ++h) {
+      const int64_t at = positions[static_cast<size_t>(b * heads_ + h)];
+      const size_t src = static_cast<size_t>(b * heads_ + h) * row_bytes;
+      chunks.push_back({pool_.row(layer, KvKind::Key, b, h, at),
+                        static_cast<const char*>(store_keys_[p].raw()) + src, row_bytes});
+      chunks.push_back({pool_.row(layer, KvKind::Value, b, h, at),
+                        static_cast<const char*>(store_values_[p].raw()) + src, row_bytes});
+    }
+  }
+  const uint64_t bytes = static_cast<uint64_t>(chunks.size() * row_bytes);
+  stats_.current().layers[l].kv_d2h_bytes += bytes;
+  stats_.current().d2h_bytes += bytes;
+  // A victim's old row may be among this step's loads of the layer: overwrite it after them.
+  stored_[l] = engine_.store(std::move(chunks), loaded_[l]);
+  store_buffer_read_[p] = stored_[l];
+  if (!dense(layer)) partial_[l].append(keys, 0, &positions);
+}
+
+std::vector<int32_t> InfinigenKv::place_new_token(int64_t layer) {
+  const size_t l = static_cast<size_t>(layer);
+  const int64_t t = length();
+  if (t < slots_) pool_.reserve(t + 1);
+  std::vector<int32_t> positions(static_cast<size_t>(batch() * heads_));
+  for (int64_t row = 0; row < batch() * heads_; ++row) {
+    const int64_t at =
+        eviction_[l].full(row) ? eviction_[l].victim(row, t) : eviction_[l].size(row);
+    positions[static_cast<size_t>(row)] = static_cast<int32_t>(at);
+    position_tokens_[l][static_cast<size_t>(row * slots_ + at)] = static_cast<int32_t>(t);
+    eviction_[l].on_insert(row, at, t);
+  }
+  return positions;
+}
+
+PartialLayer::Selection InfinigenKv::select_all(int64_t layer) const {
+  PartialLayer::Selection sel;
+  const int64_t used = used_positions(), B = batch();
+  sel.take.assign(static_cast<size_t>(B), 0);
+  std::vector<std::vector<int32_t>> rows(static_cast<size_t>(B * heads_));
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < heads_; ++h) {
+      for (int64_t p = 0; p < used; ++p) {
+        if (token_at(layer, b, h, p) >= first_valid()[static_cast<size_t>(b)]) {
+          rows[static_cast<size_t>(b * heads_ + h)].push_back(static_cast<int32_t>(p));
+        }
+      }
+      const int32_t n = static_cast<int32_t>(rows[static_cast<size_t>(b * heads_ + h)].size());
+      sel.take[static_cast<size_t>(b)] = h == 0 ? n : std::min(sel.take[static_cast<size_t>(b)], n);
+    }
+    sel.fetch = std::max<int64_t>(sel.fetch, sel.take[static_cast<size_t>(b)]);
+  }
+  sel.fetch = std::max<int64_t>(sel.fetch, 1);
+  sel.tokens.assign(static_cast<size_t>(B * heads_ * sel.fetch), 0);
+  for (int64_t row = 0; row < B * heads_; ++row) {
+    const int64_t take = sel.take[static_cast<size_t>(row / heads_)];
+    std::copy_n(rows[static_cast<size_t>(row)].begin(), take, sel.tokens.begin() + row * sel.fetch);
+  }
+  sel.mean_count = static_cast<double>(sel.fetch);
+  return sel;
 }
 
 void InfinigenKv::select_and_load(int64_t layer, const Tensor& normed) {
-  const size_t l = static_cast<size_t>(layer), p = l % 2;
+  const size_t l = static_cast<size_t>(layer);
   PartialLayer::Selection& sel = selection_[l];
-  sel = partial_[l].speculate(normed, length(), first_valid(), options_.alpha, options_.max_num_kv);
+  sel = partial_[l].speculate(normed, used_positions(), first_valid(), options_.alpha,
+                              options_.max_num_kv, limited() ? &position_tokens_[l] : nullptr);
+  if (limited()) {  // each fetched entry counts for the eviction policy
+    for (int64_t row = 0; row < batch() * heads_; ++row) {
+      const int64_t take = sel.take[static_cast<size_t>(row / heads_)];
+      for (int64_t j = 0; j < take; ++j) {
+        eviction_[l].on_fetch(row, sel.tokens[static_cast<size_t>(row * sel.fetch + j)], length());
+      }
+    }
+  }
+  load_selection(layer);
+}
+
+void InfinigenKv::load_selection(int64_t layer) {
+  const size_t l = static_cast<size_t>(layer), p = l % 2;
+  const PartialLayer::Selection& sel = selection_[l];
   Tensor& keys = staging_keys_[p];
   Tensor& values = staging_values_[p];
   if (debug_poison()) {
     fill_nan(keys);
     fill_nan(values);
   }
-  const int64_t B = batch(), H = keys.dim(1), d = keys.dim(3), cap = keys.dim(2);
-  const size_t row_bytes = static_cast<size_t>(d) * dtype_size(keys.dtype());
+  const int64_t B = batch(), H = heads_, cap = keys.dim(2);
+  const size_t row_bytes = static_cast<size_t>(head_dim_) * dtype_size(keys.dtype());
   std::vector<CopyChunk> chunks;
   chunks.reserve(static_cast<size_t>(2 * B * H * sel.fetch));
   LayerTraffic& traffic = stats_.current().layers[l];
   for (int64_t b = 0; b < B; ++b) {
     const int64_t take = sel.take[static_cast<size_t>(b)];
     for (int64_t h = 0; h < H; ++h) {
-      const int32_t* tokens = sel.tokens.data() + (b * H + h) * sel.fetch;
+      const int32_t* positions = sel.tokens.data() + (b * H + h) * sel.fetch;
       for (int64_t j = 0; j < take; ++j) {
         const size_t dst_row = static_cast<size_t>((b * H + h) * cap + sel.fetch - take + j);
         chunks.push_back({static_cast<char*>(keys.raw()) + dst_row * row_bytes,
-                          pool_.row(layer, KvKind::Key, b, h, tokens[j]), row_bytes});
+                          pool_.row(layer, KvKind::Key, b, h, positions[j]), row_bytes});
         chunks.push_back({static_cast<char*>(values.raw()) + dst_row * row_bytes,
-                          pool_.row(layer, KvKind::Value, b, h, tokens[j]), row_bytes});
+                          pool_.row(layer, KvKind::Value, b, h, positions[j]), row_bytes});
       }
     }
     traffic.tokens_fetched += static_cast<uint64_t>(take * H);
-    traffic.tokens_stored += static_cast<uint64_t>((length() - first_valid()[b]) * H);
+    // The pool's valid entries of this sequence: its tokens, or its valid positions when capped.
+    int64_t valid = length() - first_valid()[static_cast<size_t>(b)];
+    if (limited()) {
+      valid = 0;
+      for (int64_t q = 0; q < used_positions(); ++q) {
+        valid += token_at(layer, b, 0, q) >= first_valid()[static_cast<size_t>(b)] ? 1 : 0;
+      }
+    }
+    traffic.tokens_stored += static_cast<uint64_t>(valid * H);
   }
   const uint64_t bytes = static_cast<uint64_t>(chunks.size() * row_bytes);
   traffic.kv_h2d_bytes += bytes;
@@ -108,7 +246,7 @@ void InfinigenKv::select_and_load(int64_t layer, const Tensor& normed) {
 }
 
 KvStore::View InfinigenKv::view(int64_t layer) {
-  if (dense(layer)) return OffloadedKv::view(layer);
+  if (!compact(layer)) return OffloadedKv::view(layer);
   const size_t l = static_cast<size_t>(layer), p = l % 2;
   const auto start = std::chrono::steady_clock::now();
   loaded_[l]->wait();
@@ -123,21 +261,20 @@ KvStore::View InfinigenKv::view(int64_t layer) {
     compact_first_valid_[static_cast<size_t>(b)] =
         static_cast<int32_t>(sel.fetch - sel.take[static_cast<size_t>(b)]);
   }
-  if (check_recall_) traffic.recall = measure_recall(layer);
+  if (check_recall_ && !dense(layer)) traffic.recall = measure_recall(layer);
   return {&staging_keys_[p], &staging_values_[p], sel.fetch + 1, &compact_first_valid_};
 }
 
 double InfinigenKv::measure_recall(int64_t layer) const {
   const size_t l = static_cast<size_t>(layer), p = l % 2;
-  stored_[l]->wait();  // the pool holds every earlier token of this layer
+  stored_[l]->wait();  // the pool holds every earlier entry of this layer
   const PartialLayer::Selection& sel = selection_[l];
   const Tensor& staged = staging_keys_[p];
-  const int64_t B = batch(), H = staged.dim(1), d = staged.dim(3), cap = staged.dim(2);
+  const int64_t B = batch(), H = heads_, d = head_dim_, cap = staged.dim(2);
   const float* q = decode_queries_.data<float>();  // (B, H * d), scaled
   std::vector<float> key(static_cast<size_t>(d));
   double total_recall = 0.0;
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t start = first_valid()[static_cast<size_t>(b)];
     const int64_t take = sel.take[static_cast<size_t>(b)];
     for (int64_t h = 0; h < H; ++h) {
       const float* query = q + (b * H + h) * d;
@@ -147,20 +284,25 @@ double InfinigenKv::measure_recall(int64_t layer) const {
         for (int64_t c = 0; c < d; ++c) dot += static_cast<double>(query[c]) * key[c];
         return dot;
       };
-      // The current token (row n' of the staging buffer) is always attended.
-      const size_t current_row = static_cast<size_t>((b * H + h) * cap + sel.fetch);
-      std::vector<double> logits;
-      for (int64_t t = start; t < length(); ++t) {
-        logits.push_back(logit(pool_.row(layer, KvKind::Key, b, h, t)));
+      // Over the pool's valid entries (every earlier token, or what a capped pool still holds),
+      // the current token (row n' of the staging buffer) included.
+      std::vector<double> logits(static_cast<size_t>(used_positions()), -INFINITY);
+      for (int64_t pos = 0; pos < used_positions(); ++pos) {
+        const int32_t token = token_at(layer, b, h, pos);
+        // The current token, already placed in a capped pool, is counted below.
+        if (token >= first_valid()[static_cast<size_t>(b)] && token < length()) {
+          logits[static_cast<size_t>(pos)] = logit(pool_.row(layer, KvKind::Key, b, h, pos));
+        }
       }
+      const size_t current_row = static_cast<size_t>((b * H + h) * cap + sel.fetch);
       const double current = logit(static_cast<const char*>(staged.raw()) +
                                    current_row * d * dtype_size(staged.dtype()));
       double top = current;
       for (double v : logits) top = std::max(top, v);
       double all = std::exp(current - top), kept = all;
       for (double v : logits) all += std::exp(v - top);
-      const int32_t* tokens = sel.tokens.data() + (b * H + h) * sel.fetch;
-      for (int64_t j = 0; j < take; ++j) kept += std::exp(logits[tokens[j] - start] - top);
+      const int32_t* positions = sel.tokens.data() + (b * H + h) * sel.fetch;
+      for (int64_t j = 0; j < take; ++j) kept += std::exp(logits[positions[j]] - top);
       total_recall += kept / all;
     }
   }

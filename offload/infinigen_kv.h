@@ -4,22 +4,35 @@
 // Layer l's selection is made while layer l - 1 runs (observe: its attention input is known),
 // and the selected K/V rows are gathered from the pool into layer l's staging buffer while layer
 // l - 1 finishes, so the load overlaps compute. Staged rows are compact: for sequence b, rows
-// [n' - take[b], n') hold its selected tokens in token order and row n' the new token; attention
+// [n' - take[b], n') hold its selected positions in order and row n' the new token; attention
 // reads rows [n' - take[b], n' + 1) (the view's own first_valid).
+//
+// With a pool limit of S positions per (layer, sequence, head) (--kv-pool-limit), the pool and
+// the partial key cache are indexed by position, not token: the prefill keeps its newest S
+// tokens, and once a row is full each new token overwrites the victim chosen by the eviction
+// policy (speculate/eviction.h) in the pool and in the partial key cache. Dense layers then load
+// every valid position of their (limited) pool the same compact way.
 #pragma once
 
+#include <optional>
 #include <vector>
 
 #include "offload/offloaded_kv.h"
+#include "speculate/eviction.h"
 #include "speculate/speculation.h"
 
 namespace infinigen {
+
+struct KvPoolLimit {
+  int64_t positions = 0;  // per (layer, sequence, head); 0 = no limit
+  EvictionPolicy eviction = EvictionPolicy::Counter;
+};
 
 class InfinigenKv : public OffloadedKv {
  public:
   InfinigenKv(const ModelConfig& config, int64_t batch, int64_t capacity, DType kv_dtype,
               Device device, int64_t block_tokens, TransferEngine& engine, OffloadStats& stats,
-              const SpeculationOptions& options, bool check_recall);
+              const SpeculationOptions& options, bool check_recall, const KvPoolLimit& limit = {});
 
   void begin_layer(int64_t layer) override;
   void observe(int64_t layer, const Tensor& normed, const Tensor& queries,
@@ -27,21 +40,41 @@ class InfinigenKv : public OffloadedKv {
   void append(int64_t layer, const Tensor& keys, const Tensor& values) override;
   View view(int64_t layer) override;
 
+ protected:
+  void issue_load(int64_t layer) override;
+
  private:
   bool dense(int64_t layer) const { return layer < options_.dense_layers; }
+  bool limited() const { return slots_ < capacity(); }
+  int64_t used_positions() const { return std::min(length(), slots_); }
+  // Compact views are used by speculated layers, and by every layer under a pool limit.
+  bool compact(int64_t layer) const { return limited() || !dense(layer); }
   void select_and_load(int64_t layer, const Tensor& normed);
-  // Share of layer's full attention weight that the staged rows carry, from the real queries.
+  // Every valid position (dense layers under a pool limit).
+  PartialLayer::Selection select_all(int64_t layer) const;
+  void load_selection(int64_t layer);
+  // Pool positions for the new token per (sequence, head): length() until the pool is full,
+  // then the eviction victims. Updates the bookkeeping.
+  std::vector<int32_t> place_new_token(int64_t layer);
+  int32_t token_at(int64_t layer, int64_t b, int64_t h, int64_t position) const;
+  // Share of the layer's attention weight over the pool that the staged rows carry.
   double measure_recall(int64_t layer) const;
 
   SpeculationOptions options_;
   bool check_recall_;
   int64_t head_dim_;
+  int64_t heads_;
+  int64_t slots_;                            // pool positions per (layer, sequence, head)
   std::vector<PartialLayer> partial_;        // per layer (unused for dense layers)
   const Tensor* prefill_queries_ = nullptr;  // this layer's scaled queries, between observe
   const OptLayerWeights* prefill_weights_ = nullptr;  // and append at prefill
   Tensor decode_queries_;                             // (B, H * d) of the current layer, for recall
   std::vector<PartialLayer::Selection> selection_;    // per layer: this step's selection
   std::vector<int32_t> compact_first_valid_;          // (B): left padding of the staged rows
+  // Under a pool limit: per layer, the token at each position ((B, H, S), -1 empty), and the
+  // eviction bookkeeping of the layer's B * H rows.
+  std::vector<std::vector<int32_t>> position_tokens_;
+  std::vector<EvictionTable> eviction_;
 };
 
 }  // namespace infinigen

@@ -195,7 +195,9 @@ MemoryPlan compute_memory_plan(const MemoryRequest& r) {
     pool.batch = r.batch;
     pool.num_heads = c.num_heads;
     pool.head_dim = c.head_dim();
-    pool.max_tokens = r.prompt_len + r.gen_len;
+    pool.max_tokens = r.kv_pool_tokens > 0
+                          ? std::min<int64_t>(r.kv_pool_tokens, static_cast<int64_t>(tokens))
+                          : static_cast<int64_t>(tokens);
     pool.block_tokens = r.kv_block_tokens;
     pool.dtype = r.kv_dtype;
     plan.host_kv_pool = KvPool::capacity_bytes(pool);

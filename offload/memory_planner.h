@@ -29,6 +29,7 @@ struct MemoryRequest {
   DType kv_dtype = DType::F16;
   int64_t kv_block_tokens = 128;
   double partial_ratio = 0.3;  // InfiniGen: partial columns per head = floor(ratio * d)
+  int64_t kv_pool_tokens = 0;  // positions per (layer, sequence, head) in the pool; 0 = all
   size_t device_capacity = 0;  // bytes usable on the device
   size_t host_capacity = 0;    // bytes of pinned host memory available
 };

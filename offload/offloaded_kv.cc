@@ -16,11 +16,11 @@ uint64_t chunk_bytes(const std::vector<CopyChunk>& chunks) {
 
 OffloadedKv::OffloadedKv(const ModelConfig& config, int64_t batch, int64_t capacity, DType kv_dtype,
                          Device device, int64_t block_tokens, TransferEngine& engine,
-                         OffloadStats& stats)
+                         OffloadStats& stats, int64_t pool_tokens)
     : KvStore(batch, capacity),
       num_layers_(config.num_layers),
-      pool_({config.num_layers, batch, config.num_heads, config.head_dim(), capacity, block_tokens,
-             kv_dtype}),
+      pool_({config.num_layers, batch, config.num_heads, config.head_dim(),
+             pool_tokens > 0 ? pool_tokens : capacity, block_tokens, kv_dtype}),
       engine_(engine),
       stats_(stats),
       loaded_(static_cast<size_t>(config.num_layers)),
@@ -99,10 +99,11 @@ void OffloadedKv::append(int64_t layer, const Tensor& keys, const Tensor& values
 
 void OffloadedKv::store_new_token(int64_t layer, const Tensor& keys, const Tensor& values) {
   const size_t p = static_cast<size_t>(layer % 2);
-  if (layer >= 2) stored_[static_cast<size_t>(layer - 2)]->wait();
+  store_buffer_read_[p]->wait();
   ops::cache_store(keys, store_keys_[p], 0);
   ops::cache_store(values, store_values_[p], 0);
   issue_store(layer, store_keys_[p], store_values_[p], 0, 1);
+  store_buffer_read_[p] = stored_[static_cast<size_t>(layer)];
 }
 
 void OffloadedKv::issue_store(int64_t layer, const Tensor& keys, const Tensor& values, int64_t row0,

@@ -21,8 +21,10 @@ namespace infinigen {
 
 class OffloadedKv : public KvStore {
  public:
+  // `pool_tokens`: positions per (layer, sequence, head) in the host pool; 0 = capacity.
   OffloadedKv(const ModelConfig& config, int64_t batch, int64_t capacity, DType kv_dtype,
-              Device device, int64_t block_tokens, TransferEngine& engine, OffloadStats& stats);
+              Device device, int64_t block_tokens, TransferEngine& engine, OffloadStats& stats,
+              int64_t pool_tokens = 0);
   ~OffloadedKv() override;
 
   void begin_pass(int64_t n_new) override;
@@ -34,7 +36,8 @@ class OffloadedKv : public KvStore {
   const KvPool& pool() const { return pool_; }
 
  protected:
-  void issue_load(int64_t layer);
+  // Starts loading what layer `layer`'s attention reads this step (the whole layer here).
+  virtual void issue_load(int64_t layer);
   // Decode: copies the new token's rows (B, H * d) into the layer's store buffer and enqueues
   // their store into the pool at token length().
   void store_new_token(int64_t layer, const Tensor& keys, const Tensor& values);
@@ -51,6 +54,9 @@ class OffloadedKv : public KvStore {
   std::array<Tensor, 2> store_keys_, store_values_;      // (B, H, 1, d) by layer parity
   std::vector<EventPtr> loaded_;                         // per layer: this step's load
   std::vector<EventPtr> stored_;                         // per layer: latest store into the pool
+  // Per store buffer: the store that last read it (of this step or, for the first layers, of
+  // the previous step's last layers). Writing the buffer waits for it.
+  std::array<EventPtr, 2> store_buffer_read_ = {completed_event(), completed_event()};
 };
 
 // The `gpu` policy: every layer's KV resident on the device (only when it fits), with the same

@@ -2,6 +2,7 @@
 #include "offload/runtime.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "offload/infinigen_kv.h"
 #include "offload/offloaded_kv.h"
@@ -19,6 +20,20 @@ KvPolicy parse_kv_policy(const std::string& name) {
 
 const char* kv_policy_name(KvPolicy policy) {
   return policy == KvPolicy::Gpu ? "gpu" : policy == KvPolicy::Full ? "full" : "infinigen";
+}
+
+int64_t kv_pool_positions(double limit, const ModelConfig& config, int64_t batch, int64_t capacity,
+                          DType kv_dtype) {
+  INFINIGEN_CHECK(limit >= 0 && std::isfinite(limit), "--kv-pool-limit must be >= 0, got ", limit);
+  if (limit == 0) return 0;
+  const double per_position = 2.0 *
+                              static_cast<double>(config.num_layers * batch * config.hidden_size) *
+                              static_cast<double>(dtype_size(kv_dtype));
+  const double positions = limit <= 1.0 ? std::floor(limit * static_cast<double>(capacity))
+                                        : std::floor(limit / per_position);
+  INFINIGEN_CHECK(positions >= 2, "--kv-pool-limit ", limit, " leaves ", positions,
+                  " tokens per sequence and head in the pool; at least 2 are needed");
+  return std::min<int64_t>(static_cast<int64_t>(positions), capacity);
 }
 
 OffloadRun run_offloaded(const ModelSource& source, const GenerationRequest& request,
@@ -44,6 +59,11 @@ OffloadRun run_offloaded(const ModelSource& source, const GenerationRequest& req
   memory.kv_dtype = request.kv_dtype;
   memory.kv_block_tokens = options.kv_block_tokens;
   memory.partial_ratio = options.speculation.partial_ratio;
+  INFINIGEN_CHECK(options.kv_pool_limit == 0 || options.policy == KvPolicy::Infinigen,
+                  "--kv-pool-limit needs --policy infinigen");
+  const int64_t pool_positions = kv_pool_positions(options.kv_pool_limit, config, memory.batch,
+                                                   longest + request.gen_len, request.kv_dtype);
+  memory.kv_pool_tokens = pool_positions;
   if (options.policy == KvPolicy::Infinigen) options.speculation.validate();
   // On the CPU backend device and pinned host memory come out of the same RAM: the host gets
   // what the device part leaves (all of it when the device part alone cannot fit, so that the
@@ -81,7 +101,8 @@ OffloadRun run_offloaded(const ModelSource& source, const GenerationRequest& req
     if (options.policy == KvPolicy::Infinigen) {
       return std::make_unique<InfinigenKv>(config, batch, capacity, request.kv_dtype, device,
                                            options.kv_block_tokens, engine, run.stats,
-                                           options.speculation, options.check_recall);
+                                           options.speculation, options.check_recall,
+                                           KvPoolLimit{pool_positions, options.eviction});
     }
     return std::make_unique<OffloadedKv>(config, batch, capacity, request.kv_dtype, device,
                                          options.kv_block_tokens, engine, run.stats);

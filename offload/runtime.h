@@ -10,6 +10,7 @@
 #include "offload/memory_planner.h"
 #include "offload/offload_stats.h"
 #include "offload/transfer_engine.h"
+#include "speculate/eviction.h"
 #include "speculate/speculation.h"
 
 namespace infinigen {
@@ -22,7 +23,15 @@ struct OffloadOptions {
   size_t device_memory = 0;        // bytes usable on the device; 0 = what the device has free
   SpeculationOptions speculation;  // policy infinigen
   bool check_recall = false;       // policy infinigen: measure the recall of attention weight
+  // Policy infinigen: cap on the host KV pool, as a fraction (<= 1) of the full KV of the
+  // request or as bytes (> 1); 0 = no cap.
+  double kv_pool_limit = 0.0;
+  EvictionPolicy eviction = EvictionPolicy::Counter;
 };
+
+// Positions per (layer, sequence, head) that `limit` leaves for `capacity` tokens; 0 = no limit.
+int64_t kv_pool_positions(double limit, const ModelConfig& config, int64_t batch, int64_t capacity,
+                          DType kv_dtype);
 
 KvPolicy parse_kv_policy(const std::string& name);  // "gpu" | "full" | "infinigen"
 const char* kv_policy_name(KvPolicy policy);

@@ -95,7 +95,8 @@ EventPtr TransferEngine::enqueue(Stream& stream, std::vector<CopyChunk> chunks, 
       }
     } else {
       for (const CopyChunk& chunk : chunks) {
-        if (chunk.bytes != 0) device_copy(chunk.dst, dst_device, chunk.src, src_device, chunk.bytes);
+        if (chunk.bytes != 0)
+          device_copy(chunk.dst, dst_device, chunk.src, src_device, chunk.bytes);
       }
     }
     if (link_.gbps > 0.0 || link_.latency_us > 0.0) {

@@ -26,7 +26,8 @@ void SpeculationOptions::validate() const {
 
 void PartialLayer::build(const Tensor& queries, const Tensor& keys, const Tensor& q_weight,
                          const Tensor& q_bias, const std::vector<int32_t>& first_valid,
-                         int64_t num_heads, int64_t capacity, int64_t r, PartialIndexRule rule) {
+                         int64_t num_heads, int64_t capacity, int64_t r, PartialIndexRule rule,
+                         int64_t keep_from) {
   batch_ = static_cast<int64_t>(first_valid.size());
   heads_ = num_heads;
   const int64_t D = queries.dim(1), n = queries.dim(0) / batch_;
@@ -72,60 +73,78 @@ void PartialLayer::build(const Tensor& queries, const Tensor& keys, const Tensor
     }
   }
 
-  // Partial key cache of the prompt (padding rows too; speculation skips them).
+  // Partial key cache of the kept prompt tokens (padding too; speculation skips it).
+  INFINIGEN_CHECK(keep_from >= 0 && n - keep_from <= capacity_, "partial key cache of ", capacity_,
+                  " positions cannot hold tokens [", keep_from, ", ", n, ")");
   keys_.assign(static_cast<size_t>(batch_ * heads_ * capacity_ * r_), 0.0f);
   for (int64_t b = 0; b < batch_; ++b) {
-    for (int64_t t = 0; t < n; ++t) {
+    for (int64_t t = keep_from; t < n; ++t) {
       const float* krow = k + (b * n + t) * D;
       for (int64_t h = 0; h < heads_; ++h) {
-        float* dst = keys_.data() + ((b * heads_ + h) * capacity_ + t) * r_;
+        float* dst = keys_.data() + ((b * heads_ + h) * capacity_ + t - keep_from) * r_;
         for (int64_t j = 0; j < r_; ++j) dst[j] = krow[h * head_dim_ + columns_[h * r_ + j]];
       }
     }
   }
 }
 
-void PartialLayer::append(const Tensor& keys, int64_t position) {
-  INFINIGEN_CHECK(position < capacity_, "partial key cache full at ", position);
+void PartialLayer::append(const Tensor& keys, int64_t position,
+                          const std::vector<int32_t>* positions) {
   const float* k = keys.data<float>();
   const int64_t D = heads_ * head_dim_;
   for (int64_t b = 0; b < batch_; ++b) {
     for (int64_t h = 0; h < heads_; ++h) {
-      float* dst = keys_.data() + ((b * heads_ + h) * capacity_ + position) * r_;
+      const int64_t at = positions ? (*positions)[static_cast<size_t>(b * heads_ + h)] : position;
+      INFINIGEN_CHECK(at >= 0 && at < capacity_, "partial key cache position ", at, " outside its ",
+                      capacity_, " positions");
+      float* dst = keys_.data() + ((b * heads_ + h) * capacity_ + at) * r_;
       for (int64_t j = 0; j < r_; ++j) dst[j] = k[b * D + h * head_dim_ + columns_[h * r_ + j]];
     }
   }
 }
 
-PartialLayer::Selection PartialLayer::speculate(const Tensor& x, int64_t length,
+PartialLayer::Selection PartialLayer::speculate(const Tensor& x, int64_t used,
                                                 const std::vector<int32_t>& first_valid,
-                                                double alpha, int64_t max_num_kv) const {
+                                                double alpha, int64_t max_num_kv,
+                                                const std::vector<int32_t>* position_tokens) const {
   // Partial queries (B, H * r), scaled like the real ones.
   Tensor pq = Tensor::empty({batch_, heads_ * r_}, DType::F32);
   ops::linear(x, weight_, bias_, pq);
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim_));
+  const auto valid = [&](int64_t b, int64_t h, int64_t p) {
+    const int64_t token =
+        position_tokens ? (*position_tokens)[static_cast<size_t>((b * heads_ + h) * capacity_ + p)]
+                        : p;
+    return token >= first_valid[static_cast<size_t>(b)];
+  };
 
-  // Attention-logit estimates of every stored token, and the alpha count per row.
-  std::vector<float> scores(static_cast<size_t>(batch_ * heads_ * length));
+  // Attention-logit estimates of every valid position, and the alpha count per row.
+  std::vector<float> scores(static_cast<size_t>(batch_ * heads_ * used));
   std::vector<int64_t> counts(static_cast<size_t>(batch_ * heads_));
+  std::vector<int64_t> valid_count(static_cast<size_t>(batch_ * heads_));
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < batch_; ++b) {
     for (int64_t h = 0; h < heads_; ++h) {
       const float* query = pq.data<float>() + (b * heads_ + h) * r_;
-      float* s = scores.data() + (b * heads_ + h) * length;
+      float* s = scores.data() + (b * heads_ + h) * used;
       float top = -INFINITY;
-      for (int64_t t = first_valid[static_cast<size_t>(b)]; t < length; ++t) {
-        const float* key = keys_.data() + ((b * heads_ + h) * capacity_ + t) * r_;
+      int64_t n_valid = 0;
+      for (int64_t p = 0; p < used; ++p) {
+        if (!valid(b, h, p)) {
+          s[p] = -INFINITY;
+          continue;
+        }
+        const float* key = keys_.data() + ((b * heads_ + h) * capacity_ + p) * r_;
         float dot = 0.0f;
         for (int64_t j = 0; j < r_; ++j) dot += query[j] * key[j];
-        s[t] = dot * scale;
-        top = std::max(top, s[t]);
+        s[p] = dot * scale;
+        top = std::max(top, s[p]);
+        ++n_valid;
       }
       int64_t count = 0;
-      for (int64_t t = first_valid[static_cast<size_t>(b)]; t < length; ++t) {
-        count += s[t] > top - alpha ? 1 : 0;
-      }
+      for (int64_t p = 0; p < used; ++p) count += s[p] > top - alpha ? 1 : 0;
       counts[static_cast<size_t>(b * heads_ + h)] = count;
+      valid_count[static_cast<size_t>(b * heads_ + h)] = n_valid;
     }
   }
   Selection sel;
@@ -135,19 +154,27 @@ PartialLayer::Selection PartialLayer::speculate(const Tensor& x, int64_t length,
   sel.take.resize(static_cast<size_t>(batch_));
   sel.tokens.assign(static_cast<size_t>(batch_ * heads_ * sel.fetch), 0);
   for (int64_t b = 0; b < batch_; ++b) {
-    const int64_t valid = length - first_valid[static_cast<size_t>(b)];
-    sel.take[static_cast<size_t>(b)] = static_cast<int32_t>(std::min(sel.fetch, valid));
+    // Rows of one sequence hold the same number of valid positions (padding is stored, and
+    // evicted, alike in every head); the minimum guards the staging layout all the same.
+    int64_t fewest = used;
+    for (int64_t h = 0; h < heads_; ++h) {
+      fewest = std::min(fewest, valid_count[static_cast<size_t>(b * heads_ + h)]);
+    }
+    sel.take[static_cast<size_t>(b)] = static_cast<int32_t>(std::min(sel.fetch, fewest));
   }
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < batch_; ++b) {
     for (int64_t h = 0; h < heads_; ++h) {
-      const int64_t start = first_valid[static_cast<size_t>(b)];
       const int64_t take = sel.take[static_cast<size_t>(b)];
-      const float* s = scores.data() + (b * heads_ + h) * length;
-      std::vector<int32_t> order(static_cast<size_t>(length - start));
-      std::iota(order.begin(), order.end(), static_cast<int32_t>(start));
-      // Top `take` by estimated logit (ties to the older token), then in token order, so that
-      // selecting everything reproduces full attention's order of summation.
+      if (take == 0) continue;
+      const float* s = scores.data() + (b * heads_ + h) * used;
+      std::vector<int32_t> order;
+      order.reserve(static_cast<size_t>(used));
+      for (int64_t p = 0; p < used; ++p) {
+        if (valid(b, h, p)) order.push_back(static_cast<int32_t>(p));
+      }
+      // Top `take` by estimated logit (ties to the lower position), then in position order, so
+      // that selecting everything reproduces full attention's order of summation.
       std::nth_element(
           order.begin(), order.begin() + (take - 1), order.end(),
           [&](int32_t a, int32_t c) { return s[a] > s[c] || (s[a] == s[c] && a < c); });

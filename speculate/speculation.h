@@ -37,12 +37,16 @@ class PartialLayer {
   PartialLayer() = default;
 
   // From the prefill's queries (unscaled, (B * n, H * d)), keys (B * n, H * d) and the layer's
-  // query projection (D, D) + bias (D): columns, partial weights, partial keys of tokens [0, n).
+  // query projection (D, D) + bias (D): columns, partial weights, and the partial keys of tokens
+  // [keep_from, n) at positions [0, n - keep_from) of a cache of `capacity` positions.
   void build(const Tensor& queries, const Tensor& keys, const Tensor& q_weight,
              const Tensor& q_bias, const std::vector<int32_t>& first_valid, int64_t num_heads,
-             int64_t capacity, int64_t r, PartialIndexRule rule);
-  // Appends the partial keys of one new token per sequence at `position`; keys (B, H * d).
-  void append(const Tensor& keys, int64_t position);
+             int64_t capacity, int64_t r, PartialIndexRule rule, int64_t keep_from = 0);
+  // Writes the partial keys of one new token per sequence, keys (B, H * d), at `position` of
+  // every (sequence, head), or at positions[b * H + h] when given (a pool with a memory limit
+  // overwrites a different victim in each row).
+  void append(const Tensor& keys, int64_t position,
+              const std::vector<int32_t>* positions = nullptr);
 
   struct Selection {
     int64_t fetch = 0;            // n': rows per (sequence, head)
@@ -50,10 +54,13 @@ class PartialLayer {
     std::vector<int32_t> tokens;  // (B, H, fetch): the first take[b] ascending, rest unused
     double mean_count = 0.0;      // mean over rows of the alpha count
   };
-  // Speculates attention over tokens [first_valid[b], length) from x (B, D), the LayerNorm output
-  // of the previous layer.
-  Selection speculate(const Tensor& x, int64_t length, const std::vector<int32_t>& first_valid,
-                      double alpha, int64_t max_num_kv) const;
+  // Speculates attention over positions [0, used) from x (B, D), the LayerNorm output of the
+  // previous layer. Position p of (b, h) holds token p, or position_tokens[(b * H + h) * capacity
+  // + p] when given (-1: empty); it counts when that token is not padding (>= first_valid[b]).
+  // Selected positions are returned in ascending order.
+  Selection speculate(const Tensor& x, int64_t used, const std::vector<int32_t>& first_valid,
+                      double alpha, int64_t max_num_kv,
+                      const std::vector<int32_t>* position_tokens = nullptr) const;
 
   int64_t r() const { return r_; }
   const std::vector<int32_t>& columns() const { return columns_; }

@@ -136,6 +136,10 @@ TEST(Cli, UnknownModelsEndWithOneLine) {
   expect_one_line_error({"run", "--model", kTiny, "--max-num-kv", "0"}, {"--max-num-kv"});
   expect_one_line_error({"run", "--model", kTiny, "--partial-index-rule", "kq"},
                         {"--partial-index-rule"});
+  expect_one_line_error({"run", "--model", kTiny, "--kv-pool-limit", "0.5", "--policy", "full"},
+                        {"--kv-pool-limit", "infinigen"});
+  expect_one_line_error({"run", "--model", kTiny, "--kv-pool-limit", "-2"}, {"--kv-pool-limit"});
+  expect_one_line_error({"run", "--model", kTiny, "--eviction", "random"}, {"--eviction"});
   expect_one_line_error({"run", "--model", "/nonexistent/model"},
                         {"/nonexistent/model", "no such directory"});
   expect_one_line_error({"make-model", "--preset", "gpt-5", "--out", "/tmp/x"}, {"gpt-5"});

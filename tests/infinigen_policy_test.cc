@@ -8,6 +8,11 @@
 namespace infinigen {
 namespace {
 
+double logit_error(const GenerationResult& a, const GenerationResult& b) {
+  const std::vector<float> x = a.last_logits.to_floats(), y = b.last_logits.to_floats();
+  return testing_util::relative_error(x.data(), y.data(), x.size());
+}
+
 class InfinigenPolicy : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -39,6 +44,7 @@ TEST_F(InfinigenPolicy, SelectingEverythingReproducesFull) {
   const OffloadRun full = run(KvPolicy::Full);
   const OffloadRun infinigen = run(KvPolicy::Infinigen, everything);
   EXPECT_EQ(infinigen.result.tokens, full.result.tokens);
+  EXPECT_LT(logit_error(infinigen.result, full.result), 1e-6);
   for (size_t i = 1; i < infinigen.stats.steps().size(); ++i) {
     for (const LayerTraffic& layer : infinigen.stats.steps()[i].layers) {
       EXPECT_EQ(layer.tokens_fetched, layer.tokens_stored);
@@ -89,6 +95,61 @@ TEST_F(InfinigenPolicy, RecallIsMeasuredOnSpeculatedLayers) {
     EXPECT_LT(layers[0].recall, 0.0);          // dense: not measured
     EXPECT_NEAR(layers[3].recall, 1.0, 1e-9);  // everything fetched: all of the weight
   }
+}
+
+TEST_F(InfinigenPolicy, CappedPoolWithoutEvictionsReproducesFull) {
+  // capacity = prompt + gen = 18 tokens, of which the cache ever holds 17: a pool of 17 positions
+  // runs the capped code paths (position bookkeeping, compact dense loads) but never evicts.
+  OffloadOptions options;
+  options.policy = KvPolicy::Infinigen;
+  options.speculation.alpha = 1e9;
+  options.speculation.max_num_kv = 1000;
+  options.kv_pool_limit = 17.5 / 18.0;  // floor(0.972 * 18) = 17 positions
+  options.kv_block_tokens = 4;
+  const OffloadRun capped = run_offloaded(source_, request_, options, Device::Cpu);
+  const OffloadRun full = run(KvPolicy::Full);
+  EXPECT_EQ(capped.result.tokens, full.result.tokens);
+  // Same rows in the same order: the same arithmetic up to vectorisation (buffer offsets).
+  EXPECT_LT(logit_error(capped.result, full.result), 1e-6);
+}
+
+TEST_F(InfinigenPolicy, CappedPoolEvictsAndReadsOnlyWhatItHolds) {
+  for (EvictionPolicy eviction :
+       {EvictionPolicy::Counter, EvictionPolicy::Lru, EvictionPolicy::Fifo}) {
+    OffloadOptions options;
+    options.policy = KvPolicy::Infinigen;
+    options.kv_pool_limit = 0.5;  // 9 of 18 positions: the prompt alone overflows it
+    options.eviction = eviction;
+    options.kv_block_tokens = 4;
+    options.check_recall = true;
+    const OffloadRun plain = run_offloaded(source_, request_, options, Device::Cpu);
+    set_debug_poison(true);
+    const OffloadRun poisoned = run_offloaded(source_, request_, options, Device::Cpu);
+    set_debug_poison(false);
+    EXPECT_EQ(poisoned.result.tokens, plain.result.tokens) << eviction_policy_name(eviction);
+    const uint64_t H = source_.config.num_heads, B = request_.prompts.size();
+    for (size_t i = 1; i < plain.stats.steps().size(); ++i) {
+      for (const LayerTraffic& layer : plain.stats.steps()[i].layers) {
+        EXPECT_EQ(layer.tokens_stored, B * H * 9) << "step " << i;  // the pool stays full
+        EXPECT_LE(layer.tokens_fetched, layer.tokens_stored);
+      }
+      const double recall = plain.stats.steps()[i].layers[3].recall;
+      EXPECT_GT(recall, 0.0);
+      EXPECT_LE(recall, 1.0 + 1e-9);
+    }
+  }
+}
+
+TEST(KvPoolLimit, FractionsAndBytesBecomePositions) {
+  const ModelConfig c = load_preset("opt-tiny");  // L 2, D 64
+  EXPECT_EQ(kv_pool_positions(0, c, 2, 100, DType::F16), 0);
+  EXPECT_EQ(kv_pool_positions(0.5, c, 2, 100, DType::F16), 50);
+  EXPECT_EQ(kv_pool_positions(1.0, c, 2, 100, DType::F16), 100);
+  // Bytes: 2 (K, V) * L * B * D * 2 bytes = 1024 bytes per position.
+  EXPECT_EQ(kv_pool_positions(10 * 1024.0, c, 2, 100, DType::F16), 10);
+  EXPECT_EQ(kv_pool_positions(1e12, c, 2, 100, DType::F16), 100);
+  EXPECT_THROW(kv_pool_positions(0.01, c, 2, 100, DType::F16), Error);  // 1 position
+  EXPECT_THROW(kv_pool_positions(-1, c, 2, 100, DType::F16), Error);
 }
 
 TEST(SpeculationOptions, BadValuesNameTheFlag) {

@@ -55,6 +55,8 @@ struct RunOptions {
   int64_t max_num_kv = 0;
   int64_t dense_layers = 2;
   bool check_recall = false;
+  double kv_pool_limit = 0.0;
+  std::string eviction = "counter";
 };
 
 std::vector<std::string> read_prompt_file(const std::string& path) {
@@ -159,6 +161,8 @@ int run(const RunOptions& o) {
   offload.speculation.dense_layers = o.dense_layers;
   offload.speculation.validate();
   offload.check_recall = o.check_recall;
+  offload.kv_pool_limit = o.kv_pool_limit;
+  offload.eviction = parse_eviction_policy(o.eviction);
   if (o.debug_nan) set_debug_poison(true);
 
   ModelLoadOptions load_options;
@@ -301,6 +305,13 @@ Command add_run_command(CLI::App& app) {
       "infinigen: most tokens fetched per head and layer (default: 20% of prompt+gen)");
   app.add_option("--dense-layers", o->dense_layers,
                  "infinigen: first layers that always fetch their whole KV")
+      ->capture_default_str();
+  app.add_option("--kv-pool-limit", o->kv_pool_limit,
+                 "infinigen: cap on the host KV pool, a fraction (<= 1) of the full KV or bytes "
+                 "(> 1); 0 = none")
+      ->capture_default_str();
+  app.add_option("--eviction", o->eviction,
+                 "infinigen: victim when the capped pool is full: counter, lru or fifo")
       ->capture_default_str();
   app.add_flag("--check-recall", o->check_recall,
                "infinigen: measure the share of full attention weight the fetched tokens carry");
