@@ -37,11 +37,8 @@ std::vector<int32_t> left_pad(const std::vector<std::vector<int32_t>>& prompts, 
   return tokens;
 }
 
-GenerationResult generate(OptModel& model, const GenerationRequest& request,
-                          const ProgressCallback& progress, const KvStoreFactory& make_store) {
-  const ModelConfig& config = model.config();
-  const int64_t B = static_cast<int64_t>(request.prompts.size());
-  INFINIGEN_CHECK(B > 0, "--batch must be at least 1");
+int64_t check_request(const ModelConfig& config, const GenerationRequest& request) {
+  INFINIGEN_CHECK(!request.prompts.empty(), "--batch must be at least 1");
   INFINIGEN_CHECK(request.gen_len > 0, "--gen-len must be at least 1, got ", request.gen_len);
   int64_t longest = 0;
   for (size_t b = 0; b < request.prompts.size(); ++b) {
@@ -56,6 +53,14 @@ GenerationResult generate(OptModel& model, const GenerationRequest& request,
   INFINIGEN_CHECK(longest + request.gen_len <= config.max_positions, "--gen-len ", request.gen_len,
                   ": prompt (", longest, " tokens) plus generation exceeds the ",
                   "model's context of ", config.max_positions, " positions");
+  return longest;
+}
+
+GenerationResult generate(OptModel& model, const GenerationRequest& request,
+                          const ProgressCallback& progress, const KvStoreFactory& make_store) {
+  const ModelConfig& config = model.config();
+  const int64_t B = static_cast<int64_t>(request.prompts.size());
+  const int64_t longest = check_request(config, request);
 
   GenerationResult result;
   result.batch = B;

@@ -49,6 +49,11 @@ GenerationResult generate(OptModel& model, const GenerationRequest& request,
                           const ProgressCallback& progress = {},
                           const KvStoreFactory& make_store = {});
 
+// Checks `request` against the model with one-line errors (prompts present and non-empty, ids
+// in the vocabulary, gen_len >= 1, prompt plus generation within the context) and returns the
+// longest prompt's length.
+int64_t check_request(const ModelConfig& config, const GenerationRequest& request);
+
 // Left-pads `prompts` into (B, n) with `pad_id`; returns the padded tokens and first_valid (B).
 std::vector<int32_t> left_pad(const std::vector<std::vector<int32_t>>& prompts, int32_t pad_id,
                               std::vector<int32_t>* first_valid);

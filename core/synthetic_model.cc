@@ -1,8 +1,6 @@
 // core: the synthetic OPT weight generator.
 #include "core/synthetic_model.h"
 
-#include <unistd.h>
-
 #include <Eigen/Dense>
 #include <algorithm>
 #include <cmath>
@@ -11,6 +9,7 @@
 #include <nlohmann/json.hpp>
 #include <numbers>
 
+#include "core/output_directory.h"
 #include "core/resources.h"
 #include "core/safetensors.h"
 #include "core/tokenizer.h"
@@ -216,12 +215,6 @@ class Generator {
   float normed_var_ = 1.0f;
 };
 
-void write_text(const std::filesystem::path& path, std::string_view text) {
-  std::ofstream out(path, std::ios::binary);
-  out.write(text.data(), static_cast<std::streamsize>(text.size()));
-  INFINIGEN_CHECK(out.good(), path.string(), ": cannot write");
-}
-
 }  // namespace
 
 void generate_synthetic_opt(const ModelConfig& config, const SyntheticModelOptions& options,
@@ -243,19 +236,12 @@ OptWeights synthetic_opt_weights(const ModelConfig& config, const SyntheticModel
 void write_synthetic_checkpoint(const ModelConfig& config, const SyntheticModelOptions& options,
                                 const std::string& directory,
                                 const std::function<void(int64_t, int64_t)>& progress) {
-  namespace fs = std::filesystem;
-  const fs::path target(directory);
-  INFINIGEN_CHECK(!fs::exists(target) || (fs::is_directory(target) && fs::is_empty(target)),
-                  directory, ": already exists and is not an empty directory");
+  const std::filesystem::path target = checked_output_directory(directory);
   const Tokenizer tokenizer = Tokenizer::bundled();
   INFINIGEN_CHECK(config.vocab_size >= tokenizer.vocab_size(), config.name, ": vocab_size ",
                   config.vocab_size, " is smaller than the bundled tokenizer's ",
                   tokenizer.vocab_size(), " tokens");
-  const fs::path staging =
-      target.parent_path() / (target.filename().string() + ".partial-" + std::to_string(getpid()));
-  fs::remove_all(staging);
-  fs::create_directories(staging);
-  try {
+  write_directory_atomically(target, [&](const std::filesystem::path& staging) {
     std::vector<TensorRecord> records;
     for (const OptTensorSpec& spec : opt_tensor_specs(config)) {
       records.push_back({spec.name, config.dtype, spec.shape});
@@ -268,9 +254,9 @@ void write_synthetic_checkpoint(const ModelConfig& config, const SyntheticModelO
       if (progress) progress(++done, total);
     });
     writer.finish();
-    write_text(staging / "config.json", config_to_hf_json(config).dump(2) + "\n");
-    write_text(staging / "vocab.json", *embedded_config("tokenizer/vocab.json"));
-    write_text(staging / "merges.txt", *embedded_config("tokenizer/merges.txt"));
+    write_text_file(staging / "config.json", config_to_hf_json(config).dump(2) + "\n");
+    write_text_file(staging / "vocab.json", *embedded_config("tokenizer/vocab.json"));
+    write_text_file(staging / "merges.txt", *embedded_config("tokenizer/merges.txt"));
     // Floats as the decimal the user typed (0.1, not 0.10000000149).
     const auto decimal = [](float v) { return std::stod(std::to_string(v)); };
     const nlohmann::json record = {
@@ -284,14 +270,8 @@ void write_synthetic_checkpoint(const ModelConfig& config, const SyntheticModelO
         {"attention_rank", options.attention_rank},
         {"attention_logit_std", decimal(options.attention_logit_std)},
         {"weight_std", decimal(options.weight_std)}};
-    write_text(staging / "synthetic.json", record.dump(2) + "\n");
-    if (fs::exists(target)) fs::remove(target);  // empty, checked above
-    fs::rename(staging, target);
-  } catch (...) {
-    std::error_code ignored;
-    fs::remove_all(staging, ignored);
-    throw;
-  }
+    write_text_file(staging / "synthetic.json", record.dump(2) + "\n");
+  });
 }
 
 }  // namespace infinigen

@@ -40,14 +40,7 @@ OffloadRun run_offloaded(const ModelSource& source, const GenerationRequest& req
                          const OffloadOptions& options, Device device,
                          const ProgressCallback& progress) {
   const ModelConfig& config = source.config;
-  INFINIGEN_CHECK(!request.prompts.empty(), "--batch must be at least 1");
-  int64_t longest = 0;
-  for (const auto& prompt : request.prompts) {
-    longest = std::max<int64_t>(longest, static_cast<int64_t>(prompt.size()));
-  }
-  INFINIGEN_CHECK(longest + request.gen_len <= config.max_positions, "--gen-len ", request.gen_len,
-                  ": prompt (", longest, " tokens) plus generation exceeds the ",
-                  "model's context of ", config.max_positions, " positions");
+  const int64_t longest = check_request(config, request);
 
   MemoryRequest memory;
   memory.config = config;

@@ -2,8 +2,6 @@
 // checkpoint.
 #include "speculate/skew.h"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <cmath>
 #include <exception>
@@ -18,6 +16,7 @@
 #include "core/kv_cache.h"
 #include "core/model_config.h"
 #include "core/opt_weights.h"
+#include "core/output_directory.h"
 #include "core/resources.h"
 #include "core/safetensors.h"
 #include "core/tokenizer.h"
@@ -133,12 +132,6 @@ class CalibrationCache final : public KvCache {
   const SkewProgress& progress_;
   int64_t layers_seen_ = 0;
 };
-
-void write_text(const fs::path& path, std::string_view text) {
-  std::ofstream out(path, std::ios::binary);
-  out.write(text.data(), static_cast<std::streamsize>(text.size()));
-  INFINIGEN_CHECK(out.good(), path.string(), ": cannot write");
-}
 
 // Up to `limit` bytes of a calibration file (whole file when shorter); `cut` says whether more
 // followed.
@@ -259,10 +252,7 @@ SkewReport skew_checkpoint(const std::string& in_dir, const std::string& out_dir
   INFINIGEN_CHECK(fs::is_directory(in_dir), in_dir, ": no such directory");
   INFINIGEN_CHECK(!fs::exists(fs::path(in_dir) / "skew.json"), in_dir,
                   ": already skewed (skew.json)");
-  fs::path target(out_dir);
-  if (!target.has_filename()) target = target.parent_path();  // "out/" names "out"
-  INFINIGEN_CHECK(!fs::exists(target) || (fs::is_directory(target) && fs::is_empty(target)),
-                  out_dir, ": already exists and is not an empty directory");
+  const fs::path target = checked_output_directory(out_dir);
 
   const ModelConfig config = load_hf_config(in_dir);
   const SafetensorsCheckpoint checkpoint = SafetensorsCheckpoint::open(in_dir);
@@ -347,11 +337,7 @@ SkewReport skew_checkpoint(const std::string& in_dir, const std::string& out_dir
   std::map<std::string, std::string> metadata = checkpoint.metadata();
   metadata.emplace("format", "pt");  // transformers refuses safetensors without it
 
-  const fs::path staging =
-      target.parent_path() / (target.filename().string() + ".partial-" + std::to_string(getpid()));
-  fs::remove_all(staging);
-  fs::create_directories(staging);
-  try {
+  write_directory_atomically(target, [&](const fs::path& staging) {
     SafetensorsWriter writer((staging / "model.safetensors").string(), records, metadata);
     int64_t done = 0;
     const int64_t total = static_cast<int64_t>(names.size());
@@ -387,14 +373,8 @@ SkewReport skew_checkpoint(const std::string& in_dir, const std::string& out_dir
         {"energy_before", report.mean_energy_before()},
         {"energy_after", report.mean_energy_after()},
         {"layers", layers}};
-    write_text(staging / "skew.json", record.dump(2) + "\n");
-    if (fs::exists(target)) fs::remove(target);  // empty, checked above
-    fs::rename(staging, target);
-  } catch (...) {
-    std::error_code ignored;
-    fs::remove_all(staging, ignored);
-    throw;
-  }
+    write_text_file(staging / "skew.json", record.dump(2) + "\n");
+  });
   return report;
 }
 
