@@ -14,19 +14,13 @@
 #include <vector>
 
 #include "core/error.h"
+#include "tests/test_util.h"
 
 namespace infinigen {
 namespace {
 
 void expect_error(const std::function<void()>& call, const std::string& needle) {
-  try {
-    call();
-    ADD_FAILURE() << "no error; expected one containing '" << needle << "'";
-  } catch (const Error& error) {
-    const std::string message = error.what();
-    EXPECT_NE(message.find(needle), std::string::npos) << message;
-    EXPECT_EQ(message.find('\n'), std::string::npos) << message;
-  }
+  testing_util::expect_error(call, {needle});
 }
 
 // Fills every slot of `row`, slot s inserted at steps[s].

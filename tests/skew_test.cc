@@ -40,21 +40,7 @@ std::string read_file(const fs::path& path) {
   return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
-// Runs `f`, expecting one Error whose single-line message holds every fragment.
-template <typename F>
-void expect_error(F&& f, const std::vector<std::string>& fragments) {
-  try {
-    f();
-    ADD_FAILURE() << "no error; expected one with '" << fragments.front() << "'";
-  } catch (const Error& e) {
-    const std::string message = e.what();
-    EXPECT_EQ(message.find('\n'), std::string::npos) << message;
-    for (const std::string& fragment : fragments) {
-      EXPECT_NE(message.find(fragment), std::string::npos)
-          << "missing '" << fragment << "' in: " << message;
-    }
-  }
-}
+using testing_util::expect_error;
 
 // The stored tensor `name` widened to fp64, row-major (rows, cols); a bias is one column.
 Eigen::MatrixXd load_f64(const SafetensorsCheckpoint& checkpoint, const std::string& name) {

@@ -9,6 +9,8 @@
 #include <fstream>
 #include <sstream>
 
+#include "core/error.h"
+
 namespace infinigen::testing_util {
 namespace {
 
@@ -55,6 +57,20 @@ double relative_error(const float* a, const float* b, size_t n) {
     norm += static_cast<double>(b[i]) * b[i];
   }
   return std::sqrt(diff) / std::max(std::sqrt(norm), 1e-30);
+}
+
+void expect_error(const std::function<void()>& call, const std::vector<std::string>& fragments) {
+  try {
+    call();
+    ADD_FAILURE() << "no error; expected one with '" << fragments.front() << "'";
+  } catch (const Error& e) {
+    const std::string message = e.what();
+    EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+    for (const std::string& fragment : fragments) {
+      EXPECT_NE(message.find(fragment), std::string::npos)
+          << "missing '" << fragment << "' in: " << message;
+    }
+  }
 }
 
 CommandResult run_infinigen(const std::vector<std::string>& args,

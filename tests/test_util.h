@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -24,6 +25,9 @@ class TempDir {
 
 // ||a - b|| / ||b|| over n values.
 double relative_error(const float* a, const float* b, size_t n);
+
+// Runs `call`, expecting an infinigen::Error whose message is one line holding every fragment.
+void expect_error(const std::function<void()>& call, const std::vector<std::string>& fragments);
 
 struct CommandResult {
   int exit_code = -1;
