@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "offload/int4_codec.h"
 #include "offload/kv_pool.h"
 #include "offload/weight_placement.h"
 
@@ -75,7 +76,13 @@ int64_t largest_fitting_batch(MemoryRequest request, int64_t max_batch) {
 }
 
 const char* policy_flag(KvPolicy policy) {
-  return policy == KvPolicy::Gpu ? "gpu" : policy == KvPolicy::Full ? "full" : "infinigen";
+  switch (policy) {
+    case KvPolicy::Gpu: return "gpu";
+    case KvPolicy::Full: return "full";
+    case KvPolicy::Infinigen: return "infinigen";
+    case KvPolicy::Int4: return "int4";
+  }
+  return "?";
 }
 
 // The flags that turn `from` into `to`, e.g. "--policy full --weights-gpu-percent 60".
@@ -201,6 +208,13 @@ MemoryPlan compute_memory_plan(const MemoryRequest& r) {
     pool.block_tokens = r.kv_block_tokens;
     pool.dtype = r.kv_dtype;
     plan.host_kv_pool = KvPool::capacity_bytes(pool);
+    if (r.policy == KvPolicy::Int4) {
+      // Packed 4-bit codes plus an fp16 min and scale per group of 64, on the host and in the
+      // device's code staging (two layers); dequantised into the fp16 staging counted above.
+      const size_t row = int4_row_bytes(c.head_dim());
+      plan.host_kv_pool = 2 * L * B * H * tokens * row;
+      plan.device_kv += 2 * 2 * B * H * tokens * row;
+    }
     if (r.policy == KvPolicy::Infinigen) {
       const size_t rp =
           std::max<size_t>(1, static_cast<size_t>(r.partial_ratio * static_cast<double>(d)));

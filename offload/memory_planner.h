@@ -17,7 +17,7 @@
 
 namespace infinigen {
 
-enum class KvPolicy { Gpu, Full, Infinigen };
+enum class KvPolicy { Gpu, Full, Infinigen, Int4 };
 
 struct MemoryRequest {
   ModelConfig config;

@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "offload/infinigen_kv.h"
+#include "offload/int4_kv.h"
 #include "offload/offloaded_kv.h"
 #include "offload/streamed_weights.h"
 #include "offload/weight_placement.h"
@@ -15,11 +16,18 @@ KvPolicy parse_kv_policy(const std::string& name) {
   if (name == "gpu") return KvPolicy::Gpu;
   if (name == "full") return KvPolicy::Full;
   if (name == "infinigen") return KvPolicy::Infinigen;
-  fail("--policy: unknown policy '", name, "' (expected infinigen, full or gpu)");
+  if (name == "int4") return KvPolicy::Int4;
+  fail("--policy: unknown policy '", name, "' (expected infinigen, full, int4 or gpu)");
 }
 
 const char* kv_policy_name(KvPolicy policy) {
-  return policy == KvPolicy::Gpu ? "gpu" : policy == KvPolicy::Full ? "full" : "infinigen";
+  switch (policy) {
+    case KvPolicy::Gpu: return "gpu";
+    case KvPolicy::Full: return "full";
+    case KvPolicy::Infinigen: return "infinigen";
+    case KvPolicy::Int4: return "int4";
+  }
+  return "?";
 }
 
 int64_t kv_pool_positions(double limit, const ModelConfig& config, int64_t batch, int64_t capacity,
@@ -90,6 +98,9 @@ OffloadRun run_offloaded(const ModelSource& source, const GenerationRequest& req
     if (options.policy == KvPolicy::Gpu) {
       return std::make_unique<ResidentKv>(config, batch, capacity, request.kv_dtype, device, engine,
                                           run.stats);
+    }
+    if (options.policy == KvPolicy::Int4) {
+      return std::make_unique<Int4Kv>(config, batch, capacity, device, engine, run.stats);
     }
     if (options.policy == KvPolicy::Infinigen) {
       return std::make_unique<InfinigenKv>(config, batch, capacity, request.kv_dtype, device,

@@ -63,6 +63,19 @@ TEST_F(OffloadRuntime, EveryPolicyAndPlacementGivesTheEngineTokensAndLogits) {
   }
 }
 
+TEST_F(OffloadRuntime, Int4PolicyMovesQuarterSizeKvAndKeepsTheTokens) {
+  const OffloadRun r = run(KvPolicy::Int4, 100.0);
+  EXPECT_EQ(r.result.tokens, reference_tokens(DType::F16));  // 4-bit KV, same greedy choices
+  const ModelConfig& c = source_.config;
+  const uint64_t L = c.num_layers, B = request_.prompts.size(), H = c.num_heads, d = c.head_dim();
+  const uint64_t row = d / 2 + 4;  // packed codes + fp16 min and scale of one group (d < 64)
+  const auto& steps = r.stats.steps();
+  for (size_t i = 1; i < steps.size(); ++i) {
+    const uint64_t n = 9 + i - 1;
+    EXPECT_EQ(steps[i].h2d_bytes, 2 * L * B * n * H * row) << "step " << i;
+  }
+}
+
 TEST_F(OffloadRuntime, RepeatedRunsAreIdentical) {
   // Loads, stores and compute overlap on three threads; any missing ordering between them shows
   // up as run-to-run differences in the logits (a store buffer reused before its store had read

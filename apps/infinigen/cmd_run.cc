@@ -275,7 +275,8 @@ Command add_run_command(CLI::App& app) {
   app.add_option("--threads", o->threads, "CPU threads (default: all cores)");
   app.add_flag("--json", o->json, "Print the result as JSON on stdout");
   app.add_option("--policy", o->policy,
-                 "KV policy: infinigen (speculated subset), full (all KV, every layer) or gpu")
+                 "KV policy: infinigen (speculated subset), full (all KV, every layer), int4 "
+                 "(all KV, 4-bit) or gpu")
       ->capture_default_str();
   app.add_option("--weights-gpu-percent", o->weights_gpu_percent,
                  "Share of each layer's weights kept on the device; the rest is streamed")

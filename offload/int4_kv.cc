@@ -1,0 +1,238 @@
+// offload: the `int4` KV policy.
+#include "offload/int4_kv.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#include "core/error.h"
+#include "offload/int4_codec.h"
+
+namespace infinigen {
+namespace {
+
+uint64_t chunk_bytes(const std::vector<CopyChunk>& chunks) {
+  uint64_t total = 0;
+  for (const CopyChunk& c : chunks) total += c.bytes;
+  return total;
+}
+
+// Every byte 0xff: fp16 NaN in a meta buffer, so rows that no transfer filled decode to NaN.
+void poison(void* pointer, size_t bytes) {
+  std::memset(pointer, 0xff, bytes);
+}
+
+}  // namespace
+
+Int4Kv::Int4Kv(const ModelConfig& config, int64_t batch, int64_t capacity, Device device,
+               TransferEngine& engine, OffloadStats& stats)
+    : KvStore(batch, capacity),
+      num_layers_(config.num_layers),
+      num_heads_(config.num_heads),
+      head_dim_(config.head_dim()),
+      code_bytes_(int4_code_bytes(config.head_dim())),
+      meta_bytes_(int4_meta_bytes(config.head_dim())),
+      device_(device),
+      engine_(engine),
+      stats_(stats),
+      loaded_(static_cast<size_t>(config.num_layers)),
+      stored_(static_cast<size_t>(config.num_layers), completed_event()) {
+  INFINIGEN_CHECK(device == Device::Cpu,
+                  "the int4 KV policy dequantises on the CPU backend only (no CUDA kernel yet)");
+  const size_t layer_rows = static_cast<size_t>(2 * batch * num_heads_ * capacity);
+  const size_t host_rows = static_cast<size_t>(num_layers_) * layer_rows;
+  host_.codes = static_cast<uint8_t*>(pinned_alloc(host_rows * code_bytes_));
+  host_.meta = static_cast<uint8_t*>(pinned_alloc(host_rows * meta_bytes_));
+  const size_t store_rows = static_cast<size_t>(2 * batch * num_heads_);
+  const Shape staging = {batch, num_heads_, capacity, head_dim_};
+  for (size_t p = 0; p < 2; ++p) {
+    loaded_packed_[p].codes = static_cast<uint8_t*>(device_alloc(device, layer_rows * code_bytes_));
+    loaded_packed_[p].meta = static_cast<uint8_t*>(device_alloc(device, layer_rows * meta_bytes_));
+    store_packed_[p].codes = static_cast<uint8_t*>(device_alloc(device, store_rows * code_bytes_));
+    store_packed_[p].meta = static_cast<uint8_t*>(device_alloc(device, store_rows * meta_bytes_));
+    staging_keys_[p] = Tensor::empty(staging, DType::F16, device);
+    staging_values_[p] = Tensor::empty(staging, DType::F16, device);
+  }
+}
+
+Int4Kv::~Int4Kv() {
+  try {
+    engine_.synchronize();  // transfers still read and write our buffers
+  } catch (...) {
+    // The failure was already reported to the pass that caused it.
+  }
+  for (size_t p = 0; p < 2; ++p) {
+    for (Packed* packed : {&loaded_packed_[p], &store_packed_[p]}) {
+      device_free(device_, packed->codes);
+      device_free(device_, packed->meta);
+    }
+  }
+  pinned_free(host_.codes);
+  pinned_free(host_.meta);
+}
+
+size_t Int4Kv::row_index(int64_t kind, int64_t b, int64_t h, int64_t t, int64_t rows) const {
+  return static_cast<size_t>(((kind * batch() + b) * num_heads_ + h) * rows + t);
+}
+
+Int4Kv::Packed Int4Kv::host_layer(int64_t layer) const {
+  const size_t rows = static_cast<size_t>(layer * 2 * batch() * num_heads_ * capacity());
+  return {host_.codes + rows * code_bytes_, host_.meta + rows * meta_bytes_};
+}
+
+void Int4Kv::begin_pass(int64_t n_new) {
+  KvStore::begin_pass(n_new);
+  stats_.begin_step(num_layers_, engine_.counters());
+  if (length() > 0) issue_load(0);  // decode: layer 0's codes start moving before the embedding
+}
+
+void Int4Kv::begin_layer(int64_t layer) {
+  // While this layer computes, the next layer's codes move into the other parity's buffers (which
+  // layer - 1 has finished reading: its view dequantised them on the compute thread).
+  if (length() > 0 && layer + 1 < num_layers_) issue_load(layer + 1);
+}
+
+void Int4Kv::issue_load(int64_t layer) {
+  const size_t p = static_cast<size_t>(layer % 2);
+  Packed dst = loaded_packed_[p];
+  if (debug_poison()) {  // rows that the load does not bring must never be read
+    const size_t layer_rows = row_index(2, 0, 0, 0, capacity());
+    poison(dst.meta, layer_rows * meta_bytes_);
+    fill_nan(staging_keys_[p]);
+    fill_nan(staging_values_[p]);
+  }
+  const Packed src = host_layer(layer);
+  std::vector<CopyChunk> chunks;
+  for (int64_t kind = 0; kind < 2; ++kind) {
+    for (int64_t b = 0; b < batch(); ++b) {
+      for (int64_t h = 0; h < num_heads_; ++h) {
+        const size_t row = row_index(kind, b, h, 0, capacity());
+        const size_t n = static_cast<size_t>(length());
+        chunks.push_back(
+            {dst.codes + row * code_bytes_, src.codes + row * code_bytes_, n * code_bytes_});
+        chunks.push_back(
+            {dst.meta + row * meta_bytes_, src.meta + row * meta_bytes_, n * meta_bytes_});
+      }
+    }
+  }
+  const uint64_t bytes = chunk_bytes(chunks);
+  LayerTraffic& traffic = stats_.current().layers[static_cast<size_t>(layer)];
+  traffic.kv_h2d_bytes += bytes;
+  for (int32_t start : first_valid()) {
+    traffic.tokens_fetched += static_cast<uint64_t>((length() - start) * num_heads_);
+  }
+  traffic.tokens_stored = traffic.tokens_fetched;
+  stats_.current().h2d_bytes += bytes;
+  // The pool must hold the previous step's token of this layer before it is read.
+  loaded_[static_cast<size_t>(layer)] =
+      engine_.load(std::move(chunks), stored_[static_cast<size_t>(layer)]);
+}
+
+void Int4Kv::quantize_rows(const Tensor& keys, const Tensor& values, int64_t n, Packed dst,
+                           int64_t dst_rows) const {
+  const int64_t d = head_dim_;
+  for (int64_t kind = 0; kind < 2; ++kind) {
+    const float* rows = (kind == 0 ? keys : values).data<float>();
+    for (int64_t b = 0; b < batch(); ++b) {
+      for (int64_t t = 0; t < n; ++t) {
+        for (int64_t h = 0; h < num_heads_; ++h) {
+          const size_t row = row_index(kind, b, h, t, dst_rows);
+          int4_quantize_row(rows + ((b * n + t) * num_heads_ + h) * d, d,
+                            dst.codes + row * code_bytes_,
+                            reinterpret_cast<f16*>(dst.meta + row * meta_bytes_));
+        }
+      }
+    }
+  }
+}
+
+void Int4Kv::issue_store(int64_t layer, Packed src, int64_t src_rows, int64_t n) {
+  const Packed dst = host_layer(layer);
+  std::vector<CopyChunk> chunks;
+  for (int64_t kind = 0; kind < 2; ++kind) {
+    for (int64_t b = 0; b < batch(); ++b) {
+      for (int64_t h = 0; h < num_heads_; ++h) {
+        const size_t from = row_index(kind, b, h, 0, src_rows);
+        const size_t to = row_index(kind, b, h, length(), capacity());
+        const size_t rows = static_cast<size_t>(n);
+        chunks.push_back(
+            {dst.codes + to * code_bytes_, src.codes + from * code_bytes_, rows * code_bytes_});
+        chunks.push_back(
+            {dst.meta + to * meta_bytes_, src.meta + from * meta_bytes_, rows * meta_bytes_});
+      }
+    }
+  }
+  const uint64_t bytes = chunk_bytes(chunks);
+  stats_.current().layers[static_cast<size_t>(layer)].kv_d2h_bytes += bytes;
+  stats_.current().d2h_bytes += bytes;
+  stored_[static_cast<size_t>(layer)] = engine_.store(std::move(chunks));
+}
+
+void Int4Kv::dequantize_into_staging(size_t p, Packed src, int64_t src_rows, int64_t t0, int64_t t1,
+                                     int64_t row0) {
+  const int64_t d = head_dim_;
+  for (int64_t kind = 0; kind < 2; ++kind) {
+    f16* staging = (kind == 0 ? staging_keys_[p] : staging_values_[p]).data<f16>();
+    for (int64_t b = 0; b < batch(); ++b) {
+      // Left padding is never read by attention, so it is not decoded (NaN in poison mode).
+      const int64_t first = std::max(t0, first_valid()[static_cast<size_t>(b)] - row0 + t0);
+      for (int64_t h = 0; h < num_heads_; ++h) {
+        for (int64_t t = first; t < t1; ++t) {
+          const size_t row = row_index(kind, b, h, t, src_rows);
+          int4_dequantize_row(src.codes + row * code_bytes_,
+                              reinterpret_cast<const f16*>(src.meta + row * meta_bytes_), d,
+                              staging + ((b * num_heads_ + h) * capacity() + row0 + t - t0) * d);
+        }
+      }
+    }
+  }
+}
+
+void Int4Kv::append(int64_t layer, const Tensor& keys, const Tensor& values) {
+  const int64_t n = pass_tokens();
+  const Shape rows = {batch() * n, num_heads_ * head_dim_};
+  INFINIGEN_CHECK(keys.shape() == rows && values.shape() == rows && keys.dtype() == DType::F32 &&
+                      values.dtype() == DType::F32,
+                  "int4 KV append: expected fp32 rows ", shape_string(rows), ", got ",
+                  shape_string(keys.shape()));
+  const size_t p = static_cast<size_t>(layer % 2);
+  if (length() == 0) {
+    // Prefill: attention reads the fresh rows; the codes go to the pool from this parity's load
+    // buffers (no load runs during the prefill), last read by the store of layer - 2.
+    if (layer >= 2) stored_[static_cast<size_t>(layer - 2)]->wait();
+    quantize_rows(keys, values, n, loaded_packed_[p], capacity());
+    issue_store(layer, loaded_packed_[p], capacity(), n);
+    return;
+  }
+  INFINIGEN_CHECK(n == 1, "int4 KV decodes one token per pass (got ", n, ")");
+  // Decode: the store buffer was last read by the store of layer - 2 (or the previous step's).
+  store_buffer_read_[p]->wait();
+  quantize_rows(keys, values, 1, store_packed_[p], 1);
+  issue_store(layer, store_packed_[p], 1, 1);
+  store_buffer_read_[p] = stored_[static_cast<size_t>(layer)];
+  // This step's attention reads the token as later steps will: dequantised from its codes.
+  dequantize_into_staging(p, store_packed_[p], 1, 0, 1, length());
+}
+
+KvStore::View Int4Kv::view(int64_t layer) {
+  const auto start = std::chrono::steady_clock::now();
+  loaded_[static_cast<size_t>(layer)]->wait();
+  const double waited =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  stats_.current().layers[static_cast<size_t>(layer)].load_wait_seconds += waited;
+  stats_.current().load_wait_seconds += waited;
+  const size_t p = static_cast<size_t>(layer % 2);
+  dequantize_into_staging(p, loaded_packed_[p], capacity(), 0, length(), 0);
+  return {&staging_keys_[p], &staging_values_[p], length() + pass_tokens()};
+}
+
+void Int4Kv::end_pass(int64_t n_new) {
+  if (length() == 0) {
+    // The prefill's stores read the load buffers that the first decode loads overwrite.
+    engine_.store_stream().synchronize();
+  }
+  KvStore::end_pass(n_new);
+  stats_.end_step(engine_.counters());
+}
+
+}  // namespace infinigen

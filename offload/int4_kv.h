@@ -1,0 +1,91 @@
+// offload: the `int4` policy (FlexGen's KV compression): all KV in host memory as group-wise
+// asymmetric 4-bit codes (offload/int4_codec.h), each layer's codes loaded while the previous
+// layer computes and dequantised on the device into the fp16 rows attention reads.
+//
+// Host pool (pinned, allocated up front for `capacity` tokens): codes [L][2][B][H][capacity]
+// rows of d / 2 bytes and meta [L][2][B][H][capacity] rows of G (min, scale) fp16 pairs; a
+// (layer, K/V, sequence, head) run of tokens is contiguous in both.
+// Device buffers, by layer parity: the loaded codes and meta ([2][B][H][capacity] rows, the
+// pool's layout for one layer), and the fp16 staging K and V (B, H, capacity, d) they dequantise
+// into; a store buffer ([2][B][H][1] rows) carries each decode step's new token to the pool.
+//
+// Bytes: a decode step with n tokens per sequence in the pool loads
+// 2 * L * B * n * H * (d / 2 + 4 * G) (packed nibbles plus two fp16 per group; G = d / 64, or 1
+// when d < 64) and stores 2 * L * B * H * (d / 2 + 4 * G); the prefill stores its n prompt rows.
+//
+// The new token's K and V are quantised, and attention reads their dequantised values (not the
+// fresh fp32 ones), so a step's attention sees exactly what later steps will load. The prefill's
+// attention reads the fresh rows (the model does that); the store only keeps their codes.
+// Ordering mirrors OffloadedKv, by events: the load of layer l waits for the previous step's
+// store of layer l; reusing a buffer waits for the transfer that last read it.
+// The codec runs on the CPU, so this store needs the CPU backend (a CUDA build would need a
+// dequantisation kernel).
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "core/kv_cache.h"
+#include "offload/offload_stats.h"
+#include "offload/transfer_engine.h"
+
+namespace infinigen {
+
+class Int4Kv : public KvStore {
+ public:
+  Int4Kv(const ModelConfig& config, int64_t batch, int64_t capacity, Device device,
+         TransferEngine& engine, OffloadStats& stats);
+  ~Int4Kv() override;
+
+  void begin_pass(int64_t n_new) override;
+  void begin_layer(int64_t layer) override;
+  void append(int64_t layer, const Tensor& keys, const Tensor& values) override;
+  View view(int64_t layer) override;
+  void end_pass(int64_t n_new) override;
+
+  // Bytes of one quantised row (d / 2 + 4 * G).
+  size_t row_bytes() const { return code_bytes_ + meta_bytes_; }
+
+ private:
+  // Quantised rows laid out [2][B][H][rows] (codes then meta, as two arrays).
+  struct Packed {
+    uint8_t* codes = nullptr;
+    uint8_t* meta = nullptr;
+  };
+  // Row (kind, b, h, t) of a [2][B][H][rows] buffer.
+  size_t row_index(int64_t kind, int64_t b, int64_t h, int64_t t, int64_t rows) const;
+  Packed host_layer(int64_t layer) const;
+  void issue_load(int64_t layer);
+  // Quantises rows (B * n, H * d) fp32 of K and V into `dst` ([2][B][H][dst_rows]) at rows
+  // [0, n).
+  void quantize_rows(const Tensor& keys, const Tensor& values, int64_t n, Packed dst,
+                     int64_t dst_rows) const;
+  // Stores rows [0, n) of `src` ([2][B][H][src_rows]) into the pool at tokens
+  // [length(), length() + n).
+  void issue_store(int64_t layer, Packed src, int64_t src_rows, int64_t n);
+  // Dequantises rows [t0, t1) of `src` ([2][B][H][src_rows]) into staging[p] at rows
+  // [row0, row0 + t1 - t0).
+  void dequantize_into_staging(size_t p, Packed src, int64_t src_rows, int64_t t0, int64_t t1,
+                               int64_t row0);
+
+  int64_t num_layers_;
+  int64_t num_heads_;
+  int64_t head_dim_;
+  size_t code_bytes_;  // d / 2
+  size_t meta_bytes_;  // G * 2 fp16
+  Device device_;
+  TransferEngine& engine_;
+  OffloadStats& stats_;
+  Packed host_;                                          // [L][2][B][H][capacity] rows, pinned
+  std::array<Packed, 2> loaded_packed_;                  // [2][B][H][capacity] rows by parity
+  std::array<Packed, 2> store_packed_;                   // [2][B][H][1] rows by parity
+  std::array<Tensor, 2> staging_keys_, staging_values_;  // (B, H, capacity, d) fp16 by parity
+  std::vector<EventPtr> loaded_;                         // per layer: this step's load
+  std::vector<EventPtr> stored_;                         // per layer: latest store into the pool
+  // Per store buffer: the store that last read it. Writing the buffer waits for it.
+  std::array<EventPtr, 2> store_buffer_read_ = {completed_event(), completed_event()};
+};
+
+}  // namespace infinigen
