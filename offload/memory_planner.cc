@@ -77,10 +77,16 @@ int64_t largest_fitting_batch(MemoryRequest request, int64_t max_batch) {
 
 const char* policy_flag(KvPolicy policy) {
   switch (policy) {
-    case KvPolicy::Gpu: return "gpu";
-    case KvPolicy::Full: return "full";
-    case KvPolicy::Infinigen: return "infinigen";
-    case KvPolicy::Int4: return "int4";
+    case KvPolicy::Gpu:
+      return "gpu";
+    case KvPolicy::Full:
+      return "full";
+    case KvPolicy::Infinigen:
+      return "infinigen";
+    case KvPolicy::Int4:
+      return "int4";
+    case KvPolicy::H2o:
+      return "h2o";
   }
   return "?";
 }
@@ -195,6 +201,11 @@ MemoryPlan compute_memory_plan(const MemoryRequest& r) {
   const size_t D = static_cast<size_t>(c.hidden_size), d = static_cast<size_t>(c.head_dim());
   if (r.policy == KvPolicy::Gpu) {
     plan.device_kv = 2 * L * B * tokens * D * kv_size;
+  } else if (r.policy == KvPolicy::H2o) {
+    // The kept tokens (budget) plus the new one, resident on the device; nothing on the host.
+    const size_t kept =
+        std::max<size_t>(2, static_cast<size_t>(r.h2o_budget * static_cast<double>(tokens) + 1e-9));
+    plan.device_kv = 2 * L * B * H * (kept + 1) * d * kv_size;
   } else {
     plan.device_kv = 2 * 2 * B * H * tokens * d * kv_size;
     KvPoolShape pool;

@@ -17,7 +17,7 @@
 
 namespace infinigen {
 
-enum class KvPolicy { Gpu, Full, Infinigen, Int4 };
+enum class KvPolicy { Gpu, Full, Infinigen, Int4, H2o };
 
 struct MemoryRequest {
   ModelConfig config;
@@ -30,6 +30,7 @@ struct MemoryRequest {
   int64_t kv_block_tokens = 128;
   double partial_ratio = 0.3;  // InfiniGen: partial columns per head = floor(ratio * d)
   int64_t kv_pool_tokens = 0;  // positions per (layer, sequence, head) in the pool; 0 = all
+  double h2o_budget = 0.2;     // H2O: share of the tokens each (layer, sequence, head) keeps
   size_t device_capacity = 0;  // bytes usable on the device
   size_t host_capacity = 0;    // bytes of pinned host memory available
 };

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "offload/h2o_kv.h"
 #include "offload/infinigen_kv.h"
 #include "offload/int4_kv.h"
 #include "offload/offloaded_kv.h"
@@ -17,15 +18,22 @@ KvPolicy parse_kv_policy(const std::string& name) {
   if (name == "full") return KvPolicy::Full;
   if (name == "infinigen") return KvPolicy::Infinigen;
   if (name == "int4") return KvPolicy::Int4;
-  fail("--policy: unknown policy '", name, "' (expected infinigen, full, int4 or gpu)");
+  if (name == "h2o") return KvPolicy::H2o;
+  fail("--policy: unknown policy '", name, "' (expected infinigen, full, int4, h2o or gpu)");
 }
 
 const char* kv_policy_name(KvPolicy policy) {
   switch (policy) {
-    case KvPolicy::Gpu: return "gpu";
-    case KvPolicy::Full: return "full";
-    case KvPolicy::Infinigen: return "infinigen";
-    case KvPolicy::Int4: return "int4";
+    case KvPolicy::Gpu:
+      return "gpu";
+    case KvPolicy::Full:
+      return "full";
+    case KvPolicy::Infinigen:
+      return "infinigen";
+    case KvPolicy::Int4:
+      return "int4";
+    case KvPolicy::H2o:
+      return "h2o";
   }
   return "?";
 }
@@ -65,6 +73,9 @@ OffloadRun run_offloaded(const ModelSource& source, const GenerationRequest& req
   const int64_t pool_positions = kv_pool_positions(options.kv_pool_limit, config, memory.batch,
                                                    longest + request.gen_len, request.kv_dtype);
   memory.kv_pool_tokens = pool_positions;
+  INFINIGEN_CHECK(options.h2o_budget > 0 && options.h2o_budget <= 1, "--h2o-budget must be in ",
+                  "(0, 1], got ", options.h2o_budget);
+  memory.h2o_budget = options.h2o_budget;
   if (options.policy == KvPolicy::Infinigen) options.speculation.validate();
   // On the CPU backend device and pinned host memory come out of the same RAM: the host gets
   // what the device part leaves (all of it when the device part alone cannot fit, so that the
@@ -98,6 +109,10 @@ OffloadRun run_offloaded(const ModelSource& source, const GenerationRequest& req
     if (options.policy == KvPolicy::Gpu) {
       return std::make_unique<ResidentKv>(config, batch, capacity, request.kv_dtype, device, engine,
                                           run.stats);
+    }
+    if (options.policy == KvPolicy::H2o) {
+      return std::make_unique<H2oKv>(config, batch, capacity, request.kv_dtype, device,
+                                     options.h2o_budget, engine, run.stats);
     }
     if (options.policy == KvPolicy::Int4) {
       return std::make_unique<Int4Kv>(config, batch, capacity, device, engine, run.stats);

@@ -27,6 +27,7 @@ struct OffloadOptions {
   // request or as bytes (> 1); 0 = no cap.
   double kv_pool_limit = 0.0;
   EvictionPolicy eviction = EvictionPolicy::Counter;
+  double h2o_budget = 0.2;  // policy h2o: share of the tokens kept per (layer, sequence, head)
 };
 
 // Positions per (layer, sequence, head) that `limit` leaves for `capacity` tokens; 0 = no limit.

@@ -45,6 +45,15 @@ TEST(Cli, RunPrintsTextAndTimings) {
   EXPECT_TRUE(r.err.empty()) << r.err;  // no progress display when stderr is not a terminal
 }
 
+TEST(Cli, EveryPolicyRuns) {
+  for (const char* policy : {"infinigen", "full", "gpu", "int4", "h2o"}) {
+    const CommandResult r = run_infinigen({"run", "--model", kTiny, "--policy", policy,
+                                           "--prompt-len", "20", "--gen-len", "3", "--json"});
+    ASSERT_EQ(r.exit_code, 0) << policy << ": " << r.err;
+    EXPECT_EQ(nlohmann::json::parse(r.out)["policy"], policy);
+  }
+}
+
 TEST(Cli, JsonOutputIsMachineReadable) {
   const CommandResult r = run_infinigen(
       {"run", "--model", kTiny, "--gen-len", "3", "--prompt-len", "10", "--batch", "3", "--json"});
@@ -140,6 +149,8 @@ TEST(Cli, UnknownModelsEndWithOneLine) {
                         {"--kv-pool-limit", "infinigen"});
   expect_one_line_error({"run", "--model", kTiny, "--kv-pool-limit", "-2"}, {"--kv-pool-limit"});
   expect_one_line_error({"run", "--model", kTiny, "--eviction", "random"}, {"--eviction"});
+  expect_one_line_error({"run", "--model", kTiny, "--policy", "h2o", "--h2o-budget", "0"},
+                        {"--h2o-budget"});
   expect_one_line_error({"run", "--model", "/nonexistent/model"},
                         {"/nonexistent/model", "no such directory"});
   expect_one_line_error({"make-model", "--preset", "gpt-5", "--out", "/tmp/x"}, {"gpt-5"});

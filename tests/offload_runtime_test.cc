@@ -76,6 +76,22 @@ TEST_F(OffloadRuntime, Int4PolicyMovesQuarterSizeKvAndKeepsTheTokens) {
   }
 }
 
+TEST_F(OffloadRuntime, H2oKeepsItsBudgetAndWithEverythingKeptGivesTheEngineTokens) {
+  OffloadOptions options;
+  options.policy = KvPolicy::H2o;
+  options.h2o_budget = 1.0;
+  EXPECT_EQ(run_offloaded(source_, request_, options, Device::Cpu).result.tokens,
+            reference_tokens(DType::F16));
+  options.h2o_budget = 0.3;  // 4 of the 14 positions of prompt + generation
+  const OffloadRun r = run_offloaded(source_, request_, options, Device::Cpu);
+  EXPECT_EQ(r.totals.h2d_bytes, 0u);  // resident: nothing moves
+  const uint64_t H = source_.config.num_heads, B = request_.prompts.size();
+  const auto& last = r.stats.steps().back();
+  for (const LayerTraffic& layer : last.layers) {
+    EXPECT_EQ(layer.tokens_fetched, B * H * (4 + 1));  // the kept tokens and the new one
+  }
+}
+
 TEST_F(OffloadRuntime, RepeatedRunsAreIdentical) {
   // Loads, stores and compute overlap on three threads; any missing ordering between them shows
   // up as run-to-run differences in the logits (a store buffer reused before its store had read

@@ -57,6 +57,7 @@ struct RunOptions {
   bool check_recall = false;
   double kv_pool_limit = 0.0;
   std::string eviction = "counter";
+  double h2o_budget = 0.2;
 };
 
 std::vector<std::string> read_prompt_file(const std::string& path) {
@@ -163,6 +164,7 @@ int run(const RunOptions& o) {
   offload.check_recall = o.check_recall;
   offload.kv_pool_limit = o.kv_pool_limit;
   offload.eviction = parse_eviction_policy(o.eviction);
+  offload.h2o_budget = o.h2o_budget;
   if (o.debug_nan) set_debug_poison(true);
 
   ModelLoadOptions load_options;
@@ -276,7 +278,7 @@ Command add_run_command(CLI::App& app) {
   app.add_flag("--json", o->json, "Print the result as JSON on stdout");
   app.add_option("--policy", o->policy,
                  "KV policy: infinigen (speculated subset), full (all KV, every layer), int4 "
-                 "(all KV, 4-bit) or gpu")
+                 "(all KV, 4-bit), h2o (heavy hitters + recent, resident) or gpu")
       ->capture_default_str();
   app.add_option("--weights-gpu-percent", o->weights_gpu_percent,
                  "Share of each layer's weights kept on the device; the rest is streamed")
@@ -313,6 +315,9 @@ Command add_run_command(CLI::App& app) {
       ->capture_default_str();
   app.add_option("--eviction", o->eviction,
                  "infinigen: victim when the capped pool is full: counter, lru or fifo")
+      ->capture_default_str();
+  app.add_option("--h2o-budget", o->h2o_budget,
+                 "h2o: share of the tokens kept per layer, sequence and head")
       ->capture_default_str();
   app.add_flag("--check-recall", o->check_recall,
                "infinigen: measure the share of full attention weight the fetched tokens carry");

@@ -1,0 +1,306 @@
+// offload: the `h2o` baseline: heavy hitters plus recent tokens within a fixed KV budget.
+#include "offload/h2o_kv.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+
+#include "core/ops.h"
+
+namespace infinigen {
+namespace {
+
+// A CPU tensor with `tensor`'s contents (itself when it is on the CPU already).
+Tensor on_host(const Tensor& tensor) {
+  return tensor.device() == Device::Cpu ? tensor : tensor.to(Device::Cpu);
+}
+
+float dot(const float* a, const float* b, int64_t n) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// logits -> softmax probabilities in place (n >= 1).
+void softmax_inplace(float* logits, int64_t n) {
+  const float max = *std::max_element(logits, logits + n);
+  float sum = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    logits[i] = std::exp(logits[i] - max);
+    sum += logits[i];
+  }
+  for (int64_t i = 0; i < n; ++i) logits[i] /= sum;
+}
+
+}  // namespace
+
+int64_t h2o_choose_victim(std::span<const float> scores, std::span<const int32_t> tokens,
+                          int32_t recent_start) {
+  INFINIGEN_CHECK(scores.size() == tokens.size(), "h2o victim: ", scores.size(), " scores for ",
+                  tokens.size(), " tokens");
+  int64_t victim = -1;
+  for (size_t i = 0; i < scores.size(); ++i) {
+    if (tokens[i] >= recent_start) continue;
+    if (victim < 0) {
+      victim = static_cast<int64_t>(i);
+      continue;
+    }
+    const auto v = static_cast<size_t>(victim);
+    if (scores[i] < scores[v] || (scores[i] == scores[v] && tokens[i] < tokens[v])) {
+      victim = static_cast<int64_t>(i);
+    }
+  }
+  return victim;
+}
+
+H2oKv::H2oKv(const ModelConfig& config, int64_t batch, int64_t capacity, DType kv_dtype,
+             Device device, double budget, TransferEngine& engine, OffloadStats& stats)
+    : KvStore(batch, capacity),
+      num_layers_(config.num_layers),
+      heads_(config.num_heads),
+      head_dim_(config.head_dim()),
+      kv_dtype_(kv_dtype),
+      device_(device),
+      // The epsilon keeps products such as 0.29 * 100 = 28.999... at the intended count.
+      slots_(std::max<int64_t>(2, static_cast<int64_t>(std::floor(budget * capacity + 1e-9)))),
+      recent_(slots_ / 2),
+      engine_(engine),
+      stats_(stats),
+      count_(static_cast<size_t>(batch), 0),
+      view_first_valid_(static_cast<size_t>(batch), 0) {
+  INFINIGEN_CHECK(budget > 0.0 && budget <= 1.0, "h2o budget must be in (0, 1], got ", budget);
+  const Shape shape = {batch, heads_, slots_ + 1, head_dim_};
+  for (int64_t l = 0; l < num_layers_; ++l) {
+    keys_.push_back(Tensor::empty(shape, kv_dtype, device));
+    values_.push_back(Tensor::empty(shape, kv_dtype, device));
+  }
+  const auto rows = static_cast<size_t>(num_layers_ * batch * heads_ * (slots_ + 1));
+  host_keys_.assign(rows * static_cast<size_t>(head_dim_), 0.0f);
+  scores_.assign(rows, 0.0f);
+  tokens_.assign(rows, -1);
+}
+
+float H2oKv::round_kv(float value) const {
+  switch (kv_dtype_) {
+    case DType::F16:
+      return f16_to_float(float_to_f16(value));
+    case DType::BF16:
+      return bf16_to_float(float_to_bf16(value));
+    default:
+      return value;
+  }
+}
+
+std::vector<int32_t> H2oKv::kept_tokens(int64_t layer, int64_t b, int64_t h) const {
+  const size_t first = entry(layer, b, h, slots_ - kept(b));
+  return {tokens_.begin() + static_cast<std::ptrdiff_t>(first),
+          tokens_.begin() + static_cast<std::ptrdiff_t>(entry(layer, b, h, slots_))};
+}
+
+void H2oKv::begin_pass(int64_t n_new) {
+  KvStore::begin_pass(n_new);
+  INFINIGEN_CHECK(length() == 0 || n_new == 1, "h2o: decode passes take one token, got ", n_new);
+  for (int64_t b = 0; b < batch(); ++b) {
+    view_first_valid_[static_cast<size_t>(b)] =
+        static_cast<int32_t>(slots_ - count_[static_cast<size_t>(b)]);
+  }
+  stats_.begin_step(num_layers_, engine_.counters());
+}
+
+void H2oKv::observe(int64_t layer, const Tensor& normed, const Tensor& queries,
+                    const OptLayerWeights& weights) {
+  (void)layer, (void)normed, (void)weights;
+  queries_ = queries;  // the model's buffer, valid until the layer's attention has run
+}
+
+void H2oKv::append(int64_t layer, const Tensor& keys, const Tensor& values) {
+  INFINIGEN_CHECK(queries_.defined(), "h2o: append(", layer, ") before observe");
+  if (length() == 0) {
+    prefill(layer, keys, values);
+  } else {
+    decode(layer, keys, values);
+  }
+  queries_ = Tensor();
+}
+
+KvStore::View H2oKv::view(int64_t layer) {
+  const auto l = static_cast<size_t>(layer);
+  return {&keys_[l], &values_[l], slots_ + 1, &view_first_valid_};
+}
+
+void H2oKv::prefill(int64_t layer, const Tensor& keys, const Tensor& values) {
+  const int64_t n = pass_tokens(), B = batch(), H = heads_, d = head_dim_, width = H * d;
+  const Tensor q = on_host(queries_), k = on_host(keys), v = on_host(values);
+  const float* qd = q.data<float>();
+  const float* kd = k.data<float>();
+  const float* vd = v.data<float>();
+  // Staged compact rows (B, H, slots + 1, d) fp32; rows nobody reads stay zero.
+  Tensor staged_k = Tensor::zeros({B, H, slots_ + 1, d}, DType::F32);
+  Tensor staged_v = Tensor::zeros({B, H, slots_ + 1, d}, DType::F32);
+  float* sk = staged_k.data<float>();
+  float* sv = staged_v.data<float>();
+  const std::vector<int32_t>& fv = first_valid();
+
+#pragma omp parallel for collapse(2) schedule(dynamic, 1)
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t start = fv[static_cast<size_t>(b)], valid = n - start;
+      // (valid, d): the valid keys as the KV dtype stores them.
+      std::vector<float> rounded(static_cast<size_t>(valid * d));
+      for (int64_t j = 0; j < valid; ++j) {
+        const float* src = kd + (b * n + start + j) * width + h * d;
+        for (int64_t e = 0; e < d; ++e) rounded[static_cast<size_t>(j * d + e)] = round_kv(src[e]);
+      }
+      // Causal softmax of every valid query; each key sums the probability it received.
+      std::vector<float> score(static_cast<size_t>(valid), 0.0f);
+      std::vector<float> probs(static_cast<size_t>(valid));
+      for (int64_t i = 0; i < valid; ++i) {
+        const float* qi = qd + (b * n + start + i) * width + h * d;
+        for (int64_t j = 0; j <= i; ++j) {
+          probs[static_cast<size_t>(j)] = dot(qi, rounded.data() + j * d, d);
+        }
+        softmax_inplace(probs.data(), i + 1);
+        for (int64_t j = 0; j <= i; ++j)
+          score[static_cast<size_t>(j)] += probs[static_cast<size_t>(j)];
+      }
+      // Keep the recent window and the highest-scoring older tokens (ties keep the newer).
+      std::vector<int64_t> keep;
+      if (valid <= slots_) {
+        keep.resize(static_cast<size_t>(valid));
+        std::iota(keep.begin(), keep.end(), int64_t{0});
+      } else {
+        const int64_t older = valid - recent_;
+        std::vector<int64_t> order(static_cast<size_t>(older));
+        std::iota(order.begin(), order.end(), int64_t{0});
+        std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+          const float sx = score[static_cast<size_t>(x)], sy = score[static_cast<size_t>(y)];
+          return sx != sy ? sx > sy : x > y;
+        });
+        keep.assign(order.begin(), order.begin() + (slots_ - recent_));
+        for (int64_t j = older; j < valid; ++j) keep.push_back(j);
+        std::sort(keep.begin(), keep.end());
+      }
+      const int64_t row0 = slots_ - static_cast<int64_t>(keep.size());
+      for (size_t r = 0; r < keep.size(); ++r) {
+        const int64_t j = keep[r], row = row0 + static_cast<int64_t>(r);
+        const size_t e = entry(layer, b, h, row);
+        const int64_t staged = ((b * H + h) * (slots_ + 1) + row) * d;
+        std::memcpy(sk + staged, kd + (b * n + start + j) * width + h * d, sizeof(float) * d);
+        std::memcpy(sv + staged, vd + (b * n + start + j) * width + h * d, sizeof(float) * d);
+        std::memcpy(&host_keys_[e * static_cast<size_t>(d)], rounded.data() + j * d,
+                    sizeof(float) * d);
+        scores_[e] = score[static_cast<size_t>(j)];
+        tokens_[e] = static_cast<int32_t>(start + j);
+      }
+    }
+  }
+
+  const auto l = static_cast<size_t>(layer);
+  const Tensor ck = staged_k.to_dtype(kv_dtype_), cv = staged_v.to_dtype(kv_dtype_);
+  device_copy(keys_[l].raw(), device_, ck.raw(), Device::Cpu, ck.nbytes());
+  device_copy(values_[l].raw(), device_, cv.raw(), Device::Cpu, cv.nbytes());
+
+  LayerTraffic& traffic = stats_.current().layers[l];
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t valid = n - fv[static_cast<size_t>(b)];
+    traffic.tokens_fetched += static_cast<uint64_t>(H * std::min(valid, slots_));
+    traffic.tokens_stored += static_cast<uint64_t>(H * valid);
+  }
+}
+
+void H2oKv::decode(int64_t layer, const Tensor& keys, const Tensor& values) {
+  const auto l = static_cast<size_t>(layer);
+  const int64_t B = batch(), H = heads_, d = head_dim_, width = H * d;
+  // The new token goes into row `slots` of every (b, h); end_pass gives it its place.
+  ops::cache_store(keys, keys_[l], slots_);
+  ops::cache_store(values, values_[l], slots_);
+  const Tensor q = on_host(queries_), k = on_host(keys);
+  const float* qd = q.data<float>();
+  const float* kd = k.data<float>();
+  const auto token = static_cast<int32_t>(length());
+
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
+      const size_t fresh = entry(layer, b, h, slots_);
+      float* key = &host_keys_[fresh * static_cast<size_t>(d)];
+      const float* src = kd + b * width + h * d;
+      for (int64_t e = 0; e < d; ++e) key[e] = round_kv(src[e]);
+      tokens_[fresh] = token;
+      scores_[fresh] = 0.0f;
+      // The query's softmax over the kept entries and the new token, as attention computes it.
+      const int64_t row0 = slots_ - count_[static_cast<size_t>(b)], n = slots_ + 1 - row0;
+      const float* qi = qd + b * width + h * d;
+      std::vector<float> probs(static_cast<size_t>(n));
+      for (int64_t r = 0; r < n; ++r) {
+        probs[static_cast<size_t>(r)] =
+            dot(qi, &host_keys_[entry(layer, b, h, row0 + r) * static_cast<size_t>(d)], d);
+      }
+      softmax_inplace(probs.data(), n);
+      for (int64_t r = 0; r < n; ++r)
+        scores_[entry(layer, b, h, row0 + r)] += probs[static_cast<size_t>(r)];
+    }
+  }
+
+  LayerTraffic& traffic = stats_.current().layers[l];
+  for (int64_t b = 0; b < B; ++b) {
+    traffic.tokens_fetched += static_cast<uint64_t>(H * (count_[static_cast<size_t>(b)] + 1));
+    traffic.tokens_stored +=
+        static_cast<uint64_t>(H * (length() + 1 - first_valid()[static_cast<size_t>(b)]));
+  }
+}
+
+void H2oKv::move_row(int64_t layer, int64_t b, int64_t h, int64_t from, int64_t to) {
+  const auto l = static_cast<size_t>(layer);
+  const size_t row_bytes = static_cast<size_t>(head_dim_) * dtype_size(kv_dtype_);
+  const size_t base = static_cast<size_t>((b * heads_ + h) * (slots_ + 1));
+  for (Tensor* cache : {&keys_[l], &values_[l]}) {
+    auto* bytes = static_cast<char*>(cache->raw());
+    device_copy(bytes + (base + static_cast<size_t>(to)) * row_bytes, device_,
+                bytes + (base + static_cast<size_t>(from)) * row_bytes, device_, row_bytes);
+  }
+  const size_t src = entry(layer, b, h, from), dst = entry(layer, b, h, to);
+  const auto d = static_cast<size_t>(head_dim_);
+  std::copy_n(host_keys_.begin() + static_cast<std::ptrdiff_t>(src * d), d,
+              host_keys_.begin() + static_cast<std::ptrdiff_t>(dst * d));
+  scores_[dst] = scores_[src];
+  tokens_[dst] = tokens_[src];
+}
+
+void H2oKv::end_pass(int64_t n_new) {
+  const bool decoding = length() > 0;
+  if (decoding) {
+    // Attention has read every layer: place each new token, evicting where the row is full.
+    const auto recent_start = static_cast<int32_t>(length() + 1 - recent_);
+    for (int64_t l = 0; l < num_layers_; ++l) {
+      for (int64_t b = 0; b < batch(); ++b) {
+        const int64_t count = count_[static_cast<size_t>(b)], row0 = slots_ - count;
+        for (int64_t h = 0; h < heads_; ++h) {
+          int64_t to = row0 - 1;
+          if (count == slots_) {
+            const auto first = static_cast<std::ptrdiff_t>(entry(l, b, h, row0));
+            const auto n = static_cast<size_t>(slots_ + 1 - row0);
+            const int64_t victim = h2o_choose_victim(
+                std::span<const float>(scores_.data() + first, n),
+                std::span<const int32_t>(tokens_.data() + first, n), recent_start);
+            INFINIGEN_CHECK(victim >= 0, "h2o: no eviction candidate outside the recent window");
+            to = row0 + victim;
+          }
+          move_row(l, b, h, slots_, to);
+        }
+      }
+    }
+    for (int32_t& count : count_)
+      count = static_cast<int32_t>(std::min<int64_t>(count + 1, slots_));
+  } else {
+    for (int64_t b = 0; b < batch(); ++b) {
+      const int64_t valid = n_new - first_valid()[static_cast<size_t>(b)];
+      count_[static_cast<size_t>(b)] = static_cast<int32_t>(std::min(valid, slots_));
+    }
+  }
+  KvStore::end_pass(n_new);
+  stats_.end_step(engine_.counters());
+}
+
+}  // namespace infinigen

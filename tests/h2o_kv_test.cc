@@ -1,0 +1,216 @@
+// tests: the `h2o` baseline: with the whole budget it is the resident engine; with 20% every row
+// keeps exactly its slots, the recent window stays and evicted tokens never return; the victim
+// choice on hand-built scores; and no read of unwritten KV (NaN mode).
+#include "offload/h2o_kv.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <iostream>
+#include <memory>
+#include <set>
+#include <vector>
+
+#include "core/generation.h"
+#include "core/model_loader.h"
+#include "tests/test_util.h"
+
+namespace infinigen {
+namespace {
+
+// Records, after every pass, the tokens each (layer, sequence, head) keeps.
+class RecordingH2oKv : public H2oKv {
+ public:
+  using H2oKv::H2oKv;
+  void end_pass(int64_t n_new) override {
+    H2oKv::end_pass(n_new);
+    std::vector<std::vector<int32_t>> rows;
+    for (int64_t l = 0; l < num_layers; ++l) {
+      for (int64_t b = 0; b < batch(); ++b) {
+        for (int64_t h = 0; h < num_heads; ++h) rows.push_back(kept_tokens(l, b, h));
+      }
+    }
+    history.push_back(std::move(rows));
+    lengths.push_back(length());
+  }
+  int64_t num_layers = 0;
+  int64_t num_heads = 0;
+  std::vector<std::vector<std::vector<int32_t>>> history;  // per pass, per row: kept tokens
+  std::vector<int64_t> lengths;                            // length() after each pass
+};
+
+class H2o : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    source_ = resolve_model("opt-tiny", {});
+    request_.prompts = {{2, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20},
+                        {2,    500,  600,  700,  800,  900,  1000, 1100, 1200, 1300,
+                         1400, 1500, 1600, 1700, 1800, 1900, 2000, 40,   41,   42},
+                        {2, 7, 8}};
+    request_.gen_len = 20;
+    request_.kv_dtype = DType::F32;
+  }
+  void TearDown() override { set_debug_poison(false); }
+
+  GenerationResult run(const KvStoreFactory& factory = {}) {
+    OptModel model(source_.config, load_weights(source_, Device::Cpu), Device::Cpu);
+    return generate(model, request_, {}, factory);
+  }
+
+  // Runs with an H2oKv of `budget`; `store` receives the store (alive until the next run).
+  GenerationResult run_h2o(double budget, RecordingH2oKv** store = nullptr) {
+    return run([&](int64_t batch, int64_t capacity) -> std::unique_ptr<KvStore> {
+      auto kv = std::make_unique<RecordingH2oKv>(source_.config, batch, capacity, request_.kv_dtype,
+                                                 Device::Cpu, budget, engine_, stats_);
+      kv->num_layers = source_.config.num_layers;
+      kv->num_heads = source_.config.num_heads;
+      if (store) *store = kv.get();
+      stores_.push_back(std::move(kv));
+      return std::make_unique<Forwarding>(*stores_.back());
+    });
+  }
+
+  // Lets the test keep the store after generate() is done with it.
+  class Forwarding : public KvStore {
+   public:
+    explicit Forwarding(KvStore& inner) : KvStore(inner.batch(), inner.capacity()), inner_(inner) {}
+    void observe(int64_t layer, const Tensor& normed, const Tensor& queries,
+                 const OptLayerWeights& weights) override {
+      inner_.observe(layer, normed, queries, weights);
+    }
+    void begin_pass(int64_t n_new) override {
+      inner_.set_first_valid(first_valid());
+      KvStore::begin_pass(n_new);
+      inner_.begin_pass(n_new);
+    }
+    void begin_layer(int64_t layer) override { inner_.begin_layer(layer); }
+    void append(int64_t layer, const Tensor& keys, const Tensor& values) override {
+      inner_.append(layer, keys, values);
+    }
+    View view(int64_t layer) override { return inner_.view(layer); }
+    void end_pass(int64_t n_new) override {
+      KvStore::end_pass(n_new);
+      inner_.end_pass(n_new);
+    }
+
+   private:
+    KvStore& inner_;
+  };
+
+  ModelSource source_;
+  GenerationRequest request_;
+  TransferEngine engine_{Device::Cpu, {}};
+  OffloadStats stats_;
+  std::vector<std::unique_ptr<RecordingH2oKv>> stores_;
+};
+
+TEST(H2oVictim, LowestScoreOutsideTheRecentWindowTiesToTheOldest) {
+  // Tokens out of row order, as the compact cache keeps them after moves.
+  const std::vector<int32_t> tokens = {7, 3, 12, 5, 9, 10};
+  // Token 12 has the lowest score but is recent (window from 10).
+  EXPECT_EQ(h2o_choose_victim(std::vector<float>{0.5f, 0.4f, 0.1f, 0.3f, 0.2f, 0.05f}, tokens, 10),
+            4);
+  // Ties: tokens 7, 3 and 5 share the lowest score; the oldest (3) goes.
+  EXPECT_EQ(h2o_choose_victim(std::vector<float>{0.2f, 0.2f, 0.9f, 0.2f, 0.6f, 0.0f}, tokens, 10),
+            1);
+  // Everything recent: nothing to evict.
+  EXPECT_EQ(h2o_choose_victim(std::vector<float>{0.1f, 0.2f}, std::vector<int32_t>{4, 5}, 4), -1);
+  // One candidate.
+  EXPECT_EQ(h2o_choose_victim(std::vector<float>{9.0f, 0.0f}, std::vector<int32_t>{1, 5}, 4), 0);
+}
+
+TEST_F(H2o, WholeBudgetGivesTheEngineTokensAndLogits) {
+  for (DType kv : {DType::F32, DType::F16}) {
+    request_.kv_dtype = kv;
+    const GenerationResult expected = run();
+    RecordingH2oKv* store = nullptr;
+    const GenerationResult got = run_h2o(1.0, &store);
+    EXPECT_EQ(got.tokens, expected.tokens) << dtype_name(kv);
+    const std::vector<float> a = got.last_logits.to_floats(), b = expected.last_logits.to_floats();
+    const double error = testing_util::relative_error(a.data(), b.data(), a.size());
+    EXPECT_LT(error, 1e-5) << dtype_name(kv);
+    std::cout << "[ h2o 1.0 ] " << dtype_name(kv) << " last-logits relative error " << error
+              << "\n";
+    // Nothing evicted: every row holds all its valid tokens.
+    const int64_t prompt = got.prompt_len, total = prompt + got.gen_len - 1;
+    ASSERT_NE(store, nullptr);
+    for (int64_t s = 0; s < got.batch; ++s) {
+      EXPECT_EQ(store->kept(s), total - store->first_valid()[static_cast<size_t>(s)]);
+    }
+  }
+}
+
+TEST_F(H2o, FifthBudgetKeepsSlotsAndRecentAndNeverRevives) {
+  RecordingH2oKv* store = nullptr;
+  const GenerationResult got = run_h2o(0.2, &store);
+  ASSERT_NE(store, nullptr);
+  const int64_t capacity = got.prompt_len + got.gen_len;
+  const int64_t slots = store->slots(), recent = store->recent();
+  EXPECT_EQ(slots, std::max<int64_t>(2, capacity / 5));
+  EXPECT_EQ(recent, slots / 2);
+  ASSERT_GT(slots, 2);
+  const int64_t L = source_.config.num_layers, H = source_.config.num_heads, B = got.batch;
+  const auto& history = store->history;
+  ASSERT_EQ(history.size(), static_cast<size_t>(got.gen_len));  // prefill + gen_len - 1 decodes
+  std::vector<std::set<int32_t>> evicted(static_cast<size_t>(L * B * H));
+  for (size_t pass = 0; pass < history.size(); ++pass) {
+    const int64_t length = store->lengths[pass];
+    for (int64_t l = 0; l < L; ++l) {
+      for (int64_t b = 0; b < B; ++b) {
+        const int32_t start = store->first_valid()[static_cast<size_t>(b)];
+        const int64_t seen = length - start;
+        for (int64_t h = 0; h < H; ++h) {
+          const size_t row = static_cast<size_t>((l * B + b) * H + h);
+          std::vector<int32_t> kept = history[pass][row];
+          std::sort(kept.begin(), kept.end());
+          ASSERT_EQ(std::adjacent_find(kept.begin(), kept.end()), kept.end()) << "duplicate";
+          EXPECT_EQ(static_cast<int64_t>(kept.size()), std::min(seen, slots))
+              << "pass " << pass << " row " << row;
+          // Never padding, never past the stored tokens.
+          EXPECT_GE(kept.front(), start);
+          EXPECT_LT(kept.back(), length);
+          // The recent window (the last `recent` valid tokens) is kept.
+          for (int64_t t = std::max<int64_t>(start, length - recent); t < length; ++t) {
+            EXPECT_TRUE(std::binary_search(kept.begin(), kept.end(), static_cast<int32_t>(t)))
+                << "recent token " << t << " dropped at pass " << pass;
+          }
+          for (int32_t t : kept) EXPECT_EQ(evicted[row].count(t), 0u) << "token " << t << " back";
+          if (pass > 0) {
+            std::vector<int32_t> before = history[pass - 1][row];
+            std::sort(before.begin(), before.end());
+            for (int32_t t : before) {
+              if (!std::binary_search(kept.begin(), kept.end(), t)) evicted[row].insert(t);
+            }
+          }
+        }
+      }
+    }
+  }
+  // Something was evicted, and the stats report the budget.
+  size_t total_evicted = 0;
+  for (const auto& row : evicted) total_evicted += row.size();
+  EXPECT_GT(total_evicted, 0u);
+  const StepStats& last = stats_.steps().back();
+  for (const LayerTraffic& layer : last.layers) {
+    EXPECT_EQ(layer.tokens_fetched, static_cast<uint64_t>(B * H * (slots + 1)));
+    EXPECT_GT(layer.tokens_stored, layer.tokens_fetched);
+    EXPECT_EQ(layer.kv_h2d_bytes, 0u);
+  }
+}
+
+TEST_F(H2o, DebugPoisonRunsCompleteWithoutNaN) {
+  set_debug_poison(true);
+  for (DType kv : {DType::F16, DType::F32}) {
+    request_.kv_dtype = kv;
+    for (double budget : {0.2, 1.0}) {
+      const GenerationResult got = run_h2o(budget);
+      for (float x : got.last_logits.to_floats()) {
+        ASSERT_TRUE(std::isfinite(x)) << dtype_name(kv) << " budget " << budget;
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace infinigen
