@@ -5,6 +5,7 @@ Runs `infinigen run` three ways on the same request, each --repeats times (media
   compute   --policy gpu, no link emulation: KV resident, the step is pure compute (C);
   full      --policy full with --emulate-link-gbps G: the step (S) and the time the load stream
             spent transferring (T), both measured by the runtime;
+  infinigen --policy infinigen with the same link: its step and bytes, for comparison;
 and prints S against max(C, T) (perfect overlap) and C + T (no overlap), as Markdown.
 
     tools/bench_link_overlap.py --binary build/release/bin/infinigen --gbps 12
@@ -59,11 +60,13 @@ def main():
 
     common = ["--model", args.model, "--batch", str(args.batch), "--prompt-len",
               str(args.prompt_len), "--gen-len", str(args.gen_len)]
-    compute, full = [], []
+    compute, full, infinigen = [], [], []
     for _ in range(args.repeats):  # interleaved, so both see the same machine state
         compute.append(decode_medians(run(args.binary, common + ["--policy", "gpu"])))
         full.append(decode_medians(run(args.binary, common + [
             "--policy", "full", "--emulate-link-gbps", str(args.gbps)])))
+        infinigen.append(decode_medians(run(args.binary, common + [
+            "--policy", "infinigen", "--emulate-link-gbps", str(args.gbps)])))
 
     C = statistics.median(r["step_s"] for r in compute)
     S = statistics.median(r["step_s"] for r in full)
@@ -83,6 +86,9 @@ def main():
     print(f"| max(C, T): perfect overlap | {1e3 * max(C, T):.2f} |")
     print(f"| C + T: no overlap | {1e3 * (C + T):.2f} |")
     print(f"| compute stalled on loads | {1e3 * W:.2f} |")
+    I = statistics.median(r["step_s"] for r in infinigen)
+    I_moved = statistics.median(r["h2d_bytes"] for r in infinigen)
+    print(f"| step with `--policy infinigen` | {1e3 * I:.2f} ({I_moved / 2**20:.1f} MiB/step) |")
     print(f"\nS / max(C, T) = {S / max(C, T):.2f}; S / (C + T) = {S / (C + T):.2f}")
 
 
