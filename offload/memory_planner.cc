@@ -75,7 +75,9 @@ int64_t largest_fitting_batch(MemoryRequest request, int64_t max_batch) {
   return lo;
 }
 
-const char* policy_flag(KvPolicy policy) {
+}  // namespace
+
+const char* kv_policy_name(KvPolicy policy) {
   switch (policy) {
     case KvPolicy::Gpu:
       return "gpu";
@@ -91,11 +93,13 @@ const char* policy_flag(KvPolicy policy) {
   return "?";
 }
 
+namespace {
+
 // The flags that turn `from` into `to`, e.g. "--policy full --weights-gpu-percent 60".
 std::string flags_for(const MemoryRequest& from, const MemoryRequest& to) {
   std::string flags;
   auto add = [&flags](const std::string& flag) { flags += (flags.empty() ? "" : " ") + flag; };
-  if (to.policy != from.policy) add(cat("--policy ", policy_flag(to.policy)));
+  if (to.policy != from.policy) add(cat("--policy ", kv_policy_name(to.policy)));
   if (to.weights_gpu_percent != from.weights_gpu_percent) {
     add(cat("--weights-gpu-percent ", to.weights_gpu_percent));
   }

@@ -18,6 +18,7 @@
 namespace infinigen {
 
 enum class KvPolicy { Gpu, Full, Infinigen, Int4, H2o };
+const char* kv_policy_name(KvPolicy policy);  // the --policy spelling
 
 struct MemoryRequest {
   ModelConfig config;

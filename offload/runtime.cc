@@ -22,22 +22,6 @@ KvPolicy parse_kv_policy(const std::string& name) {
   fail("--policy: unknown policy '", name, "' (expected infinigen, full, int4, h2o or gpu)");
 }
 
-const char* kv_policy_name(KvPolicy policy) {
-  switch (policy) {
-    case KvPolicy::Gpu:
-      return "gpu";
-    case KvPolicy::Full:
-      return "full";
-    case KvPolicy::Infinigen:
-      return "infinigen";
-    case KvPolicy::Int4:
-      return "int4";
-    case KvPolicy::H2o:
-      return "h2o";
-  }
-  return "?";
-}
-
 int64_t kv_pool_positions(double limit, const ModelConfig& config, int64_t batch, int64_t capacity,
                           DType kv_dtype) {
   INFINIGEN_CHECK(limit >= 0 && std::isfinite(limit), "--kv-pool-limit must be >= 0, got ", limit);

@@ -35,7 +35,6 @@ int64_t kv_pool_positions(double limit, const ModelConfig& config, int64_t batch
                           DType kv_dtype);
 
 KvPolicy parse_kv_policy(const std::string& name);  // "gpu" | "full" | "infinigen"
-const char* kv_policy_name(KvPolicy policy);
 
 struct OffloadRun {
   GenerationResult result;
