@@ -1,5 +1,5 @@
-// core: op dispatch. Only the CPU backend implements the transformer ops today; CUDA kernels
-// are added per op behind the same functions.
+// core: op dispatch. Each op checks shapes, then calls the kernel of its tensors' device:
+// kernels/cpu always, kernels/cuda when the CUDA backend is compiled in.
 #include "core/ops.h"
 
 #include "kernels/cpu/attention.h"
@@ -7,6 +7,15 @@
 #include "kernels/cpu/embedding.h"
 #include "kernels/cpu/layer_norm.h"
 #include "kernels/cpu/linear.h"
+
+#ifdef INFINIGEN_CUDA
+#include "kernels/cuda/attention.h"
+#include "kernels/cuda/elementwise.h"
+#include "kernels/cuda/embedding.h"
+#include "kernels/cuda/layer_norm.h"
+#include "kernels/cuda/linear.h"
+#include "kernels/cuda/status.h"
+#endif
 
 namespace infinigen::ops {
 namespace {
@@ -34,9 +43,49 @@ Device common_device(const char* op, std::initializer_list<const Tensor*> tensor
       INFINIGEN_CHECK(t->device() == device, op, ": tensors on different devices");
     }
   }
+#ifndef INFINIGEN_CUDA
   if (device != Device::Cpu) throw_op_not_on_device(op, device);
+#endif
   return device;
 }
+
+#ifdef INFINIGEN_CUDA
+namespace gpu = kernels::cuda;
+
+gpu::Element gpu_element(DType dtype) {
+  switch (dtype) {
+    case DType::F32:
+      return gpu::Element::F32;
+    case DType::F16:
+      return gpu::Element::F16;
+    case DType::BF16:
+      return gpu::Element::BF16;
+    default:
+      fail("tensor of ", dtype_name(dtype), " where a floating-point tensor is needed");
+  }
+}
+
+// Kernels return 0 on success, otherwise a CUDA or cuBLAS code, which becomes the engine's
+// one-line Error here.
+void check_cuda(const char* op, int code) {
+  if (code != 0) fail(op, ": CUDA kernel failed: ", gpu::status_string(code));
+}
+
+// A host index array (token ids, positions, first_valid) copied to the device. The copy is
+// synchronous and on the default stream, the stream every CUDA op runs on until the op
+// interface takes streams, so the kernel that reads it is ordered after it; freeing it at the
+// end of the op waits for that kernel (cudaFree synchronises). A per-step device copy kept by the
+// caller would remove both waits, once ops take streams.
+Tensor indices_on_cuda(const std::vector<int32_t>& values) {
+  const Tensor host =
+      Tensor::view(const_cast<int32_t*>(values.data()), {static_cast<int64_t>(values.size())},
+                   DType::I32, Device::Cpu, nullptr);
+  return host.to(Device::Cuda);
+}
+
+// The default stream, as the kernels take it.
+void* const kDefaultStream = nullptr;
+#endif
 
 void check_shape(const char* op, const Tensor& t, const Shape& expected) {
   INFINIGEN_CHECK(t.shape() == expected, op, ": got shape ", shape_string(t.shape()), ", expected ",
@@ -46,12 +95,15 @@ void check_shape(const char* op, const Tensor& t, const Shape& expected) {
 }  // namespace
 
 bool device_runs_transformer(Device device) {
+  // CUDA kernels exist for every op below, but they have not yet been run on a GPU against the
+  // CPU backend (tests/kernels_cuda_test.cc does that). Until they have, the engine keeps
+  // refusing --device cuda and `auto` keeps choosing the CPU.
   return device == Device::Cpu;
 }
 
 void embed(const std::vector<int32_t>& tokens, const std::vector<int32_t>& positions,
            const Tensor& tokens_table, const Tensor& positions_table, Tensor& out) {
-  common_device("embed", {&out, &tokens_table, &positions_table});
+  const Device device = common_device("embed", {&out, &tokens_table, &positions_table});
   const int64_t n = static_cast<int64_t>(tokens.size());
   const int64_t D = tokens_table.dim(1);
   INFINIGEN_CHECK(positions.size() == tokens.size(), "embed: ", tokens.size(), " tokens but ",
@@ -64,56 +116,107 @@ void embed(const std::vector<int32_t>& tokens, const std::vector<int32_t>& posit
     INFINIGEN_CHECK(positions[i] >= 0 && positions[i] < positions_table.dim(0), "position ",
                     positions[i], " is outside the position table of ", positions_table.dim(0));
   }
+  if (device == Device::Cuda) {
+#ifdef INFINIGEN_CUDA
+    const Tensor tokens_d = indices_on_cuda(tokens), positions_d = indices_on_cuda(positions);
+    check_cuda("embed",
+               gpu::embed(tokens_d.data<int32_t>(), positions_d.data<int32_t>(), n,
+                          tokens_table.raw(), positions_table.raw(),
+                          gpu_element(tokens_table.dtype()), D, out.data<float>(), kDefaultStream));
+#endif
+    return;
+  }
   cpu::embed(tokens.data(), positions.data(), n, tokens_table.raw(), positions_table.raw(),
              element(tokens_table.dtype()), D, out.data<float>());
 }
 
 void layer_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps, Tensor& y) {
-  common_device("layer_norm", {&x, &gamma, &beta, &y});
+  const Device device = common_device("layer_norm", {&x, &gamma, &beta, &y});
   const int64_t D = x.dim(-1);
   check_shape("layer_norm", gamma, {D});
   check_shape("layer_norm", beta, {D});
   check_shape("layer_norm", y, x.shape());
+  if (device == Device::Cuda) {
+#ifdef INFINIGEN_CUDA
+    check_cuda("layer_norm",
+               gpu::layer_norm(x.data<float>(), gamma.data<float>(), beta.data<float>(),
+                               y.data<float>(), x.numel() / D, D, eps, kDefaultStream));
+#endif
+    return;
+  }
   cpu::layer_norm(x.data<float>(), gamma.data<float>(), beta.data<float>(), y.data<float>(),
                   x.numel() / D, D, eps);
 }
 
 void linear(const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& y, bool relu) {
-  common_device("linear", {&x, &w, &bias, &y});
+  const Device device = common_device("linear", {&x, &w, &bias, &y});
   const int64_t M = x.dim(0), K = x.dim(1), N = w.dim(0);
   check_shape("linear", w, {N, K});
   check_shape("linear", y, {M, N});
   if (bias.defined()) check_shape("linear", bias, {N});
-  cpu::linear(x.data<float>(), w.raw(), element(w.dtype()),
-              bias.defined() ? bias.data<float>() : nullptr, y.data<float>(), M, N, K, relu);
+  const float* bias_data = bias.defined() ? bias.data<float>() : nullptr;
+  if (device == Device::Cuda) {
+#ifdef INFINIGEN_CUDA
+    check_cuda("linear", gpu::linear(x.data<float>(), w.raw(), gpu_element(w.dtype()), bias_data,
+                                     y.data<float>(), M, N, K, relu, kDefaultStream));
+#endif
+    return;
+  }
+  cpu::linear(x.data<float>(), w.raw(), element(w.dtype()), bias_data, y.data<float>(), M, N, K,
+              relu);
 }
 
 void add_inplace(Tensor& y, const Tensor& x) {
-  common_device("add", {&y, &x});
+  const Device device = common_device("add", {&y, &x});
   check_shape("add", x, y.shape());
+  if (device == Device::Cuda) {
+#ifdef INFINIGEN_CUDA
+    check_cuda("add",
+               gpu::add_inplace(y.data<float>(), x.data<float>(), y.numel(), kDefaultStream));
+#endif
+    return;
+  }
   cpu::add_inplace(y.data<float>(), x.data<float>(), y.numel());
 }
 
 void scale_inplace(Tensor& y, float factor) {
-  common_device("scale", {&y});
+  const Device device = common_device("scale", {&y});
+  if (device == Device::Cuda) {
+#ifdef INFINIGEN_CUDA
+    check_cuda("scale", gpu::scale_inplace(y.data<float>(), factor, y.numel(), kDefaultStream));
+#endif
+    return;
+  }
   cpu::scale_inplace(y.data<float>(), factor, y.numel());
 }
 
 void attention_prefill(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
                        int64_t batch, int64_t num_heads, const std::vector<int32_t>& first_valid) {
-  common_device("attention_prefill", {&q, &k, &v, &out});
+  const Device device = common_device("attention_prefill", {&q, &k, &v, &out});
   const int64_t n = q.dim(0) / batch, D = q.dim(1), d = D / num_heads;
   for (const Tensor* t : std::initializer_list<const Tensor*>{&k, &v, &out})
     check_shape("attention_prefill", *t, q.shape());
   INFINIGEN_CHECK(static_cast<int64_t>(first_valid.size()) == batch && n * batch == q.dim(0),
                   "attention_prefill: batch ", batch, " does not divide ", q.dim(0), " rows");
+  if (device == Device::Cuda) {
+#ifdef INFINIGEN_CUDA
+    INFINIGEN_CHECK(d <= gpu::kMaxHeadDim, "attention_prefill: head size ", d,
+                    " is beyond the CUDA kernel's ", gpu::kMaxHeadDim);
+    const Tensor first_valid_d = indices_on_cuda(first_valid);
+    check_cuda("attention_prefill",
+               gpu::attention_prefill(q.data<float>(), k.data<float>(), v.data<float>(),
+                                      out.data<float>(), batch, n, num_heads, d,
+                                      first_valid_d.data<int32_t>(), kDefaultStream));
+#endif
+    return;
+  }
   cpu::attention_prefill(q.data<float>(), k.data<float>(), v.data<float>(), out.data<float>(),
                          batch, n, num_heads, d, first_valid.data());
 }
 
 void attention_decode(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, Tensor& out,
                       int64_t length, const std::vector<int32_t>& first_valid) {
-  common_device("attention_decode", {&q, &k_cache, &v_cache, &out});
+  const Device device = common_device("attention_decode", {&q, &k_cache, &v_cache, &out});
   const int64_t B = k_cache.dim(0), H = k_cache.dim(1), capacity = k_cache.dim(2);
   const int64_t d = k_cache.dim(3);
   check_shape("attention_decode", q, {B, H * d});
@@ -122,17 +225,42 @@ void attention_decode(const Tensor& q, const Tensor& k_cache, const Tensor& v_ca
   INFINIGEN_CHECK(k_cache.dtype() == v_cache.dtype(), "attention_decode: K and V dtypes differ");
   INFINIGEN_CHECK(length <= capacity, "attention_decode: length ", length, " beyond capacity ",
                   capacity);
+  if (device == Device::Cuda) {
+#ifdef INFINIGEN_CUDA
+    INFINIGEN_CHECK(d <= gpu::kMaxHeadDim, "attention_decode: head size ", d,
+                    " is beyond the CUDA kernel's ", gpu::kMaxHeadDim);
+    // The kernel reads first_valid[b] for every b: a short array would be read past its end.
+    INFINIGEN_CHECK(static_cast<int64_t>(first_valid.size()) == B,
+                    "attention_decode: ", first_valid.size(),
+                    " first_valid entries for a batch of ", B);
+    const Tensor first_valid_d = indices_on_cuda(first_valid);
+    check_cuda(
+        "attention_decode",
+        gpu::attention_decode(q.data<float>(), k_cache.raw(), v_cache.raw(),
+                              gpu_element(k_cache.dtype()), out.data<float>(), B, H, d, capacity,
+                              length, first_valid_d.data<int32_t>(), kDefaultStream));
+#endif
+    return;
+  }
   cpu::attention_decode(q.data<float>(), k_cache.raw(), v_cache.raw(), element(k_cache.dtype()),
                         out.data<float>(), B, H, d, capacity, length, first_valid.data());
 }
 
 void cache_store(const Tensor& rows, Tensor& cache, int64_t offset) {
-  common_device("cache_store", {&rows, &cache});
+  const Device device = common_device("cache_store", {&rows, &cache});
   const int64_t B = cache.dim(0), H = cache.dim(1), capacity = cache.dim(2), d = cache.dim(3);
   const int64_t n = rows.dim(0) / B;
   check_shape("cache_store", rows, {B * n, H * d});
   INFINIGEN_CHECK(offset + n <= capacity, "KV cache overflow: ", offset + n, " tokens, capacity ",
                   capacity);
+  if (device == Device::Cuda) {
+#ifdef INFINIGEN_CUDA
+    check_cuda("cache_store",
+               gpu::cache_store(rows.data<float>(), cache.raw(), gpu_element(cache.dtype()), B, n,
+                                H, d, capacity, offset, kDefaultStream));
+#endif
+    return;
+  }
   cpu::cache_store(rows.data<float>(), cache.raw(), element(cache.dtype()), B, n, H, d, capacity,
                    offset);
 }

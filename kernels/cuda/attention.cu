@@ -1,0 +1,329 @@
+// kernels/cuda: attention. Prefill is tiled (flash-attention style, fp32 on CUDA cores): a block
+// owns a tile of queries of one (sequence, head), streams the keys it may see through shared
+// memory a tile at a time and keeps an online softmax per query, so no score matrix is stored.
+// Decode gives one block to each (sequence, head); its warps split the cache rows and merge
+// their partial softmaxes at the end.
+#include <cmath>
+
+#include "kernels/cuda/attention.h"
+#include "kernels/cuda/common.cuh"
+
+namespace infinigen::kernels::cuda {
+namespace {
+
+using detail::kFullMask;
+using detail::kWarpSize;
+
+// Head dimensions are split over the lanes of a warp: lane l holds dims l, l + 32, l + 64, ...
+// kPerLane values each, so d <= 32 * kPerLane. Returns 0 when d is too large.
+int values_per_lane(int64_t d) {
+  if (d <= 32) return 1;
+  if (d <= 64) return 2;
+  if (d <= 128) return 4;
+  if (d <= kMaxHeadDim) return 8;
+  return 0;
+}
+
+// ---- prefill ----
+
+constexpr int kPrefillWarps = 4;
+constexpr int kRowsPerWarp = 4;
+constexpr int kQueryTile = kPrefillWarps * kRowsPerWarp;  // queries per block
+constexpr int kKeyTile = kWarpSize;                       // keys per tile: one per lane
+constexpr int kPrefillThreads = kPrefillWarps * kWarpSize;
+
+size_t prefill_shared_bytes(int64_t d) {
+  // q_tile (kQueryTile, d), k_tile (kKeyTile, d + 1), v_tile (kKeyTile, d), all fp32.
+  return static_cast<size_t>(kQueryTile * d + kKeyTile * (d + 1) + kKeyTile * d) * sizeof(float);
+}
+
+// Grid (ceil(n / kQueryTile), H, B). Token t of sequence b, head h, dim c is element
+// (b * n + t) * D + h * d + c of q, k, v and out, D = H * d.
+//
+// Warp w owns queries q0 + w * kRowsPerWarp + r. For each key tile, lane j scores key k0 + j
+// against the query (the key rows are padded to d + 1 floats, so the 32 lanes reading the same
+// dim of 32 different rows hit 32 different banks), the warp takes the tile's max and sum, and
+// then each lane accumulates its own dims of p . V. Keys a query may not see (after it: causal)
+// get probability 0; left padding is never loaded because tiles start at first_valid[b].
+template <int kPerLane>
+__global__ void __launch_bounds__(kPrefillThreads)
+    prefill_kernel(const float* q, const float* k, const float* v, float* out, int64_t n, int64_t H,
+                   int64_t d, const int32_t* first_valid) {
+  extern __shared__ float shared[];
+  float* q_tile = shared;                       // (kQueryTile, d)
+  float* k_tile = q_tile + kQueryTile * d;      // (kKeyTile, d + 1)
+  float* v_tile = k_tile + kKeyTile * (d + 1);  // (kKeyTile, d)
+
+  const int64_t b = blockIdx.z, h = blockIdx.y;
+  const int64_t D = H * d;
+  const int64_t base = b * n * D + h * d;  // (b, token 0, h, dim 0)
+  const int64_t start = first_valid[b];
+  const int64_t q0 = static_cast<int64_t>(blockIdx.x) * kQueryTile;
+  const int64_t q_end = q0 + kQueryTile < n ? q0 + kQueryTile : n;
+  // Causal: the last query of the tile sees keys up to q_end - 1, so keys [start, q_end).
+  const int64_t key_end = q_end;
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+
+  for (int64_t idx = threadIdx.x; idx < kQueryTile * d; idx += blockDim.x) {
+    const int64_t t = q0 + idx / d;
+    q_tile[idx] = t < q_end ? q[base + t * D + idx % d] : 0.0f;
+  }
+
+  float m[kRowsPerWarp], l[kRowsPerWarp], acc[kRowsPerWarp][kPerLane];
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    m[r] = -INFINITY;
+    l[r] = 0.0f;
+#pragma unroll
+    for (int jj = 0; jj < kPerLane; ++jj) acc[r][jj] = 0.0f;
+  }
+
+  // start and key_end are the same for the whole block, so every thread meets every barrier.
+  for (int64_t k0 = start; k0 < key_end; k0 += kKeyTile) {
+    __syncthreads();  // the previous tile is consumed (and, the first time, q_tile is written)
+    for (int64_t idx = threadIdx.x; idx < kKeyTile * d; idx += blockDim.x) {
+      const int64_t j = idx / d, c = idx % d, t = k0 + j;
+      // Rows past key_end are zero, not garbage: p = 0 times a NaN would still be NaN.
+      const bool present = t < key_end;
+      k_tile[j * (d + 1) + c] = present ? k[base + t * D + c] : 0.0f;
+      v_tile[j * d + c] = present ? v[base + t * D + c] : 0.0f;
+    }
+    __syncthreads();
+
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r) {
+      const int row = warp * kRowsPerWarp + r;
+      const int64_t i = q0 + row;
+      // Uniform across the warp. When k0 <= i, lane 0's key k0 is visible, so the tile max below
+      // is finite.
+      if (i >= q_end || i < start || k0 > i) continue;
+      const bool visible = k0 + lane <= i;
+      float s = -INFINITY;
+      if (visible) {
+        const float* q_row = q_tile + row * d;
+        const float* k_row = k_tile + lane * (d + 1);
+        float dot = 0.0f;
+        for (int64_t c = 0; c < d; ++c) dot += q_row[c] * k_row[c];
+        s = dot;
+      }
+      const float m_new = fmaxf(m[r], detail::warp_max(s));
+      const float p = visible ? expf(s - m_new) : 0.0f;
+      const float correction = expf(m[r] - m_new);  // 0 on the row's first tile (m = -inf)
+      l[r] = l[r] * correction + detail::warp_sum(p);
+#pragma unroll
+      for (int jj = 0; jj < kPerLane; ++jj) acc[r][jj] *= correction;
+      for (int j = 0; j < kKeyTile; ++j) {
+        const float p_j = __shfl_sync(kFullMask, p, j);
+#pragma unroll
+        for (int jj = 0; jj < kPerLane; ++jj) {
+          const int64_t c = lane + jj * kWarpSize;
+          if (c < d) acc[r][jj] += p_j * v_tile[j * d + c];
+        }
+      }
+      m[r] = m_new;
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    const int64_t i = q0 + warp * kRowsPerWarp + r;
+    if (i >= q_end) continue;
+    // Padding rows have acc = 0 and l = 0: they are written as zeros.
+    const float inv_l = i < start ? 0.0f : 1.0f / l[r];
+#pragma unroll
+    for (int jj = 0; jj < kPerLane; ++jj) {
+      const int64_t c = lane + jj * kWarpSize;
+      if (c < d) out[base + i * D + c] = acc[r][jj] * inv_l;
+    }
+  }
+}
+
+template <int kPerLane>
+int launch_prefill(const float* q, const float* k, const float* v, float* out, int64_t B, int64_t n,
+                   int64_t H, int64_t d, const int32_t* first_valid, cudaStream_t stream) {
+  const size_t shared_bytes = prefill_shared_bytes(d);
+  if (shared_bytes > 48 * 1024) {  // beyond the default limit a kernel must opt in
+    const cudaError_t status =
+        cudaFuncSetAttribute(prefill_kernel<kPerLane>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(shared_bytes));
+    if (status != cudaSuccess) return status;
+  }
+  const dim3 grid(static_cast<unsigned>((n + kQueryTile - 1) / kQueryTile),
+                  static_cast<unsigned>(H), static_cast<unsigned>(B));
+  prefill_kernel<kPerLane>
+      <<<grid, kPrefillThreads, shared_bytes, stream>>>(q, k, v, out, n, H, d, first_valid);
+  return cudaGetLastError();
+}
+
+// ---- decode ----
+
+constexpr int kDecodeWarps = 8;
+constexpr int kDecodeThreads = kDecodeWarps * kWarpSize;
+
+// Grid (H, B). The block of (b, h) reads rows [first_valid[b], length) of its (capacity, d)
+// slice of each cache; warp w takes rows start + w, start + w + kDecodeWarps, ..., its lanes
+// covering the dims (coalesced row reads), with an online softmax per warp. The warps' (max,
+// sum, acc) are then merged in shared memory.
+template <typename T, int kPerLane>
+__global__ void __launch_bounds__(kDecodeThreads)
+    decode_kernel(const float* q, const T* k_cache, const T* v_cache, float* out, int64_t H,
+                  int64_t d, int64_t capacity, int64_t length, const int32_t* first_valid) {
+  __shared__ float warp_m[kDecodeWarps], warp_l[kDecodeWarps];
+  __shared__ float warp_acc[kDecodeWarps][kMaxHeadDim];
+
+  const int64_t b = blockIdx.y, h = blockIdx.x;
+  const int64_t head = b * H + h;                 // index of (b, h) in (B, H)
+  const T* keys = k_cache + head * capacity * d;  // (capacity, d)
+  const T* values = v_cache + head * capacity * d;
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+
+  float q_part[kPerLane], acc[kPerLane];
+#pragma unroll
+  for (int jj = 0; jj < kPerLane; ++jj) {
+    const int64_t c = lane + jj * kWarpSize;
+    q_part[jj] = c < d ? q[head * d + c] : 0.0f;
+    acc[jj] = 0.0f;
+  }
+  float m = -INFINITY, l = 0.0f;
+  for (int64_t t = static_cast<int64_t>(first_valid[b]) + warp; t < length; t += kDecodeWarps) {
+    const T* k_row = keys + t * d;
+    float dot = 0.0f;
+#pragma unroll
+    for (int jj = 0; jj < kPerLane; ++jj) {
+      const int64_t c = lane + jj * kWarpSize;
+      if (c < d) dot += q_part[jj] * detail::to_float(k_row[c]);
+    }
+    const float s = detail::warp_sum(dot);
+    const float m_new = fmaxf(m, s);
+    const float correction = expf(m - m_new);  // 0 on the warp's first row (m = -inf)
+    const float p = expf(s - m_new);
+    l = l * correction + p;
+    const T* v_row = values + t * d;
+#pragma unroll
+    for (int jj = 0; jj < kPerLane; ++jj) {
+      const int64_t c = lane + jj * kWarpSize;
+      if (c < d) acc[jj] = acc[jj] * correction + p * detail::to_float(v_row[c]);
+    }
+    m = m_new;
+  }
+
+  if (lane == 0) {
+    warp_m[warp] = m;
+    warp_l[warp] = l;
+  }
+#pragma unroll
+  for (int jj = 0; jj < kPerLane; ++jj) {
+    const int64_t c = lane + jj * kWarpSize;
+    if (c < d) warp_acc[warp][c] = acc[jj];
+  }
+  __syncthreads();
+
+  float top = -INFINITY;
+  for (int w = 0; w < kDecodeWarps; ++w) top = fmaxf(top, warp_m[w]);
+  for (int64_t c = threadIdx.x; c < d; c += blockDim.x) {
+    float total = 0.0f, value = 0.0f;
+    for (int w = 0; w < kDecodeWarps; ++w) {
+      if (warp_m[w] == -INFINITY) continue;  // a warp that saw no row
+      const float scale = expf(warp_m[w] - top);
+      total += warp_l[w] * scale;
+      value += warp_acc[w][c] * scale;
+    }
+    out[head * d + c] = total > 0.0f ? value / total : 0.0f;
+  }
+}
+
+// ---- cache store ----
+
+// Element i of src (B, n, H, d) goes to token offset + t of cache (B, H, capacity, d).
+template <typename T>
+__global__ void cache_store_kernel(const float* src, T* cache, int64_t n, int64_t H, int64_t d,
+                                   int64_t capacity, int64_t offset, int64_t count) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
+       i += stride) {
+    const int64_t c = i % d;
+    int64_t rest = i / d;
+    const int64_t h = rest % H;
+    rest /= H;
+    const int64_t t = rest % n;
+    const int64_t b = rest / n;
+    cache[((b * H + h) * capacity + offset + t) * d + c] = detail::from_float<T>(src[i]);
+  }
+}
+
+bool grid_fits(int64_t x, int64_t y, int64_t z) {
+  return x <= 0x7fffffff && y <= 65535 && z <= 65535;
+}
+
+}  // namespace
+
+int attention_prefill(const float* q, const float* k, const float* v, float* out, int64_t B,
+                      int64_t n, int64_t H, int64_t d, const int32_t* first_valid, void* stream) {
+  if (B <= 0 || n <= 0 || H <= 0 || d <= 0) return cudaSuccess;
+  if (!grid_fits((n + kQueryTile - 1) / kQueryTile, H, B)) return cudaErrorInvalidValue;
+  const cudaStream_t s = detail::as_stream(stream);
+  switch (values_per_lane(d)) {
+    case 1:
+      return launch_prefill<1>(q, k, v, out, B, n, H, d, first_valid, s);
+    case 2:
+      return launch_prefill<2>(q, k, v, out, B, n, H, d, first_valid, s);
+    case 4:
+      return launch_prefill<4>(q, k, v, out, B, n, H, d, first_valid, s);
+    case 8:
+      return launch_prefill<8>(q, k, v, out, B, n, H, d, first_valid, s);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+int attention_decode(const float* q, const void* k_cache, const void* v_cache, Element cache_type,
+                     float* out, int64_t B, int64_t H, int64_t d, int64_t capacity, int64_t length,
+                     const int32_t* first_valid, void* stream) {
+  if (B <= 0 || H <= 0 || d <= 0) return cudaSuccess;
+  if (!grid_fits(H, B, 1) || length > capacity) return cudaErrorInvalidValue;
+  const int per_lane = values_per_lane(d);
+  if (per_lane == 0) return cudaErrorInvalidValue;
+  const cudaStream_t s = detail::as_stream(stream);
+  const dim3 grid(static_cast<unsigned>(H), static_cast<unsigned>(B));
+  return detail::dispatch_element(cache_type, [&](auto tag) {
+    using T = decltype(tag);
+    const T* keys = static_cast<const T*>(k_cache);
+    const T* values = static_cast<const T*>(v_cache);
+    switch (per_lane) {
+      case 1:
+        decode_kernel<T, 1><<<grid, kDecodeThreads, 0, s>>>(q, keys, values, out, H, d, capacity,
+                                                            length, first_valid);
+        break;
+      case 2:
+        decode_kernel<T, 2><<<grid, kDecodeThreads, 0, s>>>(q, keys, values, out, H, d, capacity,
+                                                            length, first_valid);
+        break;
+      case 4:
+        decode_kernel<T, 4><<<grid, kDecodeThreads, 0, s>>>(q, keys, values, out, H, d, capacity,
+                                                            length, first_valid);
+        break;
+      default:
+        decode_kernel<T, 8><<<grid, kDecodeThreads, 0, s>>>(q, keys, values, out, H, d, capacity,
+                                                            length, first_valid);
+        break;
+    }
+    return static_cast<int>(cudaGetLastError());
+  });
+}
+
+int cache_store(const float* src, void* cache, Element cache_type, int64_t B, int64_t n, int64_t H,
+                int64_t d, int64_t capacity, int64_t offset, void* stream) {
+  const int64_t count = B * n * H * d;
+  if (count <= 0) return cudaSuccess;
+  if (offset < 0 || offset + n > capacity) return cudaErrorInvalidValue;
+  constexpr int threads = 256;
+  const cudaStream_t s = detail::as_stream(stream);
+  return detail::dispatch_element(cache_type, [&](auto tag) {
+    using T = decltype(tag);
+    cache_store_kernel<T><<<detail::grid_stride_blocks(count, threads), threads, 0, s>>>(
+        src, static_cast<T*>(cache), n, H, d, capacity, offset, count);
+    return static_cast<int>(cudaGetLastError());
+  });
+}
+
+}  // namespace infinigen::kernels::cuda

@@ -1,0 +1,360 @@
+// tests: every op on CUDA tensors against the CPU backend on the same random inputs (label gpu;
+// each test skips when no CUDA device is present).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <ostream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "core/generation.h"
+#include "core/kv_cache.h"
+#include "core/model_config.h"
+#include "core/ops.h"
+#include "core/opt_model.h"
+#include "core/synthetic_model.h"
+#include "kernels/cuda/runtime.h"
+#include "tests/test_util.h"
+
+namespace infinigen {
+namespace {
+
+using testing_util::relative_error;
+
+// Asked once: discovery is a driver call, and the answer cannot change during the run.
+bool have_cuda_device() {
+  static const bool present = kernels::cuda::device_count() > 0;
+  return present;
+}
+
+class CudaOps : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!have_cuda_device()) GTEST_SKIP() << "no CUDA device on this machine";
+  }
+};
+
+template <typename Param>
+class CudaOpsWith : public ::testing::TestWithParam<Param> {
+ protected:
+  void SetUp() override {
+    if (!have_cuda_device()) GTEST_SKIP() << "no CUDA device on this machine";
+  }
+};
+
+// A CPU tensor of `dtype` holding normal(0, scale) values (rounded to dtype).
+Tensor random_tensor(Shape shape, uint64_t seed, float scale = 1.0f, DType dtype = DType::F32) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, scale);
+  std::vector<float> values(static_cast<size_t>(shape_numel(shape)));
+  for (float& x : values) x = normal(rng);
+  const Tensor t = Tensor::from_floats(std::move(shape), values);
+  return dtype == DType::F32 ? t : t.to_dtype(dtype);
+}
+
+// An output tensor on `device` filled with NaN, so that an element a kernel forgot to write
+// shows up in the comparison.
+Tensor nan_tensor(const Shape& shape, Device device, DType dtype = DType::F32) {
+  Tensor t = Tensor::empty(shape, dtype, device);
+  fill_nan(t);
+  return t;
+}
+
+// ||cuda - cpu|| / ||cpu||; NaN (a failure) when either holds a NaN.
+double error_vs_cpu(const Tensor& cuda, const Tensor& cpu) {
+  EXPECT_EQ(cuda.device(), Device::Cuda);
+  EXPECT_EQ(cuda.shape(), cpu.shape());
+  const std::vector<float> a = cuda.to_floats(), b = cpu.to_floats();
+  return relative_error(a.data(), b.data(), b.size());
+}
+
+// Element-wise identity, NaN matching NaN (for caches whose untouched rows are NaN).
+void expect_same_values(const Tensor& cuda, const Tensor& cpu) {
+  const std::vector<float> a = cuda.to_floats(), b = cpu.to_floats();
+  ASSERT_EQ(a.size(), b.size());
+  size_t mismatches = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const bool same = (std::isnan(a[i]) && std::isnan(b[i])) || a[i] == b[i];
+    if (!same && mismatches++ == 0)
+      ADD_FAILURE() << "element " << i << ": " << a[i] << " vs " << b[i];
+  }
+  EXPECT_EQ(mismatches, 0u);
+}
+
+// Tolerance of a result computed from operands of `dtype`: the CUDA GEMM rounds activations to
+// 16-bit weights' type, the CPU does not; everything else differs only in summation order.
+double tolerance(DType dtype) {
+  switch (dtype) {
+    case DType::F16:
+      return 2e-3;
+    case DType::BF16:
+      return 1.5e-2;
+    default:
+      return 1e-5;
+  }
+}
+
+// ---- linear ----
+
+struct GemmShape {
+  int64_t M, N, K;
+};
+std::ostream& operator<<(std::ostream& out, const GemmShape& s) {
+  return out << s.M << "x" << s.N << "x" << s.K;
+}
+
+class CudaLinear : public CudaOpsWith<std::tuple<DType, GemmShape>> {};
+
+TEST_P(CudaLinear, MatchesCpu) {
+  const auto [w_type, shape] = GetParam();
+  const auto [M, N, K] = shape;
+  const Tensor x = random_tensor({M, K}, 1);
+  const Tensor w = random_tensor({N, K}, 2, 0.05f, w_type);
+  const Tensor bias = random_tensor({N}, 3);
+  const Tensor x_d = x.to(Device::Cuda), w_d = w.to(Device::Cuda), bias_d = bias.to(Device::Cuda);
+  for (bool with_bias : {false, true}) {
+    for (bool relu : {false, true}) {
+      Tensor y = nan_tensor({M, N}, Device::Cpu), y_d = nan_tensor({M, N}, Device::Cuda);
+      ops::linear(x, w, with_bias ? bias : Tensor(), y, relu);
+      ops::linear(x_d, w_d, with_bias ? bias_d : Tensor(), y_d, relu);
+      EXPECT_LT(error_vs_cpu(y_d, y), tolerance(w_type))
+          << "bias " << with_bias << " relu " << relu;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    WeightTypesAndShapes, CudaLinear,
+    ::testing::Combine(::testing::Values(DType::F32, DType::F16, DType::BF16),
+                       ::testing::Values(GemmShape{1, 131, 67}, GemmShape{5, 64, 64},
+                                         GemmShape{33, 257, 128}, GemmShape{128, 768, 768},
+                                         GemmShape{7, 3072, 768})));
+
+// ---- layer norm, embedding, elementwise ----
+
+struct NormShape {
+  int64_t rows, cols;
+};
+std::ostream& operator<<(std::ostream& out, const NormShape& s) {
+  return out << s.rows << "x" << s.cols;
+}
+
+class CudaLayerNorm : public CudaOpsWith<NormShape> {};
+
+TEST_P(CudaLayerNorm, MatchesCpuAlsoInPlace) {
+  const auto [rows, cols] = GetParam();
+  Tensor x = random_tensor({rows, cols}, 4, 3.0f);
+  x.data<float>()[cols / 2] = 400.0f;  // an outlier channel, as OPT has
+  const Tensor gamma = random_tensor({cols}, 5), beta = random_tensor({cols}, 6);
+  const Tensor gamma_d = gamma.to(Device::Cuda), beta_d = beta.to(Device::Cuda);
+  Tensor y = nan_tensor({rows, cols}, Device::Cpu), y_d = nan_tensor({rows, cols}, Device::Cuda);
+  ops::layer_norm(x, gamma, beta, 1e-5f, y);
+  ops::layer_norm(x.to(Device::Cuda), gamma_d, beta_d, 1e-5f, y_d);
+  EXPECT_LT(error_vs_cpu(y_d, y), 1e-5);
+  Tensor in_place = x.to(Device::Cuda);
+  ops::layer_norm(in_place, gamma_d, beta_d, 1e-5f, in_place);
+  EXPECT_LT(error_vs_cpu(in_place, y), 1e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaLayerNorm,
+                         ::testing::Values(NormShape{1, 64}, NormShape{7, 96}, NormShape{3, 768},
+                                           NormShape{5, 4097}, NormShape{300, 1024}));
+
+class CudaEmbed : public CudaOpsWith<DType> {};
+
+TEST_P(CudaEmbed, MatchesCpu) {
+  const DType type = GetParam();
+  const int64_t vocab = 100, max_positions = 40, D = 96, n = 23;
+  const Tensor tokens_table = random_tensor({vocab, D}, 7, 1.0f, type);
+  const Tensor positions_table = random_tensor({max_positions, D}, 8, 1.0f, type);
+  std::mt19937 rng(9);
+  std::vector<int32_t> tokens(n), positions(n);
+  for (int64_t i = 0; i < n; ++i) {
+    tokens[i] = static_cast<int32_t>(rng() % vocab);
+    positions[i] = static_cast<int32_t>(rng() % max_positions);
+  }
+  Tensor out = nan_tensor({n, D}, Device::Cpu), out_d = nan_tensor({n, D}, Device::Cuda);
+  ops::embed(tokens, positions, tokens_table, positions_table, out);
+  ops::embed(tokens, positions, tokens_table.to(Device::Cuda), positions_table.to(Device::Cuda),
+             out_d);
+  EXPECT_LT(error_vs_cpu(out_d, out), 1e-7);
+}
+
+INSTANTIATE_TEST_SUITE_P(TableTypes, CudaEmbed,
+                         ::testing::Values(DType::F32, DType::F16, DType::BF16));
+
+TEST_F(CudaOps, AddAndScaleMatchCpu) {
+  const int64_t n = 1000003;  // odd: the tail of a grid-stride loop
+  Tensor y = random_tensor({n}, 10), x = random_tensor({n}, 11);
+  Tensor y_d = y.to(Device::Cuda);
+  ops::add_inplace(y, x);
+  ops::add_inplace(y_d, x.to(Device::Cuda));
+  EXPECT_LT(error_vs_cpu(y_d, y), 1e-7);
+  ops::scale_inplace(y, 0.125f);
+  ops::scale_inplace(y_d, 0.125f);
+  EXPECT_LT(error_vs_cpu(y_d, y), 1e-7);
+}
+
+TEST_F(CudaOps, MixedDevicesAreRefused) {
+  const Tensor y_d = Tensor::zeros({4}, DType::F32, Device::Cuda);
+  Tensor y = Tensor::zeros({4}, DType::F32);
+  testing_util::expect_error([&] { ops::add_inplace(y, y_d); },
+                             {"add", "tensors on different devices"});
+}
+
+// ---- attention ----
+
+// Test names from a case's operator<< (letters, digits and underscores only).
+template <typename Case>
+std::string case_name(const ::testing::TestParamInfo<Case>& param_info) {
+  std::ostringstream name;
+  name << param_info.param;
+  return name.str();
+}
+
+struct PrefillCase {
+  int64_t B, n, H, d;
+  std::vector<int32_t> first_valid;
+};
+std::ostream& operator<<(std::ostream& out, const PrefillCase& c) {
+  out << "B" << c.B << "_n" << c.n << "_H" << c.H << "_d" << c.d << "_pad";
+  for (int32_t f : c.first_valid) out << "_" << f;
+  return out;
+}
+
+class CudaPrefill : public CudaOpsWith<PrefillCase> {};
+
+TEST_P(CudaPrefill, MatchesCpuWithLeftPadding) {
+  const PrefillCase& c = GetParam();
+  const int64_t rows = c.B * c.n, D = c.H * c.d;
+  // Logits of std ~3 after the 1/sqrt(d) scaling: peaked enough to exercise the running max.
+  const Tensor q = random_tensor({rows, D}, 12, 3.0f / std::sqrt(static_cast<float>(c.d)));
+  const Tensor k = random_tensor({rows, D}, 13), v = random_tensor({rows, D}, 14);
+  Tensor out = nan_tensor({rows, D}, Device::Cpu), out_d = nan_tensor({rows, D}, Device::Cuda);
+  ops::attention_prefill(q, k, v, out, c.B, c.H, c.first_valid);
+  ops::attention_prefill(q.to(Device::Cuda), k.to(Device::Cuda), v.to(Device::Cuda), out_d, c.B,
+                         c.H, c.first_valid);
+  EXPECT_LT(error_vs_cpu(out_d, out), 1e-5);
+  // Padding rows are exactly zero, not merely close.
+  const std::vector<float> got = out_d.to_floats();
+  for (int64_t b = 0; b < c.B; ++b) {
+    for (int64_t t = 0; t < c.first_valid[static_cast<size_t>(b)]; ++t) {
+      for (int64_t e = 0; e < D; ++e)
+        ASSERT_EQ(got[static_cast<size_t>((b * c.n + t) * D + e)], 0.0f);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, CudaPrefill,
+    ::testing::Values(PrefillCase{1, 1, 1, 64, {0}},            // a single token
+                      PrefillCase{2, 17, 3, 64, {0, 5}},        // odd n inside one query tile
+                      PrefillCase{3, 37, 2, 128, {0, 20, 36}},  // last sequence: one real token
+                      PrefillCase{2, 150, 2, 64, {0, 77}},      // many key tiles, padding mid-tile
+                      PrefillCase{2, 129, 4, 128, {3, 128}},    // n one past a tile boundary
+                      PrefillCase{1, 65, 2, 80, {1}},           // d not a multiple of 32 (OPT-2.7B)
+                      PrefillCase{2, 45, 2, 16, {0, 2}},        // d below a warp (opt-tiny)
+                      PrefillCase{1, 40, 1, 256, {0}}),         // opt-in shared memory size
+    case_name<PrefillCase>);
+
+struct DecodeCase {
+  int64_t B, H, d, capacity, n;  // n tokens stored by a prefill, then one more
+  std::vector<int32_t> first_valid;
+  DType cache_type;
+};
+std::ostream& operator<<(std::ostream& out, const DecodeCase& c) {
+  out << "B" << c.B << "_H" << c.H << "_d" << c.d << "_cap" << c.capacity << "_n" << c.n << "_pad";
+  for (int32_t f : c.first_valid) out << "_" << f;
+  return out << "_" << dtype_name(c.cache_type);
+}
+
+class CudaDecode : public CudaOpsWith<DecodeCase> {};
+
+TEST_P(CudaDecode, CacheStoreAndDecodeMatchCpu) {
+  const DecodeCase& c = GetParam();
+  const int64_t D = c.H * c.d, length = c.n + 1;
+  const Shape cache_shape = {c.B, c.H, c.capacity, c.d};
+  // Caches start as NaN on both devices: a read outside [first_valid, length) poisons the result.
+  Tensor k_cache = nan_tensor(cache_shape, Device::Cpu, c.cache_type);
+  Tensor v_cache = nan_tensor(cache_shape, Device::Cpu, c.cache_type);
+  Tensor k_cache_d = nan_tensor(cache_shape, Device::Cuda, c.cache_type);
+  Tensor v_cache_d = nan_tensor(cache_shape, Device::Cuda, c.cache_type);
+  const Tensor k_prompt = random_tensor({c.B * c.n, D}, 15),
+               v_prompt = random_tensor({c.B * c.n, D}, 16);
+  const Tensor k_step = random_tensor({c.B, D}, 17), v_step = random_tensor({c.B, D}, 18);
+  ops::cache_store(k_prompt, k_cache, 0);
+  ops::cache_store(v_prompt, v_cache, 0);
+  ops::cache_store(k_step, k_cache, c.n);
+  ops::cache_store(v_step, v_cache, c.n);
+  ops::cache_store(k_prompt.to(Device::Cuda), k_cache_d, 0);
+  ops::cache_store(v_prompt.to(Device::Cuda), v_cache_d, 0);
+  ops::cache_store(k_step.to(Device::Cuda), k_cache_d, c.n);
+  ops::cache_store(v_step.to(Device::Cuda), v_cache_d, c.n);
+  expect_same_values(k_cache_d, k_cache);
+  expect_same_values(v_cache_d, v_cache);
+
+  const Tensor q = random_tensor({c.B, D}, 19, 3.0f / std::sqrt(static_cast<float>(c.d)));
+  Tensor out = nan_tensor({c.B, D}, Device::Cpu), out_d = nan_tensor({c.B, D}, Device::Cuda);
+  ops::attention_decode(q, k_cache, v_cache, out, length, c.first_valid);
+  ops::attention_decode(q.to(Device::Cuda), k_cache_d, v_cache_d, out_d, length, c.first_valid);
+  // Both read the same rounded cache values, so fp16 caches need no looser tolerance.
+  EXPECT_LT(error_vs_cpu(out_d, out), 1e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, CudaDecode,
+    ::testing::Values(DecodeCase{1, 1, 64, 8, 1, {0}, DType::F32},  // two rows: most warps idle
+                      DecodeCase{2, 3, 64, 40, 17, {0, 5}, DType::F32},
+                      DecodeCase{2, 3, 64, 40, 17, {0, 5}, DType::F16},
+                      DecodeCase{3, 2, 128, 300, 257, {0, 100, 256}, DType::F16},
+                      DecodeCase{2, 2, 128, 1100, 1033, {7, 0}, DType::F32},
+                      DecodeCase{1, 4, 80, 64, 33, {2}, DType::BF16},
+                      DecodeCase{2, 4, 16, 32, 9, {0, 4}, DType::F16},
+                      DecodeCase{1, 2, 256, 70, 65, {0}, DType::F32}),
+    case_name<DecodeCase>);
+
+// ---- the whole model ----
+
+// The OPT forward pass on CUDA tensors against the CPU, on the fp16 synthetic opt-tiny: a
+// left-padded prefill (logits of every position), then decode steps over the KV cache.
+TEST_F(CudaOps, OptModelMatchesCpu) {
+  const ModelConfig config = load_preset("opt-tiny");
+  OptModel cpu(config, synthetic_opt_weights(config, {}, Device::Cpu), Device::Cpu);
+  OptModel gpu(config, synthetic_opt_weights(config, {}, Device::Cuda), Device::Cuda);
+  const std::vector<std::vector<int32_t>> prompts = {{2, 10, 11, 12, 13},
+                                                     {2, 500, 600, 700, 800, 900, 1000, 1100}};
+  std::vector<int32_t> first_valid;
+  const std::vector<int32_t> tokens = left_pad(prompts, 1, &first_valid);
+  const int64_t B = static_cast<int64_t>(prompts.size());
+  const int64_t n = static_cast<int64_t>(tokens.size()) / B, steps = 3;
+  KvCache cache_cpu(config, B, n + steps, DType::F16, Device::Cpu);
+  KvCache cache_gpu(config, B, n + steps, DType::F16, Device::Cuda);
+  const Tensor logits_cpu = cpu.prefill(tokens, first_valid, cache_cpu, true);
+  const Tensor logits_gpu = gpu.prefill(tokens, first_valid, cache_gpu, true);
+  ASSERT_EQ(logits_gpu.device(), Device::Cpu);
+  const std::vector<float> a = logits_gpu.to_floats(), b = logits_cpu.to_floats();
+  // Padding positions' logits are not meaningful on either device; compare the real ones.
+  const int64_t V = config.vocab_size;
+  std::vector<float> real_a, real_b;
+  for (int64_t s = 0; s < B; ++s) {
+    for (int64_t t = first_valid[static_cast<size_t>(s)]; t < n; ++t) {
+      const size_t at = static_cast<size_t>((s * n + t) * V);
+      real_a.insert(real_a.end(), a.begin() + at, a.begin() + at + V);
+      real_b.insert(real_b.end(), b.begin() + at, b.begin() + at + V);
+    }
+  }
+  EXPECT_LT(relative_error(real_a.data(), real_b.data(), real_b.size()), 1e-2);
+  for (int64_t step = 0; step < steps; ++step) {
+    const std::vector<int32_t> next(static_cast<size_t>(B), 20 + static_cast<int32_t>(step));
+    const Tensor step_cpu = cpu.decode(next, cache_cpu), step_gpu = gpu.decode(next, cache_gpu);
+    const std::vector<float> x = step_gpu.to_floats(), y = step_cpu.to_floats();
+    EXPECT_LT(relative_error(x.data(), y.data(), y.size()), 1e-2) << "step " << step;
+  }
+}
+
+}  // namespace
+}  // namespace infinigen
