@@ -2,6 +2,7 @@
 #include "offload/h2o_kv.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <numeric>
@@ -54,6 +55,12 @@ int64_t h2o_choose_victim(std::span<const float> scores, std::span<const int32_t
   return victim;
 }
 
+int64_t h2o_slots(double budget, int64_t capacity) {
+  // The epsilon keeps products such as 0.29 * 100 = 28.999... at the intended count.
+  return std::max<int64_t>(
+      2, static_cast<int64_t>(std::floor(budget * static_cast<double>(capacity) + 1e-9)));
+}
+
 H2oKv::H2oKv(const ModelConfig& config, int64_t batch, int64_t capacity, DType kv_dtype,
              Device device, double budget, TransferEngine& engine, OffloadStats& stats)
     : KvStore(batch, capacity),
@@ -62,23 +69,47 @@ H2oKv::H2oKv(const ModelConfig& config, int64_t batch, int64_t capacity, DType k
       head_dim_(config.head_dim()),
       kv_dtype_(kv_dtype),
       device_(device),
-      // The epsilon keeps products such as 0.29 * 100 = 28.999... at the intended count.
-      slots_(std::max<int64_t>(2, static_cast<int64_t>(std::floor(budget * capacity + 1e-9)))),
+      slots_(h2o_slots(budget, capacity)),
       recent_(slots_ / 2),
+      row_bytes_(static_cast<size_t>(config.head_dim()) * dtype_size(kv_dtype)),
       engine_(engine),
       stats_(stats),
+      loaded_(static_cast<size_t>(config.num_layers), completed_event()),
+      stored_(static_cast<size_t>(config.num_layers), completed_event()),
       count_(static_cast<size_t>(batch), 0),
       view_first_valid_(static_cast<size_t>(batch), 0) {
   INFINIGEN_CHECK(budget > 0.0 && budget <= 1.0, "h2o budget must be in (0, 1], got ", budget);
   const Shape shape = {batch, heads_, slots_ + 1, head_dim_};
-  for (int64_t l = 0; l < num_layers_; ++l) {
-    keys_.push_back(Tensor::empty(shape, kv_dtype, device));
-    values_.push_back(Tensor::empty(shape, kv_dtype, device));
+  for (size_t p = 0; p < 2; ++p) {
+    staging_keys_[p] = Tensor::empty(shape, kv_dtype, device);
+    staging_values_[p] = Tensor::empty(shape, kv_dtype, device);
   }
+  pool_ = static_cast<char*>(
+      pinned_alloc(static_cast<size_t>(num_layers_ * 2 * batch * heads_ * slots_) * row_bytes_));
   const auto rows = static_cast<size_t>(num_layers_ * batch * heads_ * (slots_ + 1));
   host_keys_.assign(rows * static_cast<size_t>(head_dim_), 0.0f);
   scores_.assign(rows, 0.0f);
   tokens_.assign(rows, -1);
+}
+
+H2oKv::~H2oKv() {
+  try {
+    engine_.synchronize();  // transfers still read and write the pool and the staging buffers
+  } catch (...) {
+    // The failure was already reported to the pass that caused it.
+  }
+  pinned_free(pool_);
+}
+
+char* H2oKv::pool_row(int64_t layer, int64_t kind, int64_t b, int64_t h, int64_t row) const {
+  const auto index =
+      static_cast<size_t>((((layer * 2 + kind) * batch() + b) * heads_ + h) * slots_ + row);
+  return pool_ + index * row_bytes_;
+}
+
+char* H2oKv::staging_row(Tensor& staging, int64_t b, int64_t h, int64_t row) const {
+  const auto index = static_cast<size_t>((b * heads_ + h) * (slots_ + 1) + row);
+  return static_cast<char*>(staging.raw()) + index * row_bytes_;
 }
 
 float H2oKv::round_kv(float value) const {
@@ -106,6 +137,54 @@ void H2oKv::begin_pass(int64_t n_new) {
         static_cast<int32_t>(slots_ - count_[static_cast<size_t>(b)]);
   }
   stats_.begin_step(num_layers_, engine_.counters());
+  if (length() > 0) issue_load(0);  // decode: layer 0's rows start moving before the embedding
+}
+
+void H2oKv::begin_layer(int64_t layer) {
+  // While this layer computes, the next layer's rows move into the other staging buffer (which
+  // layer - 1 has finished reading: compute runs in order).
+  if (length() > 0 && layer + 1 < num_layers_) issue_load(layer + 1);
+}
+
+void H2oKv::issue_load(int64_t layer) {
+  const auto l = static_cast<size_t>(layer);
+  Tensor& keys = staging_keys_[l % 2];
+  Tensor& values = staging_values_[l % 2];
+  if (debug_poison()) {  // rows that the load does not bring must never be read
+    staging_read_[l % 2]->wait();
+    fill_nan(keys);
+    fill_nan(values);
+  }
+  std::vector<CopyChunk> chunks;
+  chunks.reserve(static_cast<size_t>(2 * batch() * heads_));
+  LayerTraffic& traffic = stats_.current().layers[l];
+  uint64_t bytes = 0;
+  for (int64_t b = 0; b < batch(); ++b) {
+    const int64_t count = count_[static_cast<size_t>(b)], row0 = slots_ - count;
+    if (count == 0) continue;
+    const size_t run = static_cast<size_t>(count) * row_bytes_;
+    for (int64_t h = 0; h < heads_; ++h) {
+      chunks.push_back({staging_row(keys, b, h, row0), pool_row(layer, 0, b, h, row0), run});
+      chunks.push_back({staging_row(values, b, h, row0), pool_row(layer, 1, b, h, row0), run});
+    }
+    bytes += 2 * static_cast<uint64_t>(heads_) * run;
+    traffic.tokens_fetched += static_cast<uint64_t>(count * heads_);
+  }
+  traffic.tokens_stored = traffic.tokens_fetched;  // the pool holds exactly what is loaded
+  traffic.kv_h2d_bytes += bytes;
+  stats_.current().h2d_bytes += bytes;
+  // The pool must hold the previous step's token of this layer before it is read.
+  loaded_[l] = engine_.load(std::move(chunks), stored_[l]);
+}
+
+void H2oKv::issue_store(int64_t layer, std::vector<CopyChunk> chunks, EventPtr after) {
+  const auto l = static_cast<size_t>(layer);
+  uint64_t bytes = 0;
+  for (const CopyChunk& chunk : chunks) bytes += chunk.bytes;
+  stats_.current().layers[l].kv_d2h_bytes += bytes;
+  stats_.current().d2h_bytes += bytes;
+  stored_[l] = engine_.store(std::move(chunks), std::move(after));
+  staging_read_[l % 2] = stored_[l];
 }
 
 void H2oKv::observe(int64_t layer, const Tensor& normed, const Tensor& queries,
@@ -126,7 +205,13 @@ void H2oKv::append(int64_t layer, const Tensor& keys, const Tensor& values) {
 
 KvStore::View H2oKv::view(int64_t layer) {
   const auto l = static_cast<size_t>(layer);
-  return {&keys_[l], &values_[l], slots_ + 1, &view_first_valid_};
+  const auto start = std::chrono::steady_clock::now();
+  loaded_[l]->wait();
+  const double waited =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  stats_.current().layers[l].load_wait_seconds += waited;
+  stats_.current().load_wait_seconds += waited;
+  return {&staging_keys_[l % 2], &staging_values_[l % 2], slots_ + 1, &view_first_valid_};
 }
 
 void H2oKv::prefill(int64_t layer, const Tensor& keys, const Tensor& values) {
@@ -135,7 +220,7 @@ void H2oKv::prefill(int64_t layer, const Tensor& keys, const Tensor& values) {
   const float* qd = q.data<float>();
   const float* kd = k.data<float>();
   const float* vd = v.data<float>();
-  // Staged compact rows (B, H, slots + 1, d) fp32; rows nobody reads stay zero.
+  // Staged compact rows (B, H, slots + 1, d) fp32; rows nobody stores stay zero.
   Tensor staged_k = Tensor::zeros({B, H, slots_ + 1, d}, DType::F32);
   Tensor staged_v = Tensor::zeros({B, H, slots_ + 1, d}, DType::F32);
   float* sk = staged_k.data<float>();
@@ -196,25 +281,39 @@ void H2oKv::prefill(int64_t layer, const Tensor& keys, const Tensor& values) {
     }
   }
 
-  const auto l = static_cast<size_t>(layer);
+  // The kept rows reach the pool as a decode step's would: staged on the device, then stored.
+  // The staging buffer was last read by the store of layer - 2.
+  const size_t p = static_cast<size_t>(layer % 2);
+  staging_read_[p]->wait();
   const Tensor ck = staged_k.to_dtype(kv_dtype_), cv = staged_v.to_dtype(kv_dtype_);
-  device_copy(keys_[l].raw(), device_, ck.raw(), Device::Cpu, ck.nbytes());
-  device_copy(values_[l].raw(), device_, cv.raw(), Device::Cpu, cv.nbytes());
-
-  LayerTraffic& traffic = stats_.current().layers[l];
+  device_copy(staging_keys_[p].raw(), device_, ck.raw(), Device::Cpu, ck.nbytes());
+  device_copy(staging_values_[p].raw(), device_, cv.raw(), Device::Cpu, cv.nbytes());
+  std::vector<CopyChunk> chunks;
+  chunks.reserve(static_cast<size_t>(2 * B * H));
+  LayerTraffic& traffic = stats_.current().layers[static_cast<size_t>(layer)];
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t valid = n - fv[static_cast<size_t>(b)];
-    traffic.tokens_fetched += static_cast<uint64_t>(H * std::min(valid, slots_));
-    traffic.tokens_stored += static_cast<uint64_t>(H * valid);
+    const int64_t count = std::min(n - fv[static_cast<size_t>(b)], slots_), row0 = slots_ - count;
+    if (count == 0) continue;
+    const size_t run = static_cast<size_t>(count) * row_bytes_;
+    for (int64_t h = 0; h < H; ++h) {
+      chunks.push_back(
+          {pool_row(layer, 0, b, h, row0), staging_row(staging_keys_[p], b, h, row0), run});
+      chunks.push_back(
+          {pool_row(layer, 1, b, h, row0), staging_row(staging_values_[p], b, h, row0), run});
+    }
+    traffic.tokens_stored += static_cast<uint64_t>(H * count);
   }
+  issue_store(layer, std::move(chunks), nullptr);
 }
 
 void H2oKv::decode(int64_t layer, const Tensor& keys, const Tensor& values) {
-  const auto l = static_cast<size_t>(layer);
+  const size_t p = static_cast<size_t>(layer % 2);
   const int64_t B = batch(), H = heads_, d = head_dim_, width = H * d;
-  // The new token goes into row `slots` of every (b, h); end_pass gives it its place.
-  ops::cache_store(keys, keys_[l], slots_);
-  ops::cache_store(values, values_[l], slots_);
+  // The new token goes into row `slots` of every (b, h), which the store of layer - 2 (or of the
+  // previous step's last layers) has finished reading.
+  staging_read_[p]->wait();
+  ops::cache_store(keys, staging_keys_[p], slots_);
+  ops::cache_store(values, staging_values_[p], slots_);
   const Tensor q = on_host(queries_), k = on_host(keys);
   const float* qd = q.data<float>();
   const float* kd = k.data<float>();
@@ -243,23 +342,36 @@ void H2oKv::decode(int64_t layer, const Tensor& keys, const Tensor& values) {
     }
   }
 
-  LayerTraffic& traffic = stats_.current().layers[l];
+  // The layer is scored: place the new token of every (b, h) in a free row, or in the victim's.
+  const auto recent_start = static_cast<int32_t>(length() + 1 - recent_);
+  std::vector<CopyChunk> chunks;
+  chunks.reserve(static_cast<size_t>(2 * B * H));
   for (int64_t b = 0; b < B; ++b) {
-    traffic.tokens_fetched += static_cast<uint64_t>(H * (count_[static_cast<size_t>(b)] + 1));
-    traffic.tokens_stored +=
-        static_cast<uint64_t>(H * (length() + 1 - first_valid()[static_cast<size_t>(b)]));
+    const int64_t count = count_[static_cast<size_t>(b)], row0 = slots_ - count;
+    for (int64_t h = 0; h < H; ++h) {
+      int64_t to = row0 - 1;
+      if (count == slots_) {
+        const auto first = static_cast<std::ptrdiff_t>(entry(layer, b, h, row0));
+        const auto n = static_cast<size_t>(slots_ + 1 - row0);
+        const int64_t victim =
+            h2o_choose_victim(std::span<const float>(scores_.data() + first, n),
+                              std::span<const int32_t>(tokens_.data() + first, n), recent_start);
+        INFINIGEN_CHECK(victim >= 0 && row0 + victim < slots_,
+                        "h2o: no eviction candidate outside the recent window");
+        to = row0 + victim;
+      }
+      move_entry(layer, b, h, slots_, to);
+      chunks.push_back(
+          {pool_row(layer, 0, b, h, to), staging_row(staging_keys_[p], b, h, slots_), row_bytes_});
+      chunks.push_back({pool_row(layer, 1, b, h, to), staging_row(staging_values_[p], b, h, slots_),
+                        row_bytes_});
+    }
   }
+  // A victim's old row may be among the rows this step's load of the layer reads.
+  issue_store(layer, std::move(chunks), loaded_[static_cast<size_t>(layer)]);
 }
 
-void H2oKv::move_row(int64_t layer, int64_t b, int64_t h, int64_t from, int64_t to) {
-  const auto l = static_cast<size_t>(layer);
-  const size_t row_bytes = static_cast<size_t>(head_dim_) * dtype_size(kv_dtype_);
-  const size_t base = static_cast<size_t>((b * heads_ + h) * (slots_ + 1));
-  for (Tensor* cache : {&keys_[l], &values_[l]}) {
-    auto* bytes = static_cast<char*>(cache->raw());
-    device_copy(bytes + (base + static_cast<size_t>(to)) * row_bytes, device_,
-                bytes + (base + static_cast<size_t>(from)) * row_bytes, device_, row_bytes);
-  }
+void H2oKv::move_entry(int64_t layer, int64_t b, int64_t h, int64_t from, int64_t to) {
   const size_t src = entry(layer, b, h, from), dst = entry(layer, b, h, to);
   const auto d = static_cast<size_t>(head_dim_);
   std::copy_n(host_keys_.begin() + static_cast<std::ptrdiff_t>(src * d), d,
@@ -269,35 +381,16 @@ void H2oKv::move_row(int64_t layer, int64_t b, int64_t h, int64_t from, int64_t 
 }
 
 void H2oKv::end_pass(int64_t n_new) {
-  const bool decoding = length() > 0;
-  if (decoding) {
-    // Attention has read every layer: place each new token, evicting where the row is full.
-    const auto recent_start = static_cast<int32_t>(length() + 1 - recent_);
-    for (int64_t l = 0; l < num_layers_; ++l) {
-      for (int64_t b = 0; b < batch(); ++b) {
-        const int64_t count = count_[static_cast<size_t>(b)], row0 = slots_ - count;
-        for (int64_t h = 0; h < heads_; ++h) {
-          int64_t to = row0 - 1;
-          if (count == slots_) {
-            const auto first = static_cast<std::ptrdiff_t>(entry(l, b, h, row0));
-            const auto n = static_cast<size_t>(slots_ + 1 - row0);
-            const int64_t victim = h2o_choose_victim(
-                std::span<const float>(scores_.data() + first, n),
-                std::span<const int32_t>(tokens_.data() + first, n), recent_start);
-            INFINIGEN_CHECK(victim >= 0, "h2o: no eviction candidate outside the recent window");
-            to = row0 + victim;
-          }
-          move_row(l, b, h, slots_, to);
-        }
-      }
-    }
-    for (int32_t& count : count_)
-      count = static_cast<int32_t>(std::min<int64_t>(count + 1, slots_));
-  } else {
+  if (length() == 0) {
+    // The prefill's stores read the staging buffers that the first decode loads overwrite.
+    engine_.store_stream().synchronize();
     for (int64_t b = 0; b < batch(); ++b) {
       const int64_t valid = n_new - first_valid()[static_cast<size_t>(b)];
       count_[static_cast<size_t>(b)] = static_cast<int32_t>(std::min(valid, slots_));
     }
+  } else {
+    for (int32_t& count : count_)
+      count = static_cast<int32_t>(std::min<int64_t>(count + 1, slots_));
   }
   KvStore::end_pass(n_new);
   stats_.end_step(engine_.counters());

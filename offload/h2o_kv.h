@@ -1,6 +1,8 @@
-// offload: the `h2o` baseline (Heavy-Hitter Oracle, NeurIPS'23): a fixed budget of KV entries per
-// (layer, sequence, head), split between the most recent tokens and the "heavy hitters", the
-// tokens that accumulated the most attention probability. Evicted tokens are gone for good.
+// offload: the `h2o` baseline (Heavy-Hitter Oracle, NeurIPS'23) as the InfiniGen paper runs it on
+// FlexGen: a fixed budget of KV entries per (layer, sequence, head), split between the most recent
+// tokens and the "heavy hitters" (the tokens that accumulated the most attention probability),
+// kept in pinned host memory and loaded over the link for every layer at every decode step.
+// Evicted tokens are gone for good.
 //
 // Budget: slots = max(2, floor(budget * capacity)) entries per (layer, sequence, head), of which
 // recent = floor(slots / 2) hold the newest tokens and the other ceil(slots / 2) the heavy hitters
@@ -10,16 +12,34 @@
 // the kept entries and the new token. Scoring runs on the host from the fp32 queries and an fp32
 // copy of the kept keys rounded through the KV dtype, so it sees the keys attention reads.
 //
-// Layout: each layer's KV stays resident on the device in a compact cache (B, H, slots + 1, d).
-// Sequence b keeps count[b] entries (the same for every layer and head: every head keeps the same
-// number) in rows [slots - count[b], slots); a decode step's new token goes into row `slots`, and
-// attention reads rows [slots - count[b], slots + 1) (the view's own first_valid). After the pass
-// (end_pass) the new token moves into row slots - count[b] - 1 while the row has room, or into the
-// row of the victim: the lowest-score entry outside the recent window (ties to the oldest token).
-// Rows are thus not in token order; each keeps its token index, and "recent" is decided by it.
-// Left padding is never kept. Nothing moves between host and device memory.
+// Host pool (pinned, allocated up front): [L][2][B][H][slots] rows of d in the KV dtype, K then V.
+// Sequence b keeps count[b] entries (the same for every layer and head: every head keeps the
+// same number) in rows [slots - count[b], slots) of each (layer, K/V, b, h), a contiguous run.
+// A new token takes row slots - count[b] - 1 while the run has room, else the row of the victim:
+// the lowest-score entry outside the recent window (ties to the oldest token). Rows are thus not
+// in token order; each keeps its token index, and "recent" is decided by it. Left padding is
+// never kept. Only transfers touch the pool: the store stream writes it, the load stream reads it.
+//
+// Device: staging K and V (B, H, slots + 1, d) by layer parity. Layer l's load copies each
+// (b, h)'s count[b] valid rows into the same rows of staging[l % 2]; the new token goes into row
+// `slots`, and attention reads rows [slots - count[b], slots + 1) (the view's own first_valid).
+// Once the new query has scored the layer, the store stream copies row `slots` of every (b, h)
+// into the pool row chosen for it.
+//
+// Bytes: a decode step loads 2 * L * sum_b(count[b]) * H * d * kv_bytes and stores
+// 2 * L * B * H * d * kv_bytes; the prefill stores its kept rows, 2 * L * sum_b(count[b]) * H * d *
+// kv_bytes with the counts after selection.
+//
+// Ordering, by events as in OffloadedKv (no device-wide synchronisation): layer 0's load is
+// issued by begin_pass and layer l + 1's by begin_layer(l), so each overlaps the layer before;
+// attention of layer l waits for its load's event only. The load of layer l waits for the
+// previous step's store of layer l; the store of layer l waits for this step's load of layer l
+// (the victim's old row may be among the rows it reads). A host write into a staging buffer waits
+// for the store that last read it.
 #pragma once
 
+#include <array>
+#include <cstddef>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -36,13 +56,19 @@ namespace infinigen {
 int64_t h2o_choose_victim(std::span<const float> scores, std::span<const int32_t> tokens,
                           int32_t recent_start);
 
+// Entries each (layer, sequence, head) keeps for a budget share of `capacity` tokens; the planner
+// and the store agree through it.
+int64_t h2o_slots(double budget, int64_t capacity);
+
 class H2oKv : public KvStore {
  public:
   // `budget`: the fraction of `capacity` (prompt + generation) kept per (layer, sequence, head).
   H2oKv(const ModelConfig& config, int64_t batch, int64_t capacity, DType kv_dtype, Device device,
         double budget, TransferEngine& engine, OffloadStats& stats);
+  ~H2oKv() override;
 
   void begin_pass(int64_t n_new) override;
+  void begin_layer(int64_t layer) override;
   void observe(int64_t layer, const Tensor& normed, const Tensor& queries,
                const OptLayerWeights& weights) override;
   void append(int64_t layer, const Tensor& keys, const Tensor& values) override;
@@ -57,14 +83,23 @@ class H2oKv : public KvStore {
   std::vector<int32_t> kept_tokens(int64_t layer, int64_t b, int64_t h) const;
 
  private:
-  // Index of row `row` of (layer, b, h) in the host arrays (scores, tokens, key copy / d).
+  // Index of row `row` of (layer, b, h) in the host bookkeeping (scores, tokens, key copy / d).
   size_t entry(int64_t layer, int64_t b, int64_t h, int64_t row) const {
     return static_cast<size_t>(((layer * batch() + b) * heads_ + h) * (slots_ + 1) + row);
   }
+  // Row `row` of (layer, kind, b, h) in the pool (kind 0 = K, 1 = V).
+  char* pool_row(int64_t layer, int64_t kind, int64_t b, int64_t h, int64_t row) const;
+  // Row `row` of (b, h) in a staging buffer (B, H, slots + 1, d).
+  char* staging_row(Tensor& staging, int64_t b, int64_t h, int64_t row) const;
+  // Starts loading layer `layer`'s kept rows into staging[layer % 2].
+  void issue_load(int64_t layer);
   void prefill(int64_t layer, const Tensor& keys, const Tensor& values);
   void decode(int64_t layer, const Tensor& keys, const Tensor& values);
-  // Moves row `from` of (layer, b, h) into row `to` (device K/V, host key copy, score, token).
-  void move_row(int64_t layer, int64_t b, int64_t h, int64_t from, int64_t to);
+  // Moves the bookkeeping of row `from` of (layer, b, h) into row `to` (key copy, score, token).
+  void move_entry(int64_t layer, int64_t b, int64_t h, int64_t from, int64_t to);
+  // Enqueues `chunks` (device -> pool) as layer `layer`'s store after `after`, counting bytes;
+  // staging[layer % 2] is their source.
+  void issue_store(int64_t layer, std::vector<CopyChunk> chunks, EventPtr after);
   float round_kv(float value) const;  // `value` as the KV dtype stores it
 
   int64_t num_layers_;
@@ -74,10 +109,16 @@ class H2oKv : public KvStore {
   Device device_;
   int64_t slots_;
   int64_t recent_;
+  size_t row_bytes_;  // d * kv_bytes
   TransferEngine& engine_;
   OffloadStats& stats_;
-  std::vector<Tensor> keys_;      // per layer: (B, H, slots + 1, d) on the device
-  std::vector<Tensor> values_;    // per layer: (B, H, slots + 1, d) on the device
+  char* pool_ = nullptr;                                 // [L][2][B][H][slots][d], pinned
+  std::array<Tensor, 2> staging_keys_, staging_values_;  // (B, H, slots + 1, d) by layer parity
+  std::vector<EventPtr> loaded_;                         // per layer: this step's load
+  std::vector<EventPtr> stored_;                         // per layer: latest store into the pool
+  // Per staging buffer: the store that last read it (the prefill's kept rows, or a decode step's
+  // row `slots`). Host writes into the buffer wait for it.
+  std::array<EventPtr, 2> staging_read_ = {completed_event(), completed_event()};
   std::vector<float> host_keys_;  // (L, B, H, slots + 1, d) fp32, rounded through the KV dtype
   std::vector<float> scores_;     // (L, B, H, slots + 1) accumulated attention probability
   std::vector<int32_t> tokens_;   // (L, B, H, slots + 1) token index of each row

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "offload/h2o_kv.h"
 #include "offload/int4_codec.h"
 #include "offload/kv_pool.h"
 #include "offload/weight_placement.h"
@@ -117,7 +118,11 @@ std::string suggest_fitting(const MemoryRequest& request) {
     smaller.batch = batch;
     return flags_for(request, smaller);
   }
-  for (KvPolicy policy : {KvPolicy::Full, KvPolicy::Gpu}) {
+  // h2o keeps its own policy first: its staging is smaller than `full`'s, and switching would
+  // change what the run measures.
+  std::vector<KvPolicy> policies = {KvPolicy::Full, KvPolicy::Gpu};
+  if (request.policy == KvPolicy::H2o) policies.insert(policies.begin(), KvPolicy::H2o);
+  for (KvPolicy policy : policies) {
     MemoryRequest candidate = request;
     candidate.policy = policy;
     for (int percent = 100; percent >= 0; percent -= 5) {
@@ -206,10 +211,11 @@ MemoryPlan compute_memory_plan(const MemoryRequest& r) {
   if (r.policy == KvPolicy::Gpu) {
     plan.device_kv = 2 * L * B * tokens * D * kv_size;
   } else if (r.policy == KvPolicy::H2o) {
-    // The kept tokens (budget) plus the new one, resident on the device; nothing on the host.
-    const size_t kept =
-        std::max<size_t>(2, static_cast<size_t>(r.h2o_budget * static_cast<double>(tokens) + 1e-9));
-    plan.device_kv = 2 * L * B * H * (kept + 1) * d * kv_size;
+    // The kept entries (`slots` per layer, sequence and head) in the host pool; on the device only
+    // their staging, K and V of one layer with a row for the new token, double-buffered.
+    const auto slots = static_cast<size_t>(h2o_slots(r.h2o_budget, static_cast<int64_t>(tokens)));
+    plan.host_kv_pool = 2 * L * B * H * slots * d * kv_size;
+    plan.device_kv = 2 * 2 * B * H * (slots + 1) * d * kv_size;
   } else {
     plan.device_kv = 2 * 2 * B * H * tokens * d * kv_size;
     KvPoolShape pool;

@@ -2,9 +2,10 @@
 //
 // Device: resident weights, staging for streamed weights (two layers), KV (the whole cache for
 // the `gpu` policy; for offloading policies a double-buffered staging of K and V for one layer,
-// plus for `infinigen` every layer's partial key cache and partial query weights in fp32),
-// and activations (the prefill pass dominates: hidden states, Q/K/V, FFN and one attention score
-// block per worker). Host (pinned): host-resident weights and the KV pool.
+// plus for `infinigen` every layer's partial key cache and partial query weights in fp32; for
+// `h2o` the staging holds only the kept entries and the new token), and activations (the prefill
+// pass dominates: hidden states, Q/K/V, FFN and one attention score block per worker).
+// Host (pinned): host-resident weights and the KV pool (for `h2o`, only the kept entries).
 // If the plan does not fit, `plan_memory` throws one line with the numbers and a configuration
 // that would fit (a smaller batch, fewer weights on the device, or an offloading policy).
 #pragma once

@@ -1,6 +1,7 @@
-// tests: the `h2o` baseline: with the whole budget it is the resident engine; with 20% every row
+// tests: the `h2o` baseline: with the whole budget it gives the engine's logits; with 20% every row
 // keeps exactly its slots, the recent window stays and evicted tokens never return; the victim
-// choice on hand-built scores; and no read of unwritten KV (NaN mode).
+// choice on hand-built scores; the bytes each step loads and stores; no read of unloaded KV (NaN
+// mode); and the same logits from run to run and under an emulated link.
 #include "offload/h2o_kv.h"
 
 #include <gtest/gtest.h>
@@ -58,11 +59,14 @@ class H2o : public ::testing::Test {
     return generate(model, request_, {}, factory);
   }
 
-  // Runs with an H2oKv of `budget`; `store` receives the store (alive until the next run).
-  GenerationResult run_h2o(double budget, RecordingH2oKv** store = nullptr) {
+  // Runs with an H2oKv of `budget` moving its KV through `engine` (engine_ by default); `store`
+  // receives the store (alive until the fixture ends).
+  GenerationResult run_h2o(double budget, RecordingH2oKv** store = nullptr,
+                           TransferEngine* engine = nullptr) {
+    TransferEngine& transfers = engine ? *engine : engine_;
     return run([&](int64_t batch, int64_t capacity) -> std::unique_ptr<KvStore> {
       auto kv = std::make_unique<RecordingH2oKv>(source_.config, batch, capacity, request_.kv_dtype,
-                                                 Device::Cpu, budget, engine_, stats_);
+                                                 Device::Cpu, budget, transfers, stats_);
       kv->num_layers = source_.config.num_layers;
       kv->num_heads = source_.config.num_heads;
       if (store) *store = kv.get();
@@ -101,6 +105,9 @@ class H2o : public ::testing::Test {
   ModelSource source_;
   GenerationRequest request_;
   TransferEngine engine_{Device::Cpu, {}};
+  // A slow link with a long latency: loads and stores finish well after the compute that follows
+  // them, so an ordering that only holds at memory speed breaks here.
+  TransferEngine slow_engine_{Device::Cpu, {0.05, 300.0}};
   OffloadStats stats_;
   std::vector<std::unique_ptr<RecordingH2oKv>> stores_;
 };
@@ -191,12 +198,96 @@ TEST_F(H2o, FifthBudgetKeepsSlotsAndRecentAndNeverRevives) {
   size_t total_evicted = 0;
   for (const auto& row : evicted) total_evicted += row.size();
   EXPECT_GT(total_evicted, 0u);
+  // Every row is full at the last step: each layer loads all its slots, everything the pool holds.
+  const uint64_t row_bytes = static_cast<uint64_t>(source_.config.head_dim()) * 4;  // fp32 KV
   const StepStats& last = stats_.steps().back();
   for (const LayerTraffic& layer : last.layers) {
-    EXPECT_EQ(layer.tokens_fetched, static_cast<uint64_t>(B * H * (slots + 1)));
-    EXPECT_GT(layer.tokens_stored, layer.tokens_fetched);
-    EXPECT_EQ(layer.kv_h2d_bytes, 0u);
+    EXPECT_EQ(layer.tokens_fetched, static_cast<uint64_t>(B * H * slots));
+    EXPECT_EQ(layer.tokens_stored, layer.tokens_fetched);
+    EXPECT_EQ(layer.kv_h2d_bytes, 2 * layer.tokens_fetched * row_bytes);
+    EXPECT_EQ(layer.kv_d2h_bytes, static_cast<uint64_t>(2 * B * H) * row_bytes);
   }
+}
+
+TEST_F(H2o, BytesPerStepAndLayerAreTheKeptRows) {
+  request_.kv_dtype = DType::F16;
+  RecordingH2oKv* store = nullptr;
+  const GenerationResult got = run_h2o(0.2, &store);
+  ASSERT_NE(store, nullptr);
+  engine_.synchronize();
+  const uint64_t L = source_.config.num_layers, H = source_.config.num_heads;
+  const uint64_t B = static_cast<uint64_t>(got.batch);
+  const uint64_t row_bytes = static_cast<uint64_t>(source_.config.head_dim()) * 2;  // fp16
+  const int64_t slots = store->slots();
+  // Entries the pool holds per (layer, head) summed over the sequences, after `stored` tokens.
+  const auto kept_rows = [&](int64_t stored) {
+    uint64_t rows = 0;
+    for (int32_t start : store->first_valid()) {
+      rows += static_cast<uint64_t>(std::min<int64_t>(stored - start, slots));
+    }
+    return rows;
+  };
+  const auto& steps = stats_.steps();
+  ASSERT_EQ(steps.size(), static_cast<size_t>(got.gen_len));
+  uint64_t h2d = 0, d2h = 0;
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const bool prefill = i == 0;
+    // Rows each layer loads: the pool before the step (none in the prefill).
+    const uint64_t loaded = prefill ? 0 : kept_rows(got.prompt_len + static_cast<int64_t>(i) - 1);
+    // Rows each layer stores: the prefill's kept rows, then one new row per (sequence, head).
+    const uint64_t stored_rows = prefill ? kept_rows(got.prompt_len) * H : B * H;
+    EXPECT_EQ(steps[i].h2d_bytes, 2 * L * loaded * H * row_bytes) << "step " << i;
+    EXPECT_EQ(steps[i].d2h_bytes, 2 * L * stored_rows * row_bytes) << "step " << i;
+    ASSERT_EQ(steps[i].layers.size(), L);
+    for (const LayerTraffic& layer : steps[i].layers) {
+      EXPECT_EQ(layer.kv_h2d_bytes, 2 * loaded * H * row_bytes) << "step " << i;
+      EXPECT_EQ(layer.kv_d2h_bytes, 2 * stored_rows * row_bytes) << "step " << i;
+      EXPECT_EQ(layer.tokens_fetched, loaded * H) << "step " << i;
+      EXPECT_EQ(layer.tokens_stored, prefill ? stored_rows : loaded * H) << "step " << i;
+    }
+    h2d += steps[i].h2d_bytes;
+    d2h += steps[i].d2h_bytes;
+  }
+  // The decode steps load less than the whole KV once the budget is full.
+  EXPECT_LT(steps.back().h2d_bytes,
+            2 * L * B * H * row_bytes * static_cast<uint64_t>(got.prompt_len + got.gen_len - 2));
+  // What the statistics count is what the transfer engine moved.
+  const TransferCounters moved = engine_.counters();
+  EXPECT_EQ(moved.h2d_bytes, h2d);
+  EXPECT_EQ(moved.d2h_bytes, d2h);
+}
+
+TEST_F(H2o, DebugPoisonGivesTheSameLogits) {
+  // Staging rows the loads do not bring are NaN in this mode: any read of one would change the
+  // logits (or make them NaN).
+  request_.kv_dtype = DType::F16;
+  const GenerationResult plain = run_h2o(0.2);
+  set_debug_poison(true);
+  const GenerationResult poisoned = run_h2o(0.2);
+  EXPECT_EQ(poisoned.tokens, plain.tokens);
+  EXPECT_EQ(poisoned.last_logits.to_floats(), plain.last_logits.to_floats());
+}
+
+TEST_F(H2o, RepeatedRunsAreIdentical) {
+  // Loads, stores and compute overlap on three threads; a missing ordering between them (a
+  // staging row rewritten before its store read it, a victim's row stored over before its load)
+  // shows up as run-to-run differences.
+  request_.kv_dtype = DType::F16;
+  request_.gen_len = 10;
+  const std::vector<float> first = run_h2o(0.2).last_logits.to_floats();
+  for (int i = 0; i < 8; ++i) {
+    EXPECT_EQ(run_h2o(0.2).last_logits.to_floats(), first) << "run " << i;
+  }
+}
+
+TEST_F(H2o, EmulatedLinkGivesTheSameResults) {
+  request_.kv_dtype = DType::F16;
+  request_.gen_len = 12;
+  const GenerationResult fast = run_h2o(0.2);
+  const GenerationResult slow = run_h2o(0.2, nullptr, &slow_engine_);
+  EXPECT_EQ(slow.tokens, fast.tokens);
+  EXPECT_EQ(slow.last_logits.to_floats(), fast.last_logits.to_floats());
+  EXPECT_GT(slow_engine_.counters().h2d_transfers, 0u);
 }
 
 TEST_F(H2o, DebugPoisonRunsCompleteWithoutNaN) {

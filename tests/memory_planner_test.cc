@@ -215,6 +215,40 @@ TEST(MemoryPlanner, GpuPolicyNeedsTheWholeKvOnTheDevice) {
   EXPECT_EQ(plan.host_total(), 0u);
 }
 
+TEST(MemoryPlanner, H2oPoolsTheKeptEntriesAndStagesOnlyThemOnTheDevice) {
+  MemoryRequest r = opt13b_request();
+  r.policy = KvPolicy::H2o;
+  r.h2o_budget = 0.2;
+  const MemoryPlan plan = compute_memory_plan(r);
+  // slots = floor(0.2 * 2048) = 409 per (layer, sequence, head). Host: 2 * L * B * H * slots * d
+  // * 2; device: K and V of one layer with the new token's row, double-buffered.
+  EXPECT_EQ(plan.host_kv_pool, size_t{2} * 40 * 20 * 40 * 409 * 128 * 2);
+  EXPECT_EQ(plan.host_kv_pool, 6701056000u);
+  EXPECT_EQ(plan.device_kv, size_t{2} * 2 * 20 * 40 * 410 * 128 * 2);
+  EXPECT_EQ(plan.host_total(), plan.host_kv_pool);
+  EXPECT_LT(plan.device_kv, compute_memory_plan(opt13b_request()).device_kv);  // less than full
+}
+
+TEST(MemoryPlanner, H2oRefusalKeepsThePolicyInItsSuggestion) {
+  MemoryRequest r = opt13b_request();
+  r.policy = KvPolicy::H2o;
+  r.device_capacity = 24 * kGiB;  // the weights alone are 23.9 GiB
+  std::string message = plan_error(r);
+  EXPECT_EQ(message.find('\n'), std::string::npos);
+  EXPECT_NE(message.find("; try --weights-gpu-percent "), std::string::npos) << message;
+  EXPECT_EQ(message.find("--policy"), std::string::npos) << message;
+  EXPECT_NO_THROW(plan_memory(apply_suggestion(r, message))) << message;
+
+  r = opt13b_request();
+  r.policy = KvPolicy::H2o;
+  r.host_capacity = 4 * kGiB;  // the kept entries take 6.24 GiB, 0.31 GiB per sequence
+  message = plan_error(r);
+  EXPECT_EQ(message,
+            "plan does not fit: the host needs 6.2 GiB of pinned memory (weights 0.0, KV pool "
+            "6.2) but has 4.0 GiB available; try --batch 12");
+  EXPECT_NO_THROW(plan_memory(apply_suggestion(r, message)));
+}
+
 TEST(MemoryPlanner, HalfTheWeightsOnTheHostNeedStagingForTwoLayers) {
   MemoryRequest r = opt13b_request();
   r.weights_gpu_percent = 50;

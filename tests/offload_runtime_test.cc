@@ -84,11 +84,11 @@ TEST_F(OffloadRuntime, H2oKeepsItsBudgetAndWithEverythingKeptGivesTheEngineToken
             reference_tokens(DType::F16));
   options.h2o_budget = 0.3;  // 4 of the 14 positions of prompt + generation
   const OffloadRun r = run_offloaded(source_, request_, options, Device::Cpu);
-  EXPECT_EQ(r.totals.h2d_bytes, 0u);  // resident: nothing moves
+  EXPECT_GT(r.totals.h2d_bytes, 0u);  // the kept entries are loaded from the host pool
   const uint64_t H = source_.config.num_heads, B = request_.prompts.size();
   const auto& last = r.stats.steps().back();
   for (const LayerTraffic& layer : last.layers) {
-    EXPECT_EQ(layer.tokens_fetched, B * H * (4 + 1));  // the kept tokens and the new one
+    EXPECT_EQ(layer.tokens_fetched, B * H * 4);  // the kept tokens (the new one is computed)
   }
 }
 
