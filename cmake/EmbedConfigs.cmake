@@ -1,10 +1,13 @@
-# Embeds the files under configs/ (model presets, the bundled tokenizer and its corpus, the
-# default calibration text of `infinigen skew`) into the binary, so
-# `infinigen` needs no data directory at run time. Writes generated/embedded_configs.cc, which
-# defines the table that core/resources.cc serves. Re-runs when any embedded file changes.
+# Embeds the files under configs/ (model presets, hardware profiles of the cost model, the
+# bundled tokenizer and its corpus, the default calibration text of `infinigen skew`) into the
+# binary, so `infinigen` needs no data directory at run time. Writes
+# generated/embedded_configs.cc, which defines the table that core/resources.cc serves. Re-runs
+# when any embedded file changes.
 function(infinigen_embed_configs out_file)
   file(GLOB_RECURSE files CONFIGURE_DEPENDS RELATIVE ${PROJECT_SOURCE_DIR}/configs
        ${PROJECT_SOURCE_DIR}/configs/models/*.yaml
+       ${PROJECT_SOURCE_DIR}/configs/experiments/*.yaml
+       ${PROJECT_SOURCE_DIR}/configs/hardware/*.yaml
        ${PROJECT_SOURCE_DIR}/configs/tokenizer/vocab.json
        ${PROJECT_SOURCE_DIR}/configs/tokenizer/merges.txt
        ${PROJECT_SOURCE_DIR}/configs/tokenizer/corpus.txt)

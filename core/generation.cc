@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <random>
 
 #include "core/error.h"
 
@@ -92,6 +93,22 @@ GenerationResult generate(OptModel& model, const GenerationRequest& request,
   }
   result.decode_seconds = seconds_since(start);
   return result;
+}
+
+std::vector<std::vector<int32_t>> synthetic_prompts(int64_t batch, int64_t prompt_len,
+                                                    int32_t bos_token_id, int32_t vocab_limit,
+                                                    uint64_t seed) {
+  INFINIGEN_CHECK(vocab_limit > 4, "the vocabulary is too small for synthetic prompts");
+  std::mt19937_64 rng(seed);
+  std::vector<std::vector<int32_t>> prompts;
+  for (int64_t b = 0; b < batch; ++b) {
+    std::vector<int32_t> ids = {bos_token_id};
+    while (static_cast<int64_t>(ids.size()) < prompt_len) {
+      ids.push_back(4 + static_cast<int32_t>(rng() % static_cast<uint64_t>(vocab_limit - 4)));
+    }
+    prompts.push_back(std::move(ids));
+  }
+  return prompts;
 }
 
 }  // namespace infinigen

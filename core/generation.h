@@ -54,6 +54,12 @@ GenerationResult generate(OptModel& model, const GenerationRequest& request,
 // longest prompt's length.
 int64_t check_request(const ModelConfig& config, const GenerationRequest& request);
 
+// `batch` prompts of `prompt_len` ids each: BOS, then ids drawn uniformly from [4, vocab_limit)
+// (the special tokens excluded) by a generator seeded with `seed`; the same on every machine.
+std::vector<std::vector<int32_t>> synthetic_prompts(int64_t batch, int64_t prompt_len,
+                                                    int32_t bos_token_id, int32_t vocab_limit,
+                                                    uint64_t seed);
+
 // Left-pads `prompts` into (B, n) with `pad_id`; returns the padded tokens and first_valid (B).
 std::vector<int32_t> left_pad(const std::vector<std::vector<int32_t>>& prompts, int32_t pad_id,
                               std::vector<int32_t>* first_valid);

@@ -36,31 +36,31 @@ int64_t kv_pool_positions(double limit, const ModelConfig& config, int64_t batch
   return std::min<int64_t>(static_cast<int64_t>(positions), capacity);
 }
 
-OffloadRun run_offloaded(const ModelSource& source, const GenerationRequest& request,
-                         const OffloadOptions& options, Device device,
-                         const ProgressCallback& progress) {
-  const ModelConfig& config = source.config;
-  const int64_t longest = check_request(config, request);
-
+MemoryRequest offload_memory_request(const ModelConfig& config, int64_t batch, int64_t prompt_len,
+                                     int64_t gen_len, DType kv_dtype,
+                                     const OffloadOptions& options) {
   MemoryRequest memory;
   memory.config = config;
-  memory.batch = static_cast<int64_t>(request.prompts.size());
-  memory.prompt_len = longest;
-  memory.gen_len = request.gen_len;
+  memory.batch = batch;
+  memory.prompt_len = prompt_len;
+  memory.gen_len = gen_len;
   memory.policy = options.policy;
   memory.weights_gpu_percent = options.weights_gpu_percent;
-  memory.kv_dtype = request.kv_dtype;
+  memory.kv_dtype = kv_dtype;
   memory.kv_block_tokens = options.kv_block_tokens;
   memory.partial_ratio = options.speculation.partial_ratio;
   INFINIGEN_CHECK(options.kv_pool_limit == 0 || options.policy == KvPolicy::Infinigen,
                   "--kv-pool-limit needs --policy infinigen");
-  const int64_t pool_positions = kv_pool_positions(options.kv_pool_limit, config, memory.batch,
-                                                   longest + request.gen_len, request.kv_dtype);
-  memory.kv_pool_tokens = pool_positions;
+  memory.kv_pool_tokens =
+      kv_pool_positions(options.kv_pool_limit, config, batch, prompt_len + gen_len, kv_dtype);
   INFINIGEN_CHECK(options.h2o_budget > 0 && options.h2o_budget <= 1, "--h2o-budget must be in ",
                   "(0, 1], got ", options.h2o_budget);
   memory.h2o_budget = options.h2o_budget;
   if (options.policy == KvPolicy::Infinigen) options.speculation.validate();
+  return memory;
+}
+
+MemoryPlan plan_offloaded_run(MemoryRequest memory, const OffloadOptions& options, Device device) {
   // On the CPU backend device and pinned host memory come out of the same RAM: the host gets
   // what the device part leaves (all of it when the device part alone cannot fit, so that the
   // error names the device side).
@@ -72,8 +72,20 @@ OffloadRun run_offloaded(const ModelSource& source, const GenerationRequest& req
       device_needs <= available) {
     memory.host_capacity = available - device_needs;
   }
+  return plan_memory(memory);
+}
+
+OffloadRun run_offloaded(const ModelSource& source, const GenerationRequest& request,
+                         const OffloadOptions& options, Device device,
+                         const ProgressCallback& progress) {
+  const ModelConfig& config = source.config;
+  const int64_t longest = check_request(config, request);
+  const MemoryRequest memory =
+      offload_memory_request(config, static_cast<int64_t>(request.prompts.size()), longest,
+                             request.gen_len, request.kv_dtype, options);
+  const int64_t pool_positions = memory.kv_pool_tokens;
   OffloadRun run;
-  run.plan = plan_memory(memory);
+  run.plan = plan_offloaded_run(memory, options, device);
 
   // Weights: load to the host, then place (FlexGen's per-tensor rule).
   OptWeights weights = load_weights(source, Device::Cpu);

@@ -43,6 +43,15 @@ struct OffloadRun {
   TransferCounters totals;
 };
 
+// The memory request of a run (sizes only; capacities are filled by plan_offloaded_run), after
+// checking the options that shape it (one-line Errors naming the flag).
+MemoryRequest offload_memory_request(const ModelConfig& config, int64_t batch, int64_t prompt_len,
+                                     int64_t gen_len, DType kv_dtype,
+                                     const OffloadOptions& options);
+// Plans `memory` against what `device` and the host can give now (options.device_memory, when
+// set, is the device's size). Throws the planner's one-line Error when it cannot fit.
+MemoryPlan plan_offloaded_run(MemoryRequest memory, const OffloadOptions& options, Device device);
+
 // Plans memory for `request` (throws a one-line Error with a configuration that would fit when it
 // cannot), loads the weights with their placement, and generates.
 OffloadRun run_offloaded(const ModelSource& source, const GenerationRequest& request,

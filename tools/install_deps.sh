@@ -8,6 +8,7 @@ packages=(
   build-essential cmake ninja-build pkg-config git
   libeigen3-dev libcli11-dev libyaml-cpp-dev nlohmann-json3-dev libpcre2-dev
   libgtest-dev libgmock-dev libbenchmark-dev
+  python3-matplotlib
 )
 
 run_as_root() {

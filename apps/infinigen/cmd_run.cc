@@ -4,7 +4,6 @@
 #include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
-#include <random>
 
 #include "apps/infinigen/commands.h"
 #include "apps/infinigen/progress.h"
@@ -82,16 +81,8 @@ std::vector<std::vector<int32_t>> build_prompts(const RunOptions& o, const Model
                             ? std::min<int32_t>(loaded.tokenizer->vocab_size(),
                                                 static_cast<int32_t>(config.vocab_size))
                             : static_cast<int32_t>(config.vocab_size);
-    INFINIGEN_CHECK(top > 4, "the vocabulary is too small for synthetic prompts");
-    std::mt19937_64 rng(o.seed);
-    for (int64_t b = 0; b < std::max<int64_t>(o.batch, 1); ++b) {
-      std::vector<int32_t> ids = {config.bos_token_id};
-      while (static_cast<int64_t>(ids.size()) < o.prompt_len) {
-        ids.push_back(4 + static_cast<int32_t>(rng() % static_cast<uint64_t>(top - 4)));
-      }
-      prompts.push_back(std::move(ids));
-    }
-    return prompts;
+    return synthetic_prompts(std::max<int64_t>(o.batch, 1), o.prompt_len, config.bos_token_id,
+                             top, o.seed);
   }
   std::vector<std::string> texts;
   if (!o.prompt.empty()) {
@@ -278,7 +269,7 @@ Command add_run_command(CLI::App& app) {
   app.add_flag("--json", o->json, "Print the result as JSON on stdout");
   app.add_option("--policy", o->policy,
                  "KV policy: infinigen (speculated subset), full (all KV, every layer), int4 "
-                 "(all KV, 4-bit), h2o (heavy hitters + recent, resident) or gpu")
+                 "(all KV, 4-bit), h2o (heavy hitters + recent, all loaded each step) or gpu")
       ->capture_default_str();
   app.add_option("--weights-gpu-percent", o->weights_gpu_percent,
                  "Share of each layer's weights kept on the device; the rest is streamed")

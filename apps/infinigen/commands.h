@@ -13,5 +13,6 @@ Command add_run_command(CLI::App& app);
 Command add_make_model_command(CLI::App& app);
 Command add_skew_command(CLI::App& app);
 Command add_inspect_command(CLI::App& app);
+Command add_bench_command(CLI::App& app);
 
 }  // namespace infinigen::cli

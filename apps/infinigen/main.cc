@@ -28,6 +28,8 @@ int main(int argc, char** argv) {
   add("make-model", "Write a synthetic OPT checkpoint", cli::add_make_model_command);
   add("skew", "Write a copy of a checkpoint with SVD-skewed query/key projections",
       cli::add_skew_command);
+  add("bench", "Run the paper's latency experiments (CSV, JSON, plot); predict other hardware",
+      cli::add_bench_command);
   add("inspect", "Print a checkpoint's config and tensors", cli::add_inspect_command);
   try {
     app.parse(argc, argv);

@@ -13,58 +13,6 @@ double mib(double bytes) {
 
 }  // namespace
 
-TransferSummary summarize(const OffloadRun& run) {
-  TransferSummary s;
-  const auto& steps = run.stats.steps();
-  if (!steps.empty()) {
-    s.prefill_h2d_bytes = steps[0].h2d_bytes;
-    s.prefill_d2h_bytes = steps[0].d2h_bytes;
-  }
-  double busy = 0, wait = 0, fetched = 0, stored = 0, recall_sum = 0;
-  int64_t recall_count = 0;
-  std::vector<double> layer_recall, layer_recall_n;
-  for (size_t i = 1; i < steps.size(); ++i) {
-    layer_recall.resize(steps[i].layers.size(), 0.0);
-    layer_recall_n.resize(steps[i].layers.size(), 0.0);
-    for (size_t l = 0; l < steps[i].layers.size(); ++l) {
-      const LayerTraffic& t = steps[i].layers[l];
-      fetched += static_cast<double>(t.tokens_fetched);
-      stored += static_cast<double>(t.tokens_stored);
-      if (t.recall >= 0) {
-        recall_sum += t.recall;
-        ++recall_count;
-        layer_recall[l] += t.recall;
-        layer_recall_n[l] += 1;
-      }
-    }
-    s.h2d_bytes_per_step += static_cast<double>(steps[i].h2d_bytes);
-    s.d2h_bytes_per_step += static_cast<double>(steps[i].d2h_bytes);
-    busy += steps[i].load_busy_seconds;
-    wait += steps[i].load_wait_seconds;
-  }
-  s.decode_steps = steps.empty() ? 0 : static_cast<int64_t>(steps.size()) - 1;
-  if (s.decode_steps > 0) {
-    const double n = static_cast<double>(s.decode_steps);
-    s.h2d_bytes_per_step /= n;
-    s.d2h_bytes_per_step /= n;
-    s.load_busy_per_step = busy / n;
-    s.load_wait_per_step = wait / n;
-    s.hidden_fraction = busy > 0 ? std::max(0.0, busy - wait) / busy : 0.0;
-  }
-  s.fetched_fraction = stored > 0 ? fetched / stored : 0.0;
-  if (recall_count > 0) {
-    s.mean_recall = recall_sum / static_cast<double>(recall_count);
-    for (size_t l = 0; l < layer_recall.size(); ++l) {
-      if (layer_recall_n[l] == 0) continue;
-      const double mean = layer_recall[l] / layer_recall_n[l];
-      if (s.min_layer_recall < 0 || mean < s.min_layer_recall) s.min_layer_recall = mean;
-    }
-  }
-  s.total_h2d_bytes = run.totals.h2d_bytes;
-  s.total_d2h_bytes = run.totals.d2h_bytes;
-  return s;
-}
-
 nlohmann::json transfers_json(const TransferSummary& s) {
   return {{"decode_steps", s.decode_steps},
           {"h2d_bytes_per_decode_step", s.h2d_bytes_per_step},

@@ -1,0 +1,253 @@
+// apps/infinigen: `infinigen bench`, the paper's latency experiments (configs/experiments/) as
+// CSV, JSON and a plot; `--predict` adds the cost model's figures for a hardware profile, and
+// `--measure-profile` writes the profile of this machine's CPU backend.
+#include <fcntl.h>
+#include <omp.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <vector>
+
+#include "apps/infinigen/commands.h"
+#include "bench/bench_results.h"
+#include "bench/bench_runner.h"
+#include "core/device.h"
+#include "core/ops.h"
+#include "core/output_directory.h"
+#include "offload/hardware_profile.h"
+#include "offload/profile_measurement.h"
+
+namespace infinigen::cli {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct BenchCommandOptions {
+  std::string experiment;
+  std::string out = "bench-results";
+  double scale = 1.0;
+  int repeats = 0;
+  std::string device = "auto";
+  double link_gbps = 0.0;
+  double link_latency_us = 0.0;
+  std::string predict;
+  bool no_measure = false;
+  double fractions_scale = 0.05;
+  double fetched_fraction = 0.0;
+  bool no_plot = false;
+  int threads = 0;
+  uint64_t seed = 0;
+  std::string measure_profile;
+  bool list = false;
+  std::string command_line;
+};
+
+// The command as typed (from /proc/self/cmdline), recorded in the results.
+std::string this_command_line() {
+  std::ifstream in("/proc/self/cmdline", std::ios::binary);
+  std::string line = "infinigen";
+  bool first = true;
+  for (std::string arg; std::getline(in, arg, '\0');) {
+    if (!first) line += " " + arg;
+    first = false;
+  }
+  return line;
+}
+
+// Runs argv[0] with the arguments, waits, and returns its exit status (-1 if it could not run).
+// With `quiet`, its output goes to /dev/null.
+int run_process(const std::vector<std::string>& argv, bool quiet) {
+  std::vector<char*> args;
+  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  std::fflush(nullptr);
+  const pid_t pid = fork();
+  if (pid < 0) return -1;
+  if (pid == 0) {
+    if (quiet) {
+      const int null = open("/dev/null", O_WRONLY);
+      if (null >= 0) {
+        dup2(null, STDOUT_FILENO);
+        dup2(null, STDERR_FILENO);
+      }
+    }
+    execvp(args[0], args.data());
+    _exit(127);
+  }
+  int status = 0;
+  if (waitpid(pid, &status, 0) < 0) return -1;
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+// A Python that can import matplotlib: $INFINIGEN_PYTHON, else python3 on PATH, else the
+// system's /usr/bin/python3 (where Debian's python3-matplotlib lives).
+std::string find_plot_python() {
+  std::vector<std::string> candidates;
+  if (const char* env = std::getenv("INFINIGEN_PYTHON"); env && *env) candidates.push_back(env);
+  candidates.push_back("python3");
+  candidates.push_back("/usr/bin/python3");
+  for (const std::string& python : candidates) {
+    if (run_process({python, "-c", "import matplotlib"}, true) == 0) return python;
+  }
+  return "";
+}
+
+// tools/plot_bench.py next to an installed binary (share/infinigen/tools), else in the source
+// tree this binary was built from.
+std::string find_plot_script() {
+  std::error_code ec;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  std::vector<fs::path> candidates;
+  if (!ec) candidates.push_back(exe.parent_path().parent_path() / "share/infinigen/tools");
+  candidates.push_back(fs::path(INFINIGEN_SOURCE_DIR) / "tools");
+  for (const fs::path& dir : candidates) {
+    if (fs::is_regular_file(dir / "plot_bench.py")) return (dir / "plot_bench.py").string();
+  }
+  return "";
+}
+
+void plot(const fs::path& json_path, const fs::path& png_path) {
+  const std::string python = find_plot_python();
+  INFINIGEN_CHECK(!python.empty(), "wrote ", json_path.string(), " and its CSV, but no Python ",
+                  "with matplotlib was found for the plot (install python3-matplotlib, set ",
+                  "INFINIGEN_PYTHON, or pass --no-plot)");
+  const std::string script = find_plot_script();
+  INFINIGEN_CHECK(!script.empty(), "wrote ", json_path.string(), " and its CSV, but ",
+                  "tools/plot_bench.py was not found (pass --no-plot)");
+  const int status = run_process({python, script, json_path.string(), png_path.string()}, false);
+  INFINIGEN_CHECK(status == 0, "wrote ", json_path.string(), " and its CSV, but ", script,
+                  " failed (exit status ", status, ")");
+}
+
+int list_bundled() {
+  std::printf("experiments (configs/experiments):\n");
+  for (const std::string& name : bundled_experiment_names()) {
+    const Experiment e = load_experiment(name);
+    std::printf("  %-8s %s: %s\n", name.c_str(), e.figure.c_str(), e.title.c_str());
+  }
+  std::printf("hardware profiles (configs/hardware):\n");
+  for (const std::string& name : hardware_profile_names()) {
+    std::printf("  %-16s %s\n", name.c_str(), load_hardware_profile(name).description.c_str());
+  }
+  return 0;
+}
+
+int measure_profile(const BenchCommandOptions& o) {
+  const HardwareProfile profile = measure_cpu_backend_profile(
+      [](const std::string& line) { std::fprintf(stderr, "infinigen: %s\n", line.c_str()); });
+  write_hardware_profile(profile, o.measure_profile);
+  std::printf("wrote %s (%s)\n", o.measure_profile.c_str(), profile.description.c_str());
+  return 0;
+}
+
+int bench(const BenchCommandOptions& o) {
+  INFINIGEN_CHECK(o.threads >= 0, "--threads must be at least 1, got ", o.threads);
+  if (o.threads > 0) omp_set_num_threads(o.threads);
+  if (o.list) return list_bundled();
+  if (!o.measure_profile.empty()) return measure_profile(o);
+  INFINIGEN_CHECK(!o.experiment.empty(), "--experiment is required (a file, or one of the ",
+                  "bundled names listed by --list)");
+  INFINIGEN_CHECK(o.link_gbps >= 0, "--emulate-link-gbps must be >= 0, got ", o.link_gbps);
+  INFINIGEN_CHECK(o.link_latency_us >= 0, "--emulate-link-latency-us must be >= 0, got ",
+                  o.link_latency_us);
+  INFINIGEN_CHECK(o.scale > 0 && o.scale <= 1, "--scale must be in (0, 1], got ", o.scale);
+  INFINIGEN_CHECK(o.repeats >= 0, "--repeats must be at least 1, got ", o.repeats);
+  INFINIGEN_CHECK(!o.no_measure || !o.predict.empty(),
+                  "nothing to do: --no-measure needs --predict PROFILE");
+  INFINIGEN_CHECK(o.fetched_fraction >= 0 && o.fetched_fraction <= 1,
+                  "--fetched-fraction must be in [0, 1], got ", o.fetched_fraction);
+  INFINIGEN_CHECK(o.fetched_fraction == 0 || !o.predict.empty(),
+                  "--fetched-fraction only applies to predictions: add --predict PROFILE");
+  INFINIGEN_CHECK(o.fractions_scale > 0 && o.fractions_scale <= 1,
+                  "--fractions-scale must be in (0, 1], got ", o.fractions_scale);
+  const Experiment experiment = load_experiment(o.experiment);
+
+  std::string fallback;
+  BenchOptions options;
+  options.device = resolve_device(parse_device_request(o.device),
+                                  ops::device_runs_transformer(Device::Cuda), &fallback);
+  if (!fallback.empty()) std::fprintf(stderr, "infinigen: %s\n", fallback.c_str());
+  options.scale = o.scale;
+  options.repeats = o.repeats;
+  options.link_gbps = o.link_gbps;
+  options.link_latency_us = o.link_latency_us;
+  options.measure = !o.no_measure;
+  options.predict = o.predict;
+  options.fractions_scale = o.fractions_scale;
+  options.fetched_fraction = o.fetched_fraction;
+  options.seed = o.seed;
+  if (!options.predict.empty()) load_hardware_profile(options.predict);  // fail before running
+
+  // Results overwrite earlier ones of the same experiment in --out.
+  std::error_code ec;
+  fs::create_directories(o.out, ec);
+  INFINIGEN_CHECK(!ec && fs::is_directory(o.out), "--out ", o.out,
+                  ": cannot create the directory (", ec.message(), ")");
+  const fs::path stem = fs::path(o.out) / experiment.name;
+  std::fprintf(stderr, "infinigen: %s (%s), %zu runs at scale %g\n", experiment.name.c_str(),
+               experiment.figure.c_str(), experiment.points.size(), o.scale);
+  const BenchReport report = run_experiment(experiment, options, [](const std::string& line) {
+    std::fprintf(stderr, "infinigen: %s\n", line.c_str());
+  });
+  const MachineInfo machine = this_machine(options.device);
+  const fs::path json_path = stem.string() + ".json";
+  const fs::path csv_path = stem.string() + ".csv";
+  write_text_file(json_path, bench_json(report, machine, o.command_line).dump(2) + "\n");
+  write_text_file(csv_path, bench_csv(report));
+  std::printf("wrote %s\nwrote %s\n", csv_path.c_str(), json_path.c_str());
+  if (!o.no_plot) {
+    const fs::path png_path = stem.string() + ".png";
+    plot(json_path, png_path);
+    std::printf("wrote %s\n", png_path.c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+
+Command add_bench_command(CLI::App& app) {
+  auto o = std::make_shared<BenchCommandOptions>();
+  app.add_option("--experiment,-e", o->experiment,
+                 "Experiment file (configs/experiments/*.yaml) or bundled name (fig14 ... fig18)");
+  app.add_option("--out,-o", o->out, "Directory for NAME.csv, NAME.json and NAME.png")
+      ->capture_default_str();
+  app.add_option("--scale", o->scale,
+                 "Shrink model, batch and lengths by this factor (1 = the paper's sizes)")
+      ->capture_default_str();
+  app.add_option("--repeats", o->repeats, "Measured runs per point, median (default: the file's)");
+  app.add_option("--device", o->device, "cpu, cuda or auto")->capture_default_str();
+  app.add_option("--emulate-link-gbps", o->link_gbps,
+                 "CPU backend: host<->device link to emulate, GB/s (default: the file's)");
+  app.add_option("--emulate-link-latency-us", o->link_latency_us,
+                 "CPU backend: per-transfer latency of the emulated link")
+      ->capture_default_str();
+  app.add_option("--predict", o->predict,
+                 "Also predict every point with the cost model for this hardware profile (a name "
+                 "from --list or a YAML file)");
+  app.add_flag("--no-measure", o->no_measure, "Only predict (needs --predict)");
+  app.add_option("--fractions-scale", o->fractions_scale,
+                 "Without measurements: model scale of the runs that measure InfiniGen's fetched "
+                 "fractions for the prediction")
+      ->capture_default_str();
+  app.add_option("--fetched-fraction", o->fetched_fraction,
+                 "Predict infinigen with this share of each speculated layer's KV loaded, instead "
+                 "of measured shares (0 = measured)")
+      ->capture_default_str();
+  app.add_flag("--no-plot", o->no_plot, "Write CSV and JSON only");
+  app.add_option("--threads", o->threads, "CPU threads (default: all cores)");
+  app.add_option("--seed", o->seed, "Seed of the synthetic weights and prompts")
+      ->capture_default_str();
+  app.add_option("--measure-profile", o->measure_profile,
+                 "Measure this machine's CPU backend and write its hardware profile (YAML)");
+  app.add_flag("--list", o->list, "List the bundled experiments and hardware profiles");
+  return [o] {
+    o->command_line = this_command_line();
+    return bench(*o);
+  };
+}
+
+}  // namespace infinigen::cli

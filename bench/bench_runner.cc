@@ -1,0 +1,333 @@
+// bench: measuring and predicting an experiment's points.
+#include "bench/bench_runner.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.h"
+#include "core/generation.h"
+#include "core/model_loader.h"
+#include "offload/cost_model.h"
+#include "offload/hardware_profile.h"
+#include "offload/run_summary.h"
+#include "offload/runtime.h"
+
+namespace infinigen {
+namespace {
+
+double median(std::vector<double> values) {
+  if (values.empty()) return 0.0;
+  std::sort(values.begin(), values.end());
+  const size_t mid = values.size() / 2;
+  return values.size() % 2 == 1 ? values[mid] : 0.5 * (values[mid - 1] + values[mid]);
+}
+
+OffloadOptions offload_options(const BenchSettings& s, const LinkEmulation& link) {
+  OffloadOptions o;
+  o.policy = parse_kv_policy(s.policy);
+  o.weights_gpu_percent = s.weights_gpu_percent;
+  o.link = link;
+  o.speculation.alpha = s.alpha;
+  o.speculation.partial_ratio = s.partial_ratio;
+  o.speculation.dense_layers = s.dense_layers;
+  o.h2o_budget = s.h2o_budget;
+  return o;
+}
+
+// The model a point runs: a preset shrunk to `config` on synthetic weights, or a checkpoint.
+ModelSource point_source(const BenchSettings& s, const ModelConfig& config, double scale,
+                         uint64_t seed) {
+  ModelLoadOptions load;
+  load.seed = seed;
+  ModelSource source = resolve_model(s.model, load);
+  if (scale != 1.0) {
+    INFINIGEN_CHECK(source.synthetic, "--scale ", scale, " needs a preset model (synthetic ",
+                    "weights); ", s.model, " is a checkpoint");
+    source.config = config;
+    source.description = cat(s.model, " at scale ", scale, " on synthetic weights (seed ", seed,
+                              ")");
+  }
+  return source;
+}
+
+PointMetrics metrics_of(const OffloadRun& run, int64_t num_layers) {
+  const TransferSummary summary = summarize(run);
+  PointMetrics m;
+  m.prefill_s = run.result.prefill_seconds;
+  m.decode_s = run.result.decode_seconds;
+  m.total_s = run.result.total_seconds();
+  m.throughput_tok_s = run.result.throughput();
+  m.decode_step_s = summary.median_step_seconds;
+  m.h2d_bytes_per_step = summary.h2d_bytes_per_step;
+  m.d2h_bytes_per_step = summary.d2h_bytes_per_step;
+  m.fetched_fraction = summary.fetched_fraction;
+  m.layer_fetched_fraction = summary.layer_fetched_fraction;
+  const auto& steps = run.stats.steps();
+  for (size_t i = 1; i < steps.size(); ++i) {
+    std::vector<uint64_t> rows;
+    for (const LayerTraffic& layer : steps[i].layers) rows.push_back(layer.tokens_fetched);
+    m.fetched_rows.push_back(std::move(rows));
+  }
+  const double layers = static_cast<double>(num_layers);
+  m.block_s = m.decode_step_s / layers;
+  m.block_transfer_s = std::min(m.block_s, summary.load_wait_per_step / layers);
+  m.block_compute_s = m.block_s - m.block_transfer_s;
+  return m;
+}
+
+// Median of every scalar over the repeats; per-layer fractions of the median-latency run.
+PointMetrics median_metrics(const std::vector<PointMetrics>& runs) {
+  const auto pick = [&](double PointMetrics::*field) {
+    std::vector<double> values;
+    for (const PointMetrics& m : runs) values.push_back(m.*field);
+    return median(values);
+  };
+  PointMetrics m;
+  for (double PointMetrics::*field :
+       {&PointMetrics::prefill_s, &PointMetrics::decode_s, &PointMetrics::total_s,
+        &PointMetrics::throughput_tok_s, &PointMetrics::decode_step_s,
+        &PointMetrics::h2d_bytes_per_step, &PointMetrics::d2h_bytes_per_step,
+        &PointMetrics::fetched_fraction, &PointMetrics::block_s, &PointMetrics::block_transfer_s,
+        &PointMetrics::block_compute_s}) {
+    m.*field = pick(field);
+  }
+  const auto closest = std::min_element(runs.begin(), runs.end(), [&](const auto& a, const auto& b) {
+    return std::abs(a.total_s - m.total_s) < std::abs(b.total_s - m.total_s);
+  });
+  m.layer_fetched_fraction = closest->layer_fetched_fraction;
+  m.fetched_rows = closest->fetched_rows;
+  return m;
+}
+
+struct RunInputs {
+  ModelSource source;
+  GenerationRequest request;
+  OffloadOptions options;
+};
+
+RunInputs run_inputs(const BenchSettings& s, const ModelConfig& config, double scale,
+                     const LinkEmulation& link, uint64_t seed) {
+  RunInputs in{point_source(s, config, scale, seed), {}, offload_options(s, link)};
+  const int32_t vocab = static_cast<int32_t>(in.source.config.vocab_size);
+  in.request.prompts =
+      synthetic_prompts(s.batch, s.prompt_len, in.source.config.bos_token_id, vocab, seed);
+  in.request.gen_len = s.gen_len;
+  in.request.kv_dtype = DType::F16;
+  return in;
+}
+
+// Plans the run here; the planner's one line when it cannot fit.
+std::string plan_status(const RunInputs& in, Device device) {
+  try {
+    plan_offloaded_run(offload_memory_request(in.source.config, in.request.prompts.size(),
+                                              in.request.prompts.front().size(),
+                                              in.request.gen_len, in.request.kv_dtype,
+                                              in.options),
+                       in.options, device);
+  } catch (const Error& e) {
+    return cat("does not fit here: ", e.what());
+  }
+  return "ok";
+}
+
+PointMetrics measure(const RunInputs& in, Device device, int repeats) {
+  std::vector<PointMetrics> runs;
+  for (int r = 0; r < repeats; ++r) {
+    const OffloadRun run = run_offloaded(in.source, in.request, in.options, device);
+    runs.push_back(metrics_of(run, in.source.config.num_layers));
+  }
+  return median_metrics(runs);
+}
+
+PointMetrics metrics_of(const PredictedRun& p, int64_t batch, int64_t gen_len) {
+  PointMetrics m;
+  m.prefill_s = p.prefill_s;
+  m.decode_s = p.decode_s;
+  m.total_s = p.prefill_s + p.decode_s;
+  m.throughput_tok_s = p.throughput_tok_s;
+  m.decode_step_s = p.middle_decode_step.seconds;
+  m.h2d_bytes_per_step = p.mean_h2d_bytes_per_decode_step;
+  m.d2h_bytes_per_step = static_cast<double>(p.middle_decode_step.d2h_bytes);
+  const double layers = static_cast<double>(p.middle_decode_step.layers.size());
+  double exposed = 0;
+  for (const PredictedLayer& l : p.middle_decode_step.layers) exposed += l.exposed_load_wait_s;
+  m.block_s = m.decode_step_s / layers;
+  m.block_transfer_s = std::min(m.block_s, exposed / layers);
+  m.block_compute_s = m.block_s - m.block_transfer_s;
+  (void)batch, (void)gen_len;
+  return m;
+}
+
+// Points that differ only in their policy (the baselines a speedup is relative to).
+// What the prediction assumed: 1 for policies that load everything they keep; for infinigen
+// the share over all layers of the predicted model, its dense layers loading everything and the
+// others the mean of the shares given for speculated layers (the input's first dense_layers
+// entries are the measured run's dense layers).
+double mean_fetched_fraction(const CostModelInput& model, KvPolicy policy) {
+  if (policy != KvPolicy::Infinigen || model.fetched_fraction.empty()) return 1.0;
+  const size_t dense = static_cast<size_t>(model.options.speculation.dense_layers);
+  double sum = 0;
+  size_t count = 0;
+  for (size_t l = dense; l < model.fetched_fraction.size(); ++l, ++count) {
+    sum += model.fetched_fraction[l];
+  }
+  if (count == 0) return 1.0;
+  const double layers = static_cast<double>(model.config.num_layers);
+  const double dense_layers = std::min(layers, static_cast<double>(dense));
+  return (dense_layers + (layers - dense_layers) * sum / static_cast<double>(count)) / layers;
+}
+
+bool same_group(const PointResult& a, const PointResult& b) {
+  if (a.point.panel != b.point.panel) return false;
+  for (const char* key : {"model", "batch", "prompt_len", "gen_len", "weights_gpu_percent",
+                          "alpha", "partial_ratio", "dense_layers", "h2o_budget"}) {
+    if (settings_value(a.point.settings, key) != settings_value(b.point.settings, key)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+const PointMetrics* metrics(const PointResult& p, bool predicted) {
+  const auto& m = predicted ? p.predicted : p.measured;
+  return m ? &*m : nullptr;
+}
+
+}  // namespace
+
+BenchReport run_experiment(const Experiment& experiment, const BenchOptions& options,
+                           const std::function<void(const std::string&)>& progress) {
+  INFINIGEN_CHECK(options.scale > 0 && options.scale <= 1, "--scale must be in (0, 1], got ",
+                  options.scale);
+  INFINIGEN_CHECK(options.repeats >= 0, "--repeats must be at least 1, got ", options.repeats);
+  INFINIGEN_CHECK(options.measure || !options.predict.empty(),
+                  "nothing to do: --no-measure needs --predict PROFILE");
+  BenchReport report;
+  report.experiment = experiment;
+  report.options = options;
+  report.link_gbps = options.link_gbps > 0 ? options.link_gbps : experiment.link_gbps;
+  const int repeats = options.repeats > 0 ? options.repeats : experiment.repeats;
+  // Only the CPU backend emulates a link; a GPU's copies take the time the real link takes.
+  const LinkEmulation link = options.device == Device::Cpu
+                                 ? LinkEmulation{report.link_gbps, options.link_latency_us}
+                                 : LinkEmulation{};
+  std::optional<HardwareProfile> profile;
+  if (!options.predict.empty()) {
+    profile = load_hardware_profile(options.predict);
+    if (profile->backend == "cpu") profile = with_link(*profile, link.gbps, link.latency_us);
+    report.profile_name = profile->name;
+    report.profile_description = profile->description;
+    report.fractions_source =
+        options.fetched_fraction > 0
+            ? cat("given: ", options.fetched_fraction, " of each speculated layer's KV")
+        : options.measure ? "the measured runs of each point"
+                        : cat("runs of each point's model at scale ", options.fractions_scale,
+                              " with the point's lengths, ", options.fractions_gen_len,
+                              " decode steps, on this machine");
+  }
+
+  const size_t total = experiment.points.size();
+  bool warmed_up = false;
+  for (size_t i = 0; i < total; ++i) {
+    const ExperimentPoint& point = experiment.points[i];
+    const ModelConfig preset = resolve_model(point.settings.model, {}).config;
+    const ScaledPoint scaled = scale_point(preset, point.settings, options.scale);
+    PointResult result;
+    result.point = point;
+    result.ran = scaled.settings;
+    result.ran_config = scaled.config;
+    result.paper = paper_values_for(experiment, point.settings);
+    const std::string name = cat(experiment.name, " [", i + 1, "/", total, "] ",
+                                 point.panel.empty() ? "" : point.panel + " ", experiment.x_key,
+                                 "=", point.x, " ", point.settings.policy);
+    const RunInputs in =
+        run_inputs(scaled.settings, scaled.config, options.scale, link, options.seed);
+    if (options.measure) {
+      result.status = plan_status(in, options.device);
+      if (result.status == "ok") {
+        // The first run of a process pays for thread pools and first-touch page faults: one
+        // untimed run keeps that out of the first point's numbers.
+        if (!warmed_up) measure(in, options.device, 1);
+        warmed_up = true;
+        result.measured = measure(in, options.device, repeats);
+      }
+    }
+    if (profile) {
+      CostModelInput model;
+      model.config = scaled.config;
+      model.batch = scaled.settings.batch;
+      model.prompt_len = scaled.settings.prompt_len;
+      model.gen_len = scaled.settings.gen_len;
+      model.kv_dtype = DType::F16;
+      model.options = in.options;
+      if (in.options.policy == KvPolicy::Infinigen) {
+        if (options.fetched_fraction > 0) {
+          model.fetched_fraction.assign(static_cast<size_t>(scaled.config.num_layers),
+                                        options.fetched_fraction);
+        } else if (result.measured) {
+          model.fetched_fraction = result.measured->layer_fetched_fraction;
+          model.fetched_rows = result.measured->fetched_rows;
+        } else {
+          // The fetched share depends on the attention pattern and the context length, not on
+          // the model's width: measure it on a narrow model with the point's lengths.
+          BenchSettings small = scaled.settings;
+          small.batch = std::max<int64_t>(1, std::llround(scaled.settings.batch *
+                                                          options.fractions_scale));
+          small.gen_len = std::min(scaled.settings.gen_len, options.fractions_gen_len);
+          const ModelConfig narrow = scaled_model_config(preset, options.fractions_scale);
+          const RunInputs probe =
+              run_inputs(small, narrow, options.fractions_scale, {}, options.seed);
+          model.fetched_fraction = measure(probe, options.device, 1).layer_fetched_fraction;
+        }
+      }
+      const PredictedRun predicted = predict_run(model, *profile);
+      if (predicted.fits) {
+        result.predicted = metrics_of(predicted, model.batch, model.gen_len);
+        // The fetched share is an input of the prediction, not an output: carry it along.
+        result.predicted->fetched_fraction =
+            result.measured ? result.measured->fetched_fraction
+                            : mean_fetched_fraction(model, in.options.policy);
+      } else {
+        result.prediction_status = cat("does not fit on ", profile->name, ": ", predicted.does_not_fit);
+      }
+    }
+    if (progress) {
+      std::string line = name;
+      if (result.measured) {
+        line += cat(": measured ", result.measured->total_s, " s");
+      } else if (result.status != "ok") {
+        line += ": " + result.status;
+      }
+      if (result.predicted) line += cat(", predicted ", result.predicted->total_s, " s");
+      progress(line);
+    }
+    report.points.push_back(std::move(result));
+  }
+  return report;
+}
+
+double speedup_vs_full(const BenchReport& report, size_t index, bool predicted) {
+  const PointResult& p = report.points[index];
+  const PointMetrics* m = metrics(p, predicted);
+  if (!m) return 0.0;
+  for (const PointResult& other : report.points) {
+    if (other.point.settings.policy != "full" || !same_group(p, other)) continue;
+    const PointMetrics* full = metrics(other, predicted);
+    return full && m->total_s > 0 ? full->total_s / m->total_s : 0.0;
+  }
+  return 0.0;
+}
+
+double slowdown_vs_gpu(const BenchReport& report, size_t index, bool predicted) {
+  const PointResult& p = report.points[index];
+  const PointMetrics* m = metrics(p, predicted);
+  if (!m) return 0.0;
+  for (const PointResult& other : report.points) {
+    if (other.point.settings.policy != "gpu" || !same_group(p, other)) continue;
+    const PointMetrics* gpu = metrics(other, predicted);
+    return gpu && gpu->decode_step_s > 0 ? m->decode_step_s / gpu->decode_step_s : 0.0;
+  }
+  return 0.0;
+}
+
+}  // namespace infinigen

@@ -1,0 +1,81 @@
+// bench: the paper's latency experiments as data. Each figure is a YAML file in
+// configs/experiments/ (see docs/reproduction.md): defaults for one run, a list of points that
+// override them, the policies to compare at every point, and the paper's published numbers.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "core/model_config.h"
+
+namespace infinigen {
+
+// The settings of one generation run; the YAML keys have the same names.
+struct BenchSettings {
+  std::string model = "opt-13b";  // a preset (synthetic weights) or a checkpoint directory
+  int64_t batch = 1;
+  int64_t prompt_len = 128;
+  int64_t gen_len = 32;
+  std::string policy = "infinigen";
+  double weights_gpu_percent = 100.0;
+  double alpha = 4.0;
+  double partial_ratio = 0.3;
+  int64_t dense_layers = 2;
+  double h2o_budget = 0.2;
+};
+
+// One point of a figure: the settings it runs, and where it is drawn.
+struct ExperimentPoint {
+  std::string panel;  // sub-figure (e.g. "alpha" or "partial_ratio" in fig17); may be empty
+  std::string x;      // the x-axis value as text (e.g. "8" for batch 8, "opt-30b")
+  BenchSettings settings;
+};
+
+// A number the paper publishes for one point: `metric` (e.g. throughput_tok_s,
+// speedup_vs_full, transfer_share, slowdown_vs_gpu) for the points whose settings match every
+// key of `match`.
+struct PaperValue {
+  std::map<std::string, std::string> match;  // settings key -> value as text
+  std::string metric;
+  double value = 0.0;
+};
+
+struct Experiment {
+  std::string name;    // file stem, e.g. "fig14"
+  std::string figure;  // e.g. "Fig. 14"
+  std::string title;
+  std::string x_key;  // settings key on the x axis ("policy", "batch", "total_len", ...)
+  std::string plot;   // latency | speedup | fetched | block (tools/plot_bench.py)
+  int repeats = 3;
+  double link_gbps = 12.0;  // link emulated by CPU-backend runs (PCIe 3.0 x16, pinned)
+  std::vector<ExperimentPoint> points;  // every (point, policy) pair, in file order
+  std::string paper_source;
+  std::vector<PaperValue> paper;
+};
+
+// Reads configs/experiments/<name>.yaml by path, or a bundled experiment by name (e.g. "fig14").
+// Unknown keys, wrong types and impossible values are one-line Errors naming the file and key.
+Experiment load_experiment(const std::string& path_or_name);
+std::vector<std::string> bundled_experiment_names();
+
+// `settings` as the YAML key/value text the paper's matches use (e.g. "batch" -> "8").
+std::string settings_value(const BenchSettings& settings, const std::string& key);
+// The paper's values whose match keys all equal this point's settings.
+std::map<std::string, double> paper_values_for(const Experiment& experiment,
+                                               const BenchSettings& settings);
+
+// A figure's point shrunk so that it runs on a small machine: prompt and generation lengths times
+// `scale`, the batch times sqrt(scale) rounded up (so batch sweeps keep distinct points), the
+// model's layers and heads times `scale` (head size kept; FFN 4x the width; vocabulary times
+// scale^2, so the LM head keeps its share of the work). Scale 1 returns the inputs unchanged.
+// Minimums: 4 layers, 2 heads, batch 1, 16 prompt tokens, 4 generated.
+struct ScaledPoint {
+  ModelConfig config;
+  BenchSettings settings;
+};
+ScaledPoint scale_point(const ModelConfig& config, const BenchSettings& settings, double scale);
+ModelConfig scaled_model_config(const ModelConfig& config, double scale);
+
+}  // namespace infinigen

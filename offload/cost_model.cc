@@ -1,0 +1,763 @@
+// offload: the cost model's schedule (what the runtime does, op by op) and its simulation.
+#include "offload/cost_model.h"
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <limits>
+
+#include "core/error.h"
+#include "core/opt_weights.h"
+#include "offload/int4_codec.h"
+#include "offload/memory_planner.h"
+#include "offload/weight_placement.h"
+
+namespace infinigen {
+
+// The transfer engine copies a gather list of at least this many chunks on OpenMP threads
+// (offload/transfer_engine.cc, kParallelGatherChunks).
+constexpr int64_t kParallelChunks = 4096;
+
+const char* lane_name(Lane lane) {
+  switch (lane) {
+    case Lane::Compute:
+      return "compute";
+    case Lane::Load:
+      return "load";
+    case Lane::Store:
+      return "store";
+    case Lane::Gather:
+      return "gather";
+  }
+  return "?";
+}
+
+double linear_flops(int64_t M, int64_t N, int64_t K) {
+  return 2.0 * static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K);
+}
+
+double linear_bytes(int64_t M, int64_t N, int64_t K, size_t weight_bytes) {
+  // Weights once, fp32 activations in and out.
+  return static_cast<double>(N) * static_cast<double>(K) * static_cast<double>(weight_bytes) +
+         4.0 * static_cast<double>(M) * static_cast<double>(K + N);
+}
+
+double attention_prefill_flops(int64_t B, int64_t H, int64_t n, int64_t d) {
+  // Causal: n (n + 1) / 2 visible (query, key) pairs, each a d-long dot for the score and a
+  // d-long multiply-add for the output.
+  const double pairs = static_cast<double>(n) * static_cast<double>(n + 1) / 2.0;
+  return 4.0 * static_cast<double>(B * H) * pairs * static_cast<double>(d);
+}
+
+double attention_decode_bytes(int64_t B, int64_t H, int64_t rows, int64_t d, size_t kv_bytes) {
+  return 2.0 * static_cast<double>(B * H) * static_cast<double>(rows) * static_cast<double>(d) *
+         static_cast<double>(kv_bytes);
+}
+
+double attention_decode_flops(int64_t B, int64_t H, int64_t rows, int64_t d) {
+  return 4.0 * static_cast<double>(B * H) * static_cast<double>(rows) * static_cast<double>(d);
+}
+
+double layer_norm_bytes(int64_t rows, int64_t D) {
+  return 8.0 * static_cast<double>(rows) * static_cast<double>(D);  // fp32 in and out
+}
+
+namespace {
+
+// Builds the schedule in the order the runtime issues work: compute ops in program order, each
+// transfer at the point of the compute stream where the runtime enqueues it, and host waits as
+// dependencies of the next compute op.
+class ScheduleBuilder {
+ public:
+  explicit ScheduleBuilder(const CostModelInput& in)
+      : in_(in),
+        c_(in.config),
+        policy_(in.options.policy),
+        B_(in.batch),
+        H_(c_.num_heads),
+        d_(c_.head_dim()),
+        D_(c_.hidden_size),
+        F_(c_.ffn_dim),
+        L_(c_.num_layers),
+        kv_(dtype_size(in.kv_dtype)),
+        w_(dtype_size(c_.dtype)),
+        capacity_(in.prompt_len + in.gen_len),
+        stored_(static_cast<size_t>(c_.num_layers), -1),
+        loaded_(static_cast<size_t>(c_.num_layers), -1) {
+    INFINIGEN_CHECK(in.batch >= 1 && in.prompt_len >= 1 && in.gen_len >= 1,
+                    "cost model: batch, prompt length and generation length must be >= 1");
+    INFINIGEN_CHECK(in.options.kv_pool_limit == 0,
+                    "cost model: --kv-pool-limit is not modelled (the pool holds every token)");
+    INFINIGEN_CHECK(in.options.kv_block_tokens >= 1, "cost model: kv_block_tokens must be >= 1");
+    const SpeculationOptions& spec = in.options.speculation;
+    dense_layers_ = spec.dense_layers;
+    r_ = std::max<int64_t>(
+        1, static_cast<int64_t>(std::floor(spec.partial_ratio * static_cast<double>(d_))));
+    max_num_kv_ = spec.max_num_kv > 0 ? spec.max_num_kv : std::max<int64_t>(1, capacity_ / 5);
+    slots_ = std::max<int64_t>(
+        2, static_cast<int64_t>(std::floor(in.options.h2o_budget * capacity_ + 1e-9)));
+    // Streamed weights: the host-resident tensors of a layer (every layer places alike), as
+    // loaded: matrices in the checkpoint dtype, biases and LayerNorm parameters widened to fp32.
+    const std::vector<WeightHome> homes = place_weights(c_, in.options.weights_gpu_percent);
+    const std::vector<OptTensorSpec> specs = opt_tensor_specs(c_);
+    for (size_t i = 2; i < 18; ++i) {
+      if (homes[i].on_device) continue;
+      const size_t element = specs[i].shape.size() == 1 ? 4 : w_;
+      weight_bytes_ += static_cast<uint64_t>(shape_numel(specs[i].shape)) * element;
+      weight_chunks_ += 1;
+    }
+    if (policy_ == KvPolicy::Infinigen) {
+      INFINIGEN_CHECK(!in.fetched_fraction.empty() || !in.fetched_rows.empty(),
+                      "cost model: policy infinigen needs the fetched share per layer "
+                      "(fetched_fraction) measured by a run");
+      for (const std::vector<uint64_t>& step : in.fetched_rows) {
+        INFINIGEN_CHECK(static_cast<int64_t>(step.size()) == L_, "cost model: fetched_rows has ",
+                        step.size(), " layers per step, the model ", L_);
+      }
+      for (double f : in.fetched_fraction) {
+        INFINIGEN_CHECK(f >= 0 && f <= 1, "cost model: fetched_fraction ", f,
+                        " is not a share in [0, 1]");
+      }
+    }
+  }
+
+  Schedule build() {
+    prefill();
+    for (int64_t step = 1; step < in_.gen_len; ++step) decode(step);
+    s_.steps = in_.gen_len;
+    return std::move(s_);
+  }
+
+ private:
+  bool offloads_kv() const { return policy_ != KvPolicy::Gpu; }
+  bool dense(int64_t layer) const { return layer < dense_layers_; }
+  bool speculated(int64_t layer) const { return policy_ == KvPolicy::Infinigen && !dense(layer); }
+  double f(int64_t v) const { return static_cast<double>(v); }
+
+  int32_t add(ScheduledOp op) {
+    s_.ops.push_back(std::move(op));
+    return static_cast<int32_t>(s_.ops.size() - 1);
+  }
+
+  // A compute op; the host waits recorded since the previous one become its dependencies.
+  int32_t compute(OpClass cls, const char* name, int64_t layer, double flops, double bytes) {
+    ScheduledOp op;
+    op.lane = Lane::Compute;
+    op.op_class = cls;
+    op.name = name;
+    op.step = step_;
+    op.layer = layer;
+    op.flops = flops;
+    op.device_bytes = bytes;
+    op.deps = std::move(waits_);
+    waits_.clear();
+    last_compute_ = add(std::move(op));
+    return last_compute_;
+  }
+  void wait(int32_t op) {
+    if (op >= 0) waits_.push_back(op);
+  }
+  void linear(const char* name, int64_t layer, int64_t M, int64_t N, int64_t K, size_t wbytes) {
+    const int32_t op =
+        compute(OpClass::Gemm, name, layer, linear_flops(M, N, K), linear_bytes(M, N, K, wbytes));
+    s_.ops[static_cast<size_t>(op)].rows = M;
+  }
+
+  // A transfer enqueued now (after the last compute op), ordered after `after` on its stream.
+  int32_t transfer(Lane lane, const char* name, int64_t layer, uint64_t bytes, double copy_bytes,
+                   double row_bytes, int64_t chunks, bool weights, int32_t after) {
+    ScheduledOp op;
+    op.lane = lane;
+    op.op_class = OpClass::Transfer;
+    op.name = name;
+    op.step = step_;
+    op.layer = layer;
+    (lane == Lane::Load ? op.h2d_bytes : op.d2h_bytes) = bytes;
+    op.weights = weights;
+    op.copy_bytes = copy_bytes;
+    op.row_bytes = row_bytes;
+    op.chunks = chunks;
+    if (last_compute_ >= 0) op.deps.push_back(last_compute_);
+    if (after >= 0) op.deps.push_back(after);
+    return add(std::move(op));
+  }
+
+  // Contiguous-run transfer of a KV range: one chunk per (K/V, sequence, head, block) run.
+  int64_t range_chunks(int64_t tokens) const {
+    const int64_t bt = in_.options.kv_block_tokens;
+    return 2 * B_ * H_ * ((tokens + bt - 1) / bt);
+  }
+
+  // StreamedLayers::layer(l): a layer not prefetched loads on first use; the host waits for the
+  // layer's weights, then prefetches the next layer (after the last one, layer 0 of the next
+  // pass) into the other buffer when it has the other parity.
+  void layer_weights(int64_t layer) {
+    if (weight_chunks_ == 0) return;
+    const size_t p = static_cast<size_t>(layer % 2);
+    if (staged_layer_[p] != layer) issue_weights(layer);
+    wait(weights_loaded_[p]);
+    const int64_t next = (layer + 1) % L_;
+    if (static_cast<size_t>(next % 2) != p && staged_layer_[1 - p] != next) {
+      // Enqueued once the host has seen this layer's weights arrive.
+      const int32_t seen = weights_loaded_[p];
+      issue_weights(next);
+      s_.ops.back().deps.push_back(seen);
+    }
+  }
+  void issue_weights(int64_t layer) {
+    const size_t p = static_cast<size_t>(layer % 2);
+    staged_layer_[p] = layer;
+    weights_loaded_[p] = transfer(Lane::Load, "weights", layer, weight_bytes_,
+                                  static_cast<double>(weight_bytes_), 0, weight_chunks_, true, -1);
+  }
+
+  // Policy infinigen: (sequence, head, token) rows decode step `step_` loads for `layer`.
+  uint64_t fetched_rows(int64_t layer, int64_t n) const {
+    const size_t step = static_cast<size_t>(step_ - 1);
+    if (step < in_.fetched_rows.size()) return in_.fetched_rows[step][static_cast<size_t>(layer)];
+    const std::vector<double>& share = in_.fetched_fraction;
+    double fraction = 0;
+    if (static_cast<int64_t>(share.size()) == L_) {
+      fraction = share[static_cast<size_t>(layer)];
+    } else {
+      // Relative depth among the speculated layers: the measured model's first dense_layers
+      // entries are its dense layers (everything loaded), which say nothing about how much a
+      // speculated layer of this model fetches.
+      const int64_t measured_dense = std::min<int64_t>(dense_layers_, share.size() - 1);
+      const int64_t measured = static_cast<int64_t>(share.size()) - measured_dense;
+      const double depth = (f(layer - dense_layers_) + 0.5) / f(L_ - dense_layers_);
+      const int64_t at = std::min<int64_t>(measured - 1,
+                                           static_cast<int64_t>(depth * static_cast<double>(measured)));
+      fraction = share[static_cast<size_t>(measured_dense + at)];
+    }
+    const int64_t per_row = std::clamp<int64_t>(static_cast<int64_t>(std::floor(fraction * f(n))),
+                                                1, std::min(max_num_kv_, n));
+    return static_cast<uint64_t>(per_row * B_ * H_);
+  }
+
+  int64_t h2o_count(int64_t tokens) const { return std::min(tokens, slots_); }
+
+  // The load of `layer`'s KV for this decode step (n tokens in the pool).
+  void issue_kv_load(int64_t layer, int64_t n) {
+    const size_t l = static_cast<size_t>(layer);
+    uint64_t bytes = 0;
+    double copy = 0, rows = 0;
+    int64_t chunks = 0;
+    switch (policy_) {
+      case KvPolicy::Full:
+      case KvPolicy::Infinigen:
+        if (speculated(layer)) {
+          const uint64_t fetched = fetched_rows(layer, n);
+          bytes = 2 * fetched * static_cast<uint64_t>(d_) * kv_;
+          rows = static_cast<double>(bytes);
+          chunks = 2 * static_cast<int64_t>(fetched);
+          fetch_per_row_[l] = static_cast<double>(fetched) / f(B_ * H_);
+        } else {
+          bytes = static_cast<uint64_t>(2 * B_ * H_ * n * d_) * kv_;
+          copy = static_cast<double>(bytes);
+          chunks = range_chunks(n);
+        }
+        break;
+      case KvPolicy::Int4:
+        bytes = static_cast<uint64_t>(2 * B_ * H_ * n) * int4_row_bytes(d_);
+        copy = static_cast<double>(bytes);
+        chunks = 4 * B_ * H_;  // codes and meta per (K/V, sequence, head)
+        break;
+      case KvPolicy::H2o:
+        bytes = static_cast<uint64_t>(2 * B_ * H_ * h2o_count(n) * d_) * kv_;
+        copy = static_cast<double>(bytes);
+        chunks = 2 * B_ * H_;
+        break;
+      case KvPolicy::Gpu:
+        return;
+    }
+    // The pool must hold the previous step's token of this layer before it is read.
+    loaded_[l] =
+        transfer(Lane::Load, "kv_load", layer, bytes, copy, rows, chunks, false, stored_[l]);
+  }
+
+  void kv_store(int64_t layer, uint64_t bytes, int64_t chunks, int32_t after) {
+    stored_[static_cast<size_t>(layer)] = transfer(
+        Lane::Store, "kv_store", layer, bytes, static_cast<double>(bytes), 0, chunks, false, after);
+  }
+
+  void prefill() {
+    step_ = 0;
+    const int64_t P = in_.prompt_len, rows = B_ * P;
+    compute(OpClass::Elementwise, "embed", -1, 0, 12.0 * f(rows * D_));
+    for (int64_t l = 0; l < L_; ++l) {
+      layer_weights(l);
+      compute(OpClass::Elementwise, "layer_norm", l, 0, layer_norm_bytes(rows, D_));
+      linear("q_proj", l, rows, D_, D_, w_);
+      compute(OpClass::Elementwise, "scale", l, 0, 8.0 * f(rows * D_));
+      linear("k_proj", l, rows, D_, D_, w_);
+      linear("v_proj", l, rows, D_, D_, w_);
+      const double kv_rows = 2.0 * f(rows * D_) * static_cast<double>(4 + kv_);
+      switch (policy_) {
+        case KvPolicy::Gpu:
+          compute(OpClass::Elementwise, "kv_append", l, 0, kv_rows);
+          break;
+        case KvPolicy::Full:
+        case KvPolicy::Infinigen: {
+          if (l >= 2) wait(stored_[static_cast<size_t>(l - 2)]);  // the staging buffer's reader
+          compute(OpClass::Elementwise, "kv_append", l, 0, kv_rows);
+          kv_store(l, static_cast<uint64_t>(2 * rows * D_) * kv_, range_chunks(P), -1);
+          if (speculated(l)) {  // partial columns, weights and key cache
+            compute(OpClass::Elementwise, "partial_build", l, 0,
+                    8.0 * f(rows * D_) + 4.0 * f(rows * H_ * r_) + 4.0 * f(H_ * r_ * D_));
+          }
+          break;
+        }
+        case KvPolicy::Int4:
+          if (l >= 2) wait(stored_[static_cast<size_t>(l - 2)]);
+          compute(OpClass::Codec, "int4_quantize", l, 0, 2.0 * f(rows * D_) * 2.0);
+          kv_store(l, static_cast<uint64_t>(2 * rows * H_) * int4_row_bytes(d_), 4 * B_ * H_, -1);
+          break;
+        case KvPolicy::H2o: {
+          // Every valid query's causal softmax over the valid keys: a d-long dot and an exp per
+          // visible pair.
+          const double pairs = f(P) * f(P + 1) / 2.0;
+          compute(OpClass::Scoring, "h2o_scores", l, f(B_ * H_) * pairs * f(2 * d_ + 4), 0);
+          const int64_t kept = h2o_count(P);
+          wait(staging_read_[static_cast<size_t>(l % 2)]);
+          compute(OpClass::Elementwise, "kv_append", l, 0, 2.0 * f(B_ * H_ * kept * d_) * 6.0);
+          kv_store(l, static_cast<uint64_t>(2 * B_ * H_ * kept * d_) * kv_, 2 * B_ * H_, -1);
+          staging_read_[static_cast<size_t>(l % 2)] = stored_[static_cast<size_t>(l)];
+          break;
+        }
+      }
+      compute(OpClass::AttentionPrefill, "attention", l, attention_prefill_flops(B_, H_, P, d_),
+              4.0 * 4.0 * f(rows * D_));
+      block_tail(l, rows);
+    }
+    s_.prefill_end.push_back(last_compute_);
+    // end_pass: the prefill's stores read the staging buffers the first decode loads overwrite.
+    if (offloads_kv()) {
+      for (int32_t stored : stored_) wait(stored);
+    }
+    compute(OpClass::Elementwise, "last_rows", -1, 0, 8.0 * f(B_ * D_));
+    lm_head_and_sample();
+  }
+
+  void decode(int64_t step) {
+    step_ = step;
+    const int64_t n = in_.prompt_len + step - 1;  // tokens in the pool when the step starts
+    fetch_per_row_.assign(static_cast<size_t>(L_), 0.0);
+    if (offloads_kv()) issue_kv_load(0, n);  // begin_pass
+    compute(OpClass::Elementwise, "embed", -1, 0, 12.0 * f(B_ * D_));
+    for (int64_t l = 0; l < L_; ++l) {
+      const size_t p = static_cast<size_t>(l % 2);
+      // begin_layer: the next layer's load into the other buffer (speculated layers load from
+      // observe instead).
+      if (offloads_kv() && l + 1 < L_ && !speculated(l + 1)) issue_kv_load(l + 1, n);
+      layer_weights(l);
+      compute(OpClass::Elementwise, "layer_norm", l, 0, layer_norm_bytes(B_, D_));
+      linear("q_proj", l, B_, D_, D_, w_);
+      compute(OpClass::Elementwise, "scale", l, 0, 8.0 * f(B_ * D_));
+      linear("k_proj", l, B_, D_, D_, w_);
+      linear("v_proj", l, B_, D_, D_, w_);
+      // observe: speculation of the next layer's attention, then its load.
+      if (l + 1 < L_ && speculated(l + 1)) {
+        linear("partial_query", l, B_, H_ * r_, D_, 4);
+        compute(OpClass::Speculation, "speculate", l, 0, 4.0 * f(B_ * H_ * n * r_));
+        issue_kv_load(l + 1, n);
+      }
+      const double row_writes = 2.0 * f(B_ * D_) * static_cast<double>(4 + kv_);
+      double rows_read = f(n + 1);  // attention's KV rows per (sequence, head)
+      switch (policy_) {
+        case KvPolicy::Gpu:
+          compute(OpClass::Elementwise, "kv_append", l, 0, row_writes);
+          break;
+        case KvPolicy::Full:
+        case KvPolicy::Infinigen:
+          // The new row joins the staging buffer, then (once the store of the previous layer of
+          // this parity has read the store buffer) the store buffer, and goes to the pool.
+          compute(OpClass::Elementwise, "kv_append", l, 0, row_writes);
+          wait(store_buffer_read_[p]);
+          compute(OpClass::Elementwise, "kv_store_buffer", l, 0, row_writes);
+          kv_store(l, static_cast<uint64_t>(2 * B_ * D_) * kv_, 2 * B_ * H_, -1);
+          store_buffer_read_[p] = stored_[static_cast<size_t>(l)];
+          if (speculated(l)) {
+            compute(OpClass::Elementwise, "partial_append", l, 0, 8.0 * f(B_ * H_ * r_));
+            rows_read = fetch_per_row_[static_cast<size_t>(l)] + 1;
+          }
+          break;
+        case KvPolicy::Int4:
+          wait(store_buffer_read_[p]);
+          compute(OpClass::Codec, "int4_quantize", l, 0, 4.0 * f(B_ * D_));
+          kv_store(l, static_cast<uint64_t>(2 * B_ * H_) * int4_row_bytes(d_), 4 * B_ * H_, -1);
+          store_buffer_read_[p] = stored_[static_cast<size_t>(l)];
+          compute(OpClass::Codec, "int4_dequantize_new", l, 0, 4.0 * f(B_ * D_));
+          break;
+        case KvPolicy::H2o: {
+          const int64_t count = h2o_count(n);
+          rows_read = f(count + 1);
+          // The new token into staging row `slots` once the store that last read it is done,
+          // the new query's softmax over the kept entries and the victim search, then the row
+          // to the pool after this step's load of the layer (which may read the victim's old
+          // row).
+          wait(staging_read_[p]);
+          compute(OpClass::Elementwise, "kv_append", l, 0, row_writes);
+          compute(OpClass::Scoring, "h2o_scores", l, f(B_ * H_ * (count + 1) * (2 * d_ + 6)), 0);
+          kv_store(l, static_cast<uint64_t>(2 * B_ * D_) * kv_, 2 * B_ * H_,
+                   loaded_[static_cast<size_t>(l)]);
+          staging_read_[p] = stored_[static_cast<size_t>(l)];
+          break;
+        }
+      }
+      // view: the host waits for this layer's load.
+      if (offloads_kv()) wait(loaded_[static_cast<size_t>(l)]);
+      if (policy_ == KvPolicy::Int4) {
+        compute(OpClass::Codec, "int4_dequantize", l, 0, 4.0 * f(B_ * H_ * n * d_));
+      }
+      compute(OpClass::AttentionDecode, "attention", l,
+              attention_decode_flops(B_, H_, 1, d_) * rows_read,
+              attention_decode_bytes(B_, H_, 1, d_, kv_) * rows_read);
+      block_tail(l, B_);
+    }
+    lm_head_and_sample();
+  }
+
+  // Output projection, residual, the FFN block and its residual.
+  void block_tail(int64_t l, int64_t rows) {
+    linear("out_proj", l, rows, D_, D_, w_);
+    compute(OpClass::Elementwise, "residual", l, 0, 12.0 * f(rows * D_));
+    compute(OpClass::Elementwise, "layer_norm", l, 0, layer_norm_bytes(rows, D_));
+    linear("fc1", l, rows, F_, D_, w_);
+    linear("fc2", l, rows, D_, F_, w_);
+    compute(OpClass::Elementwise, "residual", l, 0, 12.0 * f(rows * D_));
+  }
+
+  void lm_head_and_sample() {
+    compute(OpClass::Elementwise, "final_norm", -1, 0, layer_norm_bytes(B_, D_));
+    linear("lm_head", -1, B_, c_.vocab_size, D_, w_);
+    s_.step_end.push_back(
+        compute(OpClass::Elementwise, "sample", -1, 0, 4.0 * f(B_ * c_.vocab_size)));
+  }
+
+  const CostModelInput& in_;
+  const ModelConfig& c_;
+  KvPolicy policy_;
+  int64_t B_, H_, d_, D_, F_, L_;
+  size_t kv_, w_;
+  int64_t capacity_;
+  int64_t dense_layers_ = 0, r_ = 1, max_num_kv_ = 1, slots_ = 2;
+  uint64_t weight_bytes_ = 0;
+  int64_t weight_chunks_ = 0;
+
+  Schedule s_;
+  int64_t step_ = 0;
+  int32_t last_compute_ = -1;
+  std::vector<int32_t> waits_;
+  std::vector<int32_t> stored_;  // per layer: latest store into the pool
+  std::vector<int32_t> loaded_;  // per layer: this step's load
+  std::vector<double> fetch_per_row_;
+  int32_t store_buffer_read_[2] = {-1, -1};
+  int32_t staging_read_[2] = {-1, -1};
+  int64_t staged_layer_[2] = {-1, -1};
+  int32_t weights_loaded_[2] = {-1, -1};
+};
+
+bool cpu_backend(const HardwareProfile& p) {
+  return p.backend == "cpu";
+}
+
+// Host copy work of a transfer (seconds at the solo rate), as the engine does it.
+double host_copy_seconds(const ScheduledOp& op, const HardwareProfile& p) {
+  if (op.row_bytes == 0 && op.copy_bytes == 0) return 0;
+  const bool parallel = op.chunks >= kParallelChunks;
+  const double rows_rate = parallel ? p.host_gather_bytes_per_s : p.host_row_copy_bytes_per_s;
+  return op.copy_bytes / p.host_copy_bytes_per_s + op.row_bytes / rows_rate;
+}
+
+double link_seconds(const ScheduledOp& op, const HardwareProfile& p) {
+  const double bytes = static_cast<double>(op.h2d_bytes + op.d2h_bytes);
+  const double rate = op.lane == Lane::Store ? p.d2h_bytes_per_s : p.h2d_bytes_per_s;
+  return p.transfer_latency_s + (std::isinf(rate) ? 0.0 : bytes / rate);
+}
+
+// Work (seconds at the solo rate, on host or device) and the shortest time an op can take.
+struct OpCost {
+  double work = 0;
+  double floor = 0;
+  bool host_copy = false;  // its work is host copying (contends with compute on the CPU backend)
+};
+
+OpCost op_cost(const ScheduledOp& op, const HardwareProfile& p, bool cached) {
+  OpCost cost;
+  if (op.op_class == OpClass::Transfer) {
+    cost.floor = link_seconds(op, p);
+    // On the CPU backend the transfer thread copies, then sleeps out the emulated link time.
+    if (cpu_backend(p)) {
+      cost.work = host_copy_seconds(op, p);
+      cost.host_copy = true;
+    }
+    return cost;
+  }
+  if (op.op_class == OpClass::Gather) {
+    cost.work = op.row_bytes / p.host_gather_bytes_per_s;
+    cost.host_copy = true;
+    return cost;
+  }
+  const double inf = std::numeric_limits<double>::infinity();
+  double flop_rate = inf, byte_rate = inf;
+  switch (op.op_class) {
+    case OpClass::Gemm:
+      flop_rate = p.gemm_flops;
+      if (op.rows == 1) {
+        byte_rate = cached ? p.gemv_cache_bytes_per_s : p.gemv_bytes_per_s;
+      } else {
+        byte_rate = cached ? p.device_cache_bytes_per_s : p.device_memory_bytes_per_s;
+      }
+      break;
+    case OpClass::AttentionPrefill:
+      flop_rate = p.attention_flops;
+      byte_rate = p.device_memory_bytes_per_s;
+      break;
+    case OpClass::AttentionDecode:
+      flop_rate = p.attention_flops;
+      byte_rate = p.attention_bytes_per_s;
+      break;
+    case OpClass::Elementwise:
+      byte_rate = p.elementwise_bytes_per_s;
+      break;
+    case OpClass::Codec:
+      byte_rate = p.kv_codec_bytes_per_s;
+      break;
+    case OpClass::Speculation:
+      byte_rate = p.speculation_bytes_per_s;
+      break;
+    case OpClass::Scoring:
+      flop_rate = p.scoring_flops;
+      break;
+    default:
+      break;
+  }
+  cost.work = p.op_overhead_s + std::max(op.flops / flop_rate, op.device_bytes / byte_rate);
+  return cost;
+}
+
+// On the cuda backend a transfer of scattered rows is a host gather into pinned staging followed
+// by one DMA: the gather becomes its own op on the gather lane.
+Schedule with_gather_lane(const Schedule& in, std::vector<int32_t>* original_index) {
+  Schedule out;
+  out.steps = in.steps;
+  std::vector<int32_t> remap(in.ops.size());
+  for (size_t i = 0; i < in.ops.size(); ++i) {
+    ScheduledOp op = in.ops[i];
+    for (int32_t& dep : op.deps) dep = remap[static_cast<size_t>(dep)];
+    if (op.op_class == OpClass::Transfer && op.row_bytes > 0) {
+      ScheduledOp gather = op;
+      gather.lane = Lane::Gather;
+      gather.op_class = OpClass::Gather;
+      gather.name = op.name + "_gather";
+      gather.h2d_bytes = gather.d2h_bytes = 0;
+      out.ops.push_back(std::move(gather));
+      original_index->push_back(-1);
+      op.deps = {static_cast<int32_t>(out.ops.size() - 1)};
+    }
+    remap[i] = static_cast<int32_t>(out.ops.size());
+    out.ops.push_back(std::move(op));
+    original_index->push_back(static_cast<int32_t>(i));
+  }
+  return out;
+}
+
+std::vector<OpTiming> run_lanes(const Schedule& schedule, const HardwareProfile& p) {
+  const std::vector<ScheduledOp>& ops = schedule.ops;
+  const size_t n = ops.size();
+  const std::vector<bool> cached = step_weights_cached(schedule, p);
+  std::vector<OpCost> cost(n);
+  for (size_t i = 0; i < n; ++i) {
+    cost[i] = op_cost(ops[i], p, cached[static_cast<size_t>(ops[i].step)]);
+  }
+  std::vector<std::vector<int32_t>> lane_ops(kLanes);
+  for (size_t i = 0; i < n; ++i) {
+    lane_ops[static_cast<size_t>(ops[i].lane)].push_back(static_cast<int32_t>(i));
+  }
+  std::vector<OpTiming> timing(n);
+  std::vector<double> remaining(n);
+  std::vector<char> done(n, 0);
+  std::vector<size_t> next(kLanes, 0);
+  std::vector<int32_t> active(kLanes, -1);
+  double t = 0;
+  size_t finished = 0;
+  constexpr double kEps = 1e-15;
+  while (finished < n) {
+    // Start every op whose lane is free and whose dependencies are done.
+    for (int lane = 0; lane < kLanes; ++lane) {
+      if (active[lane] >= 0 || next[lane] >= lane_ops[lane].size()) continue;
+      const int32_t i = lane_ops[lane][next[lane]];
+      bool ready = true;
+      for (int32_t dep : ops[static_cast<size_t>(i)].deps) ready = ready && done[dep];
+      if (!ready) continue;
+      active[lane] = i;
+      timing[i].start = t;
+      remaining[i] = cost[i].work;
+      ++next[lane];
+    }
+    // Rates: compute and host copies slow each other while both run (shared host cores).
+    bool computing = false, copying = false;
+    for (int lane = 0; lane < kLanes; ++lane) {
+      const int32_t i = active[lane];
+      if (i < 0 || remaining[i] <= kEps) continue;
+      if (cost[i].host_copy) {
+        copying = true;
+      } else {
+        computing = true;
+      }
+    }
+    double dt = std::numeric_limits<double>::infinity();
+    std::vector<double> rate(kLanes, 1.0);
+    bool any = false;
+    for (int lane = 0; lane < kLanes; ++lane) {
+      const int32_t i = active[lane];
+      if (i < 0) continue;
+      any = true;
+      if (cost[i].host_copy && computing) rate[lane] = 1.0 / p.copy_slowdown_under_compute;
+      if (!cost[i].host_copy && copying) rate[lane] = 1.0 / p.compute_slowdown_under_copy;
+      if (remaining[i] > kEps) {
+        dt = std::min(dt, remaining[i] / rate[lane]);
+      } else {
+        dt = std::min(dt, std::max(0.0, timing[i].start + cost[i].floor - t));
+      }
+    }
+    INFINIGEN_CHECK(any, "cost model: the schedule deadlocks at op ", next[0],
+                    " (a dependency "
+                    "on a later op)");
+    t += dt;
+    for (int lane = 0; lane < kLanes; ++lane) {
+      const int32_t i = active[lane];
+      if (i < 0) continue;
+      remaining[i] = std::max(0.0, remaining[i] - rate[lane] * dt);
+      // Relative slack: `t` accumulates rounding over many events.
+      const double slack = kEps + 1e-12 * t;
+      if (remaining[i] <= slack && timing[i].start + cost[i].floor <= t + slack) {
+        timing[i].end = std::max(t, timing[i].start + cost[i].floor);
+        done[i] = 1;
+        active[lane] = -1;
+        ++finished;
+      }
+    }
+  }
+  return timing;
+}
+
+}  // namespace
+
+Schedule run_schedule(const CostModelInput& input) {
+  return ScheduleBuilder(input).build();
+}
+
+std::vector<bool> step_weights_cached(const Schedule& schedule, const HardwareProfile& profile) {
+  // A step's working set: every byte its ops stream (weights, KV read by attention, activations)
+  // plus, for each transfer, its source and its destination, which on the CPU backend share the
+  // host's cache with the weights. Weights stay cached across steps only if all of it fits.
+  std::vector<double> bytes(static_cast<size_t>(schedule.steps), 0.0);
+  for (const ScheduledOp& op : schedule.ops) {
+    bytes[static_cast<size_t>(op.step)] +=
+        op.device_bytes + 2.0 * static_cast<double>(op.h2d_bytes + op.d2h_bytes);
+  }
+  std::vector<bool> cached(bytes.size());
+  for (size_t s = 0; s < bytes.size(); ++s) cached[s] = bytes[s] <= profile.device_cache_bytes;
+  return cached;
+}
+
+double op_seconds(const ScheduledOp& op, const HardwareProfile& profile, bool cached) {
+  const OpCost cost = op_cost(op, profile, cached);
+  double seconds = std::max(cost.work, cost.floor);
+  if (op.op_class == OpClass::Transfer && !cpu_backend(profile) && op.row_bytes > 0) {
+    seconds += op.row_bytes / profile.host_gather_bytes_per_s;  // the gather before the DMA
+  }
+  return seconds;
+}
+
+std::vector<OpTiming> simulate(const Schedule& schedule, const HardwareProfile& profile) {
+  if (cpu_backend(profile)) return run_lanes(schedule, profile);
+  std::vector<int32_t> original;
+  const Schedule expanded = with_gather_lane(schedule, &original);
+  const std::vector<OpTiming> all = run_lanes(expanded, profile);
+  std::vector<OpTiming> timing(schedule.ops.size());
+  for (size_t i = 0; i < all.size(); ++i) {
+    if (original[i] >= 0) timing[static_cast<size_t>(original[i])] = all[i];
+  }
+  return timing;
+}
+
+PredictedRun predict_run(const CostModelInput& input, const HardwareProfile& profile) {
+  PredictedRun run;
+  MemoryRequest memory;
+  memory.config = input.config;
+  memory.batch = input.batch;
+  memory.prompt_len = input.prompt_len;
+  memory.gen_len = input.gen_len;
+  memory.policy = input.options.policy;
+  memory.weights_gpu_percent = input.options.weights_gpu_percent;
+  memory.kv_dtype = input.kv_dtype;
+  memory.kv_block_tokens = input.options.kv_block_tokens;
+  memory.partial_ratio = input.options.speculation.partial_ratio;
+  memory.h2o_budget = input.options.h2o_budget;
+  memory.device_capacity =
+      static_cast<size_t>(std::min(profile.device_memory_bytes, static_cast<double>(SIZE_MAX / 2)));
+  memory.host_capacity = SIZE_MAX / 2;  // the profile describes the device side only
+  try {
+    plan_memory(memory);
+  } catch (const Error& e) {
+    run.fits = false;
+    run.does_not_fit = e.what();
+    return run;
+  }
+
+  const Schedule schedule = run_schedule(input);
+  const std::vector<OpTiming> timing = simulate(schedule, profile);
+  const int64_t L = input.config.num_layers;
+  run.steps.resize(static_cast<size_t>(schedule.steps));
+  for (PredictedStep& step : run.steps) step.layers.resize(static_cast<size_t>(L));
+  double previous_compute_end = 0;
+  for (size_t i = 0; i < schedule.ops.size(); ++i) {
+    const ScheduledOp& op = schedule.ops[i];
+    PredictedStep& step = run.steps[static_cast<size_t>(op.step)];
+    step.h2d_bytes += op.h2d_bytes;
+    step.d2h_bytes += op.d2h_bytes;
+    const double seconds = timing[i].end - timing[i].start;
+    if (op.lane == Lane::Compute) {
+      const double idle = std::max(0.0, timing[i].start - previous_compute_end);
+      previous_compute_end = timing[i].end;
+      if (op.layer < 0) continue;
+      PredictedLayer& layer = step.layers[static_cast<size_t>(op.layer)];
+      layer.compute_s += seconds;
+      layer.exposed_load_wait_s += idle;
+      continue;
+    }
+    if (op.layer < 0) continue;
+    PredictedLayer& layer = step.layers[static_cast<size_t>(op.layer)];
+    layer.h2d_bytes += op.h2d_bytes;
+    layer.d2h_bytes += op.d2h_bytes;
+    (op.weights ? layer.weight_h2d_bytes : layer.kv_h2d_bytes) += op.h2d_bytes;
+    (op.lane == Lane::Store ? layer.store_s : layer.load_s) += seconds;
+  }
+  double previous_end = 0;
+  for (int64_t s = 0; s < schedule.steps; ++s) {
+    const double end = timing[static_cast<size_t>(schedule.step_end[static_cast<size_t>(s)])].end;
+    run.steps[static_cast<size_t>(s)].seconds = end - previous_end;
+    previous_end = end;
+  }
+  run.prefill = run.steps[0];
+  run.prefill_s = run.steps[0].seconds;
+  uint64_t decode_h2d = 0;
+  for (int64_t s = 1; s < schedule.steps; ++s) {
+    run.decode_s += run.steps[static_cast<size_t>(s)].seconds;
+    decode_h2d += run.steps[static_cast<size_t>(s)].h2d_bytes;
+  }
+  if (schedule.steps > 1) {
+    run.middle_decode_step =
+        run.steps[static_cast<size_t>(std::max<int64_t>(1, schedule.steps / 2))];
+    run.mean_h2d_bytes_per_decode_step =
+        static_cast<double>(decode_h2d) / static_cast<double>(schedule.steps - 1);
+  }
+  const double total = run.prefill_s + run.decode_s;
+  run.throughput_tok_s = total > 0 ? static_cast<double>(input.batch * input.gen_len) / total : 0.0;
+  return run;
+}
+
+}  // namespace infinigen

@@ -1,0 +1,424 @@
+// offload: timing the CPU backend's ops and transfers into a hardware profile.
+#include "offload/profile_measurement.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "core/model_loader.h"
+#include "core/ops.h"
+#include "offload/cost_model.h"
+#include "offload/int4_codec.h"
+#include "offload/transfer_engine.h"
+#include "speculate/speculation.h"
+
+namespace infinigen {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_of(const std::function<void()>& run) {
+  const Clock::time_point start = Clock::now();
+  run();
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// Median seconds of `reps` runs after `warmup` untimed ones.
+double median_seconds(const std::function<void()>& run, int reps, int warmup = 2) {
+  for (int i = 0; i < warmup; ++i) run();
+  std::vector<double> times;
+  for (int i = 0; i < reps; ++i) times.push_back(seconds_of(run));
+  std::nth_element(times.begin(), times.begin() + reps / 2, times.end());
+  return times[static_cast<size_t>(reps / 2)];
+}
+
+// A CPU tensor of values uniform in [-1, 1), stored as `dtype` (no denormals, no NaN).
+Tensor random_tensor(const Shape& shape, DType dtype, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  std::vector<float> values(static_cast<size_t>(shape_numel(shape)));
+  for (float& v : values) v = uniform(rng);
+  const Tensor t = Tensor::from_floats(shape, values);
+  return dtype == DType::F32 ? t : t.to_dtype(dtype);
+}
+
+// Pinned host bytes freed on scope exit.
+struct Pinned {
+  explicit Pinned(size_t bytes) : data(static_cast<char*>(pinned_alloc(bytes))), size(bytes) {
+    std::memset(data, 1, bytes);
+  }
+  ~Pinned() { pinned_free(data); }
+  Pinned(const Pinned&) = delete;
+  Pinned& operator=(const Pinned&) = delete;
+  char* data;
+  size_t size;
+};
+
+// `count` chunks of `bytes` each from random distinct slots of `src` into consecutive `dst`.
+std::vector<CopyChunk> scattered_chunks(char* dst, const Pinned& src, size_t bytes, size_t count,
+                                        uint64_t seed) {
+  const size_t slots = src.size / bytes;
+  std::vector<size_t> order(slots);
+  for (size_t i = 0; i < slots; ++i) order[i] = i;
+  std::shuffle(order.begin(), order.end(), std::mt19937_64(seed));
+  std::vector<CopyChunk> chunks;
+  for (size_t i = 0; i < count; ++i) {
+    chunks.push_back({dst + i * bytes, src.data + order[i] * bytes, bytes});
+  }
+  return chunks;
+}
+
+// One OPT-like decode-shape projection repeated over a rotating set of weight matrices bigger
+// than the last-level cache, so weights stream from memory as a real model's do.
+class DecodeLinear {
+ public:
+  DecodeLinear(int64_t M, int64_t N, int64_t K, int copies)
+      : M_(M),
+        N_(N),
+        K_(K),
+        x_(random_tensor({M, K}, DType::F32, 1)),
+        y_(Tensor::empty({M, N}, DType::F32)),
+        bias_(random_tensor({N}, DType::F32, 2)) {
+    for (int i = 0; i < copies; ++i) {
+      weights_.push_back(random_tensor({N, K}, DType::F16, 10 + static_cast<uint64_t>(i)));
+    }
+  }
+  void run() {
+    ops::linear(x_, weights_[next_], bias_, y_);
+    next_ = (next_ + 1) % weights_.size();
+  }
+  double flops() const { return linear_flops(M_, N_, K_); }
+  double bytes() const { return linear_bytes(M_, N_, K_, 2); }
+
+ private:
+  int64_t M_, N_, K_;
+  Tensor x_, y_, bias_;
+  std::vector<Tensor> weights_;
+  size_t next_ = 0;
+};
+
+// The host CPU's model name (/proc/cpuinfo), or "an unknown CPU".
+std::string cpu_name() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (!line.starts_with("model name")) continue;
+    const size_t colon = line.find(':');
+    if (colon != std::string::npos && colon + 2 <= line.size()) return line.substr(colon + 2);
+  }
+  return "an unknown CPU";
+}
+
+// Bytes of the host's largest cache level (the last-level cache); 0 when unknown.
+size_t last_level_cache_bytes() {
+  size_t best = 0;
+  int best_level = 0;
+  for (int index = 0; index < 8; ++index) {
+    const std::string dir = cat("/sys/devices/system/cpu/cpu0/cache/index", index, "/");
+    std::ifstream level_file(dir + "level"), size_file(dir + "size");
+    int level = 0;
+    std::string size;
+    if (!(level_file >> level) || !(size_file >> size) || size.empty()) continue;
+    size_t bytes = std::strtoull(size.c_str(), nullptr, 10);
+    if (size.back() == 'K') bytes <<= 10;
+    if (size.back() == 'M') bytes <<= 20;
+    if (level > best_level) {
+      best_level = level;
+      best = bytes;
+    }
+  }
+  return best;
+}
+
+}  // namespace
+
+HardwareProfile measure_cpu_backend_profile(
+    const std::function<void(const std::string&)>& progress) {
+  const auto say = [&](const std::string& line) {
+    if (progress) progress(line);
+  };
+  HardwareProfile p;
+  p.name = "cpu-backend";
+  p.backend = "cpu";
+  const unsigned threads = std::max(1u, std::thread::hardware_concurrency());
+  p.description = cat("the engine's CPU backend (emulated device in host memory) on ", cpu_name(),
+                      ", ", threads, " hardware threads; measured by measure_cpu_backend_profile");
+  const std::string how = "measured by measure_cpu_backend_profile: median of repeated runs of ";
+
+  p.device_memory_bytes = static_cast<double>(available_host_memory());
+  p.sources["device_memory_bytes"] = "available host memory when measured (MemAvailable)";
+
+  // Fixed cost of an op: a residual add of 16 elements, all bookkeeping and no work.
+  {
+    Tensor y = random_tensor({1, 16}, DType::F32, 3);
+    const Tensor x = random_tensor({1, 16}, DType::F32, 4);
+    p.op_overhead_s = median_seconds([&] { ops::add_inplace(y, x); }, 2001, 50);
+    p.sources["op_overhead_s"] = how + "ops::add_inplace on 16 elements";
+    say(cat("op overhead: ", p.op_overhead_s * 1e6, " us"));
+  }
+  const double overhead = p.op_overhead_s;
+  const auto rate = [&](double amount, double seconds) {
+    return amount / std::max(seconds - overhead, 1e-9);
+  };
+
+  // Prefill-shape GEMM: compute-bound.
+  {
+    const int64_t M = 512, N = 1024, K = 1024;
+    const Tensor x = random_tensor({M, K}, DType::F32, 5);
+    const Tensor w = random_tensor({N, K}, DType::F16, 6);
+    const Tensor b = random_tensor({N}, DType::F32, 7);
+    Tensor y = Tensor::empty({M, N}, DType::F32);
+    const double t = median_seconds([&] { ops::linear(x, w, b, y); }, 9);
+    p.gemm_flops = rate(linear_flops(M, N, K), t);
+    p.sources["gemm_flops"] = how + "ops::linear x (512, 1024) . w (1024, 1024)^T, fp16 weights";
+    say(cat("gemm (prefill shape): ", p.gemm_flops / 1e9, " GFLOP/s"));
+  }
+  // Decode-shape projections: weight streaming from memory (fp16 matrices rotating over 128 MiB,
+  // beyond the last-level cache) and from the cache (rotating over half of it), for a few rows
+  // and for one row (Eigen's matrix-vector path).
+  p.device_cache_bytes = static_cast<double>(last_level_cache_bytes());
+  p.sources["device_cache_bytes"] = "the host's largest cache level (sysfs cpu0 cache)";
+  say(cat("last-level cache: ", p.device_cache_bytes / 1048576.0, " MiB"));
+  const auto streaming = [&](int64_t M, int64_t N, double set_bytes) {
+    const int copies = std::max(2, static_cast<int>(set_bytes / static_cast<double>(N * N * 2)));
+    DecodeLinear linear(M, N, N, copies);
+    const double t = median_seconds([&] { linear.run(); }, std::max(41, 4 * copies + 1), copies);
+    return rate(linear.bytes(), t);
+  };
+  const double memory_set = 128.0 * 1048576.0, cache_set = p.device_cache_bytes / 2;
+  p.device_memory_bytes_per_s = streaming(4, 2048, memory_set);
+  p.device_cache_bytes_per_s = streaming(4, 1024, cache_set);
+  p.gemv_bytes_per_s = streaming(1, 2048, memory_set);
+  p.gemv_cache_bytes_per_s = streaming(1, 1024, cache_set);
+  p.sources["device_memory_bytes_per_s"] =
+      how + "ops::linear x (4, 2048) . w (2048, 2048)^T, fp16 weights rotating over 128 MiB";
+  p.sources["device_cache_bytes_per_s"] =
+      how +
+      "ops::linear x (4, 1024) . w (1024, 1024)^T, fp16 weights rotating over half the "
+      "last-level cache";
+  p.sources["gemv_bytes_per_s"] =
+      how + "ops::linear x (1, 2048) . w (2048, 2048)^T, fp16 weights rotating over 128 MiB";
+  p.sources["gemv_cache_bytes_per_s"] =
+      how +
+      "ops::linear x (1, 1024) . w (1024, 1024)^T, fp16 weights rotating over half the "
+      "last-level cache";
+  say(cat("weight streaming (decode shape): ", p.device_memory_bytes_per_s / 1e9,
+          " GB/s from memory, ", p.device_cache_bytes_per_s / 1e9, " GB/s from cache; one row: ",
+          p.gemv_bytes_per_s / 1e9, " and ", p.gemv_cache_bytes_per_s / 1e9, " GB/s"));
+  // Attention.
+  {
+    const int64_t B = 2, H = 8, n = 256, d = 128;
+    const Tensor q = random_tensor({B * n, H * d}, DType::F32, 8);
+    const Tensor k = random_tensor({B * n, H * d}, DType::F32, 9);
+    const Tensor v = random_tensor({B * n, H * d}, DType::F32, 10);
+    Tensor out = Tensor::empty({B * n, H * d}, DType::F32);
+    const std::vector<int32_t> first_valid(static_cast<size_t>(B), 0);
+    const double t =
+        median_seconds([&] { ops::attention_prefill(q, k, v, out, B, H, first_valid); }, 7);
+    p.attention_flops = rate(attention_prefill_flops(B, H, n, d), t);
+    p.sources["attention_flops"] = how + "ops::attention_prefill, B 2, H 8, n 256, d 128";
+    say(cat("attention (prefill): ", p.attention_flops / 1e9, " GFLOP/s"));
+  }
+  {
+    const int64_t B = 4, H = 8, n = 1024, d = 128;
+    const Tensor q = random_tensor({B, H * d}, DType::F32, 11);
+    const Tensor k = random_tensor({B, H, n, d}, DType::F16, 12);
+    const Tensor v = random_tensor({B, H, n, d}, DType::F16, 13);
+    Tensor out = Tensor::empty({B, H * d}, DType::F32);
+    const std::vector<int32_t> first_valid(static_cast<size_t>(B), 0);
+    const double t =
+        median_seconds([&] { ops::attention_decode(q, k, v, out, n, first_valid); }, 21);
+    p.attention_bytes_per_s = rate(attention_decode_bytes(B, H, n, d, 2), t);
+    p.sources["attention_bytes_per_s"] =
+        how + "ops::attention_decode over fp16 KV, B 4, H 8, 1024 rows, d 128";
+    say(cat("attention (decode): ", p.attention_bytes_per_s / 1e9, " GB/s of KV"));
+  }
+  // Elementwise: LayerNorm.
+  {
+    const int64_t rows = 512, D = 1024;
+    const Tensor x = random_tensor({rows, D}, DType::F32, 14);
+    const Tensor g = random_tensor({D}, DType::F32, 15);
+    const Tensor b = random_tensor({D}, DType::F32, 16);
+    Tensor y = Tensor::empty({rows, D}, DType::F32);
+    const double t = median_seconds([&] { ops::layer_norm(x, g, b, 1e-5f, y); }, 21);
+    p.elementwise_bytes_per_s = rate(layer_norm_bytes(rows, D), t);
+    p.sources["elementwise_bytes_per_s"] = how + "ops::layer_norm on (512, 1024) fp32";
+    say(cat("elementwise: ", p.elementwise_bytes_per_s / 1e9, " GB/s"));
+  }
+  // The int4 codec: dequantising rows into fp16 staging, one thread, as Int4Kv does.
+  {
+    const int64_t rows = 8192, d = 128;
+    const Tensor x = random_tensor({rows, d}, DType::F32, 17);
+    std::vector<uint8_t> codes(static_cast<size_t>(rows) * int4_code_bytes(d));
+    std::vector<uint8_t> meta(static_cast<size_t>(rows) * int4_meta_bytes(d));
+    std::vector<f16> out(static_cast<size_t>(rows * d));
+    for (int64_t r = 0; r < rows; ++r) {
+      int4_quantize_row(x.data<float>() + r * d, d, codes.data() + r * int4_code_bytes(d),
+                        reinterpret_cast<f16*>(meta.data() + r * int4_meta_bytes(d)));
+    }
+    const double t = median_seconds(
+        [&] {
+          for (int64_t r = 0; r < rows; ++r) {
+            int4_dequantize_row(codes.data() + r * int4_code_bytes(d),
+                                reinterpret_cast<const f16*>(meta.data() + r * int4_meta_bytes(d)),
+                                d, out.data() + r * d);
+          }
+        },
+        11);
+    p.kv_codec_bytes_per_s = static_cast<double>(rows * d * 2) / t;
+    p.sources["kv_codec_bytes_per_s"] =
+        how + "int4_dequantize_row into fp16, 8192 rows of d 128, one thread";
+    say(cat("int4 codec: ", p.kv_codec_bytes_per_s / 1e9, " GB/s of fp16 rows"));
+  }
+  // Speculation: the slope of PartialLayer::speculate's time in the number of scored positions
+  // (the projection and selection set-up cancel out).
+  {
+    const int64_t B = 4, H = 8, d = 128, D = H * d, n = 2048, r = 38;
+    const Tensor q = random_tensor({B * n, D}, DType::F32, 18);
+    const Tensor k = random_tensor({B * n, D}, DType::F32, 19);
+    const Tensor wq = random_tensor({D, D}, DType::F16, 20);
+    const Tensor bq = random_tensor({D}, DType::F32, 21);
+    const Tensor x = random_tensor({B, D}, DType::F32, 22);
+    const std::vector<int32_t> first_valid(static_cast<size_t>(B), 0);
+    PartialLayer layer;
+    layer.build(q, k, wq, bq, first_valid, H, n, r, PartialIndexRule::QK);
+    const double t =
+        median_seconds([&] { (void)layer.speculate(x, n, first_valid, 4.0, n / 5); }, 21);
+    p.speculation_bytes_per_s = rate(4.0 * static_cast<double>(B * H * n * r), t);
+    p.sources["speculation_bytes_per_s"] =
+        how +
+        "PartialLayer::speculate (projection, scores, selection), B 4, H 8, r 38, 2048 "
+        "positions, per byte of partial keys";
+    say(cat("speculation: ", p.speculation_bytes_per_s / 1e9, " GB/s of partial keys"));
+  }
+  // H2O's score accumulation: per (sequence, head), a sequential fp32 dot of the new query with
+  // each kept key and a softmax, rows spread over OpenMP threads as the h2o store does.
+  {
+    const int64_t rows = 32, entries = 512, d = 128;
+    const Tensor keys = random_tensor({rows, entries, d}, DType::F32, 23);
+    const Tensor queries = random_tensor({rows, d}, DType::F32, 24);
+    std::vector<float> scores(static_cast<size_t>(rows * entries), 0.0f);
+    const float* kd = keys.data<float>();
+    const float* qd = queries.data<float>();
+    const double t = median_seconds(
+        [&] {
+#pragma omp parallel for schedule(static)
+          for (int64_t row = 0; row < rows; ++row) {
+            std::vector<float> probs(static_cast<size_t>(entries));
+            for (int64_t e = 0; e < entries; ++e) {
+              float sum = 0.0f;
+              const float* key = kd + (row * entries + e) * d;
+              for (int64_t c = 0; c < d; ++c) sum += qd[row * d + c] * key[c];
+              probs[static_cast<size_t>(e)] = sum;
+            }
+            const float top = *std::max_element(probs.begin(), probs.end());
+            float total = 0.0f;
+            for (float& v : probs) total += (v = std::exp(v - top));
+            for (int64_t e = 0; e < entries; ++e) {
+              scores[static_cast<size_t>(row * entries + e)] +=
+                  probs[static_cast<size_t>(e)] / total;
+            }
+          }
+        },
+        21);
+    p.scoring_flops = static_cast<double>(rows * entries * (2 * d + 4)) / t;
+    p.sources["scoring_flops"] =
+        how + "sequential fp32 dots and softmax of 32 rows x 512 kept entries, d 128 (H2O's loop)";
+    say(cat("h2o scoring: ", p.scoring_flops / 1e9, " GFLOP/s"));
+  }
+
+  // Transfers through the engine itself, no link emulation: the host copy work of a transfer.
+  TransferEngine engine(Device::Cpu, {});
+  const size_t pool_bytes = size_t{128} << 20;  // beyond the last-level cache
+  Pinned pool(pool_bytes);
+  const size_t dst_bytes = size_t{32} << 20;
+  char* dst = static_cast<char*>(device_alloc(Device::Cpu, dst_bytes));
+  std::memset(dst, 0, dst_bytes);
+  const auto transfer_seconds = [&](const std::vector<CopyChunk>& chunks, int reps) {
+    return median_seconds([&] { engine.load(chunks)->wait(); }, reps);
+  };
+  const auto chunk_total = [](const std::vector<CopyChunk>& chunks) {
+    double total = 0;
+    for (const CopyChunk& c : chunks) total += static_cast<double>(c.bytes);
+    return total;
+  };
+  // Contiguous runs of one 128-token block row (128 x 256 B), as the `full` load gathers them.
+  const std::vector<CopyChunk> bulk = scattered_chunks(dst, pool, 32768, 1024, 25);
+  p.host_copy_bytes_per_s = chunk_total(bulk) / transfer_seconds(bulk, 11);
+  p.sources["host_copy_bytes_per_s"] =
+      how + "TransferEngine::load of 1024 contiguous 32 KiB runs from a 128 MiB pinned pool";
+  say(cat("host copy (contiguous runs): ", p.host_copy_bytes_per_s / 1e9, " GB/s"));
+  const std::vector<CopyChunk> few_rows = scattered_chunks(dst, pool, 256, 2048, 26);
+  p.host_row_copy_bytes_per_s = chunk_total(few_rows) / transfer_seconds(few_rows, 41);
+  p.sources["host_row_copy_bytes_per_s"] =
+      how + "TransferEngine::load of 2048 scattered 256-byte rows (one thread)";
+  say(cat("host row copy (one thread): ", p.host_row_copy_bytes_per_s / 1e9, " GB/s"));
+  const std::vector<CopyChunk> many_rows = scattered_chunks(dst, pool, 256, 65536, 27);
+  p.host_gather_bytes_per_s = chunk_total(many_rows) / transfer_seconds(many_rows, 21);
+  p.sources["host_gather_bytes_per_s"] =
+      how + "TransferEngine::load of 65536 scattered 256-byte rows (OpenMP threads)";
+  say(cat("host gather (OpenMP): ", p.host_gather_bytes_per_s / 1e9, " GB/s"));
+
+  // Contention: decode-shape projections while the transfer thread copies, and copies while
+  // projections run, each against its solo time.
+  {
+    DecodeLinear linear(4, 2048, 2048, 8);
+    const double solo = median_seconds([&] { linear.run(); }, 41, 8);
+    std::atomic<bool> stop{false};
+    std::thread copier([&] {
+      while (!stop.load()) engine.load(bulk)->wait();
+    });
+    const double shared = median_seconds([&] { linear.run(); }, 41, 8);
+    stop = true;
+    copier.join();
+    p.compute_slowdown_under_copy = std::max(1.0, shared / solo);
+    p.sources["compute_slowdown_under_copy"] =
+        how +
+        "the decode-shape ops::linear while the transfer engine copies 32 MiB loads, "
+        "over its time alone";
+    say(cat("compute slowdown under copies: ", p.compute_slowdown_under_copy));
+  }
+  {
+    DecodeLinear linear(4, 2048, 2048, 8);
+    const double solo = transfer_seconds(bulk, 11);
+    std::atomic<bool> stop{false};
+    std::thread computer([&] {
+      while (!stop.load()) linear.run();
+    });
+    const double shared = transfer_seconds(bulk, 11);
+    stop = true;
+    computer.join();
+    p.copy_slowdown_under_compute = std::max(1.0, shared / solo);
+    p.sources["copy_slowdown_under_compute"] =
+        how +
+        "a 32 MiB TransferEngine::load while decode-shape ops::linear runs, over its time "
+        "alone";
+    say(cat("copy slowdown under compute: ", p.copy_slowdown_under_compute));
+  }
+  // Link emulation: how much an emulated transfer overruns latency + bytes / bandwidth (the copy
+  // thread's timed sleep wakes late), for a transfer the size of one small layer's KV.
+  {
+    const LinkEmulation link{12.0, 0.0};
+    TransferEngine emulated(Device::Cpu, link);
+    const std::vector<CopyChunk> layer = scattered_chunks(dst, pool, 32768, 32, 28);
+    const double requested = chunk_total(layer) / (link.gbps * 1e9);
+    const double t = median_seconds([&] { emulated.load(layer)->wait(); }, 41);
+    p.link_emulation_overhead_s = std::max(0.0, t - requested);
+    p.sources["link_emulation_overhead_s"] =
+        how + "an emulated 12 GB/s TransferEngine::load of 1 MiB, minus its requested time";
+    say(cat("link emulation overrun: ", p.link_emulation_overhead_s * 1e6, " us per transfer"));
+  }
+  device_free(Device::Cpu, dst);
+
+  p = with_link(p, 0.0, 0.0);
+  return p;
+}
+
+}  // namespace infinigen

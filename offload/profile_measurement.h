@@ -1,0 +1,20 @@
+// offload: measures the CPU backend's hardware profile on this machine by timing the engine's own
+// ops (core/ops.h, the int4 codec, speculation) and transfer engine; `infinigen bench
+// --measure-profile OUT.yaml` writes the result with write_hardware_profile.
+#pragma once
+
+#include <functional>
+#include <string>
+
+#include "offload/hardware_profile.h"
+
+namespace infinigen {
+
+// Times each op class at decode and prefill shapes and returns medians as a profile named
+// "cpu-backend". The link is left unlimited (h2d/d2h infinite, no latency): the CPU backend's
+// link is the emulation a run uses, set with with_link(). `progress` (may be empty) gets one
+// line per measurement.
+HardwareProfile measure_cpu_backend_profile(
+    const std::function<void(const std::string&)>& progress = {});
+
+}  // namespace infinigen

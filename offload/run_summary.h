@@ -1,0 +1,36 @@
+// offload: what a run's statistics add up to: means over the decode steps and totals, as the
+// CLI reports them and the benchmarks record them.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "offload/runtime.h"
+
+namespace infinigen {
+
+// Means over the decode steps (steps[1:]) and totals.
+struct TransferSummary {
+  int64_t decode_steps = 0;
+  double h2d_bytes_per_step = 0;
+  double d2h_bytes_per_step = 0;
+  double load_busy_per_step = 0;  // seconds the load stream was transferring
+  double load_wait_per_step = 0;  // seconds compute waited on loads
+  double hidden_fraction = 0;     // share of load time overlapped with compute
+  uint64_t prefill_h2d_bytes = 0;
+  uint64_t prefill_d2h_bytes = 0;
+  uint64_t total_h2d_bytes = 0;
+  uint64_t total_d2h_bytes = 0;
+  double fetched_fraction = 0;   // KV rows loaded / rows stored, decode steps, all layers
+  double mean_recall = -1;       // over measured layers and steps (-1: not measured)
+  double min_layer_recall = -1;  // the worst layer's mean recall
+  // Per layer, over the decode steps: KV rows loaded / rows stored (1 for full loads).
+  std::vector<double> layer_fetched_fraction;
+  // Per layer, over the decode steps: mean seconds compute waited for that layer's loads.
+  std::vector<double> layer_load_wait;
+  double median_step_seconds = 0;  // median wall time of a decode step
+};
+
+TransferSummary summarize(const OffloadRun& run);
+
+}  // namespace infinigen

@@ -1,0 +1,247 @@
+// tests: the cost model: its schedule moves exactly the bytes the runtime moves (per step and
+// layer, every policy), and the simulator behaves as a timeline must (zero-cost compute leaves
+// the transfers, an unlimited link leaves the compute, a faster link never slows a step).
+#include "offload/cost_model.h"
+
+#include <gtest/gtest.h>
+
+#include <limits>
+
+#include "tests/test_util.h"
+
+namespace infinigen {
+namespace {
+
+// Bytes the schedule moves per (step, layer): KV load, KV store, weights.
+struct LayerBytes {
+  uint64_t kv_h2d = 0, kv_d2h = 0, weights_h2d = 0;
+};
+std::vector<std::vector<LayerBytes>> schedule_bytes(const Schedule& s, int64_t layers) {
+  std::vector<std::vector<LayerBytes>> out(static_cast<size_t>(s.steps),
+                                           std::vector<LayerBytes>(static_cast<size_t>(layers)));
+  for (const ScheduledOp& op : s.ops) {
+    if (op.op_class != OpClass::Transfer) continue;
+    LayerBytes& b = out[static_cast<size_t>(op.step)][static_cast<size_t>(op.layer)];
+    (op.weights ? b.weights_h2d : b.kv_h2d) += op.h2d_bytes;
+    b.kv_d2h += op.d2h_bytes;
+  }
+  return out;
+}
+
+class CostModelSchedule : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    source_ = resolve_model("opt-tiny", {});
+    source_.config.num_layers = 4;  // infinigen: two dense layers, two speculated
+    request_.prompts = {{2, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20},
+                        {2, 500, 600, 700, 800, 900, 1000, 1100, 1200, 1300, 1400, 1500}};
+    request_.gen_len = 6;
+  }
+
+  CostModelInput input(const OffloadOptions& options) const {
+    CostModelInput in;
+    in.config = source_.config;
+    in.batch = static_cast<int64_t>(request_.prompts.size());
+    in.prompt_len = static_cast<int64_t>(request_.prompts[0].size());
+    in.gen_len = request_.gen_len;
+    in.kv_dtype = request_.kv_dtype;
+    in.options = options;
+    return in;
+  }
+
+  // Runs the policy for real and checks the schedule's bytes against every step and layer.
+  void expect_same_bytes(const OffloadOptions& options) {
+    const OffloadRun run = run_offloaded(source_, request_, options, Device::Cpu);
+    CostModelInput in = input(options);
+    const auto& steps = run.stats.steps();
+    for (size_t s = 1; s < steps.size(); ++s) {
+      in.fetched_rows.emplace_back();
+      for (const LayerTraffic& layer : steps[s].layers) {
+        in.fetched_rows.back().push_back(layer.tokens_fetched);
+      }
+    }
+    const Schedule schedule = run_schedule(in);
+    const auto bytes = schedule_bytes(schedule, source_.config.num_layers);
+    const std::string policy = kv_policy_name(options.policy);
+    ASSERT_EQ(bytes.size(), steps.size()) << policy;
+    uint64_t moved = 0;
+    for (size_t s = 0; s < steps.size(); ++s) {
+      uint64_t h2d = 0, d2h = 0;
+      for (size_t l = 0; l < steps[s].layers.size(); ++l) {
+        const LayerTraffic& measured = steps[s].layers[l];
+        EXPECT_EQ(bytes[s][l].kv_h2d, measured.kv_h2d_bytes)
+            << policy << " step " << s << " layer " << l;
+        EXPECT_EQ(bytes[s][l].kv_d2h, measured.kv_d2h_bytes)
+            << policy << " step " << s << " layer " << l;
+        EXPECT_EQ(bytes[s][l].weights_h2d, measured.weight_h2d_bytes)
+            << policy << " step " << s << " layer " << l;
+        h2d += bytes[s][l].kv_h2d + bytes[s][l].weights_h2d;
+        d2h += bytes[s][l].kv_d2h;
+      }
+      EXPECT_EQ(h2d, steps[s].h2d_bytes) << policy << " step " << s;
+      EXPECT_EQ(d2h, steps[s].d2h_bytes) << policy << " step " << s;
+      moved += h2d + d2h;
+    }
+    if (options.policy != KvPolicy::Gpu || options.weights_gpu_percent < 100) {
+      EXPECT_GT(moved, 0u) << policy;
+    }
+  }
+
+  ModelSource source_;
+  GenerationRequest request_;
+};
+
+TEST_F(CostModelSchedule, BytesPerStepAndLayerEqualTheRuntimes) {
+  for (KvPolicy policy :
+       {KvPolicy::Gpu, KvPolicy::Full, KvPolicy::Int4, KvPolicy::H2o, KvPolicy::Infinigen}) {
+    OffloadOptions options;
+    options.policy = policy;
+    options.kv_block_tokens = 4;
+    options.h2o_budget = 0.3;
+    options.speculation.alpha = 1.0;
+    options.speculation.max_num_kv = 5;
+    expect_same_bytes(options);
+  }
+}
+
+TEST_F(CostModelSchedule, StreamedWeightsMoveTheRuntimesBytes) {
+  for (double percent : {50.0, 0.0}) {
+    for (KvPolicy policy : {KvPolicy::Full, KvPolicy::Gpu}) {
+      OffloadOptions options;
+      options.policy = policy;
+      options.kv_block_tokens = 4;
+      options.weights_gpu_percent = percent;
+      expect_same_bytes(options);
+    }
+    source_.config.num_layers = 3;  // odd: layer 0 shares the last layer's buffer
+  }
+}
+
+// A cuda-backend profile with every compute rate scaled by `compute` and the link by `link`.
+HardwareProfile scaled(double compute, double link) {
+  HardwareProfile p = load_hardware_profile("rtx-a6000-pcie3");
+  for (double* rate : {&p.gemm_flops, &p.device_memory_bytes_per_s, &p.device_cache_bytes_per_s,
+                       &p.gemv_bytes_per_s, &p.gemv_cache_bytes_per_s, &p.attention_flops,
+                       &p.attention_bytes_per_s, &p.elementwise_bytes_per_s,
+                       &p.kv_codec_bytes_per_s, &p.speculation_bytes_per_s, &p.scoring_flops}) {
+    *rate *= compute;
+  }
+  if (std::isinf(compute)) p.op_overhead_s = 0;
+  p.h2d_bytes_per_s *= link;
+  p.d2h_bytes_per_s *= link;
+  if (std::isinf(link)) {  // and the host side of transfers too: they cost nothing
+    p.transfer_latency_s = 0;
+    p.host_copy_bytes_per_s = p.host_row_copy_bytes_per_s = p.host_gather_bytes_per_s = link;
+  }
+  return p;
+}
+
+CostModelInput opt_13b(KvPolicy policy) {
+  CostModelInput in;
+  in.config = load_preset("opt-13b");
+  in.batch = 4;
+  in.prompt_len = 512;
+  in.gen_len = 8;
+  in.options.policy = policy;
+  in.fetched_fraction = {1.0, 1.0, 0.08, 0.1, 0.12};
+  return in;
+}
+
+// Seconds of decode step `step` from the simulated timings.
+double step_seconds(const Schedule& s, const std::vector<OpTiming>& t, int64_t step) {
+  return t[static_cast<size_t>(s.step_end[static_cast<size_t>(step)])].end -
+         t[static_cast<size_t>(s.step_end[static_cast<size_t>(step - 1)])].end;
+}
+
+TEST(CostModelSimulator, WithFreeComputeAFullStepIsItsTransfers) {
+  const CostModelInput in = opt_13b(KvPolicy::Full);
+  const HardwareProfile p = scaled(std::numeric_limits<double>::infinity(), 1.0);
+  const Schedule s = run_schedule(in);
+  const std::vector<OpTiming> t = simulate(s, p);
+  for (int64_t step = 1; step < s.steps; ++step) {
+    double expected = 0;
+    for (const ScheduledOp& op : s.ops) {
+      if (op.step == step && op.lane == Lane::Load) {
+        expected += p.transfer_latency_s + static_cast<double>(op.h2d_bytes) / p.h2d_bytes_per_s;
+      }
+    }
+    EXPECT_NEAR(step_seconds(s, t, step), expected, 1e-9 * expected) << "step " << step;
+  }
+}
+
+TEST(CostModelSimulator, WithAnUnlimitedLinkAStepIsItsCompute) {
+  for (KvPolicy policy : {KvPolicy::Full, KvPolicy::Int4, KvPolicy::H2o, KvPolicy::Infinigen}) {
+    const CostModelInput in = opt_13b(policy);
+    const HardwareProfile p = scaled(1.0, std::numeric_limits<double>::infinity());
+    const Schedule s = run_schedule(in);
+    const std::vector<OpTiming> t = simulate(s, p);
+    for (int64_t step = 1; step < s.steps; ++step) {
+      double expected = 0;
+      for (const ScheduledOp& op : s.ops) {
+        if (op.step == step && op.lane == Lane::Compute) expected += op_seconds(op, p);
+      }
+      EXPECT_NEAR(step_seconds(s, t, step), expected, 1e-9 * expected)
+          << kv_policy_name(policy) << " step " << step;
+    }
+  }
+}
+
+TEST(CostModelSimulator, DoublingTheLinkNeverSlowsAStep) {
+  const HardwareProfile cpu = with_link(load_hardware_profile("cpu-backend"), 4.0, 10.0);
+  for (const HardwareProfile& base : {load_hardware_profile("rtx-a6000-pcie3"), cpu}) {
+    HardwareProfile fast = base;
+    fast.h2d_bytes_per_s *= 2;
+    fast.d2h_bytes_per_s *= 2;
+    for (KvPolicy policy :
+         {KvPolicy::Gpu, KvPolicy::Full, KvPolicy::Int4, KvPolicy::H2o, KvPolicy::Infinigen}) {
+      for (double percent : {100.0, 50.0}) {
+        CostModelInput in = opt_13b(policy);
+        in.config.num_layers = 6;
+        in.options.weights_gpu_percent = percent;
+        const PredictedRun slow_run = predict_run(in, base);
+        const PredictedRun fast_run = predict_run(in, fast);
+        ASSERT_TRUE(slow_run.fits) << slow_run.does_not_fit;
+        for (size_t s = 1; s < slow_run.steps.size(); ++s) {
+          EXPECT_LE(fast_run.steps[s].seconds, slow_run.steps[s].seconds * (1 + 1e-9))
+              << base.name << " " << kv_policy_name(policy) << " " << percent << "% step " << s;
+        }
+        EXPECT_LE(fast_run.decode_s, slow_run.decode_s * (1 + 1e-9));
+      }
+    }
+  }
+}
+
+TEST(CostModelSimulator, PolicyGpuMovesNothingAndFullMovesTheFormula) {
+  const Schedule gpu = run_schedule(opt_13b(KvPolicy::Gpu));
+  for (const ScheduledOp& op : gpu.ops) EXPECT_NE(op.lane, Lane::Load) << op.name;
+  for (const ScheduledOp& op : gpu.ops) EXPECT_NE(op.lane, Lane::Store) << op.name;
+  const CostModelInput in = opt_13b(KvPolicy::Full);
+  const PredictedRun run = predict_run(in, load_hardware_profile("rtx-a6000-pcie3"));
+  ASSERT_TRUE(run.fits);
+  const uint64_t L = 40, B = 4, D = 5120;
+  for (size_t s = 1; s < run.steps.size(); ++s) {
+    const uint64_t n = 512 + s - 1;
+    EXPECT_EQ(run.steps[s].h2d_bytes, 2 * L * B * n * D * 2);
+    EXPECT_EQ(run.steps[s].d2h_bytes, 2 * L * B * D * 2);
+  }
+  EXPECT_GT(run.throughput_tok_s, 0);
+  EXPECT_NEAR(run.throughput_tok_s, 4.0 * 8 / (run.prefill_s + run.decode_s), 1e-9);
+}
+
+TEST(CostModelSimulator, APlanThatDoesNotFitIsReportedNotTimed) {
+  CostModelInput in = opt_13b(KvPolicy::Gpu);
+  in.config = load_preset("opt-66b");
+  const PredictedRun run = predict_run(in, load_hardware_profile("rtx-a6000-pcie3"));
+  EXPECT_FALSE(run.fits);
+  EXPECT_NE(run.does_not_fit.find("does not fit"), std::string::npos) << run.does_not_fit;
+  EXPECT_EQ(run.decode_s, 0);
+}
+
+TEST(CostModelSimulator, InfinigenNeedsAMeasuredFetchShare) {
+  CostModelInput in = opt_13b(KvPolicy::Infinigen);
+  in.fetched_fraction.clear();
+  testing_util::expect_error([&] { run_schedule(in); }, {"infinigen", "fetched_fraction"});
+}
+
+}  // namespace
+}  // namespace infinigen
