@@ -2,8 +2,8 @@
 #include "offload/cost_model.h"
 
 #include <algorithm>
-#include <climits>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 
 #include "core/error.h"
@@ -226,8 +226,8 @@ class ScheduleBuilder {
       const int64_t measured_dense = std::min<int64_t>(dense_layers_, share.size() - 1);
       const int64_t measured = static_cast<int64_t>(share.size()) - measured_dense;
       const double depth = (f(layer - dense_layers_) + 0.5) / f(L_ - dense_layers_);
-      const int64_t at = std::min<int64_t>(measured - 1,
-                                           static_cast<int64_t>(depth * static_cast<double>(measured)));
+      const int64_t at = std::min<int64_t>(
+          measured - 1, static_cast<int64_t>(depth * static_cast<double>(measured)));
       fraction = share[static_cast<size_t>(measured_dense + at)];
     }
     const int64_t per_row = std::clamp<int64_t>(static_cast<int64_t>(std::floor(fraction * f(n))),
