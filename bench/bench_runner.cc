@@ -139,7 +139,7 @@ PointMetrics measure(const RunInputs& in, Device device, int repeats) {
   return median_metrics(runs);
 }
 
-PointMetrics metrics_of(const PredictedRun& p, int64_t batch, int64_t gen_len) {
+PointMetrics metrics_of(const PredictedRun& p) {
   PointMetrics m;
   m.prefill_s = p.prefill_s;
   m.decode_s = p.decode_s;
@@ -154,7 +154,6 @@ PointMetrics metrics_of(const PredictedRun& p, int64_t batch, int64_t gen_len) {
   m.block_s = m.decode_step_s / layers;
   m.block_transfer_s = std::min(m.block_s, exposed / layers);
   m.block_compute_s = m.block_s - m.block_transfer_s;
-  (void)batch, (void)gen_len;
   return m;
 }
 
@@ -282,7 +281,7 @@ BenchReport run_experiment(const Experiment& experiment, const BenchOptions& opt
       }
       const PredictedRun predicted = predict_run(model, *profile);
       if (predicted.fits) {
-        result.predicted = metrics_of(predicted, model.batch, model.gen_len);
+        result.predicted = metrics_of(predicted);
         // The fetched share is an input of the prediction, not an output: carry it along.
         result.predicted->fetched_fraction =
             result.measured ? result.measured->fetched_fraction
