@@ -533,6 +533,12 @@ OpCost op_cost(const ScheduledOp& op, const HardwareProfile& p, bool cached) {
     default:
       break;
   }
+  if (op.op_class == OpClass::Gemm && op.rows > 1 && cpu_backend(p)) {
+    // The CPU backend's linear widens a block of 16-bit weights to fp32, then multiplies it:
+    // each thread streams and computes in turn, so the two times add instead of overlapping.
+    cost.work = p.op_overhead_s + op.flops / flop_rate + op.device_bytes / byte_rate;
+    return cost;
+  }
   cost.work = p.op_overhead_s + std::max(op.flops / flop_rate, op.device_bytes / byte_rate);
   return cost;
 }
