@@ -94,11 +94,6 @@ class Reader {
   std::string source_;
 };
 
-std::string format_number(double value) {
-  std::string text = cat(value);
-  return text;
-}
-
 Experiment parse_experiment(const std::string& text, const std::string& source,
                             const std::string& stem) {
   YAML::Node root;
@@ -222,11 +217,11 @@ std::string settings_value(const BenchSettings& s, const std::string& key) {
   if (key == "gen_len") return std::to_string(s.gen_len);
   if (key == "total_len") return std::to_string(s.prompt_len + s.gen_len);
   if (key == "policy") return s.policy;
-  if (key == "weights_gpu_percent") return format_number(s.weights_gpu_percent);
-  if (key == "alpha") return format_number(s.alpha);
-  if (key == "partial_ratio") return format_number(s.partial_ratio);
+  if (key == "weights_gpu_percent") return cat(s.weights_gpu_percent);
+  if (key == "alpha") return cat(s.alpha);
+  if (key == "partial_ratio") return cat(s.partial_ratio);
   if (key == "dense_layers") return std::to_string(s.dense_layers);
-  if (key == "h2o_budget") return format_number(s.h2o_budget);
+  if (key == "h2o_budget") return cat(s.h2o_budget);
   fail("unknown experiment setting '", key, "'");
 }
 

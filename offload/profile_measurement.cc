@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <random>
 #include <thread>
 #include <vector>
@@ -37,6 +38,21 @@ double median_seconds(const std::function<void()>& run, int reps, int warmup = 2
   for (int i = 0; i < reps; ++i) times.push_back(seconds_of(run));
   std::nth_element(times.begin(), times.begin() + reps / 2, times.end());
   return times[static_cast<size_t>(reps / 2)];
+}
+
+// How much slower `measure` (it returns seconds) gets while `background` runs in a loop on
+// another thread: its time then over its time alone, at least 1.
+double slowdown_while(const std::function<double()>& measure,
+                      const std::function<void()>& background) {
+  const double solo = measure();
+  std::atomic<bool> stop{false};
+  std::thread other([&] {
+    while (!stop.load()) background();
+  });
+  const double shared = measure();
+  stop = true;
+  other.join();
+  return std::max(1.0, shared / solo);
 }
 
 // A CPU tensor of values uniform in [-1, 1), stored as `dtype` (no denormals, no NaN).
@@ -370,15 +386,9 @@ HardwareProfile measure_cpu_backend_profile(
   // projections run, each against its solo time.
   {
     DecodeLinear linear(4, 2048, 2048, 8);
-    const double solo = median_seconds([&] { linear.run(); }, 41, 8);
-    std::atomic<bool> stop{false};
-    std::thread copier([&] {
-      while (!stop.load()) engine.load(bulk)->wait();
-    });
-    const double shared = median_seconds([&] { linear.run(); }, 41, 8);
-    stop = true;
-    copier.join();
-    p.compute_slowdown_under_copy = std::max(1.0, shared / solo);
+    p.compute_slowdown_under_copy =
+        slowdown_while([&] { return median_seconds([&] { linear.run(); }, 41, 8); },
+                       [&] { engine.load(bulk)->wait(); });
     p.sources["compute_slowdown_under_copy"] =
         how +
         "the decode-shape ops::linear while the transfer engine copies 32 MiB loads, "
@@ -387,15 +397,8 @@ HardwareProfile measure_cpu_backend_profile(
   }
   {
     DecodeLinear linear(4, 2048, 2048, 8);
-    const double solo = transfer_seconds(bulk, 11);
-    std::atomic<bool> stop{false};
-    std::thread computer([&] {
-      while (!stop.load()) linear.run();
-    });
-    const double shared = transfer_seconds(bulk, 11);
-    stop = true;
-    computer.join();
-    p.copy_slowdown_under_compute = std::max(1.0, shared / solo);
+    p.copy_slowdown_under_compute =
+        slowdown_while([&] { return transfer_seconds(bulk, 11); }, [&] { linear.run(); });
     p.sources["copy_slowdown_under_compute"] =
         how +
         "a 32 MiB TransferEngine::load while decode-shape ops::linear runs, over its time "
