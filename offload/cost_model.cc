@@ -8,15 +8,12 @@
 
 #include "core/error.h"
 #include "core/opt_weights.h"
+#include "offload/h2o_kv.h"
 #include "offload/int4_codec.h"
 #include "offload/memory_planner.h"
 #include "offload/weight_placement.h"
 
 namespace infinigen {
-
-// The transfer engine copies a gather list of at least this many chunks on OpenMP threads
-// (offload/transfer_engine.cc, kParallelGatherChunks).
-constexpr int64_t kParallelChunks = 4096;
 
 const char* lane_name(Lane lane) {
   switch (lane) {
@@ -91,11 +88,9 @@ class ScheduleBuilder {
     INFINIGEN_CHECK(in.options.kv_block_tokens >= 1, "cost model: kv_block_tokens must be >= 1");
     const SpeculationOptions& spec = in.options.speculation;
     dense_layers_ = spec.dense_layers;
-    r_ = std::max<int64_t>(
-        1, static_cast<int64_t>(std::floor(spec.partial_ratio * static_cast<double>(d_))));
-    max_num_kv_ = spec.max_num_kv > 0 ? spec.max_num_kv : std::max<int64_t>(1, capacity_ / 5);
-    slots_ = std::max<int64_t>(
-        2, static_cast<int64_t>(std::floor(in.options.h2o_budget * capacity_ + 1e-9)));
+    r_ = partial_columns(spec.partial_ratio, d_);
+    max_num_kv_ = spec.fetch_cap(capacity_);
+    slots_ = h2o_slots(in.options.h2o_budget, capacity_);
     // Streamed weights: the host-resident tensors of a layer (every layer places alike), as
     // loaded: matrices in the checkpoint dtype, biases and LayerNorm parameters widened to fp32.
     const std::vector<WeightHome> homes = place_weights(c_, in.options.weights_gpu_percent);
@@ -160,7 +155,11 @@ class ScheduleBuilder {
   void linear(const char* name, int64_t layer, int64_t M, int64_t N, int64_t K, size_t wbytes) {
     const int32_t op =
         compute(OpClass::Gemm, name, layer, linear_flops(M, N, K), linear_bytes(M, N, K, wbytes));
-    s_.ops[static_cast<size_t>(op)].rows = M;
+    ScheduledOp& gemm = s_.ops[static_cast<size_t>(op)];
+    gemm.rows = M;
+    gemm.out_features = N;
+    gemm.in_features = K;
+    gemm.weight_bytes = static_cast<double>(N) * static_cast<double>(K) * static_cast<double>(wbytes);
   }
 
   // A transfer enqueued now (after the last compute op), ordered after `after` on its stream.
@@ -464,10 +463,9 @@ bool cpu_backend(const HardwareProfile& p) {
 
 // Host copy work of a transfer (seconds at the solo rate), as the engine does it.
 double host_copy_seconds(const ScheduledOp& op, const HardwareProfile& p) {
+  // The CPU backend's transfer thread copies every chunk itself (offload/transfer_engine.cc).
   if (op.row_bytes == 0 && op.copy_bytes == 0) return 0;
-  const bool parallel = op.chunks >= kParallelChunks;
-  const double rows_rate = parallel ? p.host_gather_bytes_per_s : p.host_row_copy_bytes_per_s;
-  return op.copy_bytes / p.host_copy_bytes_per_s + op.row_bytes / rows_rate;
+  return op.copy_bytes / p.host_copy_bytes_per_s + op.row_bytes / p.host_row_copy_bytes_per_s;
 }
 
 double link_seconds(const ScheduledOp& op, const HardwareProfile& p) {
@@ -499,16 +497,17 @@ OpCost op_cost(const ScheduledOp& op, const HardwareProfile& p, bool cached) {
     cost.host_copy = true;
     return cost;
   }
+  if (op.op_class == OpClass::Gemm && !p.linear_table.empty()) {
+    cost.work = p.linear_table.seconds(op.rows, op.out_features, op.in_features, op.weight_bytes,
+                                       cached, p.gemm_flops);
+    return cost;
+  }
   const double inf = std::numeric_limits<double>::infinity();
   double flop_rate = inf, byte_rate = inf;
   switch (op.op_class) {
     case OpClass::Gemm:
       flop_rate = p.gemm_flops;
-      if (op.rows == 1) {
-        byte_rate = cached ? p.gemv_cache_bytes_per_s : p.gemv_bytes_per_s;
-      } else {
-        byte_rate = cached ? p.device_cache_bytes_per_s : p.device_memory_bytes_per_s;
-      }
+      byte_rate = p.device_memory_bytes_per_s;
       break;
     case OpClass::AttentionPrefill:
       flop_rate = p.attention_flops;
@@ -532,12 +531,6 @@ OpCost op_cost(const ScheduledOp& op, const HardwareProfile& p, bool cached) {
       break;
     default:
       break;
-  }
-  if (op.op_class == OpClass::Gemm && op.rows > 1 && cpu_backend(p)) {
-    // The CPU backend's linear widens a block of 16-bit weights to fp32, then multiplies it:
-    // each thread streams and computes in turn, so the two times add instead of overlapping.
-    cost.work = p.op_overhead_s + op.flops / flop_rate + op.device_bytes / byte_rate;
-    return cost;
   }
   cost.work = p.op_overhead_s + std::max(op.flops / flop_rate, op.device_bytes / byte_rate);
   return cost;
@@ -664,8 +657,11 @@ std::vector<bool> step_weights_cached(const Schedule& schedule, const HardwarePr
     bytes[static_cast<size_t>(op.step)] +=
         op.device_bytes + 2.0 * static_cast<double>(op.h2d_bytes + op.d2h_bytes);
   }
+  // The cache grid of a linear table was measured on working sets of half the cache, the size
+  // known to stay resident next to everything else; larger ones take the memory grid.
+  const double resident = profile.device_cache_bytes / 2;
   std::vector<bool> cached(bytes.size());
-  for (size_t s = 0; s < bytes.size(); ++s) cached[s] = bytes[s] <= profile.device_cache_bytes;
+  for (size_t s = 0; s < bytes.size(); ++s) cached[s] = bytes[s] <= resident;
   return cached;
 }
 

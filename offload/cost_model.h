@@ -8,7 +8,7 @@
 // before a DMA; only on the cuda backend, where the design puts the gather in front of one copy).
 // An op starts when its lane is free (lanes are FIFO, as streams are) and every op it depends on
 // has finished. Durations: compute ops op_overhead + max(flops / rate, bytes / bandwidth) with the
-// rates of the op's class; a transfer takes latency + bytes / link bandwidth, and on the CPU
+// rates of the op's class, linear layers from the profile's measured linear_table where it has one; a transfer takes latency + bytes / link bandwidth, and on the CPU
 // backend it also copies the bytes on the transfer thread (the engine copies, then sleeps out the
 // emulated link time), so it lasts max(copy, link); copies and compute that share host cores slow
 // each other by the profile's contention factors while both run.
@@ -48,7 +48,8 @@ const char* lane_name(Lane lane);
 
 // Which rates of the profile an op runs at (offload/hardware_profile.h).
 enum class OpClass {
-  Gemm,              // gemm_flops; device_memory/device_cache/gemv(_cache)_bytes_per_s
+  Gemm,              // linear_table where the profile has one, else gemm_flops and
+                     // device_memory_bytes_per_s
   AttentionPrefill,  // attention_flops, device_memory_bytes_per_s
   AttentionDecode,   // attention_flops, attention_bytes_per_s
   Elementwise,       // elementwise_bytes_per_s
@@ -67,12 +68,17 @@ struct ScheduledOp {
   int64_t layer = -1;  // -1: not a layer's (embedding, LM head, sampling)
   double flops = 0;
   double device_bytes = 0;  // bytes the op moves through device memory
-  int64_t rows = 0;         // GEMM: rows of the activation (M)
+  // GEMM y (M, N) = x (M, K) . w (N, K)^T: rows M, out_features N, in_features K, and the
+  // weights' bytes.
+  int64_t rows = 0;
+  int64_t out_features = 0;
+  int64_t in_features = 0;
+  double weight_bytes = 0;
   uint64_t h2d_bytes = 0;   // transfers: bytes over the link (KV and weights)
   uint64_t d2h_bytes = 0;
   bool weights = false;  // a transfer of streamed weights (else KV)
   // Host copy work of a transfer: contiguous bytes, scattered-row bytes and the number of chunks
-  // of its gather list (the engine spreads lists of many chunks over OpenMP threads).
+  // of its gather list (the CPU backend's transfer thread copies them all itself).
   double copy_bytes = 0;
   double row_bytes = 0;
   int64_t chunks = 0;
@@ -99,7 +105,8 @@ std::vector<OpTiming> simulate(const Schedule& schedule, const HardwareProfile& 
 // fit in the device's last-level cache (see step_weights_cached).
 double op_seconds(const ScheduledOp& op, const HardwareProfile& profile, bool cached = false);
 // Per step: whether its working set (weights, KV read, activations, both ends of each transfer)
-// fits in profile.device_cache_bytes, so that the weights come from the cache at every step.
+// fits in half of profile.device_cache_bytes (the set size its linear table's cache grid was
+// measured on), so that the weights come from the cache at every step.
 std::vector<bool> step_weights_cached(const Schedule& schedule, const HardwareProfile& profile);
 
 struct PredictedLayer {

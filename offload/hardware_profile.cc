@@ -32,12 +32,6 @@ constexpr NumericField kNumericFields[] = {
      "B/s, decode-shape weight streaming from device memory"},
     {"device_cache_bytes", &HardwareProfile::device_cache_bytes, 0, true,
      "bytes of last-level cache (0 = none)"},
-    {"device_cache_bytes_per_s", &HardwareProfile::device_cache_bytes_per_s, 0, false,
-     "B/s, the same from the last-level cache"},
-    {"gemv_bytes_per_s", &HardwareProfile::gemv_bytes_per_s, 0, false,
-     "B/s, single-row products from device memory"},
-    {"gemv_cache_bytes_per_s", &HardwareProfile::gemv_cache_bytes_per_s, 0, false,
-     "B/s, single-row products from the last-level cache"},
     {"attention_flops", &HardwareProfile::attention_flops, 0, false, "FLOP/s, prefill attention"},
     {"attention_bytes_per_s", &HardwareProfile::attention_bytes_per_s, 0, false,
      "B/s of KV read by decode attention"},
@@ -69,7 +63,10 @@ constexpr NumericField kNumericFields[] = {
 
 constexpr const char* kStringFields[] = {"name", "description", "backend"};
 
+constexpr const char* kLinearTableField = "linear_table";
+
 bool is_known_field(const std::string& key) {
+  if (key == kLinearTableField) return true;
   for (const char* s : kStringFields) {
     if (key == s) return true;
   }
@@ -140,6 +137,110 @@ std::string quoted(const std::string& text) {
   return out + "\"";
 }
 
+std::vector<double> number_list(const YAML::Node& node, const std::string& where,
+                                const std::string& source) {
+  INFINIGEN_CHECK(node && node.IsSequence(), source, ": field '", where,
+                  "' must be a list of numbers");
+  std::vector<double> out;
+  for (const YAML::Node& item : node) {
+    double value = NAN;
+    if (item.IsScalar()) {
+      try {
+        value = item.as<double>();
+      } catch (const YAML::Exception&) {
+      }
+    }
+    INFINIGEN_CHECK(std::isfinite(value), source, ": field '", where,
+                    "' must hold numbers, got '", one_line(YAML::Dump(item)), "'");
+    out.push_back(value);
+  }
+  return out;
+}
+
+std::vector<int64_t> integer_list(const YAML::Node& node, const std::string& where,
+                                  const std::string& source) {
+  std::vector<int64_t> out;
+  for (double v : number_list(node, where, source)) {
+    INFINIGEN_CHECK(v == std::floor(v), source, ": field '", where, "' must hold integers, got ",
+                    v);
+    out.push_back(static_cast<int64_t>(v));
+  }
+  return out;
+}
+
+// A map's keys must all be in `known`; `where` prefixes them in the error.
+void check_keys(const YAML::Node& map, std::initializer_list<const char*> known,
+                const std::string& where, const std::string& source) {
+  for (const auto& item : map) {
+    const std::string key = item.first.as<std::string>();
+    bool ok = false;
+    for (const char* k : known) ok = ok || key == k;
+    INFINIGEN_CHECK(ok, source, ": unknown field '", where, key, "'");
+  }
+}
+
+LinearCostGrid linear_grid(const YAML::Node& table, const char* placement,
+                           const std::string& source) {
+  const std::string where = cat(kLinearTableField, ".", placement);
+  const YAML::Node node = table[placement];
+  INFINIGEN_CHECK(node && node.IsMap(), source, ": field '", where,
+                  "' must be a map with fixed_s and bytes_per_s");
+  check_keys(node, {"fixed_s", "bytes_per_s"}, where + ".", source);
+  LinearCostGrid grid;
+  for (const auto& [key, cells] : {std::pair{"fixed_s", &grid.fixed_s},
+                                   std::pair{"bytes_per_s", &grid.bytes_per_s}}) {
+    const std::string field = where + "." + key;
+    const YAML::Node rows = node[key];
+    INFINIGEN_CHECK(rows && rows.IsSequence(), source, ": field '", field,
+                    "' must be a list (one per k) of lists (one per rows) of numbers");
+    for (const YAML::Node& row : rows) cells->push_back(number_list(row, field, source));
+  }
+  return grid;
+}
+
+LinearCostTable parse_linear_table(const YAML::Node& node, const std::string& source) {
+  INFINIGEN_CHECK(node.IsMap(), source, ": field '", kLinearTableField,
+                  "' must be a map with rows, k, memory and cache");
+  const std::string prefix = cat(kLinearTableField, ".");
+  check_keys(node, {"rows", "k", "memory", "cache"}, prefix, source);
+  LinearCostTable table;
+  table.rows = integer_list(node["rows"], prefix + "rows", source);
+  table.k = integer_list(node["k"], prefix + "k", source);
+  table.memory = linear_grid(node, "memory", source);
+  table.cache = linear_grid(node, "cache", source);
+  check_linear_cost_table(table, source);
+  return table;
+}
+
+template <typename T>
+std::string flow_list(const std::vector<T>& values) {
+  std::string out = "[";
+  for (size_t i = 0; i < values.size(); ++i) {
+    out += (i ? ", " : "") + number(static_cast<double>(values[i]));
+  }
+  return out + "]";
+}
+
+// The `linear_table:` lines of a profile file (none for an empty table).
+std::string linear_table_yaml(const LinearCostTable& table) {
+  if (table.empty()) return "";
+  std::string out = cat(kLinearTableField,
+                        ":  # s = fixed_s + weight bytes / bytes_per_s, per [k][rows]; see "
+                        "offload/linear_cost_table.h\n");
+  out += "  rows: " + flow_list(table.rows) + "\n";
+  out += "  k: " + flow_list(table.k) + "\n";
+  for (const auto& [name, grid] : {std::pair{"memory", &table.memory},
+                                   std::pair{"cache", &table.cache}}) {
+    out += cat("  ", name, ":\n    fixed_s:\n");
+    for (const std::vector<double>& row : grid->fixed_s) out += "      - " + flow_list(row) + "\n";
+    out += "    bytes_per_s:\n";
+    for (const std::vector<double>& row : grid->bytes_per_s) {
+      out += "      - " + flow_list(row) + "\n";
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 HardwareProfile parse_hardware_profile(const std::string& yaml, const std::string& source) {
@@ -162,6 +263,9 @@ HardwareProfile parse_hardware_profile(const std::string& yaml, const std::strin
                   ": field 'backend' must be cuda or cpu, got '", p.backend, "'");
   for (const NumericField& field : kNumericFields)
     p.*field.member = numeric_field(root, field, source);
+  if (const YAML::Node table = root[kLinearTableField]) {
+    p.linear_table = parse_linear_table(table, source);
+  }
   if (const YAML::Node sources = root["sources"]) {
     INFINIGEN_CHECK(sources.IsMap(), source, ": field 'sources' must be a map of field: text");
     for (const auto& item : sources) {
@@ -216,6 +320,7 @@ std::string hardware_profile_yaml(const HardwareProfile& p) {
   for (const NumericField& field : kNumericFields) {
     out += std::string(field.key) + ": " + number(p.*field.member) + "  # " + field.meaning + "\n";
   }
+  out += linear_table_yaml(p.linear_table);
   if (!p.sources.empty()) {
     out += "sources:\n";
     for (const auto& [key, text] : p.sources) out += "  " + key + ": " + quoted(text) + "\n";

@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "offload/linear_cost_table.h"
+
 namespace infinigen {
 
 struct HardwareProfile {
@@ -24,14 +26,15 @@ struct HardwareProfile {
 
   // Compute (roofline per op: op_overhead_s + max(flops / rate, bytes / bandwidth)).
   double gemm_flops = 0;  // fp16 GEMM (fp32 accumulate) on large shapes, FLOP/s
-  // Weight streaming of decode-shape projections (a few rows), B/s: from device memory, and from
-  // the last-level cache when a decode step's weights fit in it (device_cache_bytes; 0 = none).
-  // Single-row products (batch 1) may take a faster matrix-vector path: gemv_*.
+  // Streaming from device memory, B/s: the weights of decode-shape projections (a few rows) and
+  // the K/V of prefill attention.
   double device_memory_bytes_per_s = 0;
+  // Bytes of last-level cache (0 = none): a decode step whose working set fits in half of it
+  // takes its linear layers from linear_table's cache grid (measured on sets that size).
   double device_cache_bytes = 0;
-  double device_cache_bytes_per_s = 0;
-  double gemv_bytes_per_s = 0;
-  double gemv_cache_bytes_per_s = 0;
+  // Where present (the CPU backend), linear layers cost what this measured table says instead of
+  // the roofline (offload/linear_cost_table.h).
+  LinearCostTable linear_table;
   double attention_flops = 0;          // prefill attention (QK^T, softmax, PV), FLOP/s
   double attention_bytes_per_s = 0;    // decode attention, KV bytes read per second
   double elementwise_bytes_per_s = 0;  // LayerNorm, residual add, KV row writes, B/s
@@ -57,7 +60,8 @@ struct HardwareProfile {
   double compute_slowdown_under_copy = 1;
   double copy_slowdown_under_compute = 1;
 
-  std::map<std::string, std::string> sources;  // field name -> where its value comes from
+  // field name (linear_table included) -> where its value comes from
+  std::map<std::string, std::string> sources;
 };
 
 // A bundled profile by name (configs/hardware/<name>.yaml), or a YAML file by path (anything

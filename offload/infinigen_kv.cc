@@ -26,9 +26,7 @@ InfinigenKv::InfinigenKv(const ModelConfig& config, int64_t batch, int64_t capac
   INFINIGEN_CHECK(device == Device::Cpu, "--policy infinigen runs on the CPU backend for now");
   INFINIGEN_CHECK(slots_ >= 2, "--kv-pool-limit leaves ", slots_,
                   " position per sequence and head; at least 2 are needed");
-  if (options_.max_num_kv == 0) {
-    options_.max_num_kv = std::max<int64_t>(1, capacity / 5);  // 20% of prompt + generation
-  }
+  options_.max_num_kv = options_.fetch_cap(capacity);
   if (limited()) {
     position_tokens_.assign(static_cast<size_t>(config.num_layers),
                             std::vector<int32_t>(static_cast<size_t>(batch * heads_ * slots_), -1));
@@ -99,9 +97,7 @@ void InfinigenKv::append(int64_t layer, const Tensor& keys, const Tensor& values
     // The partial columns come from the real queries, before the 1/sqrt(d) scaling.
     Tensor queries = prefill_queries_->clone();
     ops::scale_inplace(queries, std::sqrt(static_cast<float>(head_dim_)));
-    const int64_t r = std::max<int64_t>(
-        1,
-        static_cast<int64_t>(std::floor(options_.partial_ratio * static_cast<double>(head_dim_))));
+    const int64_t r = partial_columns(options_.partial_ratio, head_dim_);
     partial_[l].build(queries, keys, prefill_weights_->q_weight, prefill_weights_->q_bias,
                       first_valid(), heads_, slots_, r, options_.index_rule, keep_from);
     return;

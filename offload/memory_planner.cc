@@ -11,6 +11,7 @@
 #include "offload/int4_codec.h"
 #include "offload/kv_pool.h"
 #include "offload/weight_placement.h"
+#include "speculate/speculation.h"
 
 namespace infinigen {
 namespace {
@@ -238,7 +239,7 @@ MemoryPlan compute_memory_plan(const MemoryRequest& r) {
     }
     if (r.policy == KvPolicy::Infinigen) {
       const size_t rp =
-          std::max<size_t>(1, static_cast<size_t>(r.partial_ratio * static_cast<double>(d)));
+          static_cast<size_t>(partial_columns(r.partial_ratio, static_cast<int64_t>(d)));
       plan.device_kv += L * (B * H * tokens * rp + H * rp * D + H * rp) * 4;
     }
   }

@@ -40,21 +40,6 @@ double median_seconds(const std::function<void()>& run, int reps, int warmup = 2
   return times[static_cast<size_t>(reps / 2)];
 }
 
-// How much slower `measure` (it returns seconds) gets while `background` runs in a loop on
-// another thread: its time then over its time alone, at least 1.
-double slowdown_while(const std::function<double()>& measure,
-                      const std::function<void()>& background) {
-  const double solo = measure();
-  std::atomic<bool> stop{false};
-  std::thread other([&] {
-    while (!stop.load()) background();
-  });
-  const double shared = measure();
-  stop = true;
-  other.join();
-  return std::max(1.0, shared / solo);
-}
-
 // A CPU tensor of values uniform in [-1, 1), stored as `dtype` (no denormals, no NaN).
 Tensor random_tensor(const Shape& shape, DType dtype, uint64_t seed) {
   std::mt19937_64 rng(seed);
@@ -91,34 +76,169 @@ std::vector<CopyChunk> scattered_chunks(char* dst, const Pinned& src, size_t byt
   return chunks;
 }
 
-// One OPT-like decode-shape projection repeated over a rotating set of weight matrices bigger
-// than the last-level cache, so weights stream from memory as a real model's do.
+// One linear layer shape repeated over a rotating set of weight matrices, so that the weights
+// come from where the set fits (beyond the last-level cache: memory) as a real model's do.
 class DecodeLinear {
  public:
-  DecodeLinear(int64_t M, int64_t N, int64_t K, int copies)
-      : M_(M),
-        N_(N),
-        K_(K),
-        x_(random_tensor({M, K}, DType::F32, 1)),
-        y_(Tensor::empty({M, N}, DType::F32)),
-        bias_(random_tensor({N}, DType::F32, 2)) {
+  DecodeLinear(int64_t M, int64_t N, int64_t K, int copies) : N_(N), K_(K), bias_(random_tensor({N}, DType::F32, 2)) {
     for (int i = 0; i < copies; ++i) {
       weights_.push_back(random_tensor({N, K}, DType::F16, 10 + static_cast<uint64_t>(i)));
     }
+    set_rows(M);
+  }
+  void set_rows(int64_t M) {
+    M_ = M;
+    x_ = random_tensor({M, K_}, DType::F32, 1);
+    y_ = Tensor::empty({M, N_}, DType::F32);
   }
   void run() {
     ops::linear(x_, weights_[next_], bias_, y_);
     next_ = (next_ + 1) % weights_.size();
   }
-  double flops() const { return linear_flops(M_, N_, K_); }
+  int copies() const { return static_cast<int>(weights_.size()); }
+  double weight_bytes() const { return static_cast<double>(N_ * K_ * 2); }
   double bytes() const { return linear_bytes(M_, N_, K_, 2); }
 
  private:
-  int64_t M_, N_, K_;
+  int64_t M_ = 0, N_, K_;
   Tensor x_, y_, bias_;
   std::vector<Tensor> weights_;
   size_t next_ = 0;
 };
+
+// Decode attention of B 4, H 8 queries over 1024 fp16 KV rows of d 128, repeated over a rotating
+// set of K and V bigger than the last-level cache: a real step's KV streams from memory next to
+// the weights.
+class DecodeAttention {
+ public:
+  static constexpr int64_t B = 4, H = 8, n = 1024, d = 128;
+  DecodeAttention(double set_bytes, uint64_t seed)
+      : q_(random_tensor({B, H * d}, DType::F32, seed)),
+        out_(Tensor::empty({B, H * d}, DType::F32)),
+        first_valid_(static_cast<size_t>(B), 0) {
+    const int copies = std::max(2, static_cast<int>(set_bytes / kv_bytes()));
+    for (int i = 0; i < copies; ++i) {
+      keys_.push_back(random_tensor({B, H, n, d}, DType::F16, seed + 1 + 2 * static_cast<uint64_t>(i)));
+      values_.push_back(random_tensor({B, H, n, d}, DType::F16, seed + 2 + 2 * static_cast<uint64_t>(i)));
+    }
+  }
+  void run() {
+    ops::attention_decode(q_, keys_[next_], values_[next_], out_, n, first_valid_);
+    next_ = (next_ + 1) % keys_.size();
+  }
+  int copies() const { return static_cast<int>(keys_.size()); }
+  static double kv_bytes() { return 2.0 * static_cast<double>(B * H * n * d * 2); }
+
+ private:
+  Tensor q_, out_;
+  std::vector<int32_t> first_valid_;
+  std::vector<Tensor> keys_, values_;
+  size_t next_ = 0;
+};
+
+// Median seconds of one run of `linear`, after a warm-up that cycles through its weight set.
+double linear_seconds(DecodeLinear& linear) {
+  return median_seconds([&] { linear.run(); }, std::max(41, 4 * linear.copies() + 1),
+                        linear.copies());
+}
+
+// How much compute and host copies slow each other, arranged as the runtime arranges them:
+// `compute` runs on this thread (the master of the OpenMP team, as the forward pass does) while a
+// helper thread keeps a transfer engine's load worker copying `chunks` back to back. With three
+// busy threads on the cores, how the OS places them decides who yields (one run of a process
+// sees the compute 2x slower, the next the copies), and a placement lasts: so each pair of solo
+// and shared timings gets a fresh engine (a fresh worker thread), and each factor is the mean
+// over the pairs of its time shared over its time alone (at least 1).
+struct Slowdowns {
+  double compute = 1, copy = 1;
+};
+
+Slowdowns contention(const std::function<void()>& compute, const std::vector<CopyChunk>& chunks) {
+  constexpr int kPairs = 15, kComputeReps = 21, kCopyReps = 11;
+  std::vector<double> compute_ratios, copy_ratios;
+  for (int pair = 0; pair < kPairs; ++pair) {
+    TransferEngine engine(Device::Cpu, {});
+    const auto copy_seconds = [&] { return seconds_of([&] { engine.load(chunks)->wait(); }); };
+    const double compute_alone = median_seconds(compute, kComputeReps);
+    const double copy_alone = median_seconds([&] { engine.load(chunks)->wait(); }, kCopyReps);
+    std::atomic<bool> computing{true};
+    std::vector<double> shared_copies;
+    std::thread copier([&] {
+      while (computing.load()) {
+        const double t = copy_seconds();
+        if (computing.load()) shared_copies.push_back(t);
+      }
+    });
+    const double compute_shared = median_seconds(compute, kComputeReps);
+    computing = false;
+    copier.join();
+    compute_ratios.push_back(compute_shared / compute_alone);
+    if (!shared_copies.empty()) {
+      std::nth_element(shared_copies.begin(), shared_copies.begin() + shared_copies.size() / 2,
+                       shared_copies.end());
+      copy_ratios.push_back(shared_copies[shared_copies.size() / 2] / copy_alone);
+    }
+  }
+  const auto mean_at_least_1 = [](const std::vector<double>& v) {
+    if (v.empty()) return 1.0;
+    double total = 0;
+    for (double x : v) total += x;
+    return std::max(1.0, total / static_cast<double>(v.size()));
+  };
+  return {mean_at_least_1(compute_ratios), mean_at_least_1(copy_ratios)};
+}
+
+// How many matrices of `bytes` make a rotating set of `set_bytes` (at least 2).
+int copies_for(double set_bytes, double bytes) {
+  return std::max(2, static_cast<int>(set_bytes / bytes));
+}
+
+// The linear cost table (offload/linear_cost_table.h): for each K and row count, ops::linear at
+// output widths 512 and `wide_n(K)` over weights rotating through `set_bytes`; the two times give
+// the cell's fixed part and its seconds per weight byte.
+LinearCostGrid measure_linear_grid(const LinearCostTable& axes, double set_bytes,
+                                   const std::function<int64_t(int64_t)>& wide_n,
+                                   const std::function<void(const std::string&)>& say,
+                                   const char* placement) {
+  constexpr int64_t kNarrow = 512;
+  LinearCostGrid grid;
+  for (const int64_t K : axes.k) {
+    const int64_t wide = wide_n(K);
+    DecodeLinear narrow(1, kNarrow, K, copies_for(set_bytes, kNarrow * K * 2.0));
+    DecodeLinear broad(1, wide, K, copies_for(set_bytes, static_cast<double>(wide * K * 2)));
+    // Several sweeps over the row counts, each cell's time the median of its sweeps: this
+    // machine has slow spells of seconds that would otherwise bend whole rows of the table.
+    constexpr int kSweeps = 3;
+    const size_t cells = axes.rows.size();
+    std::vector<std::vector<double>> narrow_t(cells), broad_t(cells);
+    for (int sweep = 0; sweep < kSweeps; ++sweep) {
+      for (size_t j = 0; j < cells; ++j) {
+        narrow.set_rows(axes.rows[j]);
+        broad.set_rows(axes.rows[j]);
+        narrow_t[j].push_back(linear_seconds(narrow));
+        broad_t[j].push_back(linear_seconds(broad));
+      }
+    }
+    const auto median = [](std::vector<double> v) {
+      std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+      return v[v.size() / 2];
+    };
+    std::vector<double> fixed, rates;
+    for (size_t j = 0; j < cells; ++j) {
+      const double t1 = median(narrow_t[j]), t2 = median(broad_t[j]);
+      const double b1 = narrow.weight_bytes(), b2 = broad.weight_bytes();
+      double per_byte = (t2 - t1) / (b2 - b1);
+      if (per_byte <= 0) per_byte = t2 / b2;  // noise swamped the difference: all of it per byte
+      fixed.push_back(std::max(0.0, t1 - b1 * per_byte));
+      rates.push_back(1.0 / per_byte);
+    }
+    say(cat("linear, ", placement, ", K ", K, ": ", rates.front() / 1e9, " GB/s at 1 row, ",
+            rates.back() / 1e9, " GB/s at ", axes.rows.back(), " rows"));
+    grid.fixed_s.push_back(std::move(fixed));
+    grid.bytes_per_s.push_back(std::move(rates));
+  }
+  return grid;
+}
 
 // The host CPU's model name (/proc/cpuinfo), or "an unknown CPU".
 std::string cpu_name() {
@@ -197,37 +317,38 @@ HardwareProfile measure_cpu_backend_profile(
     say(cat("gemm (prefill shape): ", p.gemm_flops / 1e9, " GFLOP/s"));
   }
   // Decode-shape projections: weight streaming from memory (fp16 matrices rotating over 128 MiB,
-  // beyond the last-level cache) and from the cache (rotating over half of it), for a few rows
-  // and for one row (Eigen's matrix-vector path).
+  // beyond the last-level cache), then the linear cost table from memory and from the cache
+  // (rotating over half of it).
   p.device_cache_bytes = static_cast<double>(last_level_cache_bytes());
   p.sources["device_cache_bytes"] = "the host's largest cache level (sysfs cpu0 cache)";
   say(cat("last-level cache: ", p.device_cache_bytes / 1048576.0, " MiB"));
-  const auto streaming = [&](int64_t M, int64_t N, double set_bytes) {
-    const int copies = std::max(2, static_cast<int>(set_bytes / static_cast<double>(N * N * 2)));
-    DecodeLinear linear(M, N, N, copies);
-    const double t = median_seconds([&] { linear.run(); }, std::max(41, 4 * copies + 1), copies);
-    return rate(linear.bytes(), t);
-  };
   const double memory_set = 128.0 * 1048576.0, cache_set = p.device_cache_bytes / 2;
-  p.device_memory_bytes_per_s = streaming(4, 2048, memory_set);
-  p.device_cache_bytes_per_s = streaming(4, 1024, cache_set);
-  p.gemv_bytes_per_s = streaming(1, 2048, memory_set);
-  p.gemv_cache_bytes_per_s = streaming(1, 1024, cache_set);
-  p.sources["device_memory_bytes_per_s"] =
-      how + "ops::linear x (4, 2048) . w (2048, 2048)^T, fp16 weights rotating over 128 MiB";
-  p.sources["device_cache_bytes_per_s"] =
+  {
+    DecodeLinear linear(4, 2048, 2048, copies_for(memory_set, 2048.0 * 2048 * 2));
+    p.device_memory_bytes_per_s = rate(linear.bytes(), linear_seconds(linear));
+    p.sources["device_memory_bytes_per_s"] =
+        how + "ops::linear x (4, 2048) . w (2048, 2048)^T, fp16 weights rotating over 128 MiB";
+    say(cat("weight streaming (decode shape): ", p.device_memory_bytes_per_s / 1e9, " GB/s"));
+  }
+  p.linear_table.rows = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 14, 16, 20, 24, 32, 48, 64};
+  p.linear_table.k = {512, 1024, 2048, 4096};
+  p.linear_table.memory = measure_linear_grid(
+      p.linear_table, memory_set, [](int64_t) { return int64_t{2048}; }, say, "memory");
+  // In the cache two copies of the wide matrix must fit in the set; without room for a width
+  // twice the narrow one, the cache is too small to matter and shares the memory grid.
+  const auto cache_wide = [&](int64_t K) {
+    return std::min<int64_t>(2048, static_cast<int64_t>(cache_set / (4.0 * K)) / 64 * 64);
+  };
+  bool cache_room = true;
+  for (const int64_t K : p.linear_table.k) cache_room = cache_room && cache_wide(K) >= 1024;
+  p.linear_table.cache = cache_room ? measure_linear_grid(p.linear_table, cache_set, cache_wide,
+                                                          say, "cache")
+                                    : p.linear_table.memory;
+  p.sources["linear_table"] =
       how +
-      "ops::linear x (4, 1024) . w (1024, 1024)^T, fp16 weights rotating over half the "
-      "last-level cache";
-  p.sources["gemv_bytes_per_s"] =
-      how + "ops::linear x (1, 2048) . w (2048, 2048)^T, fp16 weights rotating over 128 MiB";
-  p.sources["gemv_cache_bytes_per_s"] =
-      how +
-      "ops::linear x (1, 1024) . w (1024, 1024)^T, fp16 weights rotating over half the "
-      "last-level cache";
-  say(cat("weight streaming (decode shape): ", p.device_memory_bytes_per_s / 1e9,
-          " GB/s from memory, ", p.device_cache_bytes_per_s / 1e9, " GB/s from cache; one row: ",
-          p.gemv_bytes_per_s / 1e9, " and ", p.gemv_cache_bytes_per_s / 1e9, " GB/s"));
+      "ops::linear x (rows, K) . w (N, K)^T at N 512 and N 2048 (cache: up to 2048, two copies "
+      "in the set), fp16 weights rotating over 128 MiB (memory) or half the last-level cache "
+      "(cache); the two widths give fixed_s and bytes_per_s; each cell the median of 3 sweeps";
   // Attention.
   {
     const int64_t B = 2, H = 8, n = 256, d = 128;
@@ -243,17 +364,13 @@ HardwareProfile measure_cpu_backend_profile(
     say(cat("attention (prefill): ", p.attention_flops / 1e9, " GFLOP/s"));
   }
   {
-    const int64_t B = 4, H = 8, n = 1024, d = 128;
-    const Tensor q = random_tensor({B, H * d}, DType::F32, 11);
-    const Tensor k = random_tensor({B, H, n, d}, DType::F16, 12);
-    const Tensor v = random_tensor({B, H, n, d}, DType::F16, 13);
-    Tensor out = Tensor::empty({B, H * d}, DType::F32);
-    const std::vector<int32_t> first_valid(static_cast<size_t>(B), 0);
+    DecodeAttention attention(memory_set, 100);
     const double t =
-        median_seconds([&] { ops::attention_decode(q, k, v, out, n, first_valid); }, 21);
-    p.attention_bytes_per_s = rate(attention_decode_bytes(B, H, n, d, 2), t);
+        median_seconds([&] { attention.run(); }, 4 * attention.copies() + 1, attention.copies());
+    using A = DecodeAttention;
+    p.attention_bytes_per_s = rate(attention_decode_bytes(A::B, A::H, A::n, A::d, 2), t);
     p.sources["attention_bytes_per_s"] =
-        how + "ops::attention_decode over fp16 KV, B 4, H 8, 1024 rows, d 128";
+        how + "ops::attention_decode over fp16 KV, B 4, H 8, 1024 rows, d 128, rotating over 128 MiB";
     say(cat("attention (decode): ", p.attention_bytes_per_s / 1e9, " GB/s of KV"));
   }
   // Elementwise: LayerNorm.
@@ -293,8 +410,8 @@ HardwareProfile measure_cpu_backend_profile(
         how + "int4_dequantize_row into fp16, 8192 rows of d 128, one thread";
     say(cat("int4 codec: ", p.kv_codec_bytes_per_s / 1e9, " GB/s of fp16 rows"));
   }
-  // Speculation: the slope of PartialLayer::speculate's time in the number of scored positions
-  // (the projection and selection set-up cancel out).
+  // Speculation: PartialLayer::speculate per byte of partial keys scanned, over layers whose
+  // partial key caches together exceed the last-level cache, as a decode step's layers do.
   {
     const int64_t B = 4, H = 8, d = 128, D = H * d, n = 2048, r = 38;
     const Tensor q = random_tensor({B * n, D}, DType::F32, 18);
@@ -303,15 +420,23 @@ HardwareProfile measure_cpu_backend_profile(
     const Tensor bq = random_tensor({D}, DType::F32, 21);
     const Tensor x = random_tensor({B, D}, DType::F32, 22);
     const std::vector<int32_t> first_valid(static_cast<size_t>(B), 0);
-    PartialLayer layer;
-    layer.build(q, k, wq, bq, first_valid, H, n, r, PartialIndexRule::QK);
-    const double t =
-        median_seconds([&] { (void)layer.speculate(x, n, first_valid, 4.0, n / 5); }, 21);
+    const int copies = copies_for(memory_set, 4.0 * static_cast<double>(B * H * n * r));
+    std::vector<PartialLayer> layers(static_cast<size_t>(copies));
+    for (PartialLayer& layer : layers) {
+      layer.build(q, k, wq, bq, first_valid, H, n, r, PartialIndexRule::QK);
+    }
+    size_t next = 0;
+    const double t = median_seconds(
+        [&] {
+          (void)layers[next].speculate(x, n, first_valid, 4.0, n / 5);
+          next = (next + 1) % layers.size();
+        },
+        4 * copies + 1, copies);
     p.speculation_bytes_per_s = rate(4.0 * static_cast<double>(B * H * n * r), t);
     p.sources["speculation_bytes_per_s"] =
         how +
         "PartialLayer::speculate (projection, scores, selection), B 4, H 8, r 38, 2048 "
-        "positions, per byte of partial keys";
+        "positions, per byte of partial keys, layers rotating over 128 MiB";
     say(cat("speculation: ", p.speculation_bytes_per_s / 1e9, " GB/s of partial keys"));
   }
   // H2O's score accumulation: per (sequence, head), a sequential fp32 dot of the new query with
@@ -376,34 +501,47 @@ HardwareProfile measure_cpu_backend_profile(
   p.sources["host_row_copy_bytes_per_s"] =
       how + "TransferEngine::load of 2048 scattered 256-byte rows (one thread)";
   say(cat("host row copy (one thread): ", p.host_row_copy_bytes_per_s / 1e9, " GB/s"));
+  // The cuda backend's host gather into pinned staging spreads the rows over OpenMP threads.
   const std::vector<CopyChunk> many_rows = scattered_chunks(dst, pool, 256, 65536, 27);
-  p.host_gather_bytes_per_s = chunk_total(many_rows) / transfer_seconds(many_rows, 21);
+  const double gather_t = median_seconds(
+      [&] {
+        const int64_t n = static_cast<int64_t>(many_rows.size());
+#pragma omp parallel for schedule(static)
+        for (int64_t i = 0; i < n; ++i) {
+          const CopyChunk& c = many_rows[static_cast<size_t>(i)];
+          std::memcpy(c.dst, c.src, c.bytes);
+        }
+      },
+      21);
+  p.host_gather_bytes_per_s = chunk_total(many_rows) / gather_t;
   p.sources["host_gather_bytes_per_s"] =
-      how + "TransferEngine::load of 65536 scattered 256-byte rows (OpenMP threads)";
+      how + "an OpenMP loop copying 65536 scattered 256-byte rows out of a 128 MiB pinned pool";
   say(cat("host gather (OpenMP): ", p.host_gather_bytes_per_s / 1e9, " GB/s"));
 
-  // Contention: decode-shape projections while the transfer thread copies, and copies while
-  // projections run, each against its solo time.
+  // Contention: a decode layer's compute (a projection, then attention over a batch's KV, both
+  // streaming from memory) against 32 MiB loads.
   {
     DecodeLinear linear(4, 2048, 2048, 8);
-    p.compute_slowdown_under_copy =
-        slowdown_while([&] { return median_seconds([&] { linear.run(); }, 41, 8); },
-                       [&] { engine.load(bulk)->wait(); });
+    DecodeAttention attention(memory_set, 200);
+    const Slowdowns slowdowns = contention(
+        [&] {
+          linear.run();
+          attention.run();
+        },
+        bulk);
+    p.compute_slowdown_under_copy = slowdowns.compute;
+    p.copy_slowdown_under_compute = slowdowns.copy;
+    const std::string what =
+        "ops::linear x (4, 2048) . w (2048, 2048)^T then ops::attention_decode (B 4, H 8, 1024 "
+        "rows, d 128), both rotating over 64-128 MiB, on the main thread, and 32 MiB "
+        "TransferEngine::load copies on the engine's worker (a fresh engine for each of 15 "
+        "pairs, mean); ";
     p.sources["compute_slowdown_under_copy"] =
-        how +
-        "the decode-shape ops::linear while the transfer engine copies 32 MiB loads, "
-        "over its time alone";
-    say(cat("compute slowdown under copies: ", p.compute_slowdown_under_copy));
-  }
-  {
-    DecodeLinear linear(4, 2048, 2048, 8);
-    p.copy_slowdown_under_compute =
-        slowdown_while([&] { return transfer_seconds(bulk, 11); }, [&] { linear.run(); });
+        how + what + "the compute's time while copies run over its time alone";
     p.sources["copy_slowdown_under_compute"] =
-        how +
-        "a 32 MiB TransferEngine::load while decode-shape ops::linear runs, over its time "
-        "alone";
-    say(cat("copy slowdown under compute: ", p.copy_slowdown_under_compute));
+        how + what + "a copy's time while the compute runs over its time alone";
+    say(cat("contention: compute ", p.compute_slowdown_under_copy, "x slower under copies, copies ",
+            p.copy_slowdown_under_compute, "x slower under compute"));
   }
   // Link emulation: how much an emulated transfer overruns latency + bytes / bandwidth (the copy
   // thread's timed sleep wakes late), for a transfer the size of one small layer's KV.

@@ -24,6 +24,14 @@ void SpeculationOptions::validate() const {
                   "layer to speculate from), got ", dense_layers);
 }
 
+int64_t SpeculationOptions::fetch_cap(int64_t capacity) const {
+  return max_num_kv > 0 ? max_num_kv : std::max<int64_t>(1, capacity / 5);
+}
+
+int64_t partial_columns(double ratio, int64_t head_dim) {
+  return std::max<int64_t>(1, static_cast<int64_t>(std::floor(ratio * static_cast<double>(head_dim))));
+}
+
 void PartialLayer::build(const Tensor& queries, const Tensor& keys, const Tensor& q_weight,
                          const Tensor& q_bias, const std::vector<int32_t>& first_valid,
                          int64_t num_heads, int64_t capacity, int64_t r, PartialIndexRule rule,

@@ -28,7 +28,12 @@ struct SpeculationOptions {
   int64_t max_num_kv = 0;    // cap on n' per layer; 0 = 20% of the sequence capacity
   int64_t dense_layers = 2;  // layers [0, dense_layers) always fetch their whole KV
   void validate() const;     // one-line Error naming the flag
+  // max_num_kv, or its default for a sequence capacity of `capacity` tokens when it is 0.
+  int64_t fetch_cap(int64_t capacity) const;
 };
+
+// The number of partial key columns per head, r = max(1, floor(ratio * head_dim)).
+int64_t partial_columns(double ratio, int64_t head_dim);
 
 // One layer's speculation state, on the CPU backend: (H, r) column indices, the partial query
 // weights (H * r, D) and bias (H * r) in fp32, and the partial key cache (B, H, capacity, r).

@@ -19,9 +19,6 @@ constexpr const char* kNumericKeys[] = {"device_memory_bytes",
                                         "gemm_flops",
                                         "device_memory_bytes_per_s",
                                         "device_cache_bytes",
-                                        "device_cache_bytes_per_s",
-                                        "gemv_bytes_per_s",
-                                        "gemv_cache_bytes_per_s",
                                         "attention_flops",
                                         "attention_bytes_per_s",
                                         "elementwise_bytes_per_s",
@@ -83,7 +80,12 @@ TEST(HardwareProfile, EveryBundledProfileLoadsWithASourcePerConstant) {
     }
   }
   EXPECT_EQ(load_hardware_profile("rtx-a6000-pcie3").backend, "cuda");
-  EXPECT_EQ(load_hardware_profile("cpu-backend").backend, "cpu");
+  const HardwareProfile cpu = load_hardware_profile("cpu-backend");
+  EXPECT_EQ(cpu.backend, "cpu");
+  // The CPU backend's linear layers come from its measured table, with its source.
+  EXPECT_FALSE(cpu.linear_table.empty());
+  EXPECT_TRUE(cpu.sources.contains("linear_table"));
+  EXPECT_TRUE(load_hardware_profile("a100-pcie4").linear_table.empty());
   EXPECT_DOUBLE_EQ(load_hardware_profile("rtx-a6000-pcie3").h2d_bytes_per_s, 12e9);
   EXPECT_DOUBLE_EQ(load_hardware_profile("a100-pcie4").h2d_bytes_per_s, 25e9);
   EXPECT_DOUBLE_EQ(load_hardware_profile("h100-pcie5").h2d_bytes_per_s, 50e9);
@@ -102,6 +104,57 @@ TEST_F(HardwareProfileFile, WrittenProfilesLoadBackUnchanged) {
   EXPECT_EQ(q.sources, p.sources);
   EXPECT_NEAR(q.gemm_flops, p.gemm_flops, 1e-5 * p.gemm_flops);
   EXPECT_NEAR(q.transfer_latency_s, p.transfer_latency_s, 1e-5 * p.transfer_latency_s);
+}
+
+TEST_F(HardwareProfileFile, ALinearTableRoundTrips) {
+  const HardwareProfile p = load_hardware_profile("cpu-backend");
+  const std::string path = (dir_.path() / "cpu.yaml").string();
+  write_hardware_profile(p, path);
+  const LinearCostTable& a = p.linear_table;
+  const LinearCostTable b = load_hardware_profile(path).linear_table;
+  EXPECT_EQ(b.rows, a.rows);
+  EXPECT_EQ(b.k, a.k);
+  ASSERT_EQ(b.memory.bytes_per_s.size(), a.k.size());
+  for (size_t i = 0; i < a.k.size(); ++i) {
+    for (size_t j = 0; j < a.rows.size(); ++j) {
+      EXPECT_NEAR(b.memory.bytes_per_s[i][j], a.memory.bytes_per_s[i][j],
+                  1e-5 * a.memory.bytes_per_s[i][j]);
+      EXPECT_NEAR(b.cache.fixed_s[i][j], a.cache.fixed_s[i][j], 1e-5 * a.cache.fixed_s[i][j]);
+    }
+  }
+}
+
+TEST_F(HardwareProfileFile, EachBadLinearTableIsOneLineNamingTheField) {
+  const std::string base = hardware_profile_yaml(load_hardware_profile("a100-pcie4"));
+  const auto table = [&](const std::string& rows, const std::string& k,
+                         const std::string& memory_fixed) {
+    return write(base + "linear_table:\n  rows: " + rows + "\n  k: " + k +
+                 "\n  memory:\n    fixed_s: " + memory_fixed +
+                 "\n    bytes_per_s: [[1e10, 1e10]]\n  cache:\n    fixed_s: [[0, 0]]\n"
+                 "    bytes_per_s: [[2e10, 2e10]]\n");
+  };
+  // A valid one loads.
+  EXPECT_EQ(load_hardware_profile(table("[1, 4]", "[1024]", "[[1e-6, 2e-6]]")).linear_table.rows,
+            (std::vector<int64_t>{1, 4}));
+  std::string path = table("[1, 4]", "[1024]", "[[1e-6]]");
+  expect_error([&] { load_hardware_profile(path); },
+               {path, "'linear_table.memory.fixed_s'", "1 lists", "2 numbers"});
+  path = table("[2, 4]", "[1024]", "[[1e-6, 2e-6]]");
+  expect_error([&] { load_hardware_profile(path); }, {path, "'linear_table.rows'", "start at 1"});
+  path = table("[1, 1]", "[1024]", "[[1e-6, 2e-6]]");
+  expect_error([&] { load_hardware_profile(path); }, {path, "'linear_table.rows'", "increasing"});
+  path = table("[1, 4]", "[1024.5]", "[[1e-6, 2e-6]]");
+  expect_error([&] { load_hardware_profile(path); }, {path, "'linear_table.k'", "integers"});
+  path = table("[1, 4]", "[1024]", "[[-1e-6, 2e-6]]");
+  expect_error([&] { load_hardware_profile(path); },
+               {path, "'linear_table.memory.fixed_s'", ">= 0", "-1e-06"});
+  path = table("[1, 4]", "[1024]", "[[fast, 2e-6]]");
+  expect_error([&] { load_hardware_profile(path); },
+               {path, "'linear_table.memory.fixed_s'", "numbers", "fast"});
+  path = write(base + "linear_table: 3\n");
+  expect_error([&] { load_hardware_profile(path); }, {path, "'linear_table'", "map"});
+  path = write(base + "linear_table:\n  row: [1]\n");
+  expect_error([&] { load_hardware_profile(path); }, {path, "unknown field 'linear_table.row'"});
 }
 
 TEST_F(HardwareProfileFile, WithLinkSetsBothDirectionsAndUnlimitedIsInfinite) {
