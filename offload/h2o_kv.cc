@@ -2,7 +2,6 @@
 #include "offload/h2o_kv.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <numeric>
@@ -63,8 +62,7 @@ int64_t h2o_slots(double budget, int64_t capacity) {
 
 H2oKv::H2oKv(const ModelConfig& config, int64_t batch, int64_t capacity, DType kv_dtype,
              Device device, double budget, TransferEngine& engine, OffloadStats& stats)
-    : KvStore(batch, capacity),
-      num_layers_(config.num_layers),
+    : PipelinedKv(batch, capacity, config.num_layers, engine, stats),
       heads_(config.num_heads),
       head_dim_(config.head_dim()),
       kv_dtype_(kv_dtype),
@@ -72,10 +70,6 @@ H2oKv::H2oKv(const ModelConfig& config, int64_t batch, int64_t capacity, DType k
       slots_(h2o_slots(budget, capacity)),
       recent_(slots_ / 2),
       row_bytes_(static_cast<size_t>(config.head_dim()) * dtype_size(kv_dtype)),
-      engine_(engine),
-      stats_(stats),
-      loaded_(static_cast<size_t>(config.num_layers), completed_event()),
-      stored_(static_cast<size_t>(config.num_layers), completed_event()),
       count_(static_cast<size_t>(batch), 0),
       view_first_valid_(static_cast<size_t>(batch), 0) {
   INFINIGEN_CHECK(budget > 0.0 && budget <= 1.0, "h2o budget must be in (0, 1], got ", budget);
@@ -130,20 +124,12 @@ std::vector<int32_t> H2oKv::kept_tokens(int64_t layer, int64_t b, int64_t h) con
 }
 
 void H2oKv::begin_pass(int64_t n_new) {
-  KvStore::begin_pass(n_new);
   INFINIGEN_CHECK(length() == 0 || n_new == 1, "h2o: decode passes take one token, got ", n_new);
   for (int64_t b = 0; b < batch(); ++b) {
     view_first_valid_[static_cast<size_t>(b)] =
         static_cast<int32_t>(slots_ - count_[static_cast<size_t>(b)]);
   }
-  stats_.begin_step(num_layers_, engine_.counters());
-  if (length() > 0) issue_load(0);  // decode: layer 0's rows start moving before the embedding
-}
-
-void H2oKv::begin_layer(int64_t layer) {
-  // While this layer computes, the next layer's rows move into the other staging buffer (which
-  // layer - 1 has finished reading: compute runs in order).
-  if (length() > 0 && layer + 1 < num_layers_) issue_load(layer + 1);
+  PipelinedKv::begin_pass(n_new);
 }
 
 void H2oKv::issue_load(int64_t layer) {
@@ -205,12 +191,7 @@ void H2oKv::append(int64_t layer, const Tensor& keys, const Tensor& values) {
 
 KvStore::View H2oKv::view(int64_t layer) {
   const auto l = static_cast<size_t>(layer);
-  const auto start = std::chrono::steady_clock::now();
-  loaded_[l]->wait();
-  const double waited =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  stats_.current().layers[l].load_wait_seconds += waited;
-  stats_.current().load_wait_seconds += waited;
+  wait_for_load(layer);
   return {&staging_keys_[l % 2], &staging_values_[l % 2], slots_ + 1, &view_first_valid_};
 }
 
@@ -382,8 +363,6 @@ void H2oKv::move_entry(int64_t layer, int64_t b, int64_t h, int64_t from, int64_
 
 void H2oKv::end_pass(int64_t n_new) {
   if (length() == 0) {
-    // The prefill's stores read the staging buffers that the first decode loads overwrite.
-    engine_.store_stream().synchronize();
     for (int64_t b = 0; b < batch(); ++b) {
       const int64_t valid = n_new - first_valid()[static_cast<size_t>(b)];
       count_[static_cast<size_t>(b)] = static_cast<int32_t>(std::min(valid, slots_));
@@ -392,8 +371,7 @@ void H2oKv::end_pass(int64_t n_new) {
     for (int32_t& count : count_)
       count = static_cast<int32_t>(std::min<int64_t>(count + 1, slots_));
   }
-  KvStore::end_pass(n_new);
-  stats_.end_step(engine_.counters());
+  PipelinedKv::end_pass(n_new);
 }
 
 }  // namespace infinigen

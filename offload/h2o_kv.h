@@ -46,6 +46,7 @@
 
 #include "core/kv_cache.h"
 #include "offload/offload_stats.h"
+#include "offload/pipelined_kv.h"
 #include "offload/transfer_engine.h"
 
 namespace infinigen {
@@ -60,7 +61,7 @@ int64_t h2o_choose_victim(std::span<const float> scores, std::span<const int32_t
 // and the store agree through it.
 int64_t h2o_slots(double budget, int64_t capacity);
 
-class H2oKv : public KvStore {
+class H2oKv : public PipelinedKv {
  public:
   // `budget`: the fraction of `capacity` (prompt + generation) kept per (layer, sequence, head).
   H2oKv(const ModelConfig& config, int64_t batch, int64_t capacity, DType kv_dtype, Device device,
@@ -68,7 +69,6 @@ class H2oKv : public KvStore {
   ~H2oKv() override;
 
   void begin_pass(int64_t n_new) override;
-  void begin_layer(int64_t layer) override;
   void observe(int64_t layer, const Tensor& normed, const Tensor& queries,
                const OptLayerWeights& weights) override;
   void append(int64_t layer, const Tensor& keys, const Tensor& values) override;
@@ -92,7 +92,7 @@ class H2oKv : public KvStore {
   // Row `row` of (b, h) in a staging buffer (B, H, slots + 1, d).
   char* staging_row(Tensor& staging, int64_t b, int64_t h, int64_t row) const;
   // Starts loading layer `layer`'s kept rows into staging[layer % 2].
-  void issue_load(int64_t layer);
+  void issue_load(int64_t layer) override;
   void prefill(int64_t layer, const Tensor& keys, const Tensor& values);
   void decode(int64_t layer, const Tensor& keys, const Tensor& values);
   // Moves the bookkeeping of row `from` of (layer, b, h) into row `to` (key copy, score, token).
@@ -102,7 +102,6 @@ class H2oKv : public KvStore {
   void issue_store(int64_t layer, std::vector<CopyChunk> chunks, EventPtr after);
   float round_kv(float value) const;  // `value` as the KV dtype stores it
 
-  int64_t num_layers_;
   int64_t heads_;
   int64_t head_dim_;
   DType kv_dtype_;
@@ -110,12 +109,8 @@ class H2oKv : public KvStore {
   int64_t slots_;
   int64_t recent_;
   size_t row_bytes_;  // d * kv_bytes
-  TransferEngine& engine_;
-  OffloadStats& stats_;
   char* pool_ = nullptr;                                 // [L][2][B][H][slots][d], pinned
   std::array<Tensor, 2> staging_keys_, staging_values_;  // (B, H, slots + 1, d) by layer parity
-  std::vector<EventPtr> loaded_;                         // per layer: this step's load
-  std::vector<EventPtr> stored_;                         // per layer: latest store into the pool
   // Per staging buffer: the store that last read it (the prefill's kept rows, or a decode step's
   // row `slots`). Host writes into the buffer wait for it.
   std::array<EventPtr, 2> staging_read_ = {completed_event(), completed_event()};

@@ -1,7 +1,6 @@
 // offload: the `infinigen` KV policy.
 #include "offload/infinigen_kv.h"
 
-#include <chrono>
 #include <cmath>
 
 #include "core/ops.h"
@@ -244,13 +243,8 @@ void InfinigenKv::load_selection(int64_t layer) {
 KvStore::View InfinigenKv::view(int64_t layer) {
   if (!compact(layer)) return OffloadedKv::view(layer);
   const size_t l = static_cast<size_t>(layer), p = l % 2;
-  const auto start = std::chrono::steady_clock::now();
-  loaded_[l]->wait();
-  const double waited =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  wait_for_load(layer);
   LayerTraffic& traffic = stats_.current().layers[l];
-  traffic.load_wait_seconds += waited;
-  stats_.current().load_wait_seconds += waited;
   const PartialLayer::Selection& sel = selection_[l];
   compact_first_valid_.resize(static_cast<size_t>(batch()));
   for (int64_t b = 0; b < batch(); ++b) {

@@ -2,7 +2,6 @@
 #include "offload/int4_kv.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cstring>
 
 #include "core/error.h"
@@ -26,17 +25,12 @@ void poison(void* pointer, size_t bytes) {
 
 Int4Kv::Int4Kv(const ModelConfig& config, int64_t batch, int64_t capacity, Device device,
                TransferEngine& engine, OffloadStats& stats)
-    : KvStore(batch, capacity),
-      num_layers_(config.num_layers),
+    : PipelinedKv(batch, capacity, config.num_layers, engine, stats),
       num_heads_(config.num_heads),
       head_dim_(config.head_dim()),
       code_bytes_(int4_code_bytes(config.head_dim())),
       meta_bytes_(int4_meta_bytes(config.head_dim())),
-      device_(device),
-      engine_(engine),
-      stats_(stats),
-      loaded_(static_cast<size_t>(config.num_layers)),
-      stored_(static_cast<size_t>(config.num_layers), completed_event()) {
+      device_(device) {
   INFINIGEN_CHECK(device == Device::Cpu,
                   "the int4 KV policy dequantises on the CPU backend only (no CUDA kernel yet)");
   const size_t layer_rows = static_cast<size_t>(2 * batch * num_heads_ * capacity);
@@ -78,18 +72,6 @@ size_t Int4Kv::row_index(int64_t kind, int64_t b, int64_t h, int64_t t, int64_t 
 Int4Kv::Packed Int4Kv::host_layer(int64_t layer) const {
   const size_t rows = static_cast<size_t>(layer * 2 * batch() * num_heads_ * capacity());
   return {host_.codes + rows * code_bytes_, host_.meta + rows * meta_bytes_};
-}
-
-void Int4Kv::begin_pass(int64_t n_new) {
-  KvStore::begin_pass(n_new);
-  stats_.begin_step(num_layers_, engine_.counters());
-  if (length() > 0) issue_load(0);  // decode: layer 0's codes start moving before the embedding
-}
-
-void Int4Kv::begin_layer(int64_t layer) {
-  // While this layer computes, the next layer's codes move into the other parity's buffers (which
-  // layer - 1 has finished reading: its view dequantised them on the compute thread).
-  if (length() > 0 && layer + 1 < num_layers_) issue_load(layer + 1);
 }
 
 void Int4Kv::issue_load(int64_t layer) {
@@ -215,24 +197,12 @@ void Int4Kv::append(int64_t layer, const Tensor& keys, const Tensor& values) {
 }
 
 KvStore::View Int4Kv::view(int64_t layer) {
-  const auto start = std::chrono::steady_clock::now();
-  loaded_[static_cast<size_t>(layer)]->wait();
-  const double waited =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  stats_.current().layers[static_cast<size_t>(layer)].load_wait_seconds += waited;
-  stats_.current().load_wait_seconds += waited;
+  // Layer l + 1's load (begin_layer(l)) refills layer l - 1's load buffers, which that layer's
+  // view has already dequantised on this thread.
+  wait_for_load(layer);
   const size_t p = static_cast<size_t>(layer % 2);
   dequantize_into_staging(p, loaded_packed_[p], capacity(), 0, length(), 0);
   return {&staging_keys_[p], &staging_values_[p], length() + pass_tokens()};
-}
-
-void Int4Kv::end_pass(int64_t n_new) {
-  if (length() == 0) {
-    // The prefill's stores read the load buffers that the first decode loads overwrite.
-    engine_.store_stream().synchronize();
-  }
-  KvStore::end_pass(n_new);
-  stats_.end_step(engine_.counters());
 }
 
 }  // namespace infinigen

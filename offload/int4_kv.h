@@ -16,8 +16,9 @@
 // The new token's K and V are quantised, and attention reads their dequantised values (not the
 // fresh fp32 ones), so a step's attention sees exactly what later steps will load. The prefill's
 // attention reads the fresh rows (the model does that); the store only keeps their codes.
-// Ordering mirrors OffloadedKv, by events: the load of layer l waits for the previous step's
-// store of layer l; reusing a buffer waits for the transfer that last read it.
+// Ordering mirrors OffloadedKv (the pipeline of offload/pipelined_kv.h), by events: the load of
+// layer l waits for the previous step's store of layer l; reusing a buffer waits for the
+// transfer that last read it.
 // The codec runs on the CPU, so this store needs the CPU backend (a CUDA build would need a
 // dequantisation kernel).
 #pragma once
@@ -29,21 +30,19 @@
 
 #include "core/kv_cache.h"
 #include "offload/offload_stats.h"
+#include "offload/pipelined_kv.h"
 #include "offload/transfer_engine.h"
 
 namespace infinigen {
 
-class Int4Kv : public KvStore {
+class Int4Kv : public PipelinedKv {
  public:
   Int4Kv(const ModelConfig& config, int64_t batch, int64_t capacity, Device device,
          TransferEngine& engine, OffloadStats& stats);
   ~Int4Kv() override;
 
-  void begin_pass(int64_t n_new) override;
-  void begin_layer(int64_t layer) override;
   void append(int64_t layer, const Tensor& keys, const Tensor& values) override;
   View view(int64_t layer) override;
-  void end_pass(int64_t n_new) override;
 
   // Bytes of one quantised row (d / 2 + 4 * G).
   size_t row_bytes() const { return code_bytes_ + meta_bytes_; }
@@ -57,7 +56,7 @@ class Int4Kv : public KvStore {
   // Row (kind, b, h, t) of a [2][B][H][rows] buffer.
   size_t row_index(int64_t kind, int64_t b, int64_t h, int64_t t, int64_t rows) const;
   Packed host_layer(int64_t layer) const;
-  void issue_load(int64_t layer);
+  void issue_load(int64_t layer) override;
   // Quantises rows (B * n, H * d) fp32 of K and V into `dst` ([2][B][H][dst_rows]) at rows
   // [0, n).
   void quantize_rows(const Tensor& keys, const Tensor& values, int64_t n, Packed dst,
@@ -70,20 +69,15 @@ class Int4Kv : public KvStore {
   void dequantize_into_staging(size_t p, Packed src, int64_t src_rows, int64_t t0, int64_t t1,
                                int64_t row0);
 
-  int64_t num_layers_;
   int64_t num_heads_;
   int64_t head_dim_;
   size_t code_bytes_;  // d / 2
   size_t meta_bytes_;  // G * 2 fp16
   Device device_;
-  TransferEngine& engine_;
-  OffloadStats& stats_;
   Packed host_;                                          // [L][2][B][H][capacity] rows, pinned
   std::array<Packed, 2> loaded_packed_;                  // [2][B][H][capacity] rows by parity
   std::array<Packed, 2> store_packed_;                   // [2][B][H][1] rows by parity
   std::array<Tensor, 2> staging_keys_, staging_values_;  // (B, H, capacity, d) fp16 by parity
-  std::vector<EventPtr> loaded_;                         // per layer: this step's load
-  std::vector<EventPtr> stored_;                         // per layer: latest store into the pool
   // Per store buffer: the store that last read it. Writing the buffer waits for it.
   std::array<EventPtr, 2> store_buffer_read_ = {completed_event(), completed_event()};
 };

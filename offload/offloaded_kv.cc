@@ -17,14 +17,9 @@ uint64_t chunk_bytes(const std::vector<CopyChunk>& chunks) {
 OffloadedKv::OffloadedKv(const ModelConfig& config, int64_t batch, int64_t capacity, DType kv_dtype,
                          Device device, int64_t block_tokens, TransferEngine& engine,
                          OffloadStats& stats, int64_t pool_tokens)
-    : KvStore(batch, capacity),
-      num_layers_(config.num_layers),
+    : PipelinedKv(batch, capacity, config.num_layers, engine, stats),
       pool_({config.num_layers, batch, config.num_heads, config.head_dim(),
-             pool_tokens > 0 ? pool_tokens : capacity, block_tokens, kv_dtype}),
-      engine_(engine),
-      stats_(stats),
-      loaded_(static_cast<size_t>(config.num_layers)),
-      stored_(static_cast<size_t>(config.num_layers), completed_event()) {
+             pool_tokens > 0 ? pool_tokens : capacity, block_tokens, kv_dtype}) {
   const Shape staging = {batch, config.num_heads, capacity, config.head_dim()};
   const Shape store = {batch, config.num_heads, 1, config.head_dim()};
   for (int p = 0; p < 2; ++p) {
@@ -41,18 +36,6 @@ OffloadedKv::~OffloadedKv() {
   } catch (...) {
     // The failure was already reported to the pass that caused it.
   }
-}
-
-void OffloadedKv::begin_pass(int64_t n_new) {
-  KvStore::begin_pass(n_new);
-  stats_.begin_step(num_layers_, engine_.counters());
-  if (length() > 0) issue_load(0);  // decode: layer 0's KV starts moving before the embedding
-}
-
-void OffloadedKv::begin_layer(int64_t layer) {
-  // While this layer computes, the next layer's KV moves into the other staging buffer (which
-  // layer - 1 has finished reading: compute runs in order).
-  if (length() > 0 && layer + 1 < num_layers_) issue_load(layer + 1);
 }
 
 void OffloadedKv::issue_load(int64_t layer) {
@@ -120,23 +103,9 @@ void OffloadedKv::issue_store(int64_t layer, const Tensor& keys, const Tensor& v
 }
 
 KvStore::View OffloadedKv::view(int64_t layer) {
-  const auto start = std::chrono::steady_clock::now();
-  loaded_[static_cast<size_t>(layer)]->wait();
-  const double waited =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  stats_.current().layers[static_cast<size_t>(layer)].load_wait_seconds += waited;
-  stats_.current().load_wait_seconds += waited;
+  wait_for_load(layer);
   const size_t p = static_cast<size_t>(layer % 2);
   return {&staging_keys_[p], &staging_values_[p], length() + pass_tokens()};
-}
-
-void OffloadedKv::end_pass(int64_t n_new) {
-  if (length() == 0) {
-    // The prefill's stores read the staging buffers that the first decode loads overwrite.
-    engine_.store_stream().synchronize();
-  }
-  KvStore::end_pass(n_new);
-  stats_.end_step(engine_.counters());
 }
 
 ResidentKv::ResidentKv(const ModelConfig& config, int64_t batch, int64_t capacity, DType kv_dtype,

@@ -15,11 +15,12 @@
 #include "core/kv_cache.h"
 #include "offload/kv_pool.h"
 #include "offload/offload_stats.h"
+#include "offload/pipelined_kv.h"
 #include "offload/transfer_engine.h"
 
 namespace infinigen {
 
-class OffloadedKv : public KvStore {
+class OffloadedKv : public PipelinedKv {
  public:
   // `pool_tokens`: positions per (layer, sequence, head) in the host pool; 0 = capacity.
   OffloadedKv(const ModelConfig& config, int64_t batch, int64_t capacity, DType kv_dtype,
@@ -27,17 +28,14 @@ class OffloadedKv : public KvStore {
               int64_t pool_tokens = 0);
   ~OffloadedKv() override;
 
-  void begin_pass(int64_t n_new) override;
-  void begin_layer(int64_t layer) override;
   void append(int64_t layer, const Tensor& keys, const Tensor& values) override;
   View view(int64_t layer) override;
-  void end_pass(int64_t n_new) override;
 
   const KvPool& pool() const { return pool_; }
 
  protected:
   // Starts loading what layer `layer`'s attention reads this step (the whole layer here).
-  virtual void issue_load(int64_t layer);
+  void issue_load(int64_t layer) override;
   // Decode: copies the new token's rows (B, H * d) into the layer's store buffer and enqueues
   // their store into the pool at token length().
   void store_new_token(int64_t layer, const Tensor& keys, const Tensor& values);
@@ -46,14 +44,9 @@ class OffloadedKv : public KvStore {
   void issue_store(int64_t layer, const Tensor& keys, const Tensor& values, int64_t row0,
                    int64_t n);
 
-  int64_t num_layers_;
   KvPool pool_;
-  TransferEngine& engine_;
-  OffloadStats& stats_;
   std::array<Tensor, 2> staging_keys_, staging_values_;  // (B, H, capacity, d) by layer parity
   std::array<Tensor, 2> store_keys_, store_values_;      // (B, H, 1, d) by layer parity
-  std::vector<EventPtr> loaded_;                         // per layer: this step's load
-  std::vector<EventPtr> stored_;                         // per layer: latest store into the pool
   // Per store buffer: the store that last read it (of this step or, for the first layers, of
   // the previous step's last layers). Writing the buffer waits for it.
   std::array<EventPtr, 2> store_buffer_read_ = {completed_event(), completed_event()};

@@ -1,0 +1,47 @@
+// offload: the layer pipeline shared by the offloading KV policies.
+#include "offload/pipelined_kv.h"
+
+#include <chrono>
+
+namespace infinigen {
+
+PipelinedKv::PipelinedKv(int64_t batch, int64_t capacity, int64_t num_layers,
+                         TransferEngine& engine, OffloadStats& stats)
+    : KvStore(batch, capacity),
+      num_layers_(num_layers),
+      engine_(engine),
+      stats_(stats),
+      loaded_(static_cast<size_t>(num_layers), completed_event()),
+      stored_(static_cast<size_t>(num_layers), completed_event()) {}
+
+void PipelinedKv::begin_pass(int64_t n_new) {
+  KvStore::begin_pass(n_new);
+  stats_.begin_step(num_layers_, engine_.counters());
+  if (length() > 0) issue_load(0);  // decode: layer 0's KV starts moving before the embedding
+}
+
+void PipelinedKv::begin_layer(int64_t layer) {
+  // While this layer computes, the next layer's KV moves into the other staging buffer (which
+  // layer - 1 has finished reading: compute runs in order).
+  if (length() > 0 && layer + 1 < num_layers_) issue_load(layer + 1);
+}
+
+void PipelinedKv::end_pass(int64_t n_new) {
+  if (length() == 0) {
+    // The prefill's stores read the staging buffers that the first decode loads overwrite.
+    engine_.store_stream().synchronize();
+  }
+  KvStore::end_pass(n_new);
+  stats_.end_step(engine_.counters());
+}
+
+void PipelinedKv::wait_for_load(int64_t layer) {
+  const auto start = std::chrono::steady_clock::now();
+  loaded_[static_cast<size_t>(layer)]->wait();
+  const double waited =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  stats_.current().layers[static_cast<size_t>(layer)].load_wait_seconds += waited;
+  stats_.current().load_wait_seconds += waited;
+}
+
+}  // namespace infinigen
