@@ -76,6 +76,16 @@ std::vector<CopyChunk> scattered_chunks(char* dst, const Pinned& src, size_t byt
   return chunks;
 }
 
+// How hard a measurement works: repetitions per timing, the size of a rotating set that streams
+// from memory (beyond the last-level cache), sweeps over the linear table, contention pairs.
+struct Effort {
+  bool quick = false;
+  double memory_set = 0;
+  int reps(int n) const { return quick ? std::max(3, n / 8) : n; }
+  int sweeps() const { return quick ? 1 : 3; }
+  int pairs() const { return quick ? 2 : 15; }
+};
+
 // One linear layer shape repeated over a rotating set of weight matrices, so that the weights
 // come from where the set fits (beyond the last-level cache: memory) as a real model's do.
 class DecodeLinear {
@@ -137,8 +147,8 @@ class DecodeAttention {
 };
 
 // Median seconds of one run of `linear`, after a warm-up that cycles through its weight set.
-double linear_seconds(DecodeLinear& linear) {
-  return median_seconds([&] { linear.run(); }, std::max(41, 4 * linear.copies() + 1),
+double linear_seconds(DecodeLinear& linear, const Effort& effort) {
+  return median_seconds([&] { linear.run(); }, effort.reps(std::max(41, 4 * linear.copies() + 1)),
                         linear.copies());
 }
 
@@ -153,14 +163,15 @@ struct Slowdowns {
   double compute = 1, copy = 1;
 };
 
-Slowdowns contention(const std::function<void()>& compute, const std::vector<CopyChunk>& chunks) {
-  constexpr int kPairs = 15, kComputeReps = 21, kCopyReps = 11;
+Slowdowns contention(const std::function<void()>& compute, const std::vector<CopyChunk>& chunks,
+                     const Effort& effort) {
+  const int compute_reps = effort.reps(21), copy_reps = effort.reps(11);
   std::vector<double> compute_ratios, copy_ratios;
-  for (int pair = 0; pair < kPairs; ++pair) {
+  for (int pair = 0; pair < effort.pairs(); ++pair) {
     TransferEngine engine(Device::Cpu, {});
     const auto copy_seconds = [&] { return seconds_of([&] { engine.load(chunks)->wait(); }); };
-    const double compute_alone = median_seconds(compute, kComputeReps);
-    const double copy_alone = median_seconds([&] { engine.load(chunks)->wait(); }, kCopyReps);
+    const double compute_alone = median_seconds(compute, compute_reps);
+    const double copy_alone = median_seconds([&] { engine.load(chunks)->wait(); }, copy_reps);
     std::atomic<bool> computing{true};
     std::vector<double> shared_copies;
     std::thread copier([&] {
@@ -169,7 +180,7 @@ Slowdowns contention(const std::function<void()>& compute, const std::vector<Cop
         if (computing.load()) shared_copies.push_back(t);
       }
     });
-    const double compute_shared = median_seconds(compute, kComputeReps);
+    const double compute_shared = median_seconds(compute, compute_reps);
     computing = false;
     copier.join();
     compute_ratios.push_back(compute_shared / compute_alone);
@@ -199,7 +210,7 @@ int copies_for(double set_bytes, double bytes) {
 LinearCostGrid measure_linear_grid(const LinearCostTable& axes, double set_bytes,
                                    const std::function<int64_t(int64_t)>& wide_n,
                                    const std::function<void(const std::string&)>& say,
-                                   const char* placement) {
+                                   const char* placement, const Effort& effort) {
   constexpr int64_t kNarrow = 512;
   LinearCostGrid grid;
   for (const int64_t K : axes.k) {
@@ -208,15 +219,14 @@ LinearCostGrid measure_linear_grid(const LinearCostTable& axes, double set_bytes
     DecodeLinear broad(1, wide, K, copies_for(set_bytes, static_cast<double>(wide * K * 2)));
     // Several sweeps over the row counts, each cell's time the median of its sweeps: this
     // machine has slow spells of seconds that would otherwise bend whole rows of the table.
-    constexpr int kSweeps = 3;
     const size_t cells = axes.rows.size();
     std::vector<std::vector<double>> narrow_t(cells), broad_t(cells);
-    for (int sweep = 0; sweep < kSweeps; ++sweep) {
+    for (int sweep = 0; sweep < effort.sweeps(); ++sweep) {
       for (size_t j = 0; j < cells; ++j) {
         narrow.set_rows(axes.rows[j]);
         broad.set_rows(axes.rows[j]);
-        narrow_t[j].push_back(linear_seconds(narrow));
-        broad_t[j].push_back(linear_seconds(broad));
+        narrow_t[j].push_back(linear_seconds(narrow, effort));
+        broad_t[j].push_back(linear_seconds(broad, effort));
       }
     }
     const auto median = [](std::vector<double> v) {
@@ -276,7 +286,7 @@ size_t last_level_cache_bytes() {
 }  // namespace
 
 HardwareProfile measure_cpu_backend_profile(
-    const std::function<void(const std::string&)>& progress) {
+    const std::function<void(const std::string&)>& progress, ProfileEffort effort_level) {
   const auto say = [&](const std::string& line) {
     if (progress) progress(line);
   };
@@ -286,6 +296,12 @@ HardwareProfile measure_cpu_backend_profile(
   const unsigned threads = std::max(1u, std::thread::hardware_concurrency());
   p.description = cat("the engine's CPU backend (emulated device in host memory) on ", cpu_name(),
                       ", ", threads, " hardware threads; measured by measure_cpu_backend_profile");
+  p.device_cache_bytes = static_cast<double>(last_level_cache_bytes());
+  Effort effort;
+  effort.quick = effort_level == ProfileEffort::Quick;
+  effort.memory_set = effort.quick ? std::max(16.0 * 1048576.0, 2.0 * p.device_cache_bytes)
+                         : std::max(128.0 * 1048576.0, 4.0 * p.device_cache_bytes);
+  if (effort.quick) p.description += " (quick measurement: few repetitions, rough)";
   const std::string how = "measured by measure_cpu_backend_profile: median of repeated runs of ";
 
   p.device_memory_bytes = static_cast<double>(available_host_memory());
@@ -295,7 +311,7 @@ HardwareProfile measure_cpu_backend_profile(
   {
     Tensor y = random_tensor({1, 16}, DType::F32, 3);
     const Tensor x = random_tensor({1, 16}, DType::F32, 4);
-    p.op_overhead_s = median_seconds([&] { ops::add_inplace(y, x); }, 2001, 50);
+    p.op_overhead_s = median_seconds([&] { ops::add_inplace(y, x); }, effort.reps(2001), 50);
     p.sources["op_overhead_s"] = how + "ops::add_inplace on 16 elements";
     say(cat("op overhead: ", p.op_overhead_s * 1e6, " us"));
   }
@@ -311,29 +327,34 @@ HardwareProfile measure_cpu_backend_profile(
     const Tensor w = random_tensor({N, K}, DType::F16, 6);
     const Tensor b = random_tensor({N}, DType::F32, 7);
     Tensor y = Tensor::empty({M, N}, DType::F32);
-    const double t = median_seconds([&] { ops::linear(x, w, b, y); }, 9);
+    const double t = median_seconds([&] { ops::linear(x, w, b, y); }, effort.reps(9));
     p.gemm_flops = rate(linear_flops(M, N, K), t);
     p.sources["gemm_flops"] = how + "ops::linear x (512, 1024) . w (1024, 1024)^T, fp16 weights";
     say(cat("gemm (prefill shape): ", p.gemm_flops / 1e9, " GFLOP/s"));
   }
-  // Decode-shape projections: weight streaming from memory (fp16 matrices rotating over 128 MiB,
+  // Decode-shape projections: weight streaming from memory (fp16 matrices rotating over a set
   // beyond the last-level cache), then the linear cost table from memory and from the cache
   // (rotating over half of it).
-  p.device_cache_bytes = static_cast<double>(last_level_cache_bytes());
   p.sources["device_cache_bytes"] = "the host's largest cache level (sysfs cpu0 cache)";
   say(cat("last-level cache: ", p.device_cache_bytes / 1048576.0, " MiB"));
-  const double memory_set = 128.0 * 1048576.0, cache_set = p.device_cache_bytes / 2;
+  const double memory_set = effort.memory_set, cache_set = p.device_cache_bytes / 2;
   {
     DecodeLinear linear(4, 2048, 2048, copies_for(memory_set, 2048.0 * 2048 * 2));
-    p.device_memory_bytes_per_s = rate(linear.bytes(), linear_seconds(linear));
+    p.device_memory_bytes_per_s = rate(linear.bytes(), linear_seconds(linear, effort));
     p.sources["device_memory_bytes_per_s"] =
-        how + "ops::linear x (4, 2048) . w (2048, 2048)^T, fp16 weights rotating over 128 MiB";
+        how + "ops::linear x (4, 2048) . w (2048, 2048)^T, fp16 weights rotating beyond the "
+              "last-level cache";
     say(cat("weight streaming (decode shape): ", p.device_memory_bytes_per_s / 1e9, " GB/s"));
   }
-  p.linear_table.rows = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 14, 16, 20, 24, 32, 48, 64};
-  p.linear_table.k = {512, 1024, 2048, 4096};
+  if (effort.quick) {
+    p.linear_table.rows = {1, 2, 4, 8, 16};
+    p.linear_table.k = {512, 2048};
+  } else {
+    p.linear_table.rows = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 14, 16, 20, 24, 32, 48, 64};
+    p.linear_table.k = {512, 1024, 2048, 4096};
+  }
   p.linear_table.memory = measure_linear_grid(
-      p.linear_table, memory_set, [](int64_t) { return int64_t{2048}; }, say, "memory");
+      p.linear_table, memory_set, [](int64_t) { return int64_t{2048}; }, say, "memory", effort);
   // In the cache two copies of the wide matrix must fit in the set; without room for a width
   // twice the narrow one, the cache is too small to matter and shares the memory grid.
   const auto cache_wide = [&](int64_t K) {
@@ -342,13 +363,14 @@ HardwareProfile measure_cpu_backend_profile(
   bool cache_room = true;
   for (const int64_t K : p.linear_table.k) cache_room = cache_room && cache_wide(K) >= 1024;
   p.linear_table.cache = cache_room ? measure_linear_grid(p.linear_table, cache_set, cache_wide,
-                                                          say, "cache")
+                                                          say, "cache", effort)
                                     : p.linear_table.memory;
   p.sources["linear_table"] =
       how +
       "ops::linear x (rows, K) . w (N, K)^T at N 512 and N 2048 (cache: up to 2048, two copies "
-      "in the set), fp16 weights rotating over 128 MiB (memory) or half the last-level cache "
-      "(cache); the two widths give fixed_s and bytes_per_s; each cell the median of 3 sweeps";
+      "in the set), fp16 weights rotating beyond the last-level cache (memory) or over half of "
+      "it (cache); the two widths give fixed_s and bytes_per_s; each cell the median of " +
+      std::to_string(effort.sweeps()) + " sweeps";
   // Attention.
   {
     const int64_t B = 2, H = 8, n = 256, d = 128;
@@ -358,7 +380,7 @@ HardwareProfile measure_cpu_backend_profile(
     Tensor out = Tensor::empty({B * n, H * d}, DType::F32);
     const std::vector<int32_t> first_valid(static_cast<size_t>(B), 0);
     const double t =
-        median_seconds([&] { ops::attention_prefill(q, k, v, out, B, H, first_valid); }, 7);
+        median_seconds([&] { ops::attention_prefill(q, k, v, out, B, H, first_valid); }, effort.reps(7));
     p.attention_flops = rate(attention_prefill_flops(B, H, n, d), t);
     p.sources["attention_flops"] = how + "ops::attention_prefill, B 2, H 8, n 256, d 128";
     say(cat("attention (prefill): ", p.attention_flops / 1e9, " GFLOP/s"));
@@ -366,11 +388,14 @@ HardwareProfile measure_cpu_backend_profile(
   {
     DecodeAttention attention(memory_set, 100);
     const double t =
-        median_seconds([&] { attention.run(); }, 4 * attention.copies() + 1, attention.copies());
+        median_seconds([&] { attention.run(); }, effort.reps(4 * attention.copies() + 1),
+                       attention.copies());
     using A = DecodeAttention;
     p.attention_bytes_per_s = rate(attention_decode_bytes(A::B, A::H, A::n, A::d, 2), t);
     p.sources["attention_bytes_per_s"] =
-        how + "ops::attention_decode over fp16 KV, B 4, H 8, 1024 rows, d 128, rotating over 128 MiB";
+        how +
+        "ops::attention_decode over fp16 KV, B 4, H 8, 1024 rows, d 128, rotating beyond the "
+        "last-level cache";
     say(cat("attention (decode): ", p.attention_bytes_per_s / 1e9, " GB/s of KV"));
   }
   // Elementwise: LayerNorm.
@@ -380,7 +405,7 @@ HardwareProfile measure_cpu_backend_profile(
     const Tensor g = random_tensor({D}, DType::F32, 15);
     const Tensor b = random_tensor({D}, DType::F32, 16);
     Tensor y = Tensor::empty({rows, D}, DType::F32);
-    const double t = median_seconds([&] { ops::layer_norm(x, g, b, 1e-5f, y); }, 21);
+    const double t = median_seconds([&] { ops::layer_norm(x, g, b, 1e-5f, y); }, effort.reps(21));
     p.elementwise_bytes_per_s = rate(layer_norm_bytes(rows, D), t);
     p.sources["elementwise_bytes_per_s"] = how + "ops::layer_norm on (512, 1024) fp32";
     say(cat("elementwise: ", p.elementwise_bytes_per_s / 1e9, " GB/s"));
@@ -404,7 +429,7 @@ HardwareProfile measure_cpu_backend_profile(
                                 d, out.data() + r * d);
           }
         },
-        11);
+        effort.reps(11));
     p.kv_codec_bytes_per_s = static_cast<double>(rows * d * 2) / t;
     p.sources["kv_codec_bytes_per_s"] =
         how + "int4_dequantize_row into fp16, 8192 rows of d 128, one thread";
@@ -431,12 +456,12 @@ HardwareProfile measure_cpu_backend_profile(
           (void)layers[next].speculate(x, n, first_valid, 4.0, n / 5);
           next = (next + 1) % layers.size();
         },
-        4 * copies + 1, copies);
+        effort.reps(4 * copies + 1), copies);
     p.speculation_bytes_per_s = rate(4.0 * static_cast<double>(B * H * n * r), t);
     p.sources["speculation_bytes_per_s"] =
         how +
         "PartialLayer::speculate (projection, scores, selection), B 4, H 8, r 38, 2048 "
-        "positions, per byte of partial keys, layers rotating over 128 MiB";
+        "positions, per byte of partial keys, layers rotating beyond the last-level cache";
     say(cat("speculation: ", p.speculation_bytes_per_s / 1e9, " GB/s of partial keys"));
   }
   // H2O's score accumulation: per (sequence, head), a sequential fp32 dot of the new query with
@@ -468,7 +493,7 @@ HardwareProfile measure_cpu_backend_profile(
             }
           }
         },
-        21);
+        effort.reps(21));
     p.scoring_flops = static_cast<double>(rows * entries * (2 * d + 4)) / t;
     p.sources["scoring_flops"] =
         how + "sequential fp32 dots and softmax of 32 rows x 512 kept entries, d 128 (H2O's loop)";
@@ -483,7 +508,7 @@ HardwareProfile measure_cpu_backend_profile(
   char* dst = static_cast<char*>(device_alloc(Device::Cpu, dst_bytes));
   std::memset(dst, 0, dst_bytes);
   const auto transfer_seconds = [&](const std::vector<CopyChunk>& chunks, int reps) {
-    return median_seconds([&] { engine.load(chunks)->wait(); }, reps);
+    return median_seconds([&] { engine.load(chunks)->wait(); }, effort.reps(reps));
   };
   const auto chunk_total = [](const std::vector<CopyChunk>& chunks) {
     double total = 0;
@@ -512,7 +537,7 @@ HardwareProfile measure_cpu_backend_profile(
           std::memcpy(c.dst, c.src, c.bytes);
         }
       },
-      21);
+      effort.reps(21));
   p.host_gather_bytes_per_s = chunk_total(many_rows) / gather_t;
   p.sources["host_gather_bytes_per_s"] =
       how + "an OpenMP loop copying 65536 scattered 256-byte rows out of a 128 MiB pinned pool";
@@ -528,14 +553,15 @@ HardwareProfile measure_cpu_backend_profile(
           linear.run();
           attention.run();
         },
-        bulk);
+        bulk, effort);
     p.compute_slowdown_under_copy = slowdowns.compute;
     p.copy_slowdown_under_compute = slowdowns.copy;
     const std::string what =
-        "ops::linear x (4, 2048) . w (2048, 2048)^T then ops::attention_decode (B 4, H 8, 1024 "
-        "rows, d 128), both rotating over 64-128 MiB, on the main thread, and 32 MiB "
-        "TransferEngine::load copies on the engine's worker (a fresh engine for each of 15 "
-        "pairs, mean); ";
+        cat("ops::linear x (4, 2048) . w (2048, 2048)^T then ops::attention_decode (B 4, H 8, "
+            "1024 rows, d 128), both rotating beyond the last-level cache, on the main thread, "
+            "and 32 MiB TransferEngine::load copies on the engine's worker (a fresh engine for "
+            "each of ",
+            effort.pairs(), " pairs, mean); ");
     p.sources["compute_slowdown_under_copy"] =
         how + what + "the compute's time while copies run over its time alone";
     p.sources["copy_slowdown_under_compute"] =
@@ -550,7 +576,7 @@ HardwareProfile measure_cpu_backend_profile(
     TransferEngine emulated(Device::Cpu, link);
     const std::vector<CopyChunk> layer = scattered_chunks(dst, pool, 32768, 32, 28);
     const double requested = chunk_total(layer) / (link.gbps * 1e9);
-    const double t = median_seconds([&] { emulated.load(layer)->wait(); }, 41);
+    const double t = median_seconds([&] { emulated.load(layer)->wait(); }, effort.reps(41));
     p.link_emulation_overhead_s = std::max(0.0, t - requested);
     p.sources["link_emulation_overhead_s"] =
         how + "an emulated 12 GB/s TransferEngine::load of 1 MiB, minus its requested time";
