@@ -73,8 +73,11 @@ void attention_decode(const float* q, const void* k_cache, const void* v_cache, 
                       const int32_t* first_valid) {
 #pragma omp parallel if (B * H * length * d >= kParallelWork)
   {
-    std::vector<float> keys, values;
-    RowMajor scores;
+    // Per-thread buffers for the life of the thread: widened rows of a long context are big
+    // enough for malloc to map and unmap them at every call, and the page faults then cost more
+    // than the attention (decode steps slowed as the context grew).
+    thread_local std::vector<float> keys, values;
+    thread_local RowMajor scores;
 #pragma omp for collapse(2) schedule(static)
     for (int64_t b = 0; b < B; ++b) {
       for (int64_t h = 0; h < H; ++h) {
