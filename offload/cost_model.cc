@@ -159,7 +159,8 @@ class ScheduleBuilder {
     gemm.rows = M;
     gemm.out_features = N;
     gemm.in_features = K;
-    gemm.weight_bytes = static_cast<double>(N) * static_cast<double>(K) * static_cast<double>(wbytes);
+    gemm.weight_bytes =
+        static_cast<double>(N) * static_cast<double>(K) * static_cast<double>(wbytes);
   }
 
   // A transfer enqueued now (after the last compute op), ordered after `after` on its stream.

@@ -8,10 +8,11 @@
 // before a DMA; only on the cuda backend, where the design puts the gather in front of one copy).
 // An op starts when its lane is free (lanes are FIFO, as streams are) and every op it depends on
 // has finished. Durations: compute ops op_overhead + max(flops / rate, bytes / bandwidth) with the
-// rates of the op's class, linear layers from the profile's measured linear_table where it has one; a transfer takes latency + bytes / link bandwidth, and on the CPU
-// backend it also copies the bytes on the transfer thread (the engine copies, then sleeps out the
-// emulated link time), so it lasts max(copy, link); copies and compute that share host cores slow
-// each other by the profile's contention factors while both run.
+// rates of the op's class, linear layers from the profile's measured linear_table where it has one;
+// a transfer takes latency + bytes / link bandwidth, and on the CPU backend it also copies the
+// bytes on the transfer thread (the engine copies, then sleeps out the emulated link time), so it
+// lasts max(copy, link); copies and compute that share host cores slow each other by the profile's
+// contention factors while both run.
 #pragma once
 
 #include <cstdint>
@@ -74,7 +75,7 @@ struct ScheduledOp {
   int64_t out_features = 0;
   int64_t in_features = 0;
   double weight_bytes = 0;
-  uint64_t h2d_bytes = 0;   // transfers: bytes over the link (KV and weights)
+  uint64_t h2d_bytes = 0;  // transfers: bytes over the link (KV and weights)
   uint64_t d2h_bytes = 0;
   bool weights = false;  // a transfer of streamed weights (else KV)
   // Host copy work of a transfer: contiguous bytes, scattered-row bytes and the number of chunks

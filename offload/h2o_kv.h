@@ -108,7 +108,7 @@ class H2oKv : public PipelinedKv {
   Device device_;
   int64_t slots_;
   int64_t recent_;
-  size_t row_bytes_;  // d * kv_bytes
+  size_t row_bytes_;                                     // d * kv_bytes
   char* pool_ = nullptr;                                 // [L][2][B][H][slots][d], pinned
   std::array<Tensor, 2> staging_keys_, staging_values_;  // (B, H, slots + 1, d) by layer parity
   // Per staging buffer: the store that last read it (the prefill's kept rows, or a decode step's

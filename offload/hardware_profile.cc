@@ -150,8 +150,8 @@ std::vector<double> number_list(const YAML::Node& node, const std::string& where
       } catch (const YAML::Exception&) {
       }
     }
-    INFINIGEN_CHECK(std::isfinite(value), source, ": field '", where,
-                    "' must hold numbers, got '", one_line(YAML::Dump(item)), "'");
+    INFINIGEN_CHECK(std::isfinite(value), source, ": field '", where, "' must hold numbers, got '",
+                    one_line(YAML::Dump(item)), "'");
     out.push_back(value);
   }
   return out;
@@ -187,8 +187,8 @@ LinearCostGrid linear_grid(const YAML::Node& table, const char* placement,
                   "' must be a map with fixed_s and bytes_per_s");
   check_keys(node, {"fixed_s", "bytes_per_s"}, where + ".", source);
   LinearCostGrid grid;
-  for (const auto& [key, cells] : {std::pair{"fixed_s", &grid.fixed_s},
-                                   std::pair{"bytes_per_s", &grid.bytes_per_s}}) {
+  for (const auto& [key, cells] :
+       {std::pair{"fixed_s", &grid.fixed_s}, std::pair{"bytes_per_s", &grid.bytes_per_s}}) {
     const std::string field = where + "." + key;
     const YAML::Node rows = node[key];
     INFINIGEN_CHECK(rows && rows.IsSequence(), source, ": field '", field,
@@ -229,8 +229,8 @@ std::string linear_table_yaml(const LinearCostTable& table) {
                         "offload/linear_cost_table.h\n");
   out += "  rows: " + flow_list(table.rows) + "\n";
   out += "  k: " + flow_list(table.k) + "\n";
-  for (const auto& [name, grid] : {std::pair{"memory", &table.memory},
-                                   std::pair{"cache", &table.cache}}) {
+  for (const auto& [name, grid] :
+       {std::pair{"memory", &table.memory}, std::pair{"cache", &table.cache}}) {
     out += cat("  ", name, ":\n    fixed_s:\n");
     for (const std::vector<double>& row : grid->fixed_s) out += "      - " + flow_list(row) + "\n";
     out += "    bytes_per_s:\n";

@@ -10,12 +10,6 @@
 namespace infinigen {
 namespace {
 
-uint64_t chunk_bytes(const std::vector<CopyChunk>& chunks) {
-  uint64_t total = 0;
-  for (const CopyChunk& c : chunks) total += c.bytes;
-  return total;
-}
-
 // Every byte 0xff: fp16 NaN in a meta buffer, so rows that no transfer filled decode to NaN.
 void poison(void* pointer, size_t bytes) {
   std::memset(pointer, 0xff, bytes);
@@ -97,7 +91,7 @@ void Int4Kv::issue_load(int64_t layer) {
       }
     }
   }
-  const uint64_t bytes = chunk_bytes(chunks);
+  const uint64_t bytes = total_bytes(chunks);
   LayerTraffic& traffic = stats_.current().layers[static_cast<size_t>(layer)];
   traffic.kv_h2d_bytes += bytes;
   for (int32_t start : first_valid()) {
@@ -144,7 +138,7 @@ void Int4Kv::issue_store(int64_t layer, Packed src, int64_t src_rows, int64_t n)
       }
     }
   }
-  const uint64_t bytes = chunk_bytes(chunks);
+  const uint64_t bytes = total_bytes(chunks);
   stats_.current().layers[static_cast<size_t>(layer)].kv_d2h_bytes += bytes;
   stats_.current().d2h_bytes += bytes;
   stored_[static_cast<size_t>(layer)] = engine_.store(std::move(chunks));

@@ -49,7 +49,8 @@ void check_axis(const std::vector<int64_t>& axis, const char* key, const std::st
 void check_cells(const std::vector<std::vector<double>>& cells, const LinearCostTable& table,
                  const std::string& where, bool zero_allowed, const std::string& source) {
   bool shape_ok = cells.size() == table.k.size();
-  for (const std::vector<double>& row : cells) shape_ok = shape_ok && row.size() == table.rows.size();
+  for (const std::vector<double>& row : cells)
+    shape_ok = shape_ok && row.size() == table.rows.size();
   INFINIGEN_CHECK(shape_ok, source, ": field '", where, "' must be ", table.k.size(),
                   " lists (one per k) of ", table.rows.size(), " numbers (one per rows)");
   for (const std::vector<double>& row : cells) {
@@ -84,8 +85,9 @@ void check_linear_cost_table(const LinearCostTable& table, const std::string& so
   INFINIGEN_CHECK(table.rows.front() == 1, source,
                   ": field 'linear_table.rows' must start at 1, got ", table.rows.front());
   check_axis(table.k, "k", source);
-  for (const auto& [name, grid] : {std::pair<const char*, const LinearCostGrid*>{"memory", &table.memory},
-                                   {"cache", &table.cache}}) {
+  for (const auto& [name, grid] :
+       {std::pair<const char*, const LinearCostGrid*>{"memory", &table.memory},
+        {"cache", &table.cache}}) {
     const std::string where = cat("linear_table.", name, ".");
     check_cells(grid->fixed_s, table, where + "fixed_s", true, source);
     check_cells(grid->bytes_per_s, table, where + "bytes_per_s", false, source);

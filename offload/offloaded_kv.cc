@@ -4,15 +4,6 @@
 #include "core/ops.h"
 
 namespace infinigen {
-namespace {
-
-uint64_t chunk_bytes(const std::vector<CopyChunk>& chunks) {
-  uint64_t total = 0;
-  for (const CopyChunk& c : chunks) total += c.bytes;
-  return total;
-}
-
-}  // namespace
 
 OffloadedKv::OffloadedKv(const ModelConfig& config, int64_t batch, int64_t capacity, DType kv_dtype,
                          Device device, int64_t block_tokens, TransferEngine& engine,
@@ -49,7 +40,7 @@ void OffloadedKv::issue_load(int64_t layer) {
   std::vector<CopyChunk> chunks;
   pool_.gather_chunks(layer, KvKind::Key, 0, length(), keys.raw(), capacity(), 0, &chunks);
   pool_.gather_chunks(layer, KvKind::Value, 0, length(), values.raw(), capacity(), 0, &chunks);
-  const uint64_t bytes = chunk_bytes(chunks);
+  const uint64_t bytes = total_bytes(chunks);
   LayerTraffic& traffic = stats_.current().layers[static_cast<size_t>(layer)];
   traffic.kv_h2d_bytes += bytes;
   for (int32_t start : first_valid()) {
@@ -96,7 +87,7 @@ void OffloadedKv::issue_store(int64_t layer, const Tensor& keys, const Tensor& v
   pool_.scatter_chunks(layer, KvKind::Key, keys.raw(), src_capacity, row0, length(), n, &chunks);
   pool_.scatter_chunks(layer, KvKind::Value, values.raw(), src_capacity, row0, length(), n,
                        &chunks);
-  const uint64_t bytes = chunk_bytes(chunks);
+  const uint64_t bytes = total_bytes(chunks);
   stats_.current().layers[static_cast<size_t>(layer)].kv_d2h_bytes += bytes;
   stats_.current().d2h_bytes += bytes;
   stored_[static_cast<size_t>(layer)] = engine_.store(std::move(chunks));

@@ -90,7 +90,8 @@ struct Effort {
 // come from where the set fits (beyond the last-level cache: memory) as a real model's do.
 class DecodeLinear {
  public:
-  DecodeLinear(int64_t M, int64_t N, int64_t K, int copies) : N_(N), K_(K), bias_(random_tensor({N}, DType::F32, 2)) {
+  DecodeLinear(int64_t M, int64_t N, int64_t K, int copies)
+      : N_(N), K_(K), bias_(random_tensor({N}, DType::F32, 2)) {
     for (int i = 0; i < copies; ++i) {
       weights_.push_back(random_tensor({N, K}, DType::F16, 10 + static_cast<uint64_t>(i)));
     }
@@ -128,8 +129,10 @@ class DecodeAttention {
         first_valid_(static_cast<size_t>(B), 0) {
     const int copies = std::max(2, static_cast<int>(set_bytes / kv_bytes()));
     for (int i = 0; i < copies; ++i) {
-      keys_.push_back(random_tensor({B, H, n, d}, DType::F16, seed + 1 + 2 * static_cast<uint64_t>(i)));
-      values_.push_back(random_tensor({B, H, n, d}, DType::F16, seed + 2 + 2 * static_cast<uint64_t>(i)));
+      keys_.push_back(
+          random_tensor({B, H, n, d}, DType::F16, seed + 1 + 2 * static_cast<uint64_t>(i)));
+      values_.push_back(
+          random_tensor({B, H, n, d}, DType::F16, seed + 2 + 2 * static_cast<uint64_t>(i)));
     }
   }
   void run() {
@@ -285,8 +288,8 @@ size_t last_level_cache_bytes() {
 
 }  // namespace
 
-HardwareProfile measure_cpu_backend_profile(
-    const std::function<void(const std::string&)>& progress, ProfileEffort effort_level) {
+HardwareProfile measure_cpu_backend_profile(const std::function<void(const std::string&)>& progress,
+                                            ProfileEffort effort_level) {
   const auto say = [&](const std::string& line) {
     if (progress) progress(line);
   };
@@ -300,7 +303,7 @@ HardwareProfile measure_cpu_backend_profile(
   Effort effort;
   effort.quick = effort_level == ProfileEffort::Quick;
   effort.memory_set = effort.quick ? std::max(16.0 * 1048576.0, 2.0 * p.device_cache_bytes)
-                         : std::max(128.0 * 1048576.0, 4.0 * p.device_cache_bytes);
+                                   : std::max(128.0 * 1048576.0, 4.0 * p.device_cache_bytes);
   if (effort.quick) p.description += " (quick measurement: few repetitions, rough)";
   const std::string how = "measured by measure_cpu_backend_profile: median of repeated runs of ";
 
@@ -342,8 +345,9 @@ HardwareProfile measure_cpu_backend_profile(
     DecodeLinear linear(4, 2048, 2048, copies_for(memory_set, 2048.0 * 2048 * 2));
     p.device_memory_bytes_per_s = rate(linear.bytes(), linear_seconds(linear, effort));
     p.sources["device_memory_bytes_per_s"] =
-        how + "ops::linear x (4, 2048) . w (2048, 2048)^T, fp16 weights rotating beyond the "
-              "last-level cache";
+        how +
+        "ops::linear x (4, 2048) . w (2048, 2048)^T, fp16 weights rotating beyond the "
+        "last-level cache";
     say(cat("weight streaming (decode shape): ", p.device_memory_bytes_per_s / 1e9, " GB/s"));
   }
   if (effort.quick) {
@@ -362,9 +366,9 @@ HardwareProfile measure_cpu_backend_profile(
   };
   bool cache_room = true;
   for (const int64_t K : p.linear_table.k) cache_room = cache_room && cache_wide(K) >= 1024;
-  p.linear_table.cache = cache_room ? measure_linear_grid(p.linear_table, cache_set, cache_wide,
-                                                          say, "cache", effort)
-                                    : p.linear_table.memory;
+  p.linear_table.cache =
+      cache_room ? measure_linear_grid(p.linear_table, cache_set, cache_wide, say, "cache", effort)
+                 : p.linear_table.memory;
   p.sources["linear_table"] =
       how +
       "ops::linear x (rows, K) . w (N, K)^T at N 512 and N 2048 (cache: up to 2048, two copies "
@@ -379,17 +383,16 @@ HardwareProfile measure_cpu_backend_profile(
     const Tensor v = random_tensor({B * n, H * d}, DType::F32, 10);
     Tensor out = Tensor::empty({B * n, H * d}, DType::F32);
     const std::vector<int32_t> first_valid(static_cast<size_t>(B), 0);
-    const double t =
-        median_seconds([&] { ops::attention_prefill(q, k, v, out, B, H, first_valid); }, effort.reps(7));
+    const double t = median_seconds(
+        [&] { ops::attention_prefill(q, k, v, out, B, H, first_valid); }, effort.reps(7));
     p.attention_flops = rate(attention_prefill_flops(B, H, n, d), t);
     p.sources["attention_flops"] = how + "ops::attention_prefill, B 2, H 8, n 256, d 128";
     say(cat("attention (prefill): ", p.attention_flops / 1e9, " GFLOP/s"));
   }
   {
     DecodeAttention attention(memory_set, 100);
-    const double t =
-        median_seconds([&] { attention.run(); }, effort.reps(4 * attention.copies() + 1),
-                       attention.copies());
+    const double t = median_seconds([&] { attention.run(); },
+                                    effort.reps(4 * attention.copies() + 1), attention.copies());
     using A = DecodeAttention;
     p.attention_bytes_per_s = rate(attention_decode_bytes(A::B, A::H, A::n, A::d, 2), t);
     p.sources["attention_bytes_per_s"] =
@@ -510,19 +513,15 @@ HardwareProfile measure_cpu_backend_profile(
   const auto transfer_seconds = [&](const std::vector<CopyChunk>& chunks, int reps) {
     return median_seconds([&] { engine.load(chunks)->wait(); }, effort.reps(reps));
   };
-  const auto chunk_total = [](const std::vector<CopyChunk>& chunks) {
-    double total = 0;
-    for (const CopyChunk& c : chunks) total += static_cast<double>(c.bytes);
-    return total;
-  };
   // Contiguous runs of one 128-token block row (128 x 256 B), as the `full` load gathers them.
   const std::vector<CopyChunk> bulk = scattered_chunks(dst, pool, 32768, 1024, 25);
-  p.host_copy_bytes_per_s = chunk_total(bulk) / transfer_seconds(bulk, 11);
+  p.host_copy_bytes_per_s = static_cast<double>(total_bytes(bulk)) / transfer_seconds(bulk, 11);
   p.sources["host_copy_bytes_per_s"] =
       how + "TransferEngine::load of 1024 contiguous 32 KiB runs from a 128 MiB pinned pool";
   say(cat("host copy (contiguous runs): ", p.host_copy_bytes_per_s / 1e9, " GB/s"));
   const std::vector<CopyChunk> few_rows = scattered_chunks(dst, pool, 256, 2048, 26);
-  p.host_row_copy_bytes_per_s = chunk_total(few_rows) / transfer_seconds(few_rows, 41);
+  p.host_row_copy_bytes_per_s =
+      static_cast<double>(total_bytes(few_rows)) / transfer_seconds(few_rows, 41);
   p.sources["host_row_copy_bytes_per_s"] =
       how + "TransferEngine::load of 2048 scattered 256-byte rows (one thread)";
   say(cat("host row copy (one thread): ", p.host_row_copy_bytes_per_s / 1e9, " GB/s"));
@@ -538,7 +537,7 @@ HardwareProfile measure_cpu_backend_profile(
         }
       },
       effort.reps(21));
-  p.host_gather_bytes_per_s = chunk_total(many_rows) / gather_t;
+  p.host_gather_bytes_per_s = static_cast<double>(total_bytes(many_rows)) / gather_t;
   p.sources["host_gather_bytes_per_s"] =
       how + "an OpenMP loop copying 65536 scattered 256-byte rows out of a 128 MiB pinned pool";
   say(cat("host gather (OpenMP): ", p.host_gather_bytes_per_s / 1e9, " GB/s"));
@@ -575,7 +574,7 @@ HardwareProfile measure_cpu_backend_profile(
     const LinkEmulation link{12.0, 0.0};
     TransferEngine emulated(Device::Cpu, link);
     const std::vector<CopyChunk> layer = scattered_chunks(dst, pool, 32768, 32, 28);
-    const double requested = chunk_total(layer) / (link.gbps * 1e9);
+    const double requested = static_cast<double>(total_bytes(layer)) / (link.gbps * 1e9);
     const double t = median_seconds([&] { emulated.load(layer)->wait(); }, effort.reps(41));
     p.link_emulation_overhead_s = std::max(0.0, t - requested);
     p.sources["link_emulation_overhead_s"] =

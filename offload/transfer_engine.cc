@@ -25,6 +25,12 @@ Clock::duration link_time(const LinkEmulation& link, uint64_t bytes) {
 
 }  // namespace
 
+uint64_t total_bytes(const std::vector<CopyChunk>& chunks) {
+  uint64_t total = 0;
+  for (const CopyChunk& chunk : chunks) total += chunk.bytes;
+  return total;
+}
+
 TransferEngine::TransferEngine(Device device, LinkEmulation link)
     : device_(device),
       link_(link),

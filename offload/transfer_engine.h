@@ -21,6 +21,9 @@ struct CopyChunk {
   size_t bytes;
 };
 
+// Bytes a gather list moves.
+uint64_t total_bytes(const std::vector<CopyChunk>& chunks);
+
 struct LinkEmulation {
   double gbps = 0.0;        // GB/s (1e9 bytes); 0 = no emulation (copies at memory speed)
   double latency_us = 0.0;  // per transfer

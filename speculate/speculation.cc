@@ -29,7 +29,8 @@ int64_t SpeculationOptions::fetch_cap(int64_t capacity) const {
 }
 
 int64_t partial_columns(double ratio, int64_t head_dim) {
-  return std::max<int64_t>(1, static_cast<int64_t>(std::floor(ratio * static_cast<double>(head_dim))));
+  return std::max<int64_t>(1,
+                           static_cast<int64_t>(std::floor(ratio * static_cast<double>(head_dim))));
 }
 
 void PartialLayer::build(const Tensor& queries, const Tensor& keys, const Tensor& q_weight,
