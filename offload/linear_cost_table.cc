@@ -16,13 +16,16 @@ struct Bracket {
   double weight = 0;
 };
 
-Bracket bracket(const std::vector<double>& axis, double x) {
-  if (x <= axis.front()) return {0, 0, 0};
-  if (x >= axis.back()) return {axis.size() - 1, axis.size() - 1, 0};
-  const auto above = std::upper_bound(axis.begin(), axis.end(), x);
+// `scale` maps an axis value to the space interpolated in (identity for rows, log for K).
+template <typename Scale>
+Bracket bracket(const std::vector<int64_t>& axis, int64_t value, Scale scale) {
+  if (value <= axis.front()) return {0, 0, 0};
+  if (value >= axis.back()) return {axis.size() - 1, axis.size() - 1, 0};
+  const auto above = std::upper_bound(axis.begin(), axis.end(), value);
   const size_t hi = static_cast<size_t>(above - axis.begin());
   const size_t lo = hi - 1;
-  return {lo, hi, (x - axis[lo]) / (axis[hi] - axis[lo])};
+  const double x0 = scale(axis[lo]), x1 = scale(axis[hi]);
+  return {lo, hi, (scale(value) - x0) / (x1 - x0)};
 }
 
 double blend(const Bracket& b, double at_lo, double at_hi) {
@@ -66,11 +69,8 @@ void check_cells(const std::vector<std::vector<double>>& cells, const LinearCost
 
 double LinearCostTable::seconds(int64_t M, int64_t N, int64_t K, double weight_bytes, bool cached,
                                 double gemm_flops) const {
-  std::vector<double> log_k, row_axis;
-  for (int64_t v : k) log_k.push_back(std::log(static_cast<double>(v)));
-  for (int64_t v : rows) row_axis.push_back(static_cast<double>(v));
-  const Bracket kb = bracket(log_k, std::log(static_cast<double>(std::max<int64_t>(K, 1))));
-  const Bracket rb = bracket(row_axis, static_cast<double>(M));
+  const Bracket kb = bracket(k, K, [](int64_t v) { return std::log(static_cast<double>(v)); });
+  const Bracket rb = bracket(rows, M, [](int64_t v) { return static_cast<double>(v); });
   const LinearCostGrid& g = cached ? cache : memory;
   const double fixed = bilinear(kb, rb, [&](size_t i, size_t j) { return g.fixed_s[i][j]; });
   const double per_byte =
