@@ -5,6 +5,7 @@
 
 #include "core/ops.h"
 #include "core/opt_weights.h"
+#include "speculate/prompt_keep.h"
 
 namespace infinigen {
 
@@ -62,7 +63,7 @@ void InfinigenKv::observe(int64_t layer, const Tensor& normed, const Tensor& que
     prefill_weights_ = &weights;
     return;
   }
-  if (check_recall_) decode_queries_ = queries;
+  if (check_recall_ || limited()) decode_queries_ = queries;
   // Speculate the next layer's attention from this layer's input, and start its load.
   if (layer + 1 < static_cast<int64_t>(partial_.size()) && !dense(layer + 1)) {
     select_and_load(layer + 1, normed);
@@ -73,24 +74,10 @@ void InfinigenKv::append(int64_t layer, const Tensor& keys, const Tensor& values
   const size_t l = static_cast<size_t>(layer);
   const size_t p = l % 2;
   if (length() == 0) {
-    const int64_t n = pass_tokens();
-    const int64_t keep_from = std::max<int64_t>(0, n - slots_);  // a limited pool keeps the newest
-    if (keep_from == 0) {
-      OffloadedKv::append(layer, keys, values);
-    } else {
-      if (layer >= 2) stored_[l - 2]->wait();
-      ops::cache_store(keys, staging_keys_[p], 0);
-      ops::cache_store(values, staging_values_[p], 0);
-      issue_store(layer, staging_keys_[p], staging_values_[p], keep_from, n - keep_from);
-    }
     if (limited()) {
-      for (int64_t row = 0; row < batch() * heads_; ++row) {
-        for (int64_t j = 0; j < n - keep_from; ++j) {
-          position_tokens_[l][static_cast<size_t>(row * slots_ + j)] =
-              static_cast<int32_t>(keep_from + j);
-          eviction_[l].on_insert(row, j, keep_from + j);
-        }
-      }
+      store_prompt_in_capped_pool(layer, keys, values);
+    } else {
+      OffloadedKv::append(layer, keys, values);
     }
     if (dense(layer)) return;
     // The partial columns come from the real queries, before the 1/sqrt(d) scaling.
@@ -98,7 +85,8 @@ void InfinigenKv::append(int64_t layer, const Tensor& keys, const Tensor& values
     ops::scale_inplace(queries, std::sqrt(static_cast<float>(head_dim_)));
     const int64_t r = partial_columns(options_.partial_ratio, head_dim_);
     partial_[l].build(queries, keys, prefill_weights_->q_weight, prefill_weights_->q_bias,
-                      first_valid(), heads_, slots_, r, options_.index_rule, keep_from);
+                      first_valid(), heads_, slots_, r, options_.index_rule,
+                      limited() ? &position_tokens_[l] : nullptr);
     return;
   }
   if (!compact(layer)) {
@@ -137,6 +125,84 @@ void InfinigenKv::append(int64_t layer, const Tensor& keys, const Tensor& values
   stored_[l] = engine_.store(std::move(chunks), loaded_[l]);
   store_buffer_read_[p] = stored_[l];
   if (!dense(layer)) partial_[l].append(keys, 0, &positions);
+}
+
+void InfinigenKv::store_prompt_in_capped_pool(int64_t layer, const Tensor& keys,
+                                              const Tensor& values) {
+  const size_t l = static_cast<size_t>(layer), p = l % 2;
+  const int64_t n = pass_tokens(), B = batch(), H = heads_, d = head_dim_, D = H * d;
+  // The prompt's rows go through staging[p], which the store of layer - 2 last read.
+  if (layer >= 2) stored_[l - 2]->wait();
+  ops::cache_store(keys, staging_keys_[p], 0);
+  ops::cache_store(values, staging_values_[p], 0);
+
+  // Which tokens each (sequence, head) keeps: the eviction policy's choice from the prompt's
+  // attention (speculate/prompt_keep.h), and the history they start decoding with.
+  const float* q = prefill_queries_->data<float>();  // (B * n, D), scaled
+  const float* k = keys.data<float>();               // (B * n, D)
+  std::vector<PromptKeep> keep(static_cast<size_t>(B * H));
+#pragma omp parallel for schedule(dynamic)
+  for (int64_t row = 0; row < B * H; ++row) {
+    const int64_t b = row / H, h = row % H;
+    keep[static_cast<size_t>(row)] = keep_prompt_tokens(
+        q + b * n * D + h * d, k + b * n * D + h * d, D, first_valid()[static_cast<size_t>(b)], n,
+        d, slots_, options_.alpha, eviction_[l].policy());
+  }
+
+  pool_.reserve(std::min(n, slots_));
+  const int64_t cap = staging_keys_[p].dim(2);
+  const size_t row_bytes = static_cast<size_t>(d) * dtype_size(staging_keys_[p].dtype());
+  std::vector<CopyChunk> chunks;
+  for (int64_t row = 0; row < B * H; ++row) {
+    const int64_t b = row / H, h = row % H;
+    const PromptKeep& kept = keep[static_cast<size_t>(row)];
+    for (size_t j = 0; j < kept.tokens.size(); ++j) {
+      const int64_t token = kept.tokens[j];
+      position_tokens_[l][static_cast<size_t>(row * slots_) + j] = static_cast<int32_t>(token);
+      eviction_[l].on_insert(row, static_cast<int64_t>(j), token);
+      const size_t src = static_cast<size_t>(row * cap + token) * row_bytes;
+      chunks.push_back({pool_.row(layer, KvKind::Key, b, h, static_cast<int64_t>(j)),
+                        static_cast<const char*>(staging_keys_[p].raw()) + src, row_bytes});
+      chunks.push_back({pool_.row(layer, KvKind::Value, b, h, static_cast<int64_t>(j)),
+                        static_cast<const char*>(staging_values_[p].raw()) + src, row_bytes});
+    }
+    eviction_[l].seed_row(row, kept.fetches, kept.last_fetch);
+  }
+  const uint64_t bytes = total_bytes(chunks);
+  stats_.current().layers[l].kv_d2h_bytes += bytes;
+  stats_.current().d2h_bytes += bytes;
+  stored_[l] = engine_.store(std::move(chunks));
+}
+
+void InfinigenKv::count_dense_fetches(int64_t layer) {
+  const size_t l = static_cast<size_t>(layer), p = l % 2;
+  const PartialLayer::Selection& sel = selection_[l];
+  const Tensor& staged = staging_keys_[p];
+  const int64_t H = heads_, d = head_dim_, cap = staged.dim(2);
+  const size_t row_bytes = static_cast<size_t>(d) * dtype_size(staged.dtype());
+  const float* q = decode_queries_.data<float>();  // (B, H * d), scaled
+  std::vector<float> key(static_cast<size_t>(d)), logits;
+  for (int64_t row = 0; row < batch() * H; ++row) {
+    const int64_t take = sel.take[static_cast<size_t>(row / H)];
+    const float* query = q + row * d;
+    // Staged rows [fetch - take, fetch) hold the selected positions, row fetch the new token.
+    logits.assign(static_cast<size_t>(take + 1), 0.0f);
+    for (int64_t j = 0; j <= take; ++j) {
+      const size_t staged_row = static_cast<size_t>(row * cap + sel.fetch - take + j);
+      convert_to_f32(static_cast<const char*>(staged.raw()) + staged_row * row_bytes,
+                     staged.dtype(), key.data(), key.size());
+      float dot = 0.0f;
+      for (int64_t c = 0; c < d; ++c) dot += query[c] * key[c];
+      logits[static_cast<size_t>(j)] = dot;
+    }
+    const float top = *std::max_element(logits.begin(), logits.end());
+    const int32_t* positions = sel.tokens.data() + row * sel.fetch;
+    for (int64_t j = 0; j < take; ++j) {
+      if (logits[static_cast<size_t>(j)] > top - options_.alpha) {
+        eviction_[l].on_fetch(row, positions[j], length());
+      }
+    }
+  }
 }
 
 std::vector<int32_t> InfinigenKv::place_new_token(int64_t layer) {
@@ -184,8 +250,8 @@ PartialLayer::Selection InfinigenKv::select_all(int64_t layer) const {
 void InfinigenKv::select_and_load(int64_t layer, const Tensor& normed) {
   const size_t l = static_cast<size_t>(layer);
   PartialLayer::Selection& sel = selection_[l];
-  sel = partial_[l].speculate(normed, used_positions(), first_valid(), options_.alpha,
-                              options_.max_num_kv, limited() ? &position_tokens_[l] : nullptr);
+  sel = partial_[l].speculate(normed, used_positions(), first_valid(), options_,
+                              limited() ? &position_tokens_[l] : nullptr);
   if (limited()) {  // each fetched entry counts for the eviction policy
     for (int64_t row = 0; row < batch() * heads_; ++row) {
       const int64_t take = sel.take[static_cast<size_t>(row / heads_)];
@@ -252,6 +318,7 @@ KvStore::View InfinigenKv::view(int64_t layer) {
         static_cast<int32_t>(sel.fetch - sel.take[static_cast<size_t>(b)]);
   }
   if (check_recall_ && !dense(layer)) traffic.recall = measure_recall(layer);
+  if (limited() && dense(layer)) count_dense_fetches(layer);
   return {&staging_keys_[p], &staging_values_[p], sel.fetch + 1, &compact_first_valid_};
 }
 

@@ -8,10 +8,13 @@
 // reads rows [n' - take[b], n' + 1) (the view's own first_valid).
 //
 // With a pool limit of S positions per (layer, sequence, head) (--kv-pool-limit), the pool and
-// the partial key cache are indexed by position, not token: the prefill keeps its newest S
-// tokens, and once a row is full each new token overwrites the victim chosen by the eviction
-// policy (speculate/eviction.h) in the pool and in the partial key cache. Dense layers then load
-// every valid position of their (limited) pool the same compact way.
+// the partial key cache are indexed by position, not token. A prompt longer than S keeps, per
+// (sequence, head), the S tokens its eviction policy chooses from the prompt's attention, with
+// the counters (or recencies) that attention gives them (speculate/prompt_keep.h); once a row is
+// full each new token overwrites the victim the policy chooses (speculate/eviction.h) in the
+// pool and in the partial key cache. Dense layers then load every valid position of their pool
+// the same compact way; since they fetch everything, their fetch counts come from their true
+// attention instead (the entries within alpha of the top logit).
 #pragma once
 
 #include <optional>
@@ -40,6 +43,11 @@ class InfinigenKv : public OffloadedKv {
   void append(int64_t layer, const Tensor& keys, const Tensor& values) override;
   View view(int64_t layer) override;
 
+  // Inspection (tests): a speculated layer's partial state, and the token at a pool position
+  // of (b, h) (the position itself without a pool limit; -1 when empty).
+  const PartialLayer& partial(int64_t layer) const { return partial_[static_cast<size_t>(layer)]; }
+  int32_t token_at(int64_t layer, int64_t b, int64_t h, int64_t position) const;
+
  protected:
   void issue_load(int64_t layer) override;
 
@@ -53,10 +61,15 @@ class InfinigenKv : public OffloadedKv {
   // Every valid position (dense layers under a pool limit).
   PartialLayer::Selection select_all(int64_t layer) const;
   void load_selection(int64_t layer);
+  // Prefill under a pool limit: the kept prompt tokens of every (sequence, head) into the pool,
+  // their positions and their eviction history.
+  void store_prompt_in_capped_pool(int64_t layer, const Tensor& keys, const Tensor& values);
+  // Under a pool limit, a dense layer's fetches for the eviction policy: the loaded entries
+  // whose true attention logit is within alpha of the row's top.
+  void count_dense_fetches(int64_t layer);
   // Pool positions for the new token per (sequence, head): length() until the pool is full,
   // then the eviction victims. Updates the bookkeeping.
   std::vector<int32_t> place_new_token(int64_t layer);
-  int32_t token_at(int64_t layer, int64_t b, int64_t h, int64_t position) const;
   // Share of the layer's attention weight over the pool that the staged rows carry.
   double measure_recall(int64_t layer) const;
 
@@ -68,9 +81,9 @@ class InfinigenKv : public OffloadedKv {
   std::vector<PartialLayer> partial_;        // per layer (unused for dense layers)
   const Tensor* prefill_queries_ = nullptr;  // this layer's scaled queries, between observe
   const OptLayerWeights* prefill_weights_ = nullptr;  // and append at prefill
-  Tensor decode_queries_;                             // (B, H * d) of the current layer, for recall
-  std::vector<PartialLayer::Selection> selection_;    // per layer: this step's selection
-  std::vector<int32_t> compact_first_valid_;          // (B): left padding of the staged rows
+  Tensor decode_queries_;  // (B, H * d) of the current layer: recall, dense counters
+  std::vector<PartialLayer::Selection> selection_;  // per layer: this step's selection
+  std::vector<int32_t> compact_first_valid_;        // (B): left padding of the staged rows
   // Under a pool limit: per layer, the token at each position ((B, H, S), -1 empty), and the
   // eviction bookkeeping of the layer's B * H rows.
   std::vector<std::vector<int32_t>> position_tokens_;

@@ -448,6 +448,8 @@ HardwareProfile measure_cpu_backend_profile(const std::function<void(const std::
     const Tensor bq = random_tensor({D}, DType::F32, 21);
     const Tensor x = random_tensor({B, D}, DType::F32, 22);
     const std::vector<int32_t> first_valid(static_cast<size_t>(B), 0);
+    SpeculationOptions options;
+    options.max_num_kv = options.fetch_cap(n);
     const int copies = copies_for(memory_set, 4.0 * static_cast<double>(B * H * n * r));
     std::vector<PartialLayer> layers(static_cast<size_t>(copies));
     for (PartialLayer& layer : layers) {
@@ -456,7 +458,7 @@ HardwareProfile measure_cpu_backend_profile(const std::function<void(const std::
     size_t next = 0;
     const double t = median_seconds(
         [&] {
-          (void)layers[next].speculate(x, n, first_valid, 4.0, n / 5);
+          (void)layers[next].speculate(x, n, first_valid, options);
           next = (next + 1) % layers.size();
         },
         effort.reps(4 * copies + 1), copies);

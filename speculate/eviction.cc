@@ -183,6 +183,30 @@ void EvictionTable::on_fetch(int64_t row, int64_t slot, int64_t step) {
   }
 }
 
+void EvictionTable::seed_row(int64_t row, const std::vector<int64_t>& fetches,
+                             const std::vector<int64_t>& last_fetch) {
+  check_row(row, "seed_row");
+  INFINIGEN_CHECK(
+      fetches.size() == last_fetch.size() && static_cast<int64_t>(fetches.size()) <= capacity_,
+      "eviction table: seed_row: ", fetches.size(), " counts and ", last_fetch.size(),
+      " steps for ", capacity_, " slots");
+  const int64_t base = row * capacity_;
+  int shift = 0;
+  const int64_t most = fetches.empty() ? 0 : *std::max_element(fetches.begin(), fetches.end());
+  while ((most >> shift) > counter_max_) ++shift;
+  for (size_t slot = 0; slot < fetches.size(); ++slot) {
+    const auto index = static_cast<size_t>(base + static_cast<int64_t>(slot));
+    INFINIGEN_CHECK(step_[index] >= 0 && fetches[slot] >= 0, "eviction table: seed_row: slot ",
+                    slot, " of row ", row, " is empty or has a negative count");
+    if (policy_ == EvictionPolicy::Counter) {
+      counter_[index] = static_cast<uint16_t>(fetches[slot] >> shift);
+    } else if (policy_ == EvictionPolicy::Lru && last_fetch[slot] >= 0) {
+      check_step(last_fetch[slot], "seed_row");
+      last_use_[index] = std::max(last_use_[index], static_cast<int32_t>(last_fetch[slot]));
+    }
+  }
+}
+
 int64_t EvictionTable::victim(int64_t row, int64_t step) const {
   check_row(row, "victim");
   check_step(step, "victim");

@@ -63,6 +63,13 @@ class EvictionTable {
   void on_insert(int64_t row, int64_t slot, int64_t step);
   // The occupied slot was fetched (selected by speculation) at `step`.
   void on_fetch(int64_t row, int64_t slot, int64_t step);
+  // Seeds the history of a row's occupied slots, e.g. from a prompt's attention (the pool was
+  // filled without decode steps): slot j was fetched fetches[j] times, the latest at step
+  // last_fetch[j] (-1: never); fetches.size() <= capacity. Counter: the counters become
+  // fetches[j] >> s, s the smallest shift that fits the row's largest count, as if the whole row
+  // had been halved s times; Lru: recency max(insertion, last_fetch[j]); Fifo: nothing.
+  void seed_row(int64_t row, const std::vector<int64_t>& fetches,
+                const std::vector<int64_t>& last_fetch);
   // The slot to overwrite in the full row `row` at step `step` (the rules above rank by stored
   // steps only, so `step` is only range-checked). Error when the row is not full.
   int64_t victim(int64_t row, int64_t step) const;

@@ -15,6 +15,16 @@ PartialIndexRule parse_partial_index_rule(const std::string& name) {
   fail("--partial-index-rule: unknown rule '", name, "' (expected qk or q)");
 }
 
+FetchRule parse_fetch_rule(const std::string& name) {
+  if (name == "sequence") return FetchRule::Sequence;
+  if (name == "batch") return FetchRule::Batch;
+  fail("--fetch-rule: unknown rule '", name, "' (expected sequence or batch)");
+}
+
+const char* fetch_rule_name(FetchRule rule) {
+  return rule == FetchRule::Batch ? "batch" : "sequence";
+}
+
 void SpeculationOptions::validate() const {
   INFINIGEN_CHECK(alpha >= 0 && !std::isnan(alpha), "--alpha must be >= 0, got ", alpha);
   INFINIGEN_CHECK(partial_ratio > 0 && partial_ratio <= 1,
@@ -36,7 +46,7 @@ int64_t partial_columns(double ratio, int64_t head_dim) {
 void PartialLayer::build(const Tensor& queries, const Tensor& keys, const Tensor& q_weight,
                          const Tensor& q_bias, const std::vector<int32_t>& first_valid,
                          int64_t num_heads, int64_t capacity, int64_t r, PartialIndexRule rule,
-                         int64_t keep_from) {
+                         const std::vector<int32_t>* position_tokens) {
   batch_ = static_cast<int64_t>(first_valid.size());
   heads_ = num_heads;
   const int64_t D = queries.dim(1), n = queries.dim(0) / batch_;
@@ -82,16 +92,23 @@ void PartialLayer::build(const Tensor& queries, const Tensor& keys, const Tensor
     }
   }
 
-  // Partial key cache of the kept prompt tokens (padding too; speculation skips it).
-  INFINIGEN_CHECK(keep_from >= 0 && n - keep_from <= capacity_, "partial key cache of ", capacity_,
-                  " positions cannot hold tokens [", keep_from, ", ", n, ")");
+  // Partial key cache of the prompt tokens the pool holds (padding too when every position is
+  // its own token; speculation skips it).
+  INFINIGEN_CHECK(position_tokens || n <= capacity_, "partial key cache of ", capacity_,
+                  " positions cannot hold ", n, " tokens");
   keys_.assign(static_cast<size_t>(batch_ * heads_ * capacity_ * r_), 0.0f);
   for (int64_t b = 0; b < batch_; ++b) {
-    for (int64_t t = keep_from; t < n; ++t) {
-      const float* krow = k + (b * n + t) * D;
-      for (int64_t h = 0; h < heads_; ++h) {
-        float* dst = keys_.data() + ((b * heads_ + h) * capacity_ + t - keep_from) * r_;
-        for (int64_t j = 0; j < r_; ++j) dst[j] = krow[h * head_dim_ + columns_[h * r_ + j]];
+    for (int64_t h = 0; h < heads_; ++h) {
+      for (int64_t p = 0; p < (position_tokens ? capacity_ : n); ++p) {
+        const int64_t t =
+            position_tokens
+                ? (*position_tokens)[static_cast<size_t>((b * heads_ + h) * capacity_ + p)]
+                : p;
+        if (t < 0) continue;
+        INFINIGEN_CHECK(t < n, "partial key cache: token ", t, " of a prompt of ", n);
+        const float* krow = k + (b * n + t) * D + h * head_dim_;
+        float* dst = keys_.data() + ((b * heads_ + h) * capacity_ + p) * r_;
+        for (int64_t j = 0; j < r_; ++j) dst[j] = krow[columns_[h * r_ + j]];
       }
     }
   }
@@ -114,32 +131,34 @@ void PartialLayer::append(const Tensor& keys, int64_t position,
 
 PartialLayer::Selection PartialLayer::speculate(const Tensor& x, int64_t used,
                                                 const std::vector<int32_t>& first_valid,
-                                                double alpha, int64_t max_num_kv,
+                                                const SpeculationOptions& options,
                                                 const std::vector<int32_t>* position_tokens) const {
+  return select(estimate_logits(x, used, first_valid, position_tokens), used, options);
+}
+
+std::vector<float> PartialLayer::estimate_logits(
+    const Tensor& x, int64_t used, const std::vector<int32_t>& first_valid,
+    const std::vector<int32_t>* position_tokens) const {
+  INFINIGEN_CHECK(x.dim(0) == batch_ && static_cast<int64_t>(first_valid.size()) == batch_ &&
+                      used >= 0 && used <= capacity_,
+                  "speculation over ", used, " positions of a batch of ", x.dim(0),
+                  " does not fit a partial key cache of ", batch_, " x ", capacity_);
   // Partial queries (B, H * r), scaled like the real ones.
   Tensor pq = Tensor::empty({batch_, heads_ * r_}, DType::F32);
   ops::linear(x, weight_, bias_, pq);
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim_));
-  const auto valid = [&](int64_t b, int64_t h, int64_t p) {
-    const int64_t token =
-        position_tokens ? (*position_tokens)[static_cast<size_t>((b * heads_ + h) * capacity_ + p)]
-                        : p;
-    return token >= first_valid[static_cast<size_t>(b)];
-  };
-
-  // Attention-logit estimates of every valid position, and the alpha count per row.
-  std::vector<float> scores(static_cast<size_t>(batch_ * heads_ * used));
-  std::vector<int64_t> counts(static_cast<size_t>(batch_ * heads_));
-  std::vector<int64_t> valid_count(static_cast<size_t>(batch_ * heads_));
+  std::vector<float> logits(static_cast<size_t>(batch_ * heads_ * used));
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < batch_; ++b) {
     for (int64_t h = 0; h < heads_; ++h) {
       const float* query = pq.data<float>() + (b * heads_ + h) * r_;
-      float* s = scores.data() + (b * heads_ + h) * used;
-      float top = -INFINITY;
-      int64_t n_valid = 0;
+      float* s = logits.data() + (b * heads_ + h) * used;
       for (int64_t p = 0; p < used; ++p) {
-        if (!valid(b, h, p)) {
+        const int64_t token =
+            position_tokens
+                ? (*position_tokens)[static_cast<size_t>((b * heads_ + h) * capacity_ + p)]
+                : p;
+        if (token < first_valid[static_cast<size_t>(b)]) {
           s[p] = -INFINITY;
           continue;
         }
@@ -147,49 +166,72 @@ PartialLayer::Selection PartialLayer::speculate(const Tensor& x, int64_t used,
         float dot = 0.0f;
         for (int64_t j = 0; j < r_; ++j) dot += query[j] * key[j];
         s[p] = dot * scale;
-        top = std::max(top, s[p]);
-        ++n_valid;
       }
-      int64_t count = 0;
-      for (int64_t p = 0; p < used; ++p) count += s[p] > top - alpha ? 1 : 0;
-      counts[static_cast<size_t>(b * heads_ + h)] = count;
-      valid_count[static_cast<size_t>(b * heads_ + h)] = n_valid;
     }
   }
+  return logits;
+}
+
+PartialLayer::Selection PartialLayer::select(const std::vector<float>& logits, int64_t used,
+                                             const SpeculationOptions& options) const {
+  INFINIGEN_CHECK(options.max_num_kv >= 1, "speculation needs a resolved max_num_kv");
+  const int64_t rows = batch_ * heads_;
+  // Per row: the alpha count and the valid positions.
+  std::vector<int64_t> counts(static_cast<size_t>(rows)), valid(static_cast<size_t>(rows));
+#pragma omp parallel for schedule(static)
+  for (int64_t row = 0; row < rows; ++row) {
+    const float* s = logits.data() + row * used;
+    float top = -INFINITY;
+    int64_t n_valid = 0;
+    for (int64_t p = 0; p < used; ++p) {
+      if (s[p] == -INFINITY) continue;
+      top = std::max(top, s[p]);
+      ++n_valid;
+    }
+    int64_t count = 0;
+    for (int64_t p = 0; p < used; ++p) count += s[p] > top - options.alpha ? 1 : 0;
+    counts[static_cast<size_t>(row)] = count;
+    valid[static_cast<size_t>(row)] = n_valid;
+  }
+  const auto fetch_size = [&](int64_t first_row, int64_t n_rows) {
+    const int64_t total = std::accumulate(counts.begin() + first_row,
+                                          counts.begin() + first_row + n_rows, int64_t{0});
+    const double mean = static_cast<double>(total) / static_cast<double>(n_rows);
+    return std::clamp<int64_t>(static_cast<int64_t>(std::floor(mean)), 1, options.max_num_kv);
+  };
   Selection sel;
   sel.mean_count = static_cast<double>(std::accumulate(counts.begin(), counts.end(), int64_t{0})) /
-                   static_cast<double>(counts.size());
-  sel.fetch = std::clamp<int64_t>(static_cast<int64_t>(std::floor(sel.mean_count)), 1, max_num_kv);
+                   static_cast<double>(rows);
+  const int64_t batch_fetch = fetch_size(0, rows);
   sel.take.resize(static_cast<size_t>(batch_));
-  sel.tokens.assign(static_cast<size_t>(batch_ * heads_ * sel.fetch), 0);
   for (int64_t b = 0; b < batch_; ++b) {
+    const int64_t wanted =
+        options.fetch_rule == FetchRule::Batch ? batch_fetch : fetch_size(b * heads_, heads_);
     // Rows of one sequence hold the same number of valid positions (padding is stored, and
     // evicted, alike in every head); the minimum guards the staging layout all the same.
-    int64_t fewest = used;
-    for (int64_t h = 0; h < heads_; ++h) {
-      fewest = std::min(fewest, valid_count[static_cast<size_t>(b * heads_ + h)]);
-    }
-    sel.take[static_cast<size_t>(b)] = static_cast<int32_t>(std::min(sel.fetch, fewest));
+    const int64_t fewest =
+        *std::min_element(valid.begin() + b * heads_, valid.begin() + (b + 1) * heads_);
+    sel.take[static_cast<size_t>(b)] = static_cast<int32_t>(std::min(wanted, fewest));
+    sel.fetch = std::max<int64_t>(sel.fetch, sel.take[static_cast<size_t>(b)]);
   }
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t b = 0; b < batch_; ++b) {
-    for (int64_t h = 0; h < heads_; ++h) {
-      const int64_t take = sel.take[static_cast<size_t>(b)];
-      if (take == 0) continue;
-      const float* s = scores.data() + (b * heads_ + h) * used;
-      std::vector<int32_t> order;
-      order.reserve(static_cast<size_t>(used));
-      for (int64_t p = 0; p < used; ++p) {
-        if (valid(b, h, p)) order.push_back(static_cast<int32_t>(p));
-      }
-      // Top `take` by estimated logit (ties to the lower position), then in position order, so
-      // that selecting everything reproduces full attention's order of summation.
-      std::nth_element(
-          order.begin(), order.begin() + (take - 1), order.end(),
-          [&](int32_t a, int32_t c) { return s[a] > s[c] || (s[a] == s[c] && a < c); });
-      std::sort(order.begin(), order.begin() + take);
-      std::copy_n(order.begin(), take, sel.tokens.begin() + (b * heads_ + h) * sel.fetch);
+  sel.fetch = std::max<int64_t>(sel.fetch, 1);  // the staging keeps a row for every sequence
+  sel.tokens.assign(static_cast<size_t>(rows * sel.fetch), 0);
+#pragma omp parallel for schedule(static)
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t take = sel.take[static_cast<size_t>(row / heads_)];
+    if (take == 0) continue;
+    const float* s = logits.data() + row * used;
+    std::vector<int32_t> order;
+    order.reserve(static_cast<size_t>(used));
+    for (int64_t p = 0; p < used; ++p) {
+      if (s[p] != -INFINITY) order.push_back(static_cast<int32_t>(p));
     }
+    // Top `take` by estimated logit (ties to the lower position), then in position order, so
+    // that selecting everything reproduces full attention's order of summation.
+    std::nth_element(order.begin(), order.begin() + (take - 1), order.end(),
+                     [&](int32_t a, int32_t c) { return s[a] > s[c] || (s[a] == s[c] && a < c); });
+    std::sort(order.begin(), order.begin() + take);
+    std::copy_n(order.begin(), take, sel.tokens.begin() + row * sel.fetch);
   }
   return sel;
 }

@@ -5,9 +5,17 @@
 // are chosen; the partial query weights W_q~[S] (+ bias) and the partial key cache K~[:, S] are
 // kept. At decode, layer l's attention is speculated at layer l - 1 from that layer's attention
 // input x: pq = x W_q~[S]^T + b_q~[S], s[t] = pq . Kp[t] / sqrt(d) for every stored token t. Per
-// (sequence, head) count = |{t : s[t] > max(s) - alpha}|; one fetch size for the layer,
-// n' = clamp(floor(mean count over the B * H rows), 1, max_num_kv); each (sequence, head) fetches
-// its top-n' tokens (fewer when the sequence has fewer tokens).
+// (sequence, head) count = |{t : s[t] > max(s) - alpha}|; a fetch size n' = clamp(floor(mean
+// count), 1, max_num_kv), the mean taken over each sequence's H rows (FetchRule::Sequence, the
+// default) or over all B * H rows of the layer (FetchRule::Batch, the paper's and the reference
+// code's rule); each (sequence, head) fetches its top-n' tokens (fewer when the sequence has
+// fewer tokens).
+//
+// Why per sequence by default: with one mean for the batch, a sequence's fetch depends on what
+// else is in the batch: a long prompt batched with short ones gets n' below its own count, and
+// even alpha = infinity then drops tokens it needs (InfiniGen would not equal full attention).
+// Per sequence, every sequence fetches what its own heads ask for, and a batch computes what
+// each of its sequences would compute alone.
 #pragma once
 
 #include <cstdint>
@@ -21,10 +29,15 @@ namespace infinigen {
 enum class PartialIndexRule { QK, Q };
 PartialIndexRule parse_partial_index_rule(const std::string& name);  // "qk" | "q"
 
+enum class FetchRule { Sequence, Batch };
+FetchRule parse_fetch_rule(const std::string& name);  // "sequence" | "batch"
+const char* fetch_rule_name(FetchRule rule);
+
 struct SpeculationOptions {
   double alpha = 4.0;          // logit threshold below the row maximum
   double partial_ratio = 0.3;  // r = floor(ratio * d), at least 1
   PartialIndexRule index_rule = PartialIndexRule::QK;
+  FetchRule fetch_rule = FetchRule::Sequence;  // what n' is the mean count of
   int64_t max_num_kv = 0;    // cap on n' per layer; 0 = 20% of the sequence capacity
   int64_t dense_layers = 2;  // layers [0, dense_layers) always fetch their whole KV
   void validate() const;     // one-line Error naming the flag
@@ -42,11 +55,13 @@ class PartialLayer {
   PartialLayer() = default;
 
   // From the prefill's queries (unscaled, (B * n, H * d)), keys (B * n, H * d) and the layer's
-  // query projection (D, D) + bias (D): columns, partial weights, and the partial keys of tokens
-  // [keep_from, n) at positions [0, n - keep_from) of a cache of `capacity` positions.
+  // query projection (D, D) + bias (D): columns, partial weights, and the partial keys of a cache
+  // of `capacity` positions: position p of (b, h) holds token p (n <= capacity), or token
+  // position_tokens[(b * H + h) * capacity + p] when given (-1: empty; a capped pool).
   void build(const Tensor& queries, const Tensor& keys, const Tensor& q_weight,
              const Tensor& q_bias, const std::vector<int32_t>& first_valid, int64_t num_heads,
-             int64_t capacity, int64_t r, PartialIndexRule rule, int64_t keep_from = 0);
+             int64_t capacity, int64_t r, PartialIndexRule rule,
+             const std::vector<int32_t>* position_tokens = nullptr);
   // Writes the partial keys of one new token per sequence, keys (B, H * d), at `position` of
   // every (sequence, head), or at positions[b * H + h] when given (a pool with a memory limit
   // overwrites a different victim in each row).
@@ -54,20 +69,33 @@ class PartialLayer {
               const std::vector<int32_t>* positions = nullptr);
 
   struct Selection {
-    int64_t fetch = 0;            // n': rows per (sequence, head)
-    std::vector<int32_t> take;    // (B): tokens taken per sequence, min(n', valid tokens)
+    int64_t fetch = 0;            // rows per (sequence, head) of the staging: max over take
+    std::vector<int32_t> take;    // (B): tokens taken per sequence, min(its n', valid tokens)
     std::vector<int32_t> tokens;  // (B, H, fetch): the first take[b] ascending, rest unused
-    double mean_count = 0.0;      // mean over rows of the alpha count
+    double mean_count = 0.0;      // mean over all B * H rows of the alpha count
   };
   // Speculates attention over positions [0, used) from x (B, D), the LayerNorm output of the
-  // previous layer. Position p of (b, h) holds token p, or position_tokens[(b * H + h) * capacity
-  // + p] when given (-1: empty); it counts when that token is not padding (>= first_valid[b]).
-  // Selected positions are returned in ascending order.
+  // previous layer, with options.alpha, options.max_num_kv (> 0: the resolved cap) and
+  // options.fetch_rule. Position p of (b, h) holds token p, or position_tokens[(b * H + h) *
+  // capacity + p] when given (-1: empty); it counts when that token is not padding
+  // (>= first_valid[b]). Selected positions are returned in ascending order.
   Selection speculate(const Tensor& x, int64_t used, const std::vector<int32_t>& first_valid,
-                      double alpha, int64_t max_num_kv,
+                      const SpeculationOptions& options,
                       const std::vector<int32_t>* position_tokens = nullptr) const;
+  // speculate()'s two halves. The estimated attention logits (B, H, used) of positions
+  // [0, used), scaled by 1/sqrt(d); -inf where a position holds padding or nothing.
+  std::vector<float> estimate_logits(const Tensor& x, int64_t used,
+                                     const std::vector<int32_t>& first_valid,
+                                     const std::vector<int32_t>* position_tokens = nullptr) const;
+  // The alpha counts, n' and the top-n' positions of each row of `logits` (B, H, used).
+  Selection select(const std::vector<float>& logits, int64_t used,
+                   const SpeculationOptions& options) const;
 
   int64_t r() const { return r_; }
+  // The r partial key columns stored at `position` of (b, h).
+  const float* partial_key(int64_t b, int64_t h, int64_t position) const {
+    return keys_.data() + ((b * heads_ + h) * capacity_ + position) * r_;
+  }
   const std::vector<int32_t>& columns() const { return columns_; }
 
  private:

@@ -2,6 +2,8 @@
 // selection, nothing reads unfetched KV, and the flags are validated.
 #include <gtest/gtest.h>
 
+#include "core/model_loader.h"
+#include "offload/infinigen_kv.h"
 #include "offload/runtime.h"
 #include "tests/test_util.h"
 
@@ -18,7 +20,6 @@ class InfinigenPolicy : public ::testing::Test {
   void SetUp() override {
     source_ = resolve_model("opt-tiny", {});
     source_.config.num_layers = 4;  // two dense layers and two speculated ones
-    // Equal lengths: with left padding the mean alpha count is below the longest sequence's.
     request_.prompts = {{2, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20},
                         {2, 500, 600, 700, 800, 900, 1000, 1100, 1200, 1300, 1400, 1500}};
     request_.gen_len = 6;
@@ -50,6 +51,32 @@ TEST_F(InfinigenPolicy, SelectingEverythingReproducesFull) {
       EXPECT_EQ(layer.tokens_fetched, layer.tokens_stored);
     }
   }
+}
+
+TEST_F(InfinigenPolicy, MixedLengthBatchSelectingEverythingReproducesFull) {
+  // Left padding: the sequences hold 12, 4 and 8 tokens. With every token above the threshold,
+  // each sequence's fetch is its own token count, so the batch computes exactly what `full` does.
+  request_.prompts = {{2, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20},
+                      {2, 700, 800, 900},
+                      {2, 33, 44, 55, 66, 77, 88, 99}};
+  request_.gen_len = 8;
+  SpeculationOptions everything;
+  everything.alpha = 1e9;
+  everything.max_num_kv = 1000;
+  const OffloadRun full = run(KvPolicy::Full);
+  const OffloadRun infinigen = run(KvPolicy::Infinigen, everything);
+  EXPECT_EQ(infinigen.result.tokens, full.result.tokens);
+  EXPECT_LT(logit_error(infinigen.result, full.result), 1e-6);
+  for (size_t i = 1; i < infinigen.stats.steps().size(); ++i) {
+    for (const LayerTraffic& layer : infinigen.stats.steps()[i].layers) {
+      EXPECT_EQ(layer.tokens_fetched, layer.tokens_stored) << "step " << i;
+    }
+  }
+  // The paper's batch-wide mean gives the longest sequence fewer rows than it holds.
+  everything.fetch_rule = FetchRule::Batch;
+  const OffloadRun batch_rule = run(KvPolicy::Infinigen, everything);
+  const LayerTraffic& speculated = batch_rule.stats.steps()[1].layers[3];
+  EXPECT_LT(speculated.tokens_fetched, speculated.tokens_stored);
 }
 
 TEST_F(InfinigenPolicy, SpeculatedLayersLoadOnlyTheSelectedRows) {
@@ -140,6 +167,74 @@ TEST_F(InfinigenPolicy, CappedPoolEvictsAndReadsOnlyWhatItHolds) {
   }
 }
 
+TEST_F(InfinigenPolicy, MixedLengthsPoisonedGiveTheSameTokensCappedOrNot) {
+  request_.prompts = {{2, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20},
+                      {2, 700, 800, 900},
+                      {2, 33, 44, 55, 66, 77, 88, 99}};
+  request_.gen_len = 8;
+  for (double limit : {0.0, 0.5}) {
+    OffloadOptions options;
+    options.policy = KvPolicy::Infinigen;
+    options.speculation.alpha = 2.0;
+    options.kv_pool_limit = limit;  // 0.5: 9 of 19 positions, below the longest prompt
+    options.kv_block_tokens = 4;
+    const OffloadRun plain = run_offloaded(source_, request_, options, Device::Cpu);
+    set_debug_poison(true);
+    const OffloadRun poisoned = run_offloaded(source_, request_, options, Device::Cpu);
+    set_debug_poison(false);
+    EXPECT_EQ(poisoned.result.tokens, plain.result.tokens) << "limit " << limit;
+    EXPECT_LT(logit_error(poisoned.result, plain.result), 1e-6) << "limit " << limit;
+  }
+}
+
+// After evictions, every speculated layer's partial key cache holds, at each position, the
+// partial columns of the key the pool holds there (to the pool's fp16 rounding).
+TEST_F(InfinigenPolicy, PartialKeysFollowThePoolThroughEvictions) {
+  const ModelConfig& config = source_.config;
+  const int64_t B = 2, n = 12, steps = 10, capacity = n + steps, slots = 7;
+  for (EvictionPolicy eviction : {EvictionPolicy::Counter, EvictionPolicy::Lru}) {
+    TransferEngine engine(Device::Cpu, {});
+    OffloadStats stats;
+    SpeculationOptions speculation;
+    speculation.alpha = 3.0;
+    InfinigenKv kv(config, B, capacity, DType::F16, Device::Cpu, 4, engine, stats, speculation,
+                   false, KvPoolLimit{slots, eviction});
+    OptModel model(config, load_weights(source_, Device::Cpu), Device::Cpu);
+    std::vector<int32_t> first_valid;
+    const std::vector<int32_t> tokens =
+        left_pad(request_.prompts, config.pad_token_id, &first_valid);
+    model.prefill(tokens, first_valid, kv);
+    for (int32_t step = 0; step < steps; ++step) model.decode({5 + step, 40 + step}, kv);
+    engine.synchronize();
+
+    const int64_t H = config.num_heads, d = config.head_dim();
+    int64_t compared = 0;
+    for (int64_t l = 2; l < config.num_layers; ++l) {
+      const PartialLayer& partial = kv.partial(l);
+      for (int64_t b = 0; b < B; ++b) {
+        for (int64_t h = 0; h < H; ++h) {
+          for (int64_t p = 0; p < slots; ++p) {
+            if (kv.token_at(l, b, h, p) < first_valid[b]) continue;
+            std::vector<float> key(static_cast<size_t>(d));
+            convert_to_f32(kv.pool().row(l, KvKind::Key, b, h, p), DType::F16, key.data(),
+                           key.size());
+            const float* stored = partial.partial_key(b, h, p);
+            for (int64_t j = 0; j < partial.r(); ++j) {
+              const float expected = key[partial.columns()[h * partial.r() + j]];
+              EXPECT_NEAR(stored[j], expected, 1e-3f * (1.0f + std::fabs(expected)))
+                  << eviction_policy_name(eviction) << " layer " << l << " (" << b << ", " << h
+                  << ") position " << p;
+              ++compared;
+            }
+          }
+        }
+      }
+    }
+    // Every position of every speculated layer's pool was compared (the pools are full).
+    EXPECT_EQ(compared, 2 * B * H * slots * partial_columns(0.3, d));
+  }
+}
+
 TEST(KvPoolLimit, FractionsAndBytesBecomePositions) {
   const ModelConfig c = load_preset("opt-tiny");  // L 2, D 64
   EXPECT_EQ(kv_pool_positions(0, c, 2, 100, DType::F16), 0);
@@ -173,6 +268,8 @@ TEST(SpeculationOptions, BadValuesNameTheFlag) {
   o.dense_layers = 0;
   EXPECT_NE(message(o).find("--dense-layers"), std::string::npos);
   EXPECT_THROW(parse_partial_index_rule("kq"), Error);
+  EXPECT_THROW(parse_fetch_rule("layer"), Error);
+  EXPECT_EQ(parse_fetch_rule(fetch_rule_name(FetchRule::Batch)), FetchRule::Batch);
   EXPECT_EQ(message(SpeculationOptions{}), "");
 }
 

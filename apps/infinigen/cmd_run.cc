@@ -51,6 +51,7 @@ struct RunOptions {
   double alpha = 4.0;
   double partial_ratio = 0.3;
   std::string partial_index_rule = "qk";
+  std::string fetch_rule = fetch_rule_name(SpeculationOptions{}.fetch_rule);
   int64_t max_num_kv = 0;
   int64_t dense_layers = 2;
   bool check_recall = false;
@@ -81,8 +82,8 @@ std::vector<std::vector<int32_t>> build_prompts(const RunOptions& o, const Model
                             ? std::min<int32_t>(loaded.tokenizer->vocab_size(),
                                                 static_cast<int32_t>(config.vocab_size))
                             : static_cast<int32_t>(config.vocab_size);
-    return synthetic_prompts(std::max<int64_t>(o.batch, 1), o.prompt_len, config.bos_token_id,
-                             top, o.seed);
+    return synthetic_prompts(std::max<int64_t>(o.batch, 1), o.prompt_len, config.bos_token_id, top,
+                             o.seed);
   }
   std::vector<std::string> texts;
   if (!o.prompt.empty()) {
@@ -149,6 +150,7 @@ int run(const RunOptions& o) {
   offload.speculation.alpha = o.alpha;
   offload.speculation.partial_ratio = o.partial_ratio;
   offload.speculation.index_rule = parse_partial_index_rule(o.partial_index_rule);
+  offload.speculation.fetch_rule = parse_fetch_rule(o.fetch_rule);
   offload.speculation.max_num_kv = o.max_num_kv;
   offload.speculation.dense_layers = o.dense_layers;
   offload.speculation.validate();
@@ -293,6 +295,10 @@ Command add_run_command(CLI::App& app) {
       ->capture_default_str();
   app.add_option("--partial-index-rule", o->partial_index_rule,
                  "infinigen: choose partial columns by |Q|+|K| (qk) or |Q| (q)")
+      ->capture_default_str();
+  app.add_option("--fetch-rule", o->fetch_rule,
+                 "infinigen: tokens fetched per head are the mean alpha count of the sequence's "
+                 "heads (sequence) or of the whole batch's (batch, the paper's rule)")
       ->capture_default_str();
   auto* max_num_kv = app.add_option(
       "--max-num-kv", o->max_num_kv,

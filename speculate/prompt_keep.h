@@ -1,0 +1,39 @@
+// speculate: which prompt tokens a capped KV pool keeps when the prompt alone overflows it, and
+// the eviction history they start decoding with.
+//
+// Without this, a pool of S positions would keep the prompt's newest S tokens: FIFO, whatever
+// --eviction says, dropping the first tokens (BOS among them), which trained models attend to
+// most. Here the pool's own policy decides, from the prompt's attention: every prompt position i
+// counts as a decode step that fetches the tokens t <= i whose true attention logit q_i . k_t
+// (q already scaled by 1/sqrt(d)) lies within alpha of that row's maximum, which is what exact
+// speculation over an unlimited pool would fetch. A token's fetch count is the number of
+// positions that fetch it, its last fetch the latest of them.
+//
+// Kept, as EvictionTable would leave a full pool: the newest S - max(1, floor(S / 2)) tokens
+// (the protected half), and of the older ones the max(1, floor(S / 2)) that the policy ranks
+// highest: counter by fetch count, lru by last fetch (a never-fetched token by its own
+// position), fifo by age, so fifo keeps the newest S. Ties go to the newer token, as victims
+// tie to the oldest.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "speculate/eviction.h"
+
+namespace infinigen {
+
+struct PromptKeep {
+  std::vector<int32_t> tokens;      // kept token positions, ascending (all when they fit)
+  std::vector<int64_t> fetches;     // per kept token: prompt positions that fetched it
+  std::vector<int64_t> last_fetch;  // per kept token: the latest of them (-1: none)
+};
+
+// One (sequence, head) of a prompt of n positions whose valid tokens are [first, n): its scaled
+// queries and keys, rows of d floats at `stride` floats apart (e.g. a head's columns of a
+// (n, H * d) matrix). Keeps at most `capacity` tokens.
+PromptKeep keep_prompt_tokens(const float* queries, const float* keys, int64_t stride,
+                              int64_t first, int64_t n, int64_t d, int64_t capacity, double alpha,
+                              EvictionPolicy policy);
+
+}  // namespace infinigen

@@ -1,0 +1,191 @@
+// tests: the prompt tokens a capped pool keeps (speculate/prompt_keep.h), the eviction history
+// they are seeded with (EvictionTable::seed_row), and the selection of speculation itself.
+#include "speculate/prompt_keep.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+
+#include "core/ops.h"
+#include "speculate/speculation.h"
+
+namespace infinigen {
+namespace {
+
+// A prompt of n tokens, d = 4: every query attends strongly to token `sink` (a large logit),
+// and otherwise to its own recent past only weakly (random small logits).
+struct Prompt {
+  int64_t n = 0, d = 4;
+  std::vector<float> q, k;  // (n, d)
+};
+
+Prompt prompt_with_sink(int64_t n, int64_t sink, uint32_t seed) {
+  Prompt p;
+  p.n = n;
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> small(-0.1f, 0.1f);
+  p.q.resize(static_cast<size_t>(n * p.d));
+  p.k.resize(static_cast<size_t>(n * p.d));
+  for (int64_t t = 0; t < n; ++t) {
+    p.q[t * p.d] = 1.0f;  // every query looks along the first column
+    p.k[t * p.d] = t == sink ? 10.0f : small(rng);
+    for (int64_t c = 1; c < p.d; ++c) {
+      p.q[t * p.d + c] = small(rng);
+      p.k[t * p.d + c] = small(rng);
+    }
+  }
+  return p;
+}
+
+std::vector<int32_t> range(int32_t from, int32_t to) {
+  std::vector<int32_t> v(static_cast<size_t>(to - from));
+  std::iota(v.begin(), v.end(), from);
+  return v;
+}
+
+TEST(PromptKeep, EverythingFitsIsKeptWithItsCounts) {
+  const Prompt p = prompt_with_sink(6, 0, 1);
+  const PromptKeep keep =
+      keep_prompt_tokens(p.q.data(), p.k.data(), p.d, 0, 6, p.d, 8, 1.0, EvictionPolicy::Counter);
+  EXPECT_EQ(keep.tokens, range(0, 6));
+  // Every position fetches the sink (logit 10, the rest near 0): 6 fetches, the last at 5. Each
+  // other token is fetched by itself only... (logit > top - 1 is false for ~0 against 10).
+  EXPECT_EQ(keep.fetches[0], 6);
+  EXPECT_EQ(keep.last_fetch[0], 5);
+  for (size_t t = 1; t < 6; ++t) {
+    EXPECT_EQ(keep.fetches[t], 0) << t;
+    EXPECT_EQ(keep.last_fetch[t], -1) << t;
+  }
+}
+
+TEST(PromptKeep, CounterAndLruKeepTheSinkFifoKeepsTheNewest) {
+  const int64_t n = 20, capacity = 8;  // 4 candidates from the older 16, the newest 4 protected
+  const Prompt p = prompt_with_sink(n, 0, 2);
+  for (EvictionPolicy policy : {EvictionPolicy::Counter, EvictionPolicy::Lru}) {
+    const PromptKeep keep =
+        keep_prompt_tokens(p.q.data(), p.k.data(), p.d, 0, n, p.d, capacity, 1.0, policy);
+    ASSERT_EQ(keep.tokens.size(), 8u);
+    EXPECT_EQ(keep.tokens.front(), 0) << eviction_policy_name(policy);  // the sink survives
+    EXPECT_TRUE(std::is_sorted(keep.tokens.begin(), keep.tokens.end()));
+    // The protected half: the newest capacity - floor(capacity / 2) tokens.
+    const std::vector<int32_t> newest = range(16, 20);
+    EXPECT_TRUE(
+        std::includes(keep.tokens.begin(), keep.tokens.end(), newest.begin(), newest.end()));
+  }
+  const PromptKeep fifo = keep_prompt_tokens(p.q.data(), p.k.data(), p.d, 0, n, p.d, capacity, 1.0,
+                                             EvictionPolicy::Fifo);
+  EXPECT_EQ(fifo.tokens, range(12, 20));
+}
+
+TEST(PromptKeep, PaddingIsNeverKeptAndAShortSequenceKeepsAll) {
+  const Prompt p = prompt_with_sink(12, 9, 3);
+  // Valid tokens [9, 12): 3 of them fit a capacity of 5.
+  const PromptKeep keep =
+      keep_prompt_tokens(p.q.data(), p.k.data(), p.d, 9, 12, p.d, 5, 1.0, EvictionPolicy::Counter);
+  EXPECT_EQ(keep.tokens, range(9, 12));
+  EXPECT_EQ(keep.fetches[0], 3);  // token 9 is the sink of this sequence
+  EXPECT_EQ(keep.last_fetch[0], 11);
+  // Valid tokens [4, 12) into 4 positions, the sink first: counter keeps it, the protected
+  // 10 and 11, and one more; nothing of the padding.
+  const Prompt sunk = prompt_with_sink(12, 4, 4);
+  const PromptKeep tight = keep_prompt_tokens(sunk.q.data(), sunk.k.data(), sunk.d, 4, 12, sunk.d,
+                                              4, 1.0, EvictionPolicy::Counter);
+  ASSERT_EQ(tight.tokens.size(), 4u);
+  EXPECT_EQ(tight.tokens.front(), 4);
+  EXPECT_EQ(tight.tokens[2], 10);
+  EXPECT_EQ(tight.tokens[3], 11);
+}
+
+TEST(EvictionSeed, CountersShiftTogetherAndLruTakesTheLastFetch) {
+  EvictionTable counter(EvictionPolicy::Counter, 1, 4, /*counter_bits=*/4);  // max 15
+  for (int64_t slot = 0; slot < 4; ++slot) counter.on_insert(0, slot, slot);
+  counter.seed_row(0, {40, 3, 0, 15}, {9, 9, -1, 9});
+  // 40 needs two halvings to fit 15: 10, 0, 0, 3.
+  EXPECT_EQ(counter.counter(0, 0), 10);
+  EXPECT_EQ(counter.counter(0, 1), 0);
+  EXPECT_EQ(counter.counter(0, 3), 3);
+  EXPECT_EQ(counter.victim(0, 10), 1);  // candidates 0 and 1 (the older half): 1 has fewer
+
+  EvictionTable lru(EvictionPolicy::Lru, 1, 4);
+  for (int64_t slot = 0; slot < 4; ++slot) lru.on_insert(0, slot, slot);
+  lru.seed_row(0, {1, 0, 1, 1}, {7, -1, 3, 3});
+  EXPECT_EQ(lru.last_use(0, 0), 7);
+  EXPECT_EQ(lru.last_use(0, 1), 1);  // never fetched: its insertion
+  EXPECT_EQ(lru.victim(0, 8), 1);
+  EXPECT_THROW(lru.seed_row(0, {1, 2, 3, 4, 5}, {0, 0, 0, 0, 0}), Error);
+}
+
+// Speculation with ratio 1 and the layer's own input is exact: the estimated logits are the
+// true ones, and the selection is the exact top-n' of every row.
+TEST(Speculation, RatioOneWithTheLayersOwnInputIsExact) {
+  const int64_t B = 2, H = 2, d = 8, D = H * d, n = 24;
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const auto random = [&](Shape shape) {
+    Tensor t = Tensor::empty(shape, DType::F32);
+    for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = normal(rng);
+    return t;
+  };
+  const Tensor x_prompt = random({B * n, D}), wq = random({D, D}), bq = random({D});
+  const Tensor keys = random({B * n, D});
+  Tensor queries = Tensor::empty({B * n, D}, DType::F32);
+  ops::linear(x_prompt, wq, bq, queries);
+  const std::vector<int32_t> first_valid = {0, 5};  // sequence 1 is left-padded
+  PartialLayer layer;
+  layer.build(queries, keys, wq, bq, first_valid, H, n, d, PartialIndexRule::QK);
+
+  const Tensor x = random({B, D});
+  Tensor q = Tensor::empty({B, D}, DType::F32);
+  ops::linear(x, wq, bq, q);
+  const std::vector<float> logits = layer.estimate_logits(x, n, first_valid);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t t = 0; t < n; ++t) {
+        const float estimate = logits[static_cast<size_t>((b * H + h) * n + t)];
+        if (t < first_valid[b]) {
+          EXPECT_EQ(estimate, -INFINITY);
+          continue;
+        }
+        float dot = 0.0f;
+        for (int64_t c = 0; c < d; ++c) {
+          dot +=
+              q.data<float>()[b * D + h * d + c] * keys.data<float>()[(b * n + t) * D + h * d + c];
+        }
+        EXPECT_NEAR(estimate, dot * scale, 1e-4f * (1.0f + std::fabs(dot * scale)));
+      }
+    }
+  }
+
+  SpeculationOptions options;
+  options.alpha = 1.5;
+  options.max_num_kv = n;
+  const PartialLayer::Selection sel = layer.select(logits, n, options);
+  for (int64_t b = 0; b < B; ++b) {
+    // n' of sequence b: floor of the mean over its heads of the alpha counts.
+    int64_t total = 0;
+    for (int64_t h = 0; h < H; ++h) {
+      const float* s = logits.data() + (b * H + h) * n;
+      const float top = *std::max_element(s, s + n);
+      total += std::count_if(s, s + n, [&](float v) { return v > top - options.alpha; });
+    }
+    EXPECT_EQ(sel.take[b], std::max<int64_t>(1, total / H)) << b;
+    for (int64_t h = 0; h < H; ++h) {
+      const float* s = logits.data() + (b * H + h) * n;
+      std::vector<int32_t> order =
+          range(static_cast<int32_t>(first_valid[b]), static_cast<int32_t>(n));
+      std::stable_sort(order.begin(), order.end(),
+                       [&](int32_t a, int32_t c) { return s[a] > s[c]; });
+      order.resize(static_cast<size_t>(sel.take[b]));
+      std::sort(order.begin(), order.end());
+      const int32_t* chosen = sel.tokens.data() + (b * H + h) * sel.fetch;
+      EXPECT_EQ(std::vector<int32_t>(chosen, chosen + sel.take[b]), order) << b << " " << h;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace infinigen
