@@ -54,6 +54,20 @@ int64_t check_request(const ModelConfig& config, const GenerationRequest& reques
   INFINIGEN_CHECK(longest + request.gen_len <= config.max_positions, "--gen-len ", request.gen_len,
                   ": prompt (", longest, " tokens) plus generation exceeds the ",
                   "model's context of ", config.max_positions, " positions");
+  if (!request.forced_tokens.empty()) {
+    INFINIGEN_CHECK(request.forced_tokens.size() == request.prompts.size(), "forced tokens for ",
+                    request.forced_tokens.size(), " sequences in a batch of ",
+                    request.prompts.size());
+    for (size_t b = 0; b < request.forced_tokens.size(); ++b) {
+      const auto& forced = request.forced_tokens[b];
+      INFINIGEN_CHECK(static_cast<int64_t>(forced.size()) == request.gen_len, "sequence ", b + 1,
+                      ": ", forced.size(), " forced tokens for ", request.gen_len, " steps");
+      for (int32_t id : forced) {
+        INFINIGEN_CHECK(id >= 0 && id < config.vocab_size, "sequence ", b + 1, ": forced token ",
+                        id, " is outside the model's vocabulary of ", config.vocab_size);
+      }
+    }
+  }
   return longest;
 }
 
@@ -69,6 +83,25 @@ GenerationResult generate(OptModel& model, const GenerationRequest& request,
   result.gen_len = request.gen_len;
   result.tokens.assign(static_cast<size_t>(B), {});
   Sampler sampler(request.sampling);
+  // The tokens of step `step` (0 = chosen from the prefill's logits), sampled or forced, scored
+  // against the logits they follow when asked to.
+  const auto emit = [&](int64_t step, const Tensor& logits) {
+    std::vector<int32_t> chosen(static_cast<size_t>(B));
+    if (request.forced_tokens.empty()) {
+      chosen = sampler.sample(logits);
+    } else {
+      for (int64_t b = 0; b < B; ++b) chosen[b] = request.forced_tokens[b][step];
+    }
+    for (int64_t b = 0; b < B; ++b) {
+      result.tokens[b].push_back(chosen[b]);
+      if (request.score_tokens) {
+        result.token_log_probs[b].push_back(token_log_probability(
+            logits.data<float>() + b * logits.dim(1), logits.dim(1), chosen[b]));
+      }
+    }
+    return chosen;
+  };
+  if (request.score_tokens) result.token_log_probs.assign(static_cast<size_t>(B), {});
   std::vector<int32_t> first_valid;
   const std::vector<int32_t> tokens = left_pad(request.prompts, config.pad_token_id, &first_valid);
   const int64_t capacity = longest + request.gen_len;
@@ -79,16 +112,14 @@ GenerationResult generate(OptModel& model, const GenerationRequest& request,
 
   auto start = std::chrono::steady_clock::now();
   result.last_logits = model.prefill(tokens, first_valid, cache);
-  std::vector<int32_t> next = sampler.sample(result.last_logits);
+  std::vector<int32_t> next = emit(0, result.last_logits);
   result.prefill_seconds = seconds_since(start);
-  for (int64_t b = 0; b < B; ++b) result.tokens[b].push_back(next[b]);
   if (progress) progress(1, request.gen_len);
 
   start = std::chrono::steady_clock::now();
   for (int64_t step = 1; step < request.gen_len; ++step) {
     result.last_logits = model.decode(next, cache);
-    next = sampler.sample(result.last_logits);
-    for (int64_t b = 0; b < B; ++b) result.tokens[b].push_back(next[b]);
+    next = emit(step, result.last_logits);
     if (progress) progress(step + 1, request.gen_len);
   }
   result.decode_seconds = seconds_since(start);

@@ -20,6 +20,11 @@ struct GenerationRequest {
   int64_t gen_len = 32;
   SamplingOptions sampling;
   DType kv_dtype = DType::F16;
+  // Teacher forcing (perplexity): when not empty, (B, gen_len) ids emitted in place of sampled
+  // ones, so step i + 1 decodes forced_tokens[b][i] whatever the model predicted.
+  std::vector<std::vector<int32_t>> forced_tokens;
+  // Also return, per emitted token, its log-probability under the logits it was chosen from.
+  bool score_tokens = false;
 };
 
 struct GenerationResult {
@@ -30,6 +35,8 @@ struct GenerationResult {
   double prefill_seconds = 0.0;
   double decode_seconds = 0.0;
   Tensor last_logits;  // (B, V) fp32: the logits the last token was chosen from
+  // (B, gen_len) when the request asks for score_tokens: log p(token | everything before it).
+  std::vector<std::vector<double>> token_log_probs;
 
   double total_seconds() const { return prefill_seconds + decode_seconds; }
   double throughput() const;         // B * gen_len / total
@@ -42,16 +49,17 @@ using ProgressCallback = std::function<void(int64_t done, int64_t total)>;
 using KvStoreFactory = std::function<std::unique_ptr<KvStore>(int64_t batch, int64_t capacity)>;
 
 // Checks the request against the model (non-empty prompts, ids in the vocabulary, prompt +
-// generation within the context) with one-line errors, then generates exactly gen_len tokens per
-// sequence (EOS does not stop a sequence, as in FlexGen's benchmarks).
+// generation within the context, forced tokens shaped (B, gen_len)) with one-line errors, then
+// generates exactly gen_len tokens per sequence (EOS does not stop a sequence, as in FlexGen's
+// benchmarks), sampled or forced.
 // KV lives in `make_store`'s store, or in a resident KvCache on the model's device when empty.
 GenerationResult generate(OptModel& model, const GenerationRequest& request,
                           const ProgressCallback& progress = {},
                           const KvStoreFactory& make_store = {});
 
 // Checks `request` against the model with one-line errors (prompts present and non-empty, ids
-// in the vocabulary, gen_len >= 1, prompt plus generation within the context) and returns the
-// longest prompt's length.
+// in the vocabulary, gen_len >= 1, prompt plus generation within the context, forced tokens of
+// the right shape and in the vocabulary) and returns the longest prompt's length.
 int64_t check_request(const ModelConfig& config, const GenerationRequest& request);
 
 // `batch` prompts of `prompt_len` ids each: BOS, then ids drawn uniformly from [4, vocab_limit)

@@ -9,6 +9,28 @@
 
 namespace infinigen {
 
+namespace {
+
+// A NaN or infinity here means a kernel read memory that was never written or transferred:
+// stop rather than emit a token picked from garbage, or score one against it.
+void check_finite(const float* logits, int64_t V) {
+  for (int64_t i = 0; i < V; ++i) {
+    INFINIGEN_CHECK(std::isfinite(logits[i]), "non-finite logit (", logits[i], ") for token ", i,
+                    ": the forward pass read invalid data");
+  }
+}
+
+}  // namespace
+
+double token_log_probability(const float* logits, int64_t V, int32_t token) {
+  INFINIGEN_CHECK(token >= 0 && token < V, "token ", token, " outside a vocabulary of ", V);
+  check_finite(logits, V);
+  const double top = *std::max_element(logits, logits + V);
+  double total = 0.0;
+  for (int64_t i = 0; i < V; ++i) total += std::exp(static_cast<double>(logits[i]) - top);
+  return static_cast<double>(logits[token]) - top - std::log(total);
+}
+
 Sampler::Sampler(const SamplingOptions& options) : options_(options), rng_(options.seed) {
   INFINIGEN_CHECK(options.temperature >= 0.0f && std::isfinite(options.temperature),
                   "--temperature must be >= 0, got ", options.temperature);
@@ -29,12 +51,7 @@ double Sampler::uniform() {
 }
 
 int32_t Sampler::sample_row(const float* logits, int64_t V) {
-  // A NaN or infinity here means a kernel read memory that was never written or transferred:
-  // stop rather than emit a token picked from garbage.
-  for (int64_t i = 0; i < V; ++i) {
-    INFINIGEN_CHECK(std::isfinite(logits[i]), "non-finite logit (", logits[i], ") for token ", i,
-                    ": the forward pass read invalid data");
-  }
+  check_finite(logits, V);
   if (options_.temperature == 0.0f) {
     return static_cast<int32_t>(std::max_element(logits, logits + V) - logits);
   }

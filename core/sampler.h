@@ -15,6 +15,9 @@ struct SamplingOptions {
   uint64_t seed = 0;
 };
 
+// log softmax(logits)[token] of one row of V logits, in fp64; an Error when a logit is not finite.
+double token_log_probability(const float* logits, int64_t vocab, int32_t token);
+
 class Sampler {
  public:
   explicit Sampler(const SamplingOptions& options);

@@ -1,18 +1,15 @@
 // apps/infinigen: `infinigen bench`, the paper's latency experiments (configs/experiments/) as
 // CSV, JSON and a plot; `--predict` adds the cost model's figures for a hardware profile, and
 // `--measure-profile` writes the profile of this machine's CPU backend.
-#include <fcntl.h>
 #include <omp.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <cstdio>
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <vector>
 
 #include "apps/infinigen/commands.h"
+#include "apps/infinigen/plot_script.h"
 #include "bench/bench_results.h"
 #include "bench/bench_runner.h"
 #include "core/device.h"
@@ -45,83 +42,6 @@ struct BenchCommandOptions {
   bool list = false;
   std::string command_line;
 };
-
-// The command as typed (from /proc/self/cmdline), recorded in the results.
-std::string this_command_line() {
-  std::ifstream in("/proc/self/cmdline", std::ios::binary);
-  std::string line = "infinigen";
-  bool first = true;
-  for (std::string arg; std::getline(in, arg, '\0');) {
-    if (!first) line += " " + arg;
-    first = false;
-  }
-  return line;
-}
-
-// Runs argv[0] with the arguments, waits, and returns its exit status (-1 if it could not run).
-// With `quiet`, its output goes to /dev/null.
-int run_process(const std::vector<std::string>& argv, bool quiet) {
-  std::vector<char*> args;
-  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
-  std::fflush(nullptr);
-  const pid_t pid = fork();
-  if (pid < 0) return -1;
-  if (pid == 0) {
-    if (quiet) {
-      const int null = open("/dev/null", O_WRONLY);
-      if (null >= 0) {
-        dup2(null, STDOUT_FILENO);
-        dup2(null, STDERR_FILENO);
-      }
-    }
-    execvp(args[0], args.data());
-    _exit(127);
-  }
-  int status = 0;
-  if (waitpid(pid, &status, 0) < 0) return -1;
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-}
-
-// A Python that can import matplotlib: $INFINIGEN_PYTHON, else python3 on PATH, else the
-// system's /usr/bin/python3 (where Debian's python3-matplotlib lives).
-std::string find_plot_python() {
-  std::vector<std::string> candidates;
-  if (const char* env = std::getenv("INFINIGEN_PYTHON"); env && *env) candidates.push_back(env);
-  candidates.push_back("python3");
-  candidates.push_back("/usr/bin/python3");
-  for (const std::string& python : candidates) {
-    if (run_process({python, "-c", "import matplotlib"}, true) == 0) return python;
-  }
-  return "";
-}
-
-// tools/plot_bench.py next to an installed binary (share/infinigen/tools), else in the source
-// tree this binary was built from.
-std::string find_plot_script() {
-  std::error_code ec;
-  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
-  std::vector<fs::path> candidates;
-  if (!ec) candidates.push_back(exe.parent_path().parent_path() / "share/infinigen/tools");
-  candidates.push_back(fs::path(INFINIGEN_SOURCE_DIR) / "tools");
-  for (const fs::path& dir : candidates) {
-    if (fs::is_regular_file(dir / "plot_bench.py")) return (dir / "plot_bench.py").string();
-  }
-  return "";
-}
-
-void plot(const fs::path& json_path, const fs::path& png_path) {
-  const std::string python = find_plot_python();
-  INFINIGEN_CHECK(!python.empty(), "wrote ", json_path.string(), " and its CSV, but no Python ",
-                  "with matplotlib was found for the plot (install python3-matplotlib, set ",
-                  "INFINIGEN_PYTHON, or pass --no-plot)");
-  const std::string script = find_plot_script();
-  INFINIGEN_CHECK(!script.empty(), "wrote ", json_path.string(), " and its CSV, but ",
-                  "tools/plot_bench.py was not found (pass --no-plot)");
-  const int status = run_process({python, script, json_path.string(), png_path.string()}, false);
-  INFINIGEN_CHECK(status == 0, "wrote ", json_path.string(), " and its CSV, but ", script,
-                  " failed (exit status ", status, ")");
-}
 
 int list_bundled() {
   std::printf("experiments (configs/experiments):\n");
@@ -201,7 +121,7 @@ int bench(const BenchCommandOptions& o) {
   std::printf("wrote %s\nwrote %s\n", csv_path.c_str(), json_path.c_str());
   if (!o.no_plot) {
     const fs::path png_path = stem.string() + ".png";
-    plot(json_path, png_path);
+    plot("plot_bench.py", json_path, png_path);
     std::printf("wrote %s\n", png_path.c_str());
   }
   return 0;

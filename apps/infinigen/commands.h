@@ -14,5 +14,6 @@ Command add_make_model_command(CLI::App& app);
 Command add_skew_command(CLI::App& app);
 Command add_inspect_command(CLI::App& app);
 Command add_bench_command(CLI::App& app);
+Command add_eval_command(CLI::App& app);
 
 }  // namespace infinigen::cli

@@ -30,6 +30,8 @@ int main(int argc, char** argv) {
       cli::add_skew_command);
   add("bench", "Run the paper's latency experiments (CSV, JSON, plot); predict other hardware",
       cli::add_bench_command);
+  add("eval", "Perplexity through the decode loop, for a sweep of KV policies and settings",
+      cli::add_eval_command);
   add("inspect", "Print a checkpoint's config and tensors", cli::add_inspect_command);
   try {
     app.parse(argc, argv);

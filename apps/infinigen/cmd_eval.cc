@@ -1,0 +1,339 @@
+// apps/infinigen: `infinigen eval`, perplexity through the engine's decode loop for a sweep of KV
+// policies and their settings (bench/perplexity.h), as a table, CSV, JSON and a plot.
+#include <omp.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "apps/infinigen/commands.h"
+#include "apps/infinigen/plot_script.h"
+#include "apps/infinigen/progress.h"
+#include "bench/machine_info.h"
+#include "bench/perplexity.h"
+#include "core/model_loader.h"
+#include "core/ops.h"
+#include "core/output_directory.h"
+
+namespace infinigen::cli {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Defaults come from the option structs below; only their spelling as flags lives here.
+struct EvalCommandOptions {
+  std::string model = kBuiltinModel;
+  std::vector<std::string> texts;
+  PerplexityOptions perplexity;
+  int64_t max_windows = 0;
+  std::vector<std::string> policies = {"full", "infinigen"};
+  std::vector<double> alphas = {SpeculationOptions{}.alpha};
+  std::vector<double> partial_ratios = {SpeculationOptions{}.partial_ratio};
+  std::vector<std::string> index_rules = {"qk"};
+  std::vector<double> h2o_budgets = {OffloadOptions{}.h2o_budget};
+  std::vector<double> pool_limits = {0.0};
+  std::vector<std::string> evictions = {"counter"};
+  std::string fetch_rule = fetch_rule_name(SpeculationOptions{}.fetch_rule);
+  int64_t max_num_kv = 0;
+  int64_t dense_layers = SpeculationOptions{}.dense_layers;
+  bool no_recall = false;
+  std::string device = "auto";
+  std::string kv_dtype = "f16";
+  int threads = 0;
+  std::string out = "eval-results";
+  bool no_plot = false;
+  bool json = false;
+  std::string command_line;
+};
+
+struct SweepPoint {
+  std::string policy;
+  std::string settings;  // e.g. "alpha 4, ratio 0.3, qk" ("" for full and gpu)
+  OffloadOptions offload;
+  PerplexityResult result;
+};
+
+std::string number(double value) {
+  std::ostringstream out;
+  out << value;
+  return out.str();
+}
+
+// Every combination the lists ask for, each setting only with the policy it applies to.
+std::vector<SweepPoint> sweep(const EvalCommandOptions& o) {
+  INFINIGEN_CHECK(!o.policies.empty(), "--policy: the sweep is empty");
+  OffloadOptions base;
+  base.speculation.fetch_rule = parse_fetch_rule(o.fetch_rule);
+  base.speculation.max_num_kv = o.max_num_kv;
+  base.speculation.dense_layers = o.dense_layers;
+  base.check_recall = !o.no_recall;
+  std::vector<SweepPoint> points;
+  for (const std::string& name : o.policies) {
+    SweepPoint point{name, "", base, {}};
+    point.offload.policy = parse_kv_policy(name);
+    if (point.offload.policy == KvPolicy::H2o) {
+      for (double budget : o.h2o_budgets) {
+        SweepPoint p = point;
+        p.offload.h2o_budget = budget;
+        p.settings = "budget " + number(budget);
+        points.push_back(p);
+      }
+    } else if (point.offload.policy == KvPolicy::Infinigen) {
+      for (double alpha : o.alphas) {
+        for (double ratio : o.partial_ratios) {
+          for (const std::string& rule : o.index_rules) {
+            for (double limit : o.pool_limits) {
+              for (const std::string& eviction : o.evictions) {
+                SweepPoint p = point;
+                p.offload.speculation.alpha = alpha;
+                p.offload.speculation.partial_ratio = ratio;
+                p.offload.speculation.index_rule = parse_partial_index_rule(rule);
+                p.offload.kv_pool_limit = limit;
+                p.offload.eviction = parse_eviction_policy(eviction);
+                p.settings = "alpha " + number(alpha) + ", ratio " + number(ratio) + ", " + rule;
+                if (limit > 0) p.settings += ", pool " + number(limit) + " " + eviction;
+                points.push_back(p);
+                if (limit == 0) break;  // the eviction policy only matters for a capped pool
+              }
+            }
+          }
+        }
+      }
+    } else {
+      points.push_back(point);
+    }
+  }
+  for (const SweepPoint& p : points) p.offload.speculation.validate();
+  return points;
+}
+
+std::vector<EvalText> read_texts(const EvalCommandOptions& o, const ModelSource& model) {
+  INFINIGEN_CHECK(!o.texts.empty(), "--text is required: a file of held-out text to score");
+  INFINIGEN_CHECK(model.tokenizer.has_value(), model.description,
+                  " has no tokenizer (vocab.json, merges.txt) to read --text with");
+  std::vector<EvalText> texts;
+  for (const std::string& path : o.texts) {
+    std::ifstream in(path, std::ios::binary);
+    INFINIGEN_CHECK(in.good() && !fs::is_directory(path), "--text ", path,
+                    ": no such file or not readable");
+    std::ostringstream content;
+    content << in.rdbuf();
+    texts.push_back({path, model.tokenizer->encode(content.str())});
+  }
+  return texts;
+}
+
+nlohmann::json point_json(const SweepPoint& p, double full_perplexity) {
+  const PerplexityResult& r = p.result;
+  nlohmann::json j = {{"policy", p.policy},
+                      {"settings", p.settings},
+                      {"perplexity", r.perplexity()},
+                      {"tokens", r.tokens},
+                      {"windows", r.windows},
+                      {"kv_fetched", r.fetched},
+                      {"kv_fetched_speculated_layers", r.speculated_fetched},
+                      {"layer_kv_fetched", r.layer_fetched},
+                      {"step_kv_fetched", r.step_fetched},
+                      {"chunk_start", r.chunk_start},
+                      {"chunk_perplexity", r.chunk_perplexity},
+                      {"seconds", r.seconds}};
+  if (full_perplexity > 0) j["vs_full"] = r.perplexity() / full_perplexity - 1.0;
+  if (r.mean_recall >= 0) {
+    j["mean_recall"] = r.mean_recall;
+    j["min_layer_recall"] = r.min_layer_recall;
+  }
+  return j;
+}
+
+std::string points_csv(const std::vector<SweepPoint>& points, double full_perplexity) {
+  std::ostringstream csv;
+  csv << "policy,settings,perplexity,vs_full,kv_fetched,kv_fetched_speculated_layers,"
+         "mean_recall,min_layer_recall,tokens,seconds\n";
+  for (const SweepPoint& p : points) {
+    const PerplexityResult& r = p.result;
+    csv << p.policy << ",\"" << p.settings << "\"," << r.perplexity() << ","
+        << (full_perplexity > 0 ? number(r.perplexity() / full_perplexity - 1.0) : "") << ","
+        << r.fetched << "," << r.speculated_fetched << ","
+        << (r.mean_recall >= 0 ? number(r.mean_recall) : "") << ","
+        << (r.min_layer_recall >= 0 ? number(r.min_layer_recall) : "") << "," << r.tokens << ","
+        << r.seconds << "\n";
+  }
+  return csv.str();
+}
+
+int eval(EvalCommandOptions& o) {
+  INFINIGEN_CHECK(o.threads >= 0, "--threads must be at least 1, got ", o.threads);
+  if (o.threads > 0) omp_set_num_threads(o.threads);
+  INFINIGEN_CHECK(o.max_windows >= 0, "--max-windows must be at least 1, got ", o.max_windows);
+  const DType kv_dtype = parse_float_dtype(o.kv_dtype);
+  INFINIGEN_CHECK(kv_dtype != DType::BF16, "--kv-dtype must be f16 or f32");
+  std::vector<SweepPoint> points = sweep(o);
+
+  std::string fallback;
+  const Device device = resolve_device(parse_device_request(o.device),
+                                       ops::device_runs_transformer(Device::Cuda), &fallback);
+  if (!fallback.empty()) std::fprintf(stderr, "infinigen: %s\n", fallback.c_str());
+  ModelLoadOptions load_options;
+  load_options.device = device;
+  const ModelSource model = resolve_model(o.model, load_options);
+  o.perplexity.validate(model.config.max_positions);
+  const int64_t window =
+      o.perplexity.prefill + o.perplexity.decode_length(model.config.max_positions);
+
+  const std::vector<EvalText> texts = read_texts(o, model);
+  for (const EvalText& text : texts) {
+    if (static_cast<int64_t>(text.ids.size()) + 1 >= window) continue;
+    INFINIGEN_CHECK(texts.size() > 1, "--text ", text.name, ": ", text.ids.size(),
+                    " tokens, shorter than one window of ", window, " (--prefill ",
+                    o.perplexity.prefill, " + --decode ", window - o.perplexity.prefill, ")");
+    std::fprintf(stderr, "infinigen: skipping %s: %zu tokens, shorter than a window of %lld\n",
+                 text.name.c_str(), text.ids.size(), static_cast<long long>(window));
+  }
+  std::vector<std::vector<int32_t>> windows =
+      eval_windows(texts, window, model.config.bos_token_id);
+  INFINIGEN_CHECK(!windows.empty(), "--text: no file holds a window of ", window, " tokens");
+  if (o.max_windows > 0 && static_cast<int64_t>(windows.size()) > o.max_windows) {
+    windows.resize(static_cast<size_t>(o.max_windows));
+  }
+  fs::create_directories(o.out);
+  INFINIGEN_CHECK(fs::is_directory(o.out), "--out ", o.out, ": cannot create the directory");
+  std::fprintf(stderr,
+               "infinigen: %zu windows of %lld tokens (%lld prefilled, %lld scored), %zu "
+               "settings\n",
+               windows.size(), static_cast<long long>(window),
+               static_cast<long long>(o.perplexity.prefill),
+               static_cast<long long>(window - o.perplexity.prefill), points.size());
+
+  {
+    Progress progress("evaluating");
+    for (size_t i = 0; i < points.size(); ++i) {
+      points[i].result =
+          measure_perplexity(model, windows, o.perplexity, points[i].offload, device, kv_dtype,
+                             [&](int64_t done, int64_t total) {
+                               progress.update(static_cast<int64_t>(i) * total + done,
+                                               static_cast<int64_t>(points.size()) * total);
+                             });
+    }
+  }
+  double full_perplexity = 0;
+  for (const SweepPoint& p : points) {
+    if (p.offload.policy == KvPolicy::Full) full_perplexity = p.result.perplexity();
+  }
+
+  const MachineInfo machine = this_machine(device);
+  nlohmann::json report = {{"model", model.description},
+                           {"texts", o.texts},
+                           {"windows", windows.size()},
+                           {"prefill", o.perplexity.prefill},
+                           {"decode", window - o.perplexity.prefill},
+                           {"chunk", o.perplexity.chunk},
+                           {"kv_dtype", dtype_name(kv_dtype)},
+                           {"command", o.command_line},
+                           {"commit", source_commit()},
+                           {"machine", {{"cpu", machine.cpu}, {"device", machine.device}}},
+                           {"points", nlohmann::json::array()}};
+  for (const SweepPoint& p : points) report["points"].push_back(point_json(p, full_perplexity));
+  const fs::path json_path = fs::path(o.out) / "eval.json";
+  const fs::path csv_path = fs::path(o.out) / "eval.csv";
+  write_text_file(json_path, report.dump(2) + "\n");
+  write_text_file(csv_path, points_csv(points, full_perplexity));
+  if (!o.no_plot) plot("plot_eval.py", json_path, fs::path(o.out) / "eval.png");
+  if (o.json) {
+    std::printf("%s\n", report.dump(2).c_str());
+    return 0;
+  }
+
+  std::printf("model: %s\n%zu windows: %lld tokens prefilled, %lld scored one decode step each\n\n",
+              model.description.c_str(), windows.size(),
+              static_cast<long long>(o.perplexity.prefill),
+              static_cast<long long>(window - o.perplexity.prefill));
+  // KV loaded: share of the full KV (every earlier token, every head) loaded per decode step,
+  // over all layers and over the speculated ones (past --dense-layers).
+  std::printf("%-10s %-36s %10s %8s %10s %12s %7s\n", "policy", "settings", "perplexity", "vs full",
+              "KV loaded", "speculated", "recall");
+  for (const SweepPoint& p : points) {
+    const PerplexityResult& r = p.result;
+    char vs_full[16] = "-", recall[16] = "-";
+    if (full_perplexity > 0) {
+      std::snprintf(vs_full, sizeof vs_full, "%+.2f%%",
+                    100.0 * (r.perplexity() / full_perplexity - 1.0));
+    }
+    if (r.mean_recall >= 0) std::snprintf(recall, sizeof recall, "%.3f", r.mean_recall);
+    std::printf("%-10s %-36s %10.3f %8s %9.1f%% %11.1f%% %7s\n", p.policy.c_str(),
+                p.settings.c_str(), r.perplexity(), vs_full, 100.0 * r.fetched,
+                100.0 * r.speculated_fetched, recall);
+  }
+  std::printf("\nwrote %s\nwrote %s\n", csv_path.c_str(), json_path.c_str());
+  if (!o.no_plot) std::printf("wrote %s\n", (fs::path(o.out) / "eval.png").c_str());
+  return 0;
+}
+
+}  // namespace
+
+Command add_eval_command(CLI::App& app) {
+  auto o = std::make_shared<EvalCommandOptions>();
+  app.add_option("--model,-m", o->model, "Checkpoint directory, or 'builtin'")
+      ->capture_default_str();
+  app.add_option("--text,-t", o->texts,
+                 "Held-out text file(s); each is cut into windows from its start");
+  app.add_option("--prefill", o->perplexity.prefill,
+                 "Tokens of each window given as the prompt (BOS included)")
+      ->capture_default_str();
+  app.add_option("--decode", o->perplexity.decode,
+                 "Tokens scored after the prompt, one decode step each (default: the rest of the "
+                 "model's context)");
+  app.add_option("--chunk", o->perplexity.chunk, "Positions per point of the chunked curve")
+      ->capture_default_str();
+  app.add_option("--batch,-b", o->perplexity.batch, "Windows decoded together")
+      ->capture_default_str();
+  app.add_option("--max-windows", o->max_windows, "Score at most this many windows (0 = all)")
+      ->capture_default_str();
+  app.add_option("--policy", o->policies, "KV policies to compare (comma-separated)")
+      ->delimiter(',')
+      ->capture_default_str();
+  app.add_option("--alpha", o->alphas, "infinigen: alpha values (comma-separated)")
+      ->delimiter(',')
+      ->capture_default_str();
+  app.add_option("--partial-ratio", o->partial_ratios, "infinigen: partial ratios")
+      ->delimiter(',')
+      ->capture_default_str();
+  app.add_option("--partial-index-rule", o->index_rules, "infinigen: qk and/or q")
+      ->delimiter(',')
+      ->capture_default_str();
+  app.add_option("--fetch-rule", o->fetch_rule,
+                 "infinigen: mean alpha count per sequence or over the batch")
+      ->capture_default_str();
+  app.add_option("--max-num-kv", o->max_num_kv,
+                 "infinigen: most tokens fetched per head and layer (default: 20% of the window)");
+  app.add_option("--dense-layers", o->dense_layers,
+                 "infinigen: first layers that always fetch their whole KV")
+      ->capture_default_str();
+  app.add_option("--kv-pool-limit", o->pool_limits,
+                 "infinigen: host KV pool caps, fractions of the full KV (0 = none)")
+      ->delimiter(',')
+      ->capture_default_str();
+  app.add_option("--eviction", o->evictions, "infinigen: counter, lru and/or fifo (capped pools)")
+      ->delimiter(',')
+      ->capture_default_str();
+  app.add_option("--h2o-budget", o->h2o_budgets, "h2o: shares of the tokens kept")
+      ->delimiter(',')
+      ->capture_default_str();
+  app.add_flag("--no-recall", o->no_recall,
+               "infinigen: skip measuring the share of attention weight the fetched tokens carry");
+  app.add_option("--device", o->device, "cpu, cuda or auto")->capture_default_str();
+  app.add_option("--kv-dtype", o->kv_dtype, "KV cache element type: f16 or f32")
+      ->capture_default_str();
+  app.add_option("--threads", o->threads, "CPU threads (default: all cores)");
+  app.add_option("--out,-o", o->out, "Directory for eval.csv, eval.json and eval.png")
+      ->capture_default_str();
+  app.add_flag("--no-plot", o->no_plot, "Write CSV and JSON only");
+  app.add_flag("--json", o->json, "Print the results as JSON on stdout");
+  return [o] {
+    o->command_line = this_command_line();
+    return eval(*o);
+  };
+}
+
+}  // namespace infinigen::cli

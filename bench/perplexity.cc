@@ -1,0 +1,163 @@
+// bench: perplexity through the decode loop.
+#include "bench/perplexity.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+
+#include "core/error.h"
+
+namespace infinigen {
+
+std::vector<std::vector<int32_t>> eval_windows(const std::vector<EvalText>& texts, int64_t length,
+                                               int32_t bos_token_id) {
+  INFINIGEN_CHECK(length >= 2, "an evaluation window needs at least 2 tokens, got ", length);
+  const size_t body = static_cast<size_t>(length - 1);
+  std::vector<std::vector<int32_t>> windows;
+  for (const EvalText& text : texts) {
+    for (size_t start = 0; start + body <= text.ids.size(); start += body) {
+      std::vector<int32_t> window = {bos_token_id};
+      window.insert(window.end(), text.ids.begin() + static_cast<std::ptrdiff_t>(start),
+                    text.ids.begin() + static_cast<std::ptrdiff_t>(start + body));
+      windows.push_back(std::move(window));
+    }
+  }
+  return windows;
+}
+
+int64_t PerplexityOptions::decode_length(int64_t max_positions) const {
+  return decode > 0 ? decode : max_positions - prefill;
+}
+
+void PerplexityOptions::validate(int64_t max_positions) const {
+  INFINIGEN_CHECK(prefill >= 1, "--prefill must be at least 1 (the BOS token), got ", prefill);
+  INFINIGEN_CHECK(decode >= 0, "--decode must be at least 1, got ", decode);
+  INFINIGEN_CHECK(prefill < max_positions, "--prefill ", prefill,
+                  " leaves no position to decode in the model's context of ", max_positions);
+  INFINIGEN_CHECK(prefill + decode_length(max_positions) <= max_positions, "--prefill ", prefill,
+                  " plus --decode ", decode, " exceeds the model's context of ", max_positions,
+                  " positions");
+  INFINIGEN_CHECK(chunk >= 1, "--chunk must be at least 1, got ", chunk);
+  INFINIGEN_CHECK(batch >= 1, "--batch must be at least 1, got ", batch);
+}
+
+double PerplexityResult::perplexity() const {
+  return tokens > 0 ? std::exp(nll / static_cast<double>(tokens)) : 0.0;
+}
+
+PerplexityResult measure_perplexity(const ModelSource& model,
+                                    const std::vector<std::vector<int32_t>>& windows,
+                                    const PerplexityOptions& options, const OffloadOptions& offload,
+                                    Device device, DType kv_dtype,
+                                    const std::function<void(int64_t, int64_t)>& progress) {
+  const ModelConfig& config = model.config;
+  options.validate(config.max_positions);
+  const int64_t prefill = options.prefill, decode = options.decode_length(config.max_positions);
+  INFINIGEN_CHECK(!windows.empty(), "no evaluation window to score");
+  const int64_t L = config.num_layers, H = config.num_heads;
+  const int64_t dense = std::min<int64_t>(offload.speculation.dense_layers, L);
+
+  PerplexityResult result;
+  const int64_t chunks = (prefill + decode - 1) / options.chunk + 1;
+  std::vector<double> chunk_nll(static_cast<size_t>(chunks), 0.0);
+  std::vector<int64_t> chunk_tokens(static_cast<size_t>(chunks), 0);
+  // Rows loaded, and rows of the full KV, summed per layer and per decode step.
+  std::vector<double> layer_loaded(static_cast<size_t>(L), 0.0), layer_full(layer_loaded);
+  std::vector<double> step_loaded(static_cast<size_t>(decode - 1), 0.0), step_full(step_loaded);
+  double recall_sum = 0.0;
+  int64_t recall_count = 0;
+  std::vector<double> layer_recall(static_cast<size_t>(L), 0.0), layer_recall_n(layer_recall);
+
+  const int64_t total_steps =
+      static_cast<int64_t>((windows.size() + static_cast<size_t>(options.batch) - 1) /
+                           static_cast<size_t>(options.batch)) *
+      decode;
+  const auto start = std::chrono::steady_clock::now();
+  for (size_t first = 0; first < windows.size(); first += static_cast<size_t>(options.batch)) {
+    const size_t last = std::min(windows.size(), first + static_cast<size_t>(options.batch));
+    GenerationRequest request;
+    request.gen_len = decode;
+    request.kv_dtype = kv_dtype;
+    request.score_tokens = true;
+    for (size_t w = first; w < last; ++w) {
+      INFINIGEN_CHECK(static_cast<int64_t>(windows[w].size()) >= prefill + decode, "window ", w + 1,
+                      " holds ", windows[w].size(), " tokens, fewer than ", prefill + decode);
+      request.prompts.emplace_back(windows[w].begin(), windows[w].begin() + prefill);
+      request.forced_tokens.emplace_back(windows[w].begin() + prefill,
+                                         windows[w].begin() + prefill + decode);
+    }
+    const int64_t done_before =
+        static_cast<int64_t>(first / static_cast<size_t>(options.batch)) * decode;
+    const OffloadRun run =
+        run_offloaded(model, request, offload, device, [&](int64_t done, int64_t) {
+          if (progress) progress(done_before + done, total_steps);
+        });
+
+    const int64_t B = static_cast<int64_t>(request.prompts.size());
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t i = 0; i < decode; ++i) {
+        const double nll = -run.result.token_log_probs[b][i];
+        const size_t c = static_cast<size_t>((prefill + i) / options.chunk);
+        chunk_nll[c] += nll;
+        chunk_tokens[c] += 1;
+        result.nll += nll;
+      }
+    }
+    result.tokens += B * decode;
+    result.windows += B;
+    // Decode step s (1-based) attends over the prefill + s - 1 tokens before it.
+    const auto& steps = run.stats.steps();
+    for (size_t s = 1; s < steps.size(); ++s) {
+      const double full = static_cast<double>(B * H * (prefill + static_cast<int64_t>(s) - 1));
+      for (int64_t l = 0; l < L; ++l) {
+        const LayerTraffic& traffic = steps[s].layers[static_cast<size_t>(l)];
+        layer_loaded[l] += static_cast<double>(traffic.tokens_fetched);
+        layer_full[l] += full;
+        step_loaded[s - 1] += static_cast<double>(traffic.tokens_fetched);
+        step_full[s - 1] += full;
+        if (traffic.recall >= 0) {
+          recall_sum += traffic.recall;
+          ++recall_count;
+          layer_recall[l] += traffic.recall;
+          layer_recall_n[l] += 1;
+        }
+      }
+    }
+  }
+  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+
+  for (int64_t c = 0; c < chunks; ++c) {
+    if (chunk_tokens[c] == 0) continue;
+    result.chunk_start.push_back(c * options.chunk);
+    result.chunk_perplexity.push_back(
+        std::exp(chunk_nll[c] / static_cast<double>(chunk_tokens[c])));
+  }
+  double loaded = 0, full = 0, spec_loaded = 0, spec_full = 0;
+  for (int64_t l = 0; l < L; ++l) {
+    result.layer_fetched.push_back(layer_full[l] > 0 ? layer_loaded[l] / layer_full[l] : 0.0);
+    loaded += layer_loaded[l];
+    full += layer_full[l];
+    if (l >= dense) {
+      spec_loaded += layer_loaded[l];
+      spec_full += layer_full[l];
+    }
+  }
+  result.fetched = full > 0 ? loaded / full : 0.0;
+  result.speculated_fetched = spec_full > 0 ? spec_loaded / spec_full : result.fetched;
+  for (size_t s = 0; s < step_loaded.size(); ++s) {
+    result.step_fetched.push_back(step_full[s] > 0 ? step_loaded[s] / step_full[s] : 0.0);
+  }
+  if (recall_count > 0) {
+    result.mean_recall = recall_sum / static_cast<double>(recall_count);
+    for (int64_t l = 0; l < L; ++l) {
+      if (layer_recall_n[l] == 0) continue;
+      const double mean = layer_recall[l] / layer_recall_n[l];
+      if (result.min_layer_recall < 0 || mean < result.min_layer_recall) {
+        result.min_layer_recall = mean;
+      }
+    }
+  }
+  return result;
+}
+
+}  // namespace infinigen

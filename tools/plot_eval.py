@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""Draws one `infinigen eval` result (eval.json) as a PNG.
+
+Usage: plot_eval.py eval.json OUT.png
+
+`infinigen eval` runs this itself after writing its JSON; run it by hand to redraw. Needs
+matplotlib (Debian: python3-matplotlib). Left: perplexity against the share of the full KV that
+the decode steps loaded, one series per policy (each point one setting, e.g. one alpha), with
+`full` as a dashed line. Right: perplexity per chunk of positions (the InfiniGen paper's
+Fig. 12), one curve per setting.
+"""
+
+import json
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+POLICY_COLORS = {
+    "gpu": "#4d4d4d",
+    "full": "#d62728",
+    "int4": "#ff7f0e",
+    "h2o": "#2ca02c",
+    "infinigen": "#1f77b4",
+}
+
+
+def main() -> int:
+    if len(sys.argv) != 3:
+        print(__doc__.strip().splitlines()[2], file=sys.stderr)
+        return 2
+    with open(sys.argv[1], encoding="utf-8") as handle:
+        result = json.load(handle)
+    points = result["points"]
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    full = [p for p in points if p["policy"] in ("full", "gpu")]
+    if full:
+        left.axhline(full[0]["perplexity"], color=POLICY_COLORS["full"], linestyle="--",
+                     linewidth=1, label="%s (all KV)" % full[0]["policy"])
+    for policy in dict.fromkeys(p["policy"] for p in points):
+        if policy in ("full", "gpu"):
+            continue
+        series = sorted((p for p in points if p["policy"] == policy),
+                        key=lambda p: p["kv_fetched"])
+        xs = [100 * p["kv_fetched"] for p in series]
+        ys = [p["perplexity"] for p in series]
+        color = POLICY_COLORS.get(policy)
+        left.plot(xs, ys, marker="o", color=color, label=policy)
+        for p, x, y in zip(series, xs, ys):
+            left.annotate(p["settings"], (x, y), fontsize=6, xytext=(3, 3),
+                          textcoords="offset points")
+    left.set_xlabel("KV loaded per decode step (% of the full KV, all layers)")
+    left.set_ylabel("perplexity")
+    left.set_title("perplexity against KV loaded")
+    left.legend(fontsize=8)
+    left.grid(alpha=0.3)
+
+    for p in points:
+        label = p["policy"] + (" (" + p["settings"] + ")" if p["settings"] else "")
+        right.plot(p["chunk_start"], p["chunk_perplexity"], marker=".",
+                   color=POLICY_COLORS.get(p["policy"]) if len(points) <= 5 else None,
+                   label=label)
+    right.set_xlabel("position of the scored tokens (chunks of %d)" % result["chunk"])
+    right.set_ylabel("perplexity of the chunk")
+    right.set_title("perplexity along the context")
+    right.legend(fontsize=6)
+    right.grid(alpha=0.3)
+
+    figure.suptitle("%s: %d windows, %d prefilled + %d decoded tokens (%s)" % (
+        result["model"], result["windows"], result["prefill"], result["decode"],
+        result["machine"]["device"]), fontsize=9)
+    figure.tight_layout()
+    figure.savefig(sys.argv[2], dpi=110)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
