@@ -89,6 +89,7 @@ class ScheduleBuilder {
     const SpeculationOptions& spec = in.options.speculation;
     dense_layers_ = spec.dense_layers;
     r_ = partial_columns(spec.partial_ratio, d_);
+    partial_key_bytes_ = static_cast<double>(dtype_size(spec.partial_key_dtype));
     max_num_kv_ = spec.fetch_cap(capacity_);
     slots_ = h2o_slots(in.options.h2o_budget, capacity_);
     // Streamed weights: the host-resident tensors of a layer (every layer places alike), as
@@ -359,7 +360,7 @@ class ScheduleBuilder {
       // observe: speculation of the next layer's attention, then its load.
       if (l + 1 < L_ && speculated(l + 1)) {
         linear("partial_query", l, B_, H_ * r_, D_, 4);
-        compute(OpClass::Speculation, "speculate", l, 0, 4.0 * f(B_ * H_ * n * r_));
+        compute(OpClass::Speculation, "speculate", l, 0, partial_key_bytes_ * f(B_ * H_ * n * r_));
         issue_kv_load(l + 1, n);
       }
       const double row_writes = 2.0 * f(B_ * D_) * static_cast<double>(4 + kv_);
@@ -442,6 +443,7 @@ class ScheduleBuilder {
   size_t kv_, w_;
   int64_t capacity_;
   int64_t dense_layers_ = 0, r_ = 1, max_num_kv_ = 1, slots_ = 2;
+  double partial_key_bytes_ = 4.0;  // bytes per element of the partial key cache
   uint64_t weight_bytes_ = 0;
   int64_t weight_chunks_ = 0;
 
@@ -699,6 +701,7 @@ PredictedRun predict_run(const CostModelInput& input, const HardwareProfile& pro
   memory.kv_dtype = input.kv_dtype;
   memory.kv_block_tokens = input.options.kv_block_tokens;
   memory.partial_ratio = input.options.speculation.partial_ratio;
+  memory.partial_key_dtype = input.options.speculation.partial_key_dtype;
   memory.h2o_budget = input.options.h2o_budget;
   memory.device_capacity =
       static_cast<size_t>(std::min(profile.device_memory_bytes, static_cast<double>(SIZE_MAX / 2)));

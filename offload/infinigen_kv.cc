@@ -86,7 +86,7 @@ void InfinigenKv::append(int64_t layer, const Tensor& keys, const Tensor& values
     const int64_t r = partial_columns(options_.partial_ratio, head_dim_);
     partial_[l].build(queries, keys, prefill_weights_->q_weight, prefill_weights_->q_bias,
                       first_valid(), heads_, slots_, r, options_.index_rule,
-                      limited() ? &position_tokens_[l] : nullptr);
+                      limited() ? &position_tokens_[l] : nullptr, options_.partial_key_dtype);
     return;
   }
   if (!compact(layer)) {

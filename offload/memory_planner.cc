@@ -240,7 +240,8 @@ MemoryPlan compute_memory_plan(const MemoryRequest& r) {
     if (r.policy == KvPolicy::Infinigen) {
       const size_t rp =
           static_cast<size_t>(partial_columns(r.partial_ratio, static_cast<int64_t>(d)));
-      plan.device_kv += L * (B * H * tokens * rp + H * rp * D + H * rp) * 4;
+      plan.device_kv +=
+          L * (B * H * tokens * rp * dtype_size(r.partial_key_dtype) + (H * rp * D + H * rp) * 4);
     }
   }
 

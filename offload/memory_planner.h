@@ -30,7 +30,8 @@ struct MemoryRequest {
   double weights_gpu_percent = 100.0;  // share of each layer's weights kept on the device
   DType kv_dtype = DType::F16;
   int64_t kv_block_tokens = 128;
-  double partial_ratio = 0.3;  // InfiniGen: partial columns per head = floor(ratio * d)
+  double partial_ratio = 0.3;            // InfiniGen: partial columns per head = floor(ratio * d)
+  DType partial_key_dtype = DType::F32;  // InfiniGen: element type of the partial key cache
   int64_t kv_pool_tokens = 0;  // positions per (layer, sequence, head) in the pool; 0 = all
   double h2o_budget = 0.2;     // H2O: share of the tokens each (layer, sequence, head) keeps
   size_t device_capacity = 0;  // bytes usable on the device

@@ -49,6 +49,7 @@ MemoryRequest offload_memory_request(const ModelConfig& config, int64_t batch, i
   memory.kv_dtype = kv_dtype;
   memory.kv_block_tokens = options.kv_block_tokens;
   memory.partial_ratio = options.speculation.partial_ratio;
+  memory.partial_key_dtype = options.speculation.partial_key_dtype;
   INFINIGEN_CHECK(options.kv_pool_limit == 0 || options.policy == KvPolicy::Infinigen,
                   "--kv-pool-limit needs --policy infinigen");
   memory.kv_pool_tokens =

@@ -29,6 +29,8 @@ void SpeculationOptions::validate() const {
   INFINIGEN_CHECK(alpha >= 0 && !std::isnan(alpha), "--alpha must be >= 0, got ", alpha);
   INFINIGEN_CHECK(partial_ratio > 0 && partial_ratio <= 1,
                   "--partial-ratio must be in (0, 1], got ", partial_ratio);
+  INFINIGEN_CHECK(partial_key_dtype == DType::F32 || partial_key_dtype == DType::F16,
+                  "--partial-key-dtype must be f32 or f16, got ", dtype_name(partial_key_dtype));
   INFINIGEN_CHECK(max_num_kv >= 0, "--max-num-kv must be at least 1, got ", max_num_kv);
   INFINIGEN_CHECK(dense_layers >= 1, "--dense-layers must be at least 1 (layer 0 has no previous ",
                   "layer to speculate from), got ", dense_layers);
@@ -46,7 +48,10 @@ int64_t partial_columns(double ratio, int64_t head_dim) {
 void PartialLayer::build(const Tensor& queries, const Tensor& keys, const Tensor& q_weight,
                          const Tensor& q_bias, const std::vector<int32_t>& first_valid,
                          int64_t num_heads, int64_t capacity, int64_t r, PartialIndexRule rule,
-                         const std::vector<int32_t>* position_tokens) {
+                         const std::vector<int32_t>* position_tokens, DType key_dtype) {
+  INFINIGEN_CHECK(key_dtype == DType::F32 || key_dtype == DType::F16,
+                  "--partial-key-dtype must be f32 or f16, got ", dtype_name(key_dtype));
+  key_dtype_ = key_dtype;
   batch_ = static_cast<int64_t>(first_valid.size());
   heads_ = num_heads;
   const int64_t D = queries.dim(1), n = queries.dim(0) / batch_;
@@ -96,7 +101,8 @@ void PartialLayer::build(const Tensor& queries, const Tensor& keys, const Tensor
   // its own token; speculation skips it).
   INFINIGEN_CHECK(position_tokens || n <= capacity_, "partial key cache of ", capacity_,
                   " positions cannot hold ", n, " tokens");
-  keys_.assign(static_cast<size_t>(batch_ * heads_ * capacity_ * r_), 0.0f);
+  keys_.assign(static_cast<size_t>(batch_ * heads_ * capacity_ * r_) * dtype_size(key_dtype_), 0);
+  std::vector<float> row(static_cast<size_t>(r_));
   for (int64_t b = 0; b < batch_; ++b) {
     for (int64_t h = 0; h < heads_; ++h) {
       for (int64_t p = 0; p < (position_tokens ? capacity_ : n); ++p) {
@@ -107,8 +113,8 @@ void PartialLayer::build(const Tensor& queries, const Tensor& keys, const Tensor
         if (t < 0) continue;
         INFINIGEN_CHECK(t < n, "partial key cache: token ", t, " of a prompt of ", n);
         const float* krow = k + (b * n + t) * D + h * head_dim_;
-        float* dst = keys_.data() + ((b * heads_ + h) * capacity_ + p) * r_;
-        for (int64_t j = 0; j < r_; ++j) dst[j] = krow[columns_[h * r_ + j]];
+        for (int64_t j = 0; j < r_; ++j) row[j] = krow[columns_[h * r_ + j]];
+        write_key(key_offset(b, h, p), row.data());
       }
     }
   }
@@ -118,15 +124,26 @@ void PartialLayer::append(const Tensor& keys, int64_t position,
                           const std::vector<int32_t>* positions) {
   const float* k = keys.data<float>();
   const int64_t D = heads_ * head_dim_;
+  std::vector<float> row(static_cast<size_t>(r_));
   for (int64_t b = 0; b < batch_; ++b) {
     for (int64_t h = 0; h < heads_; ++h) {
       const int64_t at = positions ? (*positions)[static_cast<size_t>(b * heads_ + h)] : position;
       INFINIGEN_CHECK(at >= 0 && at < capacity_, "partial key cache position ", at, " outside its ",
                       capacity_, " positions");
-      float* dst = keys_.data() + ((b * heads_ + h) * capacity_ + at) * r_;
-      for (int64_t j = 0; j < r_; ++j) dst[j] = k[b * D + h * head_dim_ + columns_[h * r_ + j]];
+      for (int64_t j = 0; j < r_; ++j) row[j] = k[b * D + h * head_dim_ + columns_[h * r_ + j]];
+      write_key(key_offset(b, h, at), row.data());
     }
   }
+}
+
+void PartialLayer::write_key(size_t offset, const float* values) {
+  convert_from_f32(values, keys_.data() + offset, key_dtype_, static_cast<size_t>(r_));
+}
+
+std::vector<float> PartialLayer::partial_key(int64_t b, int64_t h, int64_t position) const {
+  std::vector<float> key(static_cast<size_t>(r_));
+  convert_to_f32(keys_.data() + key_offset(b, h, position), key_dtype_, key.data(), key.size());
+  return key;
 }
 
 PartialLayer::Selection PartialLayer::speculate(const Tensor& x, int64_t used,
@@ -153,6 +170,7 @@ std::vector<float> PartialLayer::estimate_logits(
     for (int64_t h = 0; h < heads_; ++h) {
       const float* query = pq.data<float>() + (b * heads_ + h) * r_;
       float* s = logits.data() + (b * heads_ + h) * used;
+      std::vector<float> widened(key_dtype_ == DType::F32 ? 0 : static_cast<size_t>(r_));
       for (int64_t p = 0; p < used; ++p) {
         const int64_t token =
             position_tokens
@@ -162,7 +180,12 @@ std::vector<float> PartialLayer::estimate_logits(
           s[p] = -INFINITY;
           continue;
         }
-        const float* key = keys_.data() + ((b * heads_ + h) * capacity_ + p) * r_;
+        const char* stored = keys_.data() + key_offset(b, h, p);
+        const float* key = reinterpret_cast<const float*>(stored);
+        if (key_dtype_ != DType::F32) {
+          convert_to_f32(stored, key_dtype_, widened.data(), widened.size());
+          key = widened.data();
+        }
         float dot = 0.0f;
         for (int64_t j = 0; j < r_; ++j) dot += query[j] * key[j];
         s[p] = dot * scale;

@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "core/dtype.h"
 #include "core/tensor.h"
 
 namespace infinigen {
@@ -38,6 +39,7 @@ struct SpeculationOptions {
   double partial_ratio = 0.3;  // r = floor(ratio * d), at least 1
   PartialIndexRule index_rule = PartialIndexRule::QK;
   FetchRule fetch_rule = FetchRule::Sequence;  // what n' is the mean count of
+  DType partial_key_dtype = DType::F32;        // the partial key cache: F32, or F16 (the KV's)
   int64_t max_num_kv = 0;    // cap on n' per layer; 0 = 20% of the sequence capacity
   int64_t dense_layers = 2;  // layers [0, dense_layers) always fetch their whole KV
   void validate() const;     // one-line Error naming the flag
@@ -49,7 +51,9 @@ struct SpeculationOptions {
 int64_t partial_columns(double ratio, int64_t head_dim);
 
 // One layer's speculation state, on the CPU backend: (H, r) column indices, the partial query
-// weights (H * r, D) and bias (H * r) in fp32, and the partial key cache (B, H, capacity, r).
+// weights (H * r, D) and bias (H * r) in fp32, and the partial key cache (B, H, capacity, r) in
+// fp32 or fp16 (SpeculationOptions::partial_key_dtype; fp16 halves its memory, as the reference
+// code keeps it in the KV's type, at the cost of rounding the estimated logits).
 class PartialLayer {
  public:
   PartialLayer() = default;
@@ -61,7 +65,7 @@ class PartialLayer {
   void build(const Tensor& queries, const Tensor& keys, const Tensor& q_weight,
              const Tensor& q_bias, const std::vector<int32_t>& first_valid, int64_t num_heads,
              int64_t capacity, int64_t r, PartialIndexRule rule,
-             const std::vector<int32_t>* position_tokens = nullptr);
+             const std::vector<int32_t>* position_tokens = nullptr, DType key_dtype = DType::F32);
   // Writes the partial keys of one new token per sequence, keys (B, H * d), at `position` of
   // every (sequence, head), or at positions[b * H + h] when given (a pool with a memory limit
   // overwrites a different victim in each row).
@@ -92,10 +96,8 @@ class PartialLayer {
                    const SpeculationOptions& options) const;
 
   int64_t r() const { return r_; }
-  // The r partial key columns stored at `position` of (b, h).
-  const float* partial_key(int64_t b, int64_t h, int64_t position) const {
-    return keys_.data() + ((b * heads_ + h) * capacity_ + position) * r_;
-  }
+  // The r partial key columns stored at `position` of (b, h), widened to fp32.
+  std::vector<float> partial_key(int64_t b, int64_t h, int64_t position) const;
   const std::vector<int32_t>& columns() const { return columns_; }
 
  private:
@@ -103,7 +105,14 @@ class PartialLayer {
   std::vector<int32_t> columns_;  // (H, r), ascending within a head
   Tensor weight_;                 // (H * r, D) fp32
   Tensor bias_;                   // (H * r) fp32
-  std::vector<float> keys_;       // (B, H, capacity, r)
+  DType key_dtype_ = DType::F32;
+  std::vector<char> keys_;  // (B, H, capacity, r) in key_dtype_
+
+  // Offset in keys_ of position p of (b, h); writes r fp32 values there in key_dtype_.
+  size_t key_offset(int64_t b, int64_t h, int64_t p) const {
+    return static_cast<size_t>(((b * heads_ + h) * capacity_ + p) * r_) * dtype_size(key_dtype_);
+  }
+  void write_key(size_t offset, const float* values);
 };
 
 }  // namespace infinigen

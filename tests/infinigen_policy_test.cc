@@ -218,7 +218,7 @@ TEST_F(InfinigenPolicy, PartialKeysFollowThePoolThroughEvictions) {
             std::vector<float> key(static_cast<size_t>(d));
             convert_to_f32(kv.pool().row(l, KvKind::Key, b, h, p), DType::F16, key.data(),
                            key.size());
-            const float* stored = partial.partial_key(b, h, p);
+            const std::vector<float> stored = partial.partial_key(b, h, p);
             for (int64_t j = 0; j < partial.r(); ++j) {
               const float expected = key[partial.columns()[h * partial.r() + j]];
               EXPECT_NEAR(stored[j], expected, 1e-3f * (1.0f + std::fabs(expected)))

@@ -160,6 +160,20 @@ TEST(Speculation, RatioOneWithTheLayersOwnInputIsExact) {
     }
   }
 
+  // The same cache kept in fp16 estimates the same logits to fp16 rounding of the keys.
+  PartialLayer half;
+  half.build(queries, keys, wq, bq, first_valid, H, n, d, PartialIndexRule::QK, nullptr,
+             DType::F16);
+  const std::vector<float> rounded = half.estimate_logits(x, n, first_valid);
+  for (size_t i = 0; i < logits.size(); ++i) {
+    if (logits[i] == -INFINITY) {
+      EXPECT_EQ(rounded[i], -INFINITY);
+    } else {
+      EXPECT_NEAR(rounded[i], logits[i], 2e-3f * (1.0f + std::fabs(logits[i])));
+      EXPECT_NE(rounded[i], -INFINITY);
+    }
+  }
+
   SpeculationOptions options;
   options.alpha = 1.5;
   options.max_num_kv = n;

@@ -36,6 +36,8 @@ struct EvalCommandOptions {
   std::vector<double> pool_limits = {0.0};
   std::vector<std::string> evictions = {"counter"};
   std::string fetch_rule = fetch_rule_name(SpeculationOptions{}.fetch_rule);
+  std::vector<std::string> partial_key_dtypes = {
+      std::string(dtype_name(SpeculationOptions{}.partial_key_dtype))};
   int64_t max_num_kv = 0;
   int64_t dense_layers = SpeculationOptions{}.dense_layers;
   bool no_recall = false;
@@ -84,18 +86,22 @@ std::vector<SweepPoint> sweep(const EvalCommandOptions& o) {
       for (double alpha : o.alphas) {
         for (double ratio : o.partial_ratios) {
           for (const std::string& rule : o.index_rules) {
-            for (double limit : o.pool_limits) {
-              for (const std::string& eviction : o.evictions) {
-                SweepPoint p = point;
-                p.offload.speculation.alpha = alpha;
-                p.offload.speculation.partial_ratio = ratio;
-                p.offload.speculation.index_rule = parse_partial_index_rule(rule);
-                p.offload.kv_pool_limit = limit;
-                p.offload.eviction = parse_eviction_policy(eviction);
-                p.settings = "alpha " + number(alpha) + ", ratio " + number(ratio) + ", " + rule;
-                if (limit > 0) p.settings += ", pool " + number(limit) + " " + eviction;
-                points.push_back(p);
-                if (limit == 0) break;  // the eviction policy only matters for a capped pool
+            for (const std::string& key_dtype : o.partial_key_dtypes) {
+              for (double limit : o.pool_limits) {
+                for (const std::string& eviction : o.evictions) {
+                  SweepPoint p = point;
+                  p.offload.speculation.alpha = alpha;
+                  p.offload.speculation.partial_ratio = ratio;
+                  p.offload.speculation.index_rule = parse_partial_index_rule(rule);
+                  p.offload.speculation.partial_key_dtype = parse_float_dtype(key_dtype);
+                  p.offload.kv_pool_limit = limit;
+                  p.offload.eviction = parse_eviction_policy(eviction);
+                  p.settings = "alpha " + number(alpha) + ", ratio " + number(ratio) + ", " + rule;
+                  if (o.partial_key_dtypes.size() > 1) p.settings += ", keys " + key_dtype;
+                  if (limit > 0) p.settings += ", pool " + number(limit) + " " + eviction;
+                  points.push_back(p);
+                  if (limit == 0) break;  // the eviction policy only matters for a capped pool
+                }
               }
             }
           }
@@ -300,6 +306,10 @@ Command add_eval_command(CLI::App& app) {
       ->delimiter(',')
       ->capture_default_str();
   app.add_option("--partial-index-rule", o->index_rules, "infinigen: qk and/or q")
+      ->delimiter(',')
+      ->capture_default_str();
+  app.add_option("--partial-key-dtype", o->partial_key_dtypes,
+                 "infinigen: element types of the partial key cache, f32 and/or f16")
       ->delimiter(',')
       ->capture_default_str();
   app.add_option("--fetch-rule", o->fetch_rule,

@@ -52,6 +52,7 @@ struct RunOptions {
   double partial_ratio = 0.3;
   std::string partial_index_rule = "qk";
   std::string fetch_rule = fetch_rule_name(SpeculationOptions{}.fetch_rule);
+  std::string partial_key_dtype = std::string(dtype_name(SpeculationOptions{}.partial_key_dtype));
   int64_t max_num_kv = 0;
   int64_t dense_layers = 2;
   bool check_recall = false;
@@ -151,6 +152,7 @@ int run(const RunOptions& o) {
   offload.speculation.partial_ratio = o.partial_ratio;
   offload.speculation.index_rule = parse_partial_index_rule(o.partial_index_rule);
   offload.speculation.fetch_rule = parse_fetch_rule(o.fetch_rule);
+  offload.speculation.partial_key_dtype = parse_float_dtype(o.partial_key_dtype);
   offload.speculation.max_num_kv = o.max_num_kv;
   offload.speculation.dense_layers = o.dense_layers;
   offload.speculation.validate();
@@ -295,6 +297,9 @@ Command add_run_command(CLI::App& app) {
       ->capture_default_str();
   app.add_option("--partial-index-rule", o->partial_index_rule,
                  "infinigen: choose partial columns by |Q|+|K| (qk) or |Q| (q)")
+      ->capture_default_str();
+  app.add_option("--partial-key-dtype", o->partial_key_dtype,
+                 "infinigen: element type of the partial key cache, f32 or f16")
       ->capture_default_str();
   app.add_option("--fetch-rule", o->fetch_rule,
                  "infinigen: tokens fetched per head are the mean alpha count of the sequence's "
