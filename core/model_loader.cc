@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <vector>
 
 #include "core/opt_weights.h"
 #include "core/safetensors.h"
@@ -14,9 +15,6 @@ namespace infinigen {
 namespace {
 
 namespace fs = std::filesystem;
-
-// Bumped whenever the generator or the built-in preset changes, so stale caches are not reused.
-constexpr const char* kBuiltinVersion = "builtin-v3";
 
 std::string gib(size_t bytes) {
   std::ostringstream out;
@@ -47,44 +45,31 @@ size_t available_host_memory() {
   return 0;
 }
 
-std::string cache_directory() {
-  if (const char* dir = std::getenv("INFINIGEN_CACHE_DIR"); dir && *dir) return dir;
-  if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg && *xdg) {
-    return (fs::path(xdg) / "infinigen").string();
+std::string builtin_model_directory() {
+  std::vector<fs::path> candidates;
+  if (const char* dir = std::getenv("INFINIGEN_BUILTIN_MODEL"); dir && *dir) {
+    candidates.push_back(dir);
+  } else {
+    std::error_code ec;
+    const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+    if (!ec)
+      candidates.push_back(exe.parent_path().parent_path() / "share/infinigen/models/builtin");
+    candidates.push_back(fs::path(INFINIGEN_SOURCE_DIR) / "models/builtin");
   }
-  const char* home = std::getenv("HOME");
-  INFINIGEN_CHECK(home && *home, "cannot find a cache directory: set INFINIGEN_CACHE_DIR");
-  return (fs::path(home) / ".cache" / "infinigen").string();
-}
-
-std::string ensure_builtin_model(const ModelLoadOptions& options) {
-  const fs::path dir = fs::path(cache_directory()) / "models" / kBuiltinVersion;
-  const auto complete = [&] {
-    return fs::exists(dir / "config.json") && fs::exists(dir / "model.safetensors");
-  };
-  if (complete()) return dir.string();
-  std::error_code error;
-  fs::create_directories(dir.parent_path(), error);
-  INFINIGEN_CHECK(!error, dir.parent_path().string(), ": cannot create (", error.message(), ")");
-  if (options.notice) {
-    options.notice("generating the built-in model (first use) into " + dir.string());
+  std::string looked;
+  for (const fs::path& dir : candidates) {
+    if (fs::is_regular_file(dir / "config.json")) return dir.string();
+    looked += (looked.empty() ? "" : ", ") + dir.string();
   }
-  try {
-    write_synthetic_checkpoint(load_preset(kBuiltinModel), SyntheticModelOptions{}, dir.string(),
-                               options.progress);
-  } catch (const std::exception&) {
-    if (!complete()) throw;  // another process finished the same checkpoint first: use it
-  }
-  return dir.string();
+  fail("the built-in model was not found (looked in ", looked, "); pass --model DIR");
 }
 
 ModelSource resolve_model(const std::string& spec, const ModelLoadOptions& options) {
   ModelSource source;
   source.seed = options.seed;
   if (spec == kBuiltinModel) {
-    source.directory = ensure_builtin_model(options);
-    source.description = "built-in model (OPT-125M shape, synthetic weights)";
-    source.synthetic = true;
+    source.directory = builtin_model_directory();
+    source.description = "built-in model (" + source.directory + ")";
   } else if (fs::is_directory(spec)) {
     source.directory = spec;
     source.description = "checkpoint " + spec;

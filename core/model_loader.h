@@ -1,5 +1,6 @@
 // core: turning a --model argument into a runnable model: a checkpoint directory, the built-in
-// model (generated and cached on first use), or a preset on seeded synthetic weights.
+// model (a small OPT trained on English text, shipped in models/builtin), or a preset on seeded
+// synthetic weights.
 #pragma once
 
 #include <cstdint>
@@ -35,20 +36,16 @@ struct LoadedModel {
 struct ModelLoadOptions {
   Device device = Device::Cpu;
   uint64_t seed = 0;  // synthetic weights of presets
-  // Tells the user about slow steps (generating the built-in model); may be empty.
-  std::function<void(const std::string&)> notice;
-  std::function<void(int64_t, int64_t)> progress;
 };
 
-// Where generated models are cached: $INFINIGEN_CACHE_DIR, else $XDG_CACHE_HOME/infinigen,
-// else ~/.cache/infinigen.
-std::string cache_directory();
-// Directory of the built-in model checkpoint, generated deterministically when missing.
-std::string ensure_builtin_model(const ModelLoadOptions& options);
+// The built-in model's checkpoint directory: $INFINIGEN_BUILTIN_MODEL when set, else
+// share/infinigen/models/builtin next to an installed binary, else models/builtin in the source
+// tree the binary was built from. A one-line Error when none holds a config.json.
+std::string builtin_model_directory();
 
 // Resolves `spec` without reading weights: an existing directory is a checkpoint; "builtin" is
-// the built-in model (generated on first use); a preset name runs on synthetic weights. Throws a
-// one-line Error for anything else.
+// the built-in model; a preset name runs on synthetic weights. Throws a one-line Error for
+// anything else.
 ModelSource resolve_model(const std::string& spec, const ModelLoadOptions& options);
 // The weights of `source` on `device`, every tensor checked against the config.
 OptWeights load_weights(const ModelSource& source, Device device);

@@ -274,8 +274,8 @@ SkewReport skew_checkpoint(const std::string& in_dir, const std::string& out_dir
     bool cut = false;
     const size_t limit = kCalibrationBytesPerToken * static_cast<size_t>(report.calib_len);
     if (options.calib_file.empty()) {
-      report.calib_source = "bundled corpus";
-      const std::string_view corpus = *embedded_config("tokenizer/corpus.txt");
+      report.calib_source = "bundled calibration text";
+      const std::string_view corpus = *embedded_config("calibration.txt");
       text.assign(corpus.substr(0, std::min(corpus.size(), limit + 1)));
       cut = text.size() > limit;
       if (cut) text.resize(limit);

@@ -70,7 +70,7 @@ Tensor rotate_projection(const Tensor& projection,
 struct SkewOptions {
   // Calibration tokens, BOS included: 2..max_positions; default min(2048, max_positions).
   std::optional<int64_t> calib_len;
-  // Calibration text file; empty means the bundled corpus (configs/tokenizer/corpus.txt).
+  // Calibration text file; empty means the bundled calibration text (configs/calibration.txt).
   std::string calib_file;
   // Token ids used instead of text (then no tokenizer is needed); BOS is prepended.
   std::vector<int32_t> calib_tokens;
@@ -78,7 +78,7 @@ struct SkewOptions {
 
 struct SkewReport {
   std::string source;        // input directory
-  std::string calib_source;  // calibration file name, "bundled corpus" or "token ids"
+  std::string calib_source;  // calibration file name, "bundled calibration text" or "token ids"
   int64_t calib_len = 0;     // tokens, BOS included
   DType dtype = DType::F32;  // stored dtype of the query projections
   std::vector<double> energy_before, energy_after;  // per layer, as in SkewMatrices

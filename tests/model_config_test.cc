@@ -33,7 +33,7 @@ std::string error_of(const json& j) {
 TEST(ModelConfig, EveryPresetLoads) {
   const std::vector<std::string> names = preset_names();
   for (const char* expected : {"opt-125m", "opt-1.3b", "opt-2.7b", "opt-6.7b", "opt-13b", "opt-30b",
-                               "opt-66b", "builtin", "opt-tiny"}) {
+                               "opt-66b", "opt-tiny"}) {
     EXPECT_NE(std::find(names.begin(), names.end(), expected), names.end()) << expected;
     EXPECT_EQ(load_preset(expected).name, expected);
   }

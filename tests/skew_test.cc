@@ -257,7 +257,7 @@ TEST_F(SkewTest, OnlyQueryAndKeyProjectionsChange) {
   const nlohmann::json record = nlohmann::json::parse(read_file(fs::path(skewed()) / "skew.json"));
   EXPECT_EQ(record["format_version"], kSkewFormatVersion);
   EXPECT_EQ(record["calibration"]["tokens"], kCalibLen);
-  EXPECT_EQ(record["calibration"]["source"], "bundled corpus");
+  EXPECT_EQ(record["calibration"]["source"], "bundled calibration text");
   EXPECT_EQ(record["dtype"], "F32");
   EXPECT_EQ(record["source"], fs::weakly_canonical(original()).string());
   ASSERT_EQ(record["layers"].size(), 2u);
@@ -419,9 +419,9 @@ TEST_F(SkewTest, CheckpointWithoutTokenizerNeedsTokenIds) {
   const std::string out = fresh("out");
   skew_checkpoint(bare, out, options);
   EXPECT_FALSE(fs::exists(fs::path(out) / "vocab.json"));
-  options.calib_tokens = {100, 5000};
+  options.calib_tokens = {100, 9000};
   expect_error([&] { skew_checkpoint(bare, fresh("out"), options); },
-               {"token id 5000", "vocabulary"});
+               {"token id 9000", "vocabulary"});
 }
 
 TEST_F(SkewTest, CommandLineSkewsOnceAndRefusesTheSecondTime) {
@@ -431,7 +431,7 @@ TEST_F(SkewTest, CommandLineSkewsOnceAndRefusesTheSecondTime) {
       testing_util::run_infinigen({"skew", "--model", copy, "--out", out, "--calib-len", "64"});
   ASSERT_EQ(first.exit_code, 0) << first.err;
   EXPECT_EQ(std::count(first.out.begin(), first.out.end(), '\n'), 1) << first.out;
-  for (const char* fragment : {"skewed", "64 tokens", "bundled corpus", "->"}) {
+  for (const char* fragment : {"skewed", "64 tokens", "bundled calibration text", "->"}) {
     EXPECT_NE(first.out.find(fragment), std::string::npos) << fragment << "\n" << first.out;
   }
   EXPECT_TRUE(first.err.empty()) << first.err;  // no progress display when stderr is no terminal

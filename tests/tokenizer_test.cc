@@ -136,7 +136,7 @@ TEST(Tokenizer, BundledEqualsDirectoryOnDisk) {
 
 TEST(Tokenizer, BundledVocabularyLayout) {
   const Tokenizer tokenizer = Tokenizer::bundled();
-  EXPECT_EQ(tokenizer.vocab_size(), 2048);
+  EXPECT_EQ(tokenizer.vocab_size(), 8192);
   EXPECT_EQ(tokenizer.token_to_id("<s>"), 0);
   EXPECT_EQ(tokenizer.token_to_id("<pad>"), 1);
   EXPECT_EQ(tokenizer.token_to_id("</s>"), 2);
@@ -155,7 +155,7 @@ TEST(Tokenizer, RoundTripsValidText) {
     EXPECT_EQ(tokenizer.decode(tokenizer.encode(c.text)), c.text)
         << "text " << nlohmann::json(c.text).dump();
   }
-  std::ifstream corpus(INFINIGEN_SOURCE_DIR "/configs/tokenizer/corpus.txt", std::ios::binary);
+  std::ifstream corpus(INFINIGEN_SOURCE_DIR "/configs/calibration.txt", std::ios::binary);
   const std::string text((std::istreambuf_iterator<char>(corpus)), {});
   ASSERT_GT(text.size(), 10000u);
   const std::vector<int32_t> ids = tokenizer.encode(text);

@@ -14,6 +14,8 @@ Output, in --out (default build/corpus):
   train.jsonl, heldout.jsonl   one {"name", "source", "text"} object per line
   train.txt                    the training documents, each followed by a blank line (tokenizer)
   heldout/NAME.txt             each held-out document as plain text (for `infinigen eval`)
+  calibration.txt              the opening of two training documents (CALIBRATION_SOURCES), the
+                               default calibration text of `infinigen skew` (configs/)
   manifest.json                package versions, document and byte counts, sha256 of each file
 
 Running it twice on the same package versions writes byte-identical files.
@@ -34,6 +36,10 @@ import sys
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 PYTHON_DOC_SOURCES = pathlib.Path("/usr/share/doc/python3.11/html/_sources")
 HELDOUT_BYTE = 16  # sha256(name)[0] < 16: 16/256 = 6.25% of documents
+# The calibration text: the first CALIBRATION_CHARACTERS characters of each of these training
+# documents (prose and technical text, as the two sources are), cut at a line end.
+CALIBRATION_SOURCES = ["kjv/Genesis", "python-doc/tutorial/introduction.rst"]
+CALIBRATION_CHARACTERS = 6000
 
 # The 66 books in canonical order, as the `bible` program names them.
 KJV_BOOKS = [
@@ -135,6 +141,15 @@ def main() -> int:
     for document in heldout:
         file_name = re.sub(r"[^A-Za-z0-9._-]+", "_", document["name"]) + ".txt"
         (staging / "heldout" / file_name).write_text(document["text"] + "\n", encoding="utf-8")
+
+    by_name = {d["name"]: d for d in train}
+    calibration = []
+    for name in CALIBRATION_SOURCES:
+        if name not in by_name:
+            fail(f"calibration source {name} is not a training document")
+        text = by_name[name]["text"][:CALIBRATION_CHARACTERS]
+        calibration.append(text[: text.rfind("\n")].rstrip())
+    (staging / "calibration.txt").write_text("\n\n".join(calibration) + "\n", encoding="utf-8")
 
     def summary(docs: list[dict]) -> dict:
         by_source = {}

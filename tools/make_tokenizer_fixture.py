@@ -99,10 +99,10 @@ CASES = [
 ]
 
 
-def corpus_cases(corpus: pathlib.Path) -> list[str]:
-    """A few paragraphs of the corpus, whole and joined, as realistic prompts."""
-    lines = [line for line in corpus.read_text(encoding="utf-8").splitlines() if line]
-    picked = lines[::30]
+def text_cases(text: pathlib.Path) -> list[str]:
+    """A few lines of real text, alone and joined, as realistic prompts."""
+    lines = [line for line in text.read_text(encoding="utf-8").splitlines() if line]
+    picked = lines[::12]
     return picked + ["\n".join(lines[60:64])]
 
 
@@ -112,7 +112,13 @@ def parse_args() -> argparse.Namespace:
         "--tokenizer-dir",
         type=pathlib.Path,
         default=REPO_ROOT / "configs" / "tokenizer",
-        help="directory with vocab.json, merges.txt and corpus.txt (default: %(default)s)",
+        help="directory with vocab.json and merges.txt (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--text",
+        type=pathlib.Path,
+        default=REPO_ROOT / "configs" / "calibration.txt",
+        help="real text some cases are taken from (default: %(default)s)",
     )
     parser.add_argument(
         "--out",
@@ -131,7 +137,7 @@ def main() -> int:
         add_prefix_space=False,
     )
     cases = []
-    for text in CASES + corpus_cases(args.tokenizer_dir / "corpus.txt"):
+    for text in CASES + text_cases(args.text):
         ids = tokenizer.encode(text).ids
         cases.append({"text": text, "ids": ids, "decoded": tokenizer.decode(ids)})
 

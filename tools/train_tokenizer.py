@@ -1,14 +1,15 @@
-"""Trains the bundled byte-level BPE tokenizer from configs/tokenizer/corpus.txt.
+"""Trains the bundled byte-level BPE tokenizer on the training split of tools/make_corpus.py.
 
-The result is a GPT-2/OPT-style vocabulary (vocab.json + merges.txt) that the engine embeds and
-that the synthetic models use. The special tokens come first so that their ids match OPT's
+The result is a GPT-2/OPT-style vocabulary (vocab.json + merges.txt) of 8192 tokens: the built-in
+model's tokenizer (models/builtin), which the engine also embeds for the synthetic presets. The special tokens come first so that their ids match OPT's
 conventions: <s> = 0, <pad> = 1, </s> = 2 (OPT's BOS and EOS), <unk> = 3.
 
 Training is deterministic for a given corpus and `tokenizers` version (see tools/requirements.txt):
 running the script twice writes byte-identical files.
 
 Usage:
-    python tools/train_tokenizer.py [--corpus PATH] [--out-dir DIR] [--vocab-size N]
+    python tools/make_corpus.py --out build/corpus
+    python tools/train_tokenizer.py [--corpus build/corpus/train.txt] [--out-dir DIR]
 """
 
 import argparse
@@ -27,7 +28,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--corpus",
         type=pathlib.Path,
-        default=REPO_ROOT / "configs" / "tokenizer" / "corpus.txt",
+        default=REPO_ROOT / "build" / "corpus" / "train.txt",
         help="training text, UTF-8 (default: %(default)s)",
     )
     parser.add_argument(
@@ -39,7 +40,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--vocab-size",
         type=int,
-        default=2048,
+        default=8192,
         help="exact number of tokens, special tokens included (default: %(default)s)",
     )
     parser.add_argument(

@@ -165,11 +165,6 @@ int run(const RunOptions& o) {
   ModelLoadOptions load_options;
   load_options.device = device;
   load_options.seed = o.seed;
-  load_options.notice = [](const std::string& text) {
-    std::fprintf(stderr, "infinigen: %s\n", text.c_str());
-  };
-  Progress build_progress("writing model");
-  load_options.progress = [&](int64_t done, int64_t total) { build_progress.update(done, total); };
   const ModelSource loaded = resolve_model(o.model, load_options);
 
   GenerationRequest request;

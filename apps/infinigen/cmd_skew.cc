@@ -20,7 +20,7 @@ struct SkewCommandOptions {
 
 int skew(const SkewCommandOptions& o) {
   // The built-in model is a checkpoint too (generated on first use).
-  const std::string in_dir = o.model == kBuiltinModel ? ensure_builtin_model({}) : o.model;
+  const std::string in_dir = o.model == kBuiltinModel ? builtin_model_directory() : o.model;
   SkewOptions options;
   options.calib_file = o.calib_file;
   if (o.calib_len_option->count() > 0) options.calib_len = o.calib_len;
@@ -53,7 +53,7 @@ Command add_skew_command(CLI::App& app) {
   app.add_option("--model,-m", o->model, "Checkpoint directory (or \"builtin\")")->required();
   app.add_option("--out,-o", o->out, "Output directory (must not exist, or be empty)")->required();
   app.add_option("--calib-file", o->calib_file,
-                 "Calibration text (default: the bundled corpus, configs/tokenizer/corpus.txt)");
+                 "Calibration text (default: the bundled calibration text, configs/calibration.txt)");
   o->calib_len_option = app.add_option("--calib-len", o->calib_len,
                                        "Calibration tokens, BOS included (default: 2048, capped "
                                        "at the model's max_positions)");
