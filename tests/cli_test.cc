@@ -12,28 +12,11 @@ namespace infinigen {
 namespace {
 
 using testing_util::CommandResult;
+using testing_util::expect_one_line_error;
 using testing_util::run_infinigen;
 using testing_util::TempDir;
 
 const std::string kTiny = std::string(INFINIGEN_FIXTURES_DIR) + "/opt-tiny";
-
-int count_lines(const std::string& text) {
-  return static_cast<int>(std::count(text.begin(), text.end(), '\n'));
-}
-
-// Expects failure with one line on stderr containing every fragment.
-void expect_one_line_error(const std::vector<std::string>& args,
-                           const std::vector<std::string>& fragments) {
-  const CommandResult r = run_infinigen(args);
-  std::string joined;
-  for (const auto& a : args) joined += a + " ";
-  EXPECT_NE(r.exit_code, 0) << joined;
-  EXPECT_EQ(count_lines(r.err), 1) << joined << "\nstderr:\n" << r.err;
-  for (const std::string& fragment : fragments) {
-    EXPECT_NE(r.err.find(fragment), std::string::npos)
-        << joined << "\nmissing '" << fragment << "' in: " << r.err;
-  }
-}
 
 TEST(Cli, RunPrintsTextAndTimings) {
   const CommandResult r = run_infinigen(

@@ -91,4 +91,17 @@ CommandResult run_infinigen(const std::vector<std::string>& args,
   return result;
 }
 
+void expect_one_line_error(const std::vector<std::string>& args,
+                           const std::vector<std::string>& fragments) {
+  const CommandResult r = run_infinigen(args);
+  std::string joined;
+  for (const auto& a : args) joined += a + " ";
+  EXPECT_NE(r.exit_code, 0) << joined;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << joined << "\nstderr:\n" << r.err;
+  for (const std::string& fragment : fragments) {
+    EXPECT_NE(r.err.find(fragment), std::string::npos)
+        << joined << "\nmissing '" << fragment << "' in: " << r.err;
+  }
+}
+
 }  // namespace infinigen::testing_util

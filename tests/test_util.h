@@ -39,4 +39,9 @@ struct CommandResult {
 CommandResult run_infinigen(const std::vector<std::string>& args,
                             const std::vector<std::string>& env = {});
 
+// Runs the infinigen binary with `args`, expecting a non-zero exit and exactly one line on
+// stderr that holds every fragment.
+void expect_one_line_error(const std::vector<std::string>& args,
+                           const std::vector<std::string>& fragments);
+
 }  // namespace infinigen::testing_util

@@ -189,17 +189,20 @@ int eval(EvalCommandOptions& o) {
       o.perplexity.prefill + o.perplexity.decode_length(model.config.max_positions);
 
   const std::vector<EvalText> texts = read_texts(o, model);
+  std::vector<std::vector<int32_t>> windows =
+      eval_windows(texts, window, model.config.bos_token_id);
+  const std::string what =
+      texts.size() == 1
+          ? texts[0].name + ": " + std::to_string(texts[0].ids.size()) + " tokens, shorter than"
+          : std::string(": no file holds");
+  INFINIGEN_CHECK(!windows.empty(), "--text ", what, " one window of ", window,
+                  " tokens (--prefill ", o.perplexity.prefill, " + --decode ",
+                  window - o.perplexity.prefill, ")");
   for (const EvalText& text : texts) {
     if (static_cast<int64_t>(text.ids.size()) + 1 >= window) continue;
-    INFINIGEN_CHECK(texts.size() > 1, "--text ", text.name, ": ", text.ids.size(),
-                    " tokens, shorter than one window of ", window, " (--prefill ",
-                    o.perplexity.prefill, " + --decode ", window - o.perplexity.prefill, ")");
     std::fprintf(stderr, "infinigen: skipping %s: %zu tokens, shorter than a window of %lld\n",
                  text.name.c_str(), text.ids.size(), static_cast<long long>(window));
   }
-  std::vector<std::vector<int32_t>> windows =
-      eval_windows(texts, window, model.config.bos_token_id);
-  INFINIGEN_CHECK(!windows.empty(), "--text: no file holds a window of ", window, " tokens");
   if (o.max_windows > 0 && static_cast<int64_t>(windows.size()) > o.max_windows) {
     windows.resize(static_cast<size_t>(o.max_windows));
   }

@@ -1,0 +1,144 @@
+// tests: `infinigen eval`: perplexity through the decode loop, its properties (every policy that
+// reads all KV scores the same; InfiniGen with everything selected equals full), its files, and
+// its bad inputs.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "bench/perplexity.h"
+#include "core/model_loader.h"
+#include "tests/test_util.h"
+
+namespace infinigen {
+namespace {
+
+using testing_util::CommandResult;
+using testing_util::expect_one_line_error;
+using testing_util::run_infinigen;
+using testing_util::TempDir;
+
+const std::string kTiny = std::string(INFINIGEN_FIXTURES_DIR) + "/opt-tiny";
+const std::string kText = std::string(INFINIGEN_SOURCE_DIR) + "/configs/calibration.txt";
+
+class Perplexity : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    model_ = resolve_model("opt-tiny", {});
+    model_.config.num_layers = 4;  // two dense layers and two speculated ones
+    std::ifstream in(kText);
+    const std::string text((std::istreambuf_iterator<char>(in)), {});
+    windows_ = eval_windows({{"calibration", model_.tokenizer->encode(text)}}, 96,
+                            model_.config.bos_token_id);
+    windows_.resize(3);  // an odd count: the last batch is a partial one
+    options_.prefill = 16;
+    options_.decode = 80;
+    options_.chunk = 32;
+    options_.batch = 2;
+  }
+  PerplexityResult measure(const OffloadOptions& offload) const {
+    return measure_perplexity(model_, windows_, options_, offload, Device::Cpu, DType::F16);
+  }
+
+  ModelSource model_;
+  std::vector<std::vector<int32_t>> windows_;
+  PerplexityOptions options_;
+};
+
+TEST_F(Perplexity, WindowsAreBosAndConsecutiveText) {
+  const std::vector<std::vector<int32_t>> w = eval_windows({{"a", {5, 6, 7, 8, 9, 10, 11}}}, 3, 2);
+  EXPECT_EQ(w, (std::vector<std::vector<int32_t>>{{2, 5, 6}, {2, 7, 8}, {2, 9, 10}}));
+  EXPECT_TRUE(eval_windows({{"short", {5}}}, 3, 2).empty());
+}
+
+TEST_F(Perplexity, PoliciesThatReadAllKvAgreeAndInfinigenWithEverythingEqualsFull) {
+  OffloadOptions full;
+  full.policy = KvPolicy::Full;
+  const PerplexityResult reference = measure(full);
+  EXPECT_EQ(reference.windows, 3);
+  EXPECT_EQ(reference.tokens, 3 * 80);
+  EXPECT_GT(reference.perplexity(), 1.0);
+  EXPECT_NEAR(reference.fetched, 1.0, 1e-12);
+  // Chunks of 32 positions over the scored positions 16..95: starts 0, 32, 64.
+  EXPECT_EQ(reference.chunk_start, (std::vector<int64_t>{0, 32, 64}));
+  EXPECT_EQ(reference.step_fetched.size(), 79u);
+
+  OffloadOptions gpu;
+  gpu.policy = KvPolicy::Gpu;
+  EXPECT_NEAR(measure(gpu).perplexity(), reference.perplexity(), 1e-6 * reference.perplexity());
+
+  OffloadOptions everything;
+  everything.policy = KvPolicy::Infinigen;
+  everything.speculation.alpha = 1e9;
+  everything.speculation.max_num_kv = 1000;
+  everything.check_recall = true;
+  const PerplexityResult all = measure(everything);
+  EXPECT_NEAR(all.perplexity(), reference.perplexity(), 1e-6 * reference.perplexity());
+  EXPECT_NEAR(all.speculated_fetched, 1.0, 1e-12);
+  EXPECT_NEAR(all.mean_recall, 1.0, 1e-9);
+
+  OffloadOptions sparse = everything;
+  sparse.speculation.alpha = 0.5;
+  sparse.speculation.max_num_kv = 8;
+  const PerplexityResult some = measure(sparse);
+  EXPECT_LT(some.speculated_fetched, 0.5);
+  EXPECT_GT(some.mean_recall, 0.0);
+  EXPECT_LT(some.mean_recall, 1.0);
+  EXPECT_NE(some.perplexity(), reference.perplexity());
+}
+
+TEST(EvalCli, WritesTableCsvJsonAndPlot) {
+  TempDir dir("eval-cli");
+  const CommandResult r = run_infinigen({"eval",    "--model",  kTiny,
+                                         "--text",  kText,      "--prefill",
+                                         "32",      "--decode", "64",
+                                         "--chunk", "32",       "--max-windows",
+                                         "2",       "--policy", "full,infinigen,h2o",
+                                         "--alpha", "1,4",      "--h2o-budget",
+                                         "0.5",     "--out",    dir.str()});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  for (const char* fragment : {"perplexity", "vs full", "alpha 1", "alpha 4", "budget 0.5"}) {
+    EXPECT_NE(r.out.find(fragment), std::string::npos) << fragment << "\n" << r.out;
+  }
+  for (const char* file : {"eval.csv", "eval.json", "eval.png"}) {
+    EXPECT_TRUE(std::filesystem::is_regular_file(dir.path() / file)) << file;
+  }
+  std::ifstream json_file(dir.path() / "eval.json");
+  const nlohmann::json j = nlohmann::json::parse(json_file);
+  ASSERT_EQ(j["points"].size(), 4u);  // full, infinigen x 2 alphas, h2o
+  EXPECT_EQ(j["windows"], 2);
+  EXPECT_EQ(j["points"][0]["policy"], "full");
+  EXPECT_EQ(j["points"][0]["vs_full"], 0.0);
+  EXPECT_EQ(j["points"][0]["chunk_perplexity"].size(), 2u);  // positions 32..95
+}
+
+TEST(EvalCli, BadInputsEndWithOneLine) {
+  TempDir dir("eval-bad");
+  const std::string out = dir.str();
+  const std::string short_text = (dir.path() / "short.txt").string();
+  std::ofstream(short_text) << "Only a few words.";
+  expect_one_line_error({"eval", "--model", kTiny, "--out", out}, {"--text"});
+  expect_one_line_error({"eval", "--model", kTiny, "--text", "/nonexistent/held-out.txt"},
+                        {"--text", "/nonexistent/held-out.txt"});
+  expect_one_line_error({"eval", "--model", kTiny, "--text", short_text, "--out", out},
+                        {short_text, "shorter than one window"});
+  expect_one_line_error(
+      {"eval", "--model", kTiny, "--text", short_text, "--text", short_text, "--out", out},
+      {"no file holds", "one window"});
+  expect_one_line_error({"eval", "--model", kTiny, "--text", kText, "--policy", "h3o"},
+                        {"--policy", "h3o"});
+  expect_one_line_error({"eval", "--model", kTiny, "--text", kText, "--alpha", "-1"}, {"--alpha"});
+  expect_one_line_error({"eval", "--model", kTiny, "--text", kText, "--prefill", "0"},
+                        {"--prefill"});
+  expect_one_line_error(
+      {"eval", "--model", kTiny, "--text", kText, "--prefill", "200", "--decode", "100"},
+      {"--decode", "context of 256"});
+  expect_one_line_error(
+      {"eval", "--model", kTiny, "--text", kText, "--eviction", "random", "--kv-pool-limit", "0.5"},
+      {"--eviction", "random"});
+}
+
+}  // namespace
+}  // namespace infinigen
