@@ -191,13 +191,12 @@ int eval(EvalCommandOptions& o) {
   const std::vector<EvalText> texts = read_texts(o, model);
   std::vector<std::vector<int32_t>> windows =
       eval_windows(texts, window, model.config.bos_token_id);
-  const std::string what =
-      texts.size() == 1
-          ? texts[0].name + ": " + std::to_string(texts[0].ids.size()) + " tokens, shorter than"
-          : std::string(": no file holds");
-  INFINIGEN_CHECK(!windows.empty(), "--text ", what, " one window of ", window,
-                  " tokens (--prefill ", o.perplexity.prefill, " + --decode ",
-                  window - o.perplexity.prefill, ")");
+  const std::string what = texts.size() == 1
+                               ? "--text " + texts[0].name + ": " +
+                                     std::to_string(texts[0].ids.size()) + " tokens, shorter than"
+                               : std::string("--text: no file holds");
+  INFINIGEN_CHECK(!windows.empty(), what, " one window of ", window, " tokens (--prefill ",
+                  o.perplexity.prefill, " + --decode ", window - o.perplexity.prefill, ")");
   for (const EvalText& text : texts) {
     if (static_cast<int64_t>(text.ids.size()) + 1 >= window) continue;
     std::fprintf(stderr, "infinigen: skipping %s: %zu tokens, shorter than a window of %lld\n",
