@@ -2,8 +2,10 @@
 // ending in exactly one line on stderr and a non-zero exit status.
 #include <gtest/gtest.h>
 
+#include <cctype>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "tests/test_util.h"
@@ -26,6 +28,34 @@ TEST(Cli, RunPrintsTextAndTimings) {
     EXPECT_NE(r.out.find(fragment), std::string::npos) << fragment << "\n" << r.out;
   }
   EXPECT_TRUE(r.err.empty()) << r.err;  // no progress display when stderr is not a terminal
+}
+
+// The first thing a user sees: `infinigen run` with no arguments, on the built-in model trained
+// on English text, continues each default prompt with words, not one token over and over.
+TEST(Cli, DefaultRunWritesWords) {
+  const CommandResult r = run_infinigen({"run", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_FALSE(j["synthetic_weights"].get<bool>());
+  ASSERT_GE(j["outputs"].size(), 4u);
+  for (const nlohmann::json& output : j["outputs"]) {
+    const std::string text = output["text"];
+    std::map<std::string, int> words;
+    std::string word;
+    for (char c : text + " ") {
+      if (std::isalpha(static_cast<unsigned char>(c))) {
+        word += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+      } else if (!word.empty()) {
+        ++words[word];
+        word.clear();
+      }
+    }
+    EXPECT_GE(words.size(), 5u) << text;  // distinct words
+    std::map<int, int> ids;
+    int most = 0;
+    for (int id : output["tokens"]) most = std::max(most, ++ids[id]);
+    EXPECT_LE(2 * most, static_cast<int>(output["tokens"].size())) << text;
+  }
 }
 
 TEST(Cli, EveryPolicyRuns) {

@@ -114,6 +114,29 @@ TEST(EvalCli, WritesTableCsvJsonAndPlot) {
   EXPECT_EQ(j["points"][0]["chunk_perplexity"].size(), 2u);  // positions 32..95
 }
 
+// `--policy full` on the built-in model scores held-out text as HF transformers does
+// (tests/fixtures/builtin-perplexity.json, written by tools/make_hf_perplexity.py; the engine
+// keeps KV in fp16, transformers computes in fp32).
+TEST(EvalCli, FullPolicyMatchesTransformersOnTheBuiltinModel) {
+  std::ifstream fixture_file(std::string(INFINIGEN_FIXTURES_DIR) + "/builtin-perplexity.json");
+  ASSERT_TRUE(fixture_file.good());
+  const nlohmann::json fixture = nlohmann::json::parse(fixture_file);
+  TempDir dir("eval-hf");
+  const CommandResult r = run_infinigen(
+      {"eval", "--text",
+       std::string(INFINIGEN_FIXTURES_DIR) + "/heldout/" + fixture["text"].get<std::string>(),
+       "--prefill", std::to_string(fixture["prefill"].get<int>()), "--decode",
+       std::to_string(fixture["decode"].get<int>()), "--max-windows",
+       std::to_string(fixture["windows"].get<int>()), "--policy", "full", "--json", "--no-plot",
+       "--out", dir.str()});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  ASSERT_EQ(j["windows"], fixture["windows"]);
+  EXPECT_EQ(j["points"][0]["tokens"], fixture["tokens"]);
+  const double engine = j["points"][0]["perplexity"], hf = fixture["perplexity"];
+  EXPECT_LT(std::fabs(engine / hf - 1.0), 0.005) << "engine " << engine << ", transformers " << hf;
+}
+
 TEST(EvalCli, BadInputsEndWithOneLine) {
   TempDir dir("eval-bad");
   const std::string out = dir.str();

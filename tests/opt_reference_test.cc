@@ -1,9 +1,10 @@
 // tests: the CPU backend against HF transformers' OPTForCausalLM on the same checkpoint.
 //
-// tests/fixtures/opt-tiny is a synthetic checkpoint (infinigen make-model --preset opt-tiny
-// --seed 7); tests/fixtures/opt-tiny-reference.safetensors holds transformers' logits for a
-// left-padded batch (tools/make_hf_reference.py). Both run fp32 arithmetic on the same fp16
-// weights, so they must agree to fp32 rounding: relative error <= 1e-4 per position.
+// Two checkpoints: tests/fixtures/opt-tiny, synthetic (infinigen make-model --preset opt-tiny
+// --seed 7), and the built-in model (models/builtin, trained by tools/train_model.py). Next to
+// each, tests/fixtures/NAME-reference.safetensors holds transformers' logits for a left-padded
+// batch (tools/make_hf_reference.py). Both run fp32 arithmetic on the same fp16 weights, so they
+// must agree to fp32 rounding: relative error <= 1e-4 per position.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -20,12 +21,17 @@ using testing_util::relative_error;
 
 constexpr double kTolerance = 1e-4;
 
-class OptReference : public ::testing::Test {
+struct Checkpoint {
+  const char* name;       // the reference is tests/fixtures/<name>-reference.safetensors
+  std::string directory;  // the checkpoint
+};
+
+class OptReference : public ::testing::TestWithParam<Checkpoint> {
  protected:
   void SetUp() override {
-    reference_ = SafetensorsFile::open(std::string(INFINIGEN_FIXTURES_DIR) +
-                                       "/opt-tiny-reference.safetensors");
-    loaded_ = load_model(std::string(INFINIGEN_FIXTURES_DIR) + "/opt-tiny", {});
+    reference_ = SafetensorsFile::open(std::string(INFINIGEN_FIXTURES_DIR) + "/" + GetParam().name +
+                                       "-reference.safetensors");
+    loaded_ = load_model(GetParam().directory, {});
   }
   Tensor load(const char* name) const {
     const SafetensorsEntry* entry = reference_->find(name);
@@ -43,7 +49,7 @@ class OptReference : public ::testing::Test {
   LoadedModel loaded_;
 };
 
-TEST_F(OptReference, PrefillAndDecodeMatchTransformers) {
+TEST_P(OptReference, PrefillAndDecodeMatchTransformers) {
   OptModel& model = *loaded_.model;
   const int64_t V = model.config().vocab_size;
   const std::vector<int32_t> tokens = ints("tokens");
@@ -85,7 +91,7 @@ TEST_F(OptReference, PrefillAndDecodeMatchTransformers) {
   }
 }
 
-TEST_F(OptReference, GreedyTokensMatchTransformers) {
+TEST_P(OptReference, GreedyTokensMatchTransformers) {
   // The fixture's decode tokens are transformers' greedy choices: the engine must pick the same.
   const std::vector<int32_t> first_valid = ints("first_valid");
   const std::vector<int32_t> tokens = ints("tokens");
@@ -107,6 +113,14 @@ TEST_F(OptReference, GreedyTokensMatchTransformers) {
     }
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(
+    Checkpoints, OptReference,
+    ::testing::Values(Checkpoint{"opt-tiny", std::string(INFINIGEN_FIXTURES_DIR) + "/opt-tiny"},
+                      Checkpoint{"builtin", std::string(INFINIGEN_SOURCE_DIR) + "/models/builtin"}),
+    [](const ::testing::TestParamInfo<Checkpoint>& param) {
+      return std::string(param.param.name) == "builtin" ? "Builtin" : "OptTiny";
+    });
 
 }  // namespace
 }  // namespace infinigen

@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
 """Reference logits for the CPU backend, computed by HF transformers' OPTForCausalLM.
 
-Runs a checkpoint written by `infinigen make-model` through transformers (fp32 compute on the
-checkpoint's weights, eager attention) on a left-padded batch of prompts: the prefill logits at
+Runs a checkpoint (one written by `infinigen make-model`, or the built-in model) through
+transformers (fp32 compute on the checkpoint's weights, eager attention) on a left-padded batch of prompts: the prefill logits at
 every position, then a few greedy decode steps with the KV cache. Writes them as a safetensors
 file that tests/opt_reference_test.cc compares against (relative error <= 1e-4).
 
     infinigen make-model --preset opt-tiny --seed 7 --out tests/fixtures/opt-tiny
     python3 tools/make_hf_reference.py --checkpoint tests/fixtures/opt-tiny \
         --out tests/fixtures/opt-tiny-reference.safetensors
+    python3 tools/make_hf_reference.py --checkpoint models/builtin \
+        --out tests/fixtures/builtin-reference.safetensors
 
 Requirements: tools/requirements.txt (torch, transformers, safetensors, numpy).
 """

@@ -324,6 +324,7 @@ def command_export(args: argparse.Namespace) -> int:
     staging = args.out.with_name(args.out.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
     model.save_pretrained(staging, safe_serialization=True)
+    (staging / "model.safetensors").chmod(0o644)
     (staging / "generation_config.json").unlink(missing_ok=True)
     for name in ("vocab.json", "merges.txt"):
         shutil.copyfile(tokenizer_dir / name, staging / name)
