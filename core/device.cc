@@ -36,10 +36,30 @@ std::unordered_set<void*>& cuda_pinned_pointers() {
   return *pointers;
 }
 
+struct Discovery {
+  int count = 0;
+  std::string error;
+};
+
+// Asked once: discovery is a driver call, and the answer cannot change during the run.
+const Discovery& discovery() {
+  static const Discovery result = [] {
+    Discovery d;
+    int driver = 0, runtime = 0;
+    const int code = kernels::cuda::device_count(&d.count, &driver, &runtime);
+    if (code == 0) return d;
+    const auto version = [](int v) { return cat(v / 1000, ".", v % 1000 / 10); };
+    d.error = driver > 0 && driver < runtime
+                  ? cat("the NVIDIA driver supports CUDA ", version(driver), " but this build ",
+                        "needs CUDA ", version(runtime), " (update the driver)")
+                  : cat("CUDA device discovery failed: ", kernels::cuda::error_string(code));
+    return d;
+  }();
+  return result;
+}
+
 bool pin_with_cuda() {
-  // Discovered once: asking the driver on every staging allocation would be slow.
-  static const bool present = kernels::cuda::device_count() > 0;
-  return present;
+  return discovery().count > 0;
 }
 #endif
 
@@ -68,14 +88,21 @@ bool cuda_compiled() {
 std::vector<CudaDeviceInfo> cuda_devices() {
   std::vector<CudaDeviceInfo> devices;
 #ifdef INFINIGEN_CUDA
-  const int count = kernels::cuda::device_count();
-  for (int i = 0; i < count; ++i) {
+  for (int i = 0; i < discovery().count; ++i) {
     kernels::cuda::DeviceProperties prop{};
     if (kernels::cuda::device_properties(i, &prop) != 0) continue;
     devices.push_back({i, prop.name, prop.total_memory_bytes, prop.major, prop.minor});
   }
 #endif
   return devices;
+}
+
+std::string cuda_discovery_error() {
+#ifdef INFINIGEN_CUDA
+  return discovery().error;
+#else
+  return "";
+#endif
 }
 
 DeviceRequest parse_device_request(std::string_view text) {
@@ -85,20 +112,31 @@ DeviceRequest parse_device_request(std::string_view text) {
   fail("--device: unknown device '", text, "' (expected cpu, cuda or auto)");
 }
 
-Device resolve_device(DeviceRequest request, bool cuda_runs_model, std::string* reason) {
+Device resolve_device(DeviceRequest request, bool cuda_runs_job, std::string* reason,
+                      std::string_view job) {
   reason->clear();
   if (request == DeviceRequest::Cpu) return Device::Cpu;
   if (request == DeviceRequest::Cuda) {
     if (!cuda_compiled()) throw_cuda_not_compiled();
-    if (cuda_devices().empty()) fail("--device cuda: no CUDA device is available on this machine");
-    INFINIGEN_CHECK(cuda_runs_model, "--device cuda: the CUDA backend does not run this job yet ",
-                    "(use --device cpu)");
+    if (cuda_devices().empty()) {
+      const std::string error = cuda_discovery_error();
+      fail("--device cuda: ",
+           error.empty() ? "no CUDA device is available on this machine" : error);
+    }
+    INFINIGEN_CHECK(cuda_runs_job, "--device cuda: the CUDA backend does not run ", job,
+                    " yet (use --device cpu)");
     return Device::Cuda;
   }
-  if (!cuda_compiled() || cuda_devices().empty()) return Device::Cpu;
-  if (!cuda_runs_model) {
-    *reason =
-        "a CUDA device is present but the CUDA backend does not run this job yet; using the CPU";
+  if (!cuda_compiled()) return Device::Cpu;
+  if (cuda_devices().empty()) {
+    if (const std::string error = cuda_discovery_error(); !error.empty()) {
+      *reason = error + "; using the CPU";
+    }
+    return Device::Cpu;
+  }
+  if (!cuda_runs_job) {
+    *reason = cat("a CUDA device is present but the CUDA backend does not run ", job,
+                  " yet; using the CPU");
     return Device::Cpu;
   }
   return Device::Cuda;

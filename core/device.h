@@ -29,17 +29,23 @@ struct CudaDeviceInfo {
 
 // True when this binary contains the CUDA backend.
 bool cuda_compiled();
-// The CUDA devices that can be used now: empty without the backend, a driver or a GPU.
+// The CUDA devices that can be used now: empty without the backend, a driver or a GPU, or when
+// discovery failed (cuda_discovery_error says why).
 std::vector<CudaDeviceInfo> cuda_devices();
+// Why the CUDA devices cannot be used although the backend is compiled and a driver is
+// installed, e.g. "the NVIDIA driver supports CUDA 12.4 but this build needs 13.0 (update the
+// driver)"; empty when discovery worked or there is simply no driver or GPU.
+std::string cuda_discovery_error();
 
 // What the user asked for on the command line.
 enum class DeviceRequest { Auto, Cpu, Cuda };
 DeviceRequest parse_device_request(std::string_view text);
 
 // Resolves a request to a device. `auto` picks the CPU unless a usable CUDA device is present
-// and `cuda_runs_model` says the CUDA backend implements every op the job needs; `reason`
-// receives a sentence explaining a fallback (empty when there is none).
-Device resolve_device(DeviceRequest request, bool cuda_runs_model, std::string* reason);
+// and `cuda_runs_job` says the CUDA backend implements every step of `job` (e.g. "--policy h2o");
+// `reason` receives a sentence explaining a fallback (empty when there is none).
+Device resolve_device(DeviceRequest request, bool cuda_runs_job, std::string* reason,
+                      std::string_view job = "this job");
 
 // Raw memory on a device. Allocation failures throw Error naming the device and the size.
 void* device_alloc(Device device, size_t bytes);

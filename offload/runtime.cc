@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/ops.h"
 #include "offload/h2o_kv.h"
 #include "offload/infinigen_kv.h"
 #include "offload/int4_kv.h"
@@ -20,6 +21,21 @@ KvPolicy parse_kv_policy(const std::string& name) {
   if (name == "int4") return KvPolicy::Int4;
   if (name == "h2o") return KvPolicy::H2o;
   fail("--policy: unknown policy '", name, "' (expected infinigen, full, int4, h2o or gpu)");
+}
+
+bool policy_runs_on(KvPolicy policy, Device device) {
+  if (device == Device::Cpu) return true;
+  if (!ops::device_runs_transformer(device)) return false;
+  switch (policy) {
+    case KvPolicy::Gpu:
+    case KvPolicy::Full:
+      return true;             // the model's ops and copies only
+    case KvPolicy::Int4:       // dequantisation into the staging runs on the host
+    case KvPolicy::H2o:        // scores accumulate on the host
+    case KvPolicy::Infinigen:  // speculation and the partial key cache live on the host
+      return false;
+  }
+  return false;
 }
 
 int64_t kv_pool_positions(double limit, const ModelConfig& config, int64_t batch, int64_t capacity,

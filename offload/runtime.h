@@ -34,7 +34,12 @@ struct OffloadOptions {
 int64_t kv_pool_positions(double limit, const ModelConfig& config, int64_t batch, int64_t capacity,
                           DType kv_dtype);
 
-KvPolicy parse_kv_policy(const std::string& name);  // "gpu" | "full" | "infinigen"
+KvPolicy parse_kv_policy(const std::string& name);  // "gpu" | "full" | "infinigen" | ...
+
+// Whether every step of `policy` has an implementation on `device`: the dense ops of the model
+// (ops::device_runs_transformer) and what the policy adds on the device (int4 dequantisation,
+// h2o's scores, InfiniGen's speculation). On the CPU backend every policy runs.
+bool policy_runs_on(KvPolicy policy, Device device);
 
 struct OffloadRun {
   GenerationResult result;

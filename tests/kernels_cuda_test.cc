@@ -17,7 +17,6 @@
 #include "core/ops.h"
 #include "core/opt_model.h"
 #include "core/synthetic_model.h"
-#include "kernels/cuda/runtime.h"
 #include "tests/test_util.h"
 
 namespace infinigen {
@@ -25,25 +24,23 @@ namespace {
 
 using testing_util::relative_error;
 
-// Asked once: discovery is a driver call, and the answer cannot change during the run.
-bool have_cuda_device() {
-  static const bool present = kernels::cuda::device_count() > 0;
-  return present;
-}
+// Skips without a GPU or driver; fails when a driver is installed but unusable (too old for
+// this runtime, say), since skipping then would hide that nothing was tested.
+#define SKIP_WITHOUT_CUDA_DEVICE()                                                \
+  do {                                                                            \
+    ASSERT_EQ(cuda_discovery_error(), "") << "CUDA is installed but not usable";  \
+    if (cuda_devices().empty()) GTEST_SKIP() << "no CUDA device on this machine"; \
+  } while (false)
 
 class CudaOps : public ::testing::Test {
  protected:
-  void SetUp() override {
-    if (!have_cuda_device()) GTEST_SKIP() << "no CUDA device on this machine";
-  }
+  void SetUp() override { SKIP_WITHOUT_CUDA_DEVICE(); }
 };
 
 template <typename Param>
 class CudaOpsWith : public ::testing::TestWithParam<Param> {
  protected:
-  void SetUp() override {
-    if (!have_cuda_device()) GTEST_SKIP() << "no CUDA device on this machine";
-  }
+  void SetUp() override { SKIP_WITHOUT_CUDA_DEVICE(); }
 };
 
 // A CPU tensor of `dtype` holding normal(0, scale) values (rounded to dtype).

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "core/generation.h"
+#include "core/ops.h"
 #include "offload/runtime.h"
 #include "tests/test_util.h"
 
@@ -167,6 +168,22 @@ TEST_F(OffloadRuntime, PlansThatCannotFitAreRefusedBeforeAllocating) {
     const std::string message = e.what();
     EXPECT_EQ(message.find('\n'), std::string::npos) << message;
     EXPECT_NE(message.find("does not fit"), std::string::npos) << message;
+  }
+}
+
+// The per-policy gate of --device: on the CPU backend everything runs; on CUDA a policy runs
+// only when the model's ops do and the policy adds nothing the device lacks (int4's
+// dequantisation, h2o's scores and InfiniGen's speculation run on the host today).
+TEST(PolicyGate, EachPolicySaysWhetherItsStepsRunOnTheDevice) {
+  for (KvPolicy policy :
+       {KvPolicy::Gpu, KvPolicy::Full, KvPolicy::Int4, KvPolicy::H2o, KvPolicy::Infinigen}) {
+    EXPECT_TRUE(policy_runs_on(policy, Device::Cpu));
+  }
+  const bool model_on_cuda = ops::device_runs_transformer(Device::Cuda);
+  EXPECT_EQ(policy_runs_on(KvPolicy::Gpu, Device::Cuda), model_on_cuda);
+  EXPECT_EQ(policy_runs_on(KvPolicy::Full, Device::Cuda), model_on_cuda);
+  for (KvPolicy policy : {KvPolicy::Int4, KvPolicy::H2o, KvPolicy::Infinigen}) {
+    EXPECT_FALSE(policy_runs_on(policy, Device::Cuda));
   }
 }
 

@@ -13,10 +13,10 @@
 #include "bench/bench_results.h"
 #include "bench/bench_runner.h"
 #include "core/device.h"
-#include "core/ops.h"
 #include "core/output_directory.h"
 #include "offload/hardware_profile.h"
 #include "offload/profile_measurement.h"
+#include "offload/runtime.h"
 
 namespace infinigen::cli {
 namespace {
@@ -86,10 +86,16 @@ int bench(const BenchCommandOptions& o) {
                   "--fractions-scale must be in (0, 1], got ", o.fractions_scale);
   const Experiment experiment = load_experiment(o.experiment);
 
+  // One device for the whole experiment: CUDA only when it runs every policy in it.
+  bool cuda_runs_experiment = true;
+  for (const ExperimentPoint& point : experiment.points) {
+    cuda_runs_experiment = cuda_runs_experiment &&
+                           policy_runs_on(parse_kv_policy(point.settings.policy), Device::Cuda);
+  }
   std::string fallback;
   BenchOptions options;
-  options.device = resolve_device(parse_device_request(o.device),
-                                  ops::device_runs_transformer(Device::Cuda), &fallback);
+  options.device = resolve_device(parse_device_request(o.device), cuda_runs_experiment, &fallback,
+                                  "every policy of this experiment");
   if (!fallback.empty()) std::fprintf(stderr, "infinigen: %s\n", fallback.c_str());
   options.scale = o.scale;
   options.repeats = o.repeats;

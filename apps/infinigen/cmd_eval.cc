@@ -14,7 +14,6 @@
 #include "bench/machine_info.h"
 #include "bench/perplexity.h"
 #include "core/model_loader.h"
-#include "core/ops.h"
 #include "core/output_directory.h"
 
 namespace infinigen::cli {
@@ -177,9 +176,14 @@ int eval(EvalCommandOptions& o) {
   INFINIGEN_CHECK(kv_dtype != DType::BF16, "--kv-dtype must be f16 or f32");
   std::vector<SweepPoint> points = sweep(o);
 
+  // One device for the whole sweep: CUDA only when it runs every policy in it.
+  bool cuda_runs_sweep = true;
+  for (const SweepPoint& p : points) {
+    cuda_runs_sweep = cuda_runs_sweep && policy_runs_on(p.offload.policy, Device::Cuda);
+  }
   std::string fallback;
-  const Device device = resolve_device(parse_device_request(o.device),
-                                       ops::device_runs_transformer(Device::Cuda), &fallback);
+  const Device device = resolve_device(parse_device_request(o.device), cuda_runs_sweep, &fallback,
+                                       "every policy of this sweep");
   if (!fallback.empty()) std::fprintf(stderr, "infinigen: %s\n", fallback.c_str());
   ModelLoadOptions load_options;
   load_options.device = device;

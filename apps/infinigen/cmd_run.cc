@@ -10,7 +10,6 @@
 #include "apps/infinigen/run_report.h"
 #include "core/generation.h"
 #include "core/model_loader.h"
-#include "core/ops.h"
 #include "offload/runtime.h"
 
 namespace infinigen::cli {
@@ -131,8 +130,10 @@ int run(const RunOptions& o) {
   INFINIGEN_CHECK(kv_dtype != DType::BF16, "--kv-dtype must be f16 or f32");
 
   std::string fallback;
-  const Device device = resolve_device(parse_device_request(o.device),
-                                       ops::device_runs_transformer(Device::Cuda), &fallback);
+  const KvPolicy policy = parse_kv_policy(o.policy);
+  const Device device =
+      resolve_device(parse_device_request(o.device), policy_runs_on(policy, Device::Cuda),
+                     &fallback, "--policy " + o.policy);
   if (!fallback.empty()) std::fprintf(stderr, "infinigen: %s\n", fallback.c_str());
 
   INFINIGEN_CHECK(o.link_gbps >= 0, "--emulate-link-gbps must be >= 0, got ", o.link_gbps);
@@ -143,7 +144,7 @@ int run(const RunOptions& o) {
   INFINIGEN_CHECK(o.device_memory_gib >= 0, "--device-memory must be >= 0, got ",
                   o.device_memory_gib);
   OffloadOptions offload;
-  offload.policy = parse_kv_policy(o.policy);
+  offload.policy = policy;
   offload.weights_gpu_percent = o.weights_gpu_percent;
   offload.link = {o.link_gbps, o.link_latency_us};
   offload.kv_block_tokens = o.kv_block_tokens;

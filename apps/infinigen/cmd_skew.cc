@@ -52,8 +52,9 @@ Command add_skew_command(CLI::App& app) {
   auto o = std::make_shared<SkewCommandOptions>();
   app.add_option("--model,-m", o->model, "Checkpoint directory (or \"builtin\")")->required();
   app.add_option("--out,-o", o->out, "Output directory (must not exist, or be empty)")->required();
-  app.add_option("--calib-file", o->calib_file,
-                 "Calibration text (default: the bundled calibration text, configs/calibration.txt)");
+  app.add_option(
+      "--calib-file", o->calib_file,
+      "Calibration text (default: the bundled calibration text, configs/calibration.txt)");
   o->calib_len_option = app.add_option("--calib-len", o->calib_len,
                                        "Calibration tokens, BOS included (default: 2048, capped "
                                        "at the model's max_positions)");

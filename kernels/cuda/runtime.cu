@@ -7,13 +7,21 @@
 
 namespace infinigen::kernels::cuda {
 
-int device_count() {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess) {
-    cudaGetLastError();  // clear the sticky "no driver" / "no device" error
-    return 0;
-  }
-  return count;
+int device_count(int* count, int* driver_version, int* runtime_version) {
+  *count = 0;
+  *driver_version = 0;
+  *runtime_version = 0;
+  cudaDriverGetVersion(driver_version);  // 0 when no driver is installed
+  cudaRuntimeGetVersion(runtime_version);
+  const cudaError_t status = cudaGetDeviceCount(count);
+  if (status == cudaSuccess) return 0;
+  cudaGetLastError();  // clear the sticky error
+  *count = 0;
+  // No GPU, or no driver at all (the runtime then reports an insufficient driver of version 0):
+  // a machine without CUDA, not a failure.
+  if (status == cudaErrorNoDevice) return 0;
+  if (status == cudaErrorInsufficientDriver && *driver_version == 0) return 0;
+  return status;
 }
 
 int device_properties(int index, DeviceProperties* out) {

@@ -8,8 +8,11 @@
 
 namespace infinigen::kernels::cuda {
 
-// Number of usable devices; 0 when there is no driver or no GPU (never an error).
-int device_count();
+// Number of usable devices in *count: 0, with success, when no driver is installed or there is
+// no GPU. Any other failure (a driver older than this runtime needs, a broken installation) is
+// returned as its error code, with the driver's version (e.g. 12040 for 12.4; 0 when unknown)
+// in *driver_version and this runtime's in *runtime_version.
+int device_count(int* count, int* driver_version, int* runtime_version);
 
 struct DeviceProperties {
   char name[256];
