@@ -6,6 +6,7 @@
 #include <random>
 
 #include "core/error.h"
+#include "core/interrupt.h"
 
 namespace infinigen {
 namespace {
@@ -110,20 +111,31 @@ GenerationResult generate(OptModel& model, const GenerationRequest& request,
                  : std::make_unique<KvCache>(config, B, capacity, request.kv_dtype, model.device());
   KvStore& cache = *store;
 
-  auto start = std::chrono::steady_clock::now();
-  result.last_logits = model.prefill(tokens, first_valid, cache);
-  std::vector<int32_t> next = emit(0, result.last_logits);
-  result.prefill_seconds = seconds_since(start);
-  if (progress) progress(1, request.gen_len);
+  int64_t emitted = 0;  // token positions generated so far, for an interruption's message
+  return with_interrupt_context(
+      [&] {
+        auto start = std::chrono::steady_clock::now();
+        result.last_logits = model.prefill(tokens, first_valid, cache);
+        std::vector<int32_t> next = emit(0, result.last_logits);
+        result.prefill_seconds = seconds_since(start);
+        emitted = 1;
+        if (progress) progress(1, request.gen_len);
 
-  start = std::chrono::steady_clock::now();
-  for (int64_t step = 1; step < request.gen_len; ++step) {
-    result.last_logits = model.decode(next, cache);
-    next = emit(step, result.last_logits);
-    if (progress) progress(step + 1, request.gen_len);
-  }
-  result.decode_seconds = seconds_since(start);
-  return result;
+        start = std::chrono::steady_clock::now();
+        for (int64_t step = 1; step < request.gen_len; ++step) {
+          result.last_logits = model.decode(next, cache);
+          next = emit(step, result.last_logits);
+          emitted = step + 1;
+          if (progress) progress(step + 1, request.gen_len);
+        }
+        result.decode_seconds = seconds_since(start);
+        return result;
+      },
+      [&] {
+        return emitted == 0 ? std::string(" during the prefill")
+                            : cat(" after ", emitted, " of ", request.gen_len,
+                                  " tokens per sequence (prefill ", result.prefill_seconds, " s)");
+      });
 }
 
 std::vector<std::vector<int32_t>> synthetic_prompts(int64_t batch, int64_t prompt_len,

@@ -3,6 +3,7 @@
 
 #include <cmath>
 
+#include "core/interrupt.h"
 #include "core/ops.h"
 
 namespace infinigen {
@@ -94,6 +95,7 @@ Tensor OptModel::forward(const std::vector<int32_t>& tokens, int64_t n, KvStore&
 
   ops::embed(tokens, positions, weights_.embed_tokens, weights_.embed_positions, h);
   for (int64_t l = 0; l < c.num_layers; ++l) {
+    check_interrupt();
     cache.begin_layer(l);
     const OptLayerWeights& w = layers_->layer(l);
     // Self-attention block: h += out_proj(attention(LN(h))).

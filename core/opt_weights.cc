@@ -3,6 +3,8 @@
 
 #include <string_view>
 
+#include "core/interrupt.h"
+
 namespace infinigen {
 namespace {
 
@@ -136,7 +138,10 @@ OptWeights load_opt_weights(const SafetensorsCheckpoint& checkpoint, const Model
   const std::vector<std::string> stored = check_opt_checkpoint(checkpoint, config);
   const std::vector<OptTensorSpec> specs = opt_tensor_specs(config);
   OptWeightsBuilder builder(config, device);
-  for (size_t i = 0; i < specs.size(); ++i) builder.add(specs[i].name, checkpoint.load(stored[i]));
+  for (size_t i = 0; i < specs.size(); ++i) {
+    check_interrupt();
+    builder.add(specs[i].name, checkpoint.load(stored[i]));
+  }
   return builder.finish();
 }
 

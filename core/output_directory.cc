@@ -36,10 +36,35 @@ void write_directory_atomically(const fs::path& target,
   }
 }
 
+fs::path staging_path(const fs::path& target) {
+  std::string name = ".";
+  name.append(target.filename().string()).append(".partial-").append(std::to_string(getpid()));
+  return target.parent_path() / name;
+}
+
+void replace_file(const fs::path& staging, const fs::path& target) {
+  std::error_code error;
+  fs::rename(staging, target, error);
+  if (error) {
+    fs::remove(staging, error);
+    fail(target.string(), ": cannot write (", error.message(), ")");
+  }
+}
+
 void write_text_file(const fs::path& path, std::string_view text) {
-  std::ofstream out(path, std::ios::binary);
-  out.write(text.data(), static_cast<std::streamsize>(text.size()));
-  INFINIGEN_CHECK(out.good(), path.string(), ": cannot write");
+  const fs::path staging = staging_path(path);
+  {
+    std::ofstream out(staging, std::ios::binary);
+    out.write(text.data(), static_cast<std::streamsize>(text.size()));
+    out.flush();
+    if (!out.good()) {
+      out.close();
+      std::error_code ignored;
+      fs::remove(staging, ignored);
+      fail(path.string(), ": cannot write (disk full or not writable?)");
+    }
+  }
+  replace_file(staging, path);
 }
 
 }  // namespace infinigen

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 #include <numbers>
 
+#include "core/interrupt.h"
 #include "core/output_directory.h"
 #include "core/resources.h"
 #include "core/safetensors.h"
@@ -221,6 +222,7 @@ void generate_synthetic_opt(const ModelConfig& config, const SyntheticModelOptio
                             const std::function<void(const std::string&, const Tensor&)>& sink) {
   const Generator generator(config, options);
   for (const OptTensorSpec& spec : opt_tensor_specs(config)) {
+    check_interrupt();
     sink(spec.name, generator.make(spec.name, spec.shape));
   }
 }

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/interrupt.h"
 #include "core/ops.h"
 #include "offload/h2o_kv.h"
 #include "offload/infinigen_kv.h"
@@ -105,7 +106,8 @@ OffloadRun run_offloaded(const ModelSource& source, const GenerationRequest& req
   run.plan = plan_offloaded_run(memory, options, device);
 
   // Weights: load to the host, then place (FlexGen's per-tensor rule).
-  OptWeights weights = load_weights(source, Device::Cpu);
+  OptWeights weights = with_interrupt_context([&] { return load_weights(source, Device::Cpu); },
+                                              [] { return " while loading the weights"; });
   const std::vector<WeightHome> homes = place_weights(config, options.weights_gpu_percent);
   TransferEngine engine(device, options.link);
   std::vector<OptLayerWeights> layers = std::move(weights.layers);

@@ -5,6 +5,8 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -102,6 +104,56 @@ void expect_one_line_error(const std::vector<std::string>& args,
     EXPECT_NE(r.err.find(fragment), std::string::npos)
         << joined << "\nmissing '" << fragment << "' in: " << r.err;
   }
+}
+
+BackgroundInfinigen::BackgroundInfinigen(const std::vector<std::string>& args)
+    : capture_("background") {
+  std::vector<std::string> argv = {INFINIGEN_BINARY};
+  argv.insert(argv.end(), args.begin(), args.end());
+  const std::string out = (capture_.path() / "out").string();
+  const std::string err = (capture_.path() / "err").string();
+  std::fflush(nullptr);
+  pid_ = fork();
+  if (pid_ == 0) {
+    std::vector<char*> raw;
+    for (std::string& a : argv) raw.push_back(a.data());
+    raw.push_back(nullptr);
+    if (!std::freopen("/dev/null", "r", stdin) || !std::freopen(out.c_str(), "w", stdout) ||
+        !std::freopen(err.c_str(), "w", stderr)) {
+      _exit(126);
+    }
+    execv(raw[0], raw.data());
+    _exit(127);
+  }
+  EXPECT_GT(pid_, 0) << "fork failed";
+}
+
+BackgroundInfinigen::~BackgroundInfinigen() {
+  if (pid_ > 0 && !exited_) {
+    kill(pid_, SIGKILL);
+    waitpid(pid_, &status_, 0);
+  }
+}
+
+bool BackgroundInfinigen::running() {
+  if (pid_ <= 0 || exited_) return false;
+  exited_ = waitpid(pid_, &status_, WNOHANG) == pid_;
+  return !exited_;
+}
+
+CommandResult BackgroundInfinigen::signal_and_wait(int signal, double timeout_s, double* seconds) {
+  const auto start = std::chrono::steady_clock::now();
+  const auto elapsed = [&] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
+  if (running()) kill(pid_, signal);
+  while (running() && elapsed() < timeout_s) usleep(10000);
+  *seconds = elapsed();
+  CommandResult result;
+  result.exit_code = exited_ && WIFEXITED(status_) ? WEXITSTATUS(status_) : -1;
+  result.out = slurp(capture_.path() / "out");
+  result.err = slurp(capture_.path() / "err");
+  return result;
 }
 
 }  // namespace infinigen::testing_util

@@ -39,6 +39,29 @@ struct CommandResult {
 CommandResult run_infinigen(const std::vector<std::string>& args,
                             const std::vector<std::string>& env = {});
 
+// The infinigen binary running in the background (stdout and stderr captured), for tests that
+// signal it. The destructor kills it if it still runs.
+class BackgroundInfinigen {
+ public:
+  explicit BackgroundInfinigen(const std::vector<std::string>& args);
+  ~BackgroundInfinigen();
+  BackgroundInfinigen(const BackgroundInfinigen&) = delete;
+  BackgroundInfinigen& operator=(const BackgroundInfinigen&) = delete;
+
+  // True while the process has not exited.
+  bool running();
+  // Sends `signal`, waits at most `timeout_s` for the exit, and returns what it printed and its
+  // exit code (-1 when it did not exit in time, or died of a signal); `seconds` receives the
+  // time from the signal to the exit.
+  CommandResult signal_and_wait(int signal, double timeout_s, double* seconds);
+
+ private:
+  TempDir capture_;
+  int pid_ = -1;
+  int status_ = 0;
+  bool exited_ = false;
+};
+
 // Runs the infinigen binary with `args`, expecting a non-zero exit and exactly one line on
 // stderr that holds every fragment.
 void expect_one_line_error(const std::vector<std::string>& args,

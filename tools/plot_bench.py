@@ -232,7 +232,7 @@ def main():
     fig.suptitle("%s: %s\n(paper's numbers: hollow diamonds; commit %s)" % (
         exp["figure"], exp["title"], result["commit"]), fontsize=10)
     fig.tight_layout()
-    fig.savefig(sys.argv[2], dpi=110)
+    fig.savefig(sys.argv[2], dpi=110, format="png")
 
 
 if __name__ == "__main__":

@@ -73,7 +73,7 @@ def main() -> int:
         result["model"], result["windows"], result["prefill"], result["decode"],
         result["machine"]["device"]), fontsize=9)
     figure.tight_layout()
-    figure.savefig(sys.argv[2], dpi=110)
+    figure.savefig(sys.argv[2], dpi=110, format="png")
     return 0
 
 

@@ -13,6 +13,7 @@
 #include "bench/bench_results.h"
 #include "bench/bench_runner.h"
 #include "core/device.h"
+#include "core/interrupt.h"
 #include "core/output_directory.h"
 #include "offload/hardware_profile.h"
 #include "offload/profile_measurement.h"
@@ -116,9 +117,18 @@ int bench(const BenchCommandOptions& o) {
   const fs::path stem = fs::path(o.out) / experiment.name;
   std::fprintf(stderr, "infinigen: %s (%s), %zu runs at scale %g\n", experiment.name.c_str(),
                experiment.figure.c_str(), experiment.points.size(), o.scale);
-  const BenchReport report = run_experiment(experiment, options, [](const std::string& line) {
-    std::fprintf(stderr, "infinigen: %s\n", line.c_str());
-  });
+  size_t runs_done = 0;
+  const BenchReport report = with_interrupt_context(
+      [&] {
+        return run_experiment(experiment, options, [&](const std::string& line) {
+          ++runs_done;
+          std::fprintf(stderr, "infinigen: %s\n", line.c_str());
+        });
+      },
+      [&] {
+        return cat(" after ", runs_done, " of ", experiment.points.size(), " runs; nothing was ",
+                   "written to ", o.out);
+      });
   const MachineInfo machine = this_machine(options.device);
   const fs::path json_path = stem.string() + ".json";
   const fs::path csv_path = stem.string() + ".csv";

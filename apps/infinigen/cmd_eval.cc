@@ -13,6 +13,7 @@
 #include "apps/infinigen/progress.h"
 #include "bench/machine_info.h"
 #include "bench/perplexity.h"
+#include "core/interrupt.h"
 #include "core/model_loader.h"
 #include "core/output_directory.h"
 
@@ -221,12 +222,19 @@ int eval(EvalCommandOptions& o) {
   {
     Progress progress("evaluating");
     for (size_t i = 0; i < points.size(); ++i) {
-      points[i].result =
-          measure_perplexity(model, windows, o.perplexity, points[i].offload, device, kv_dtype,
-                             [&](int64_t done, int64_t total) {
-                               progress.update(static_cast<int64_t>(i) * total + done,
-                                               static_cast<int64_t>(points.size()) * total);
-                             });
+      points[i].result = with_interrupt_context(
+          [&] {
+            return measure_perplexity(model, windows, o.perplexity, points[i].offload, device,
+                                      kv_dtype, [&](int64_t done, int64_t total) {
+                                        progress.update(
+                                            static_cast<int64_t>(i) * total + done,
+                                            static_cast<int64_t>(points.size()) * total);
+                                      });
+          },
+          [&] {
+            return cat(" in setting ", i + 1, " of ", points.size(), "; nothing was written to ",
+                       o.out);
+          });
     }
   }
   double full_perplexity = 0;

@@ -3,6 +3,7 @@
 
 #include "apps/infinigen/commands.h"
 #include "apps/infinigen/progress.h"
+#include "core/interrupt.h"
 #include "core/model_config.h"
 #include "core/synthetic_model.h"
 
@@ -28,8 +29,12 @@ int make_model(const MakeModelOptions& o) {
   INFINIGEN_CHECK(s.attention_sink_logit >= 0, "--attention-sink-logit must be >= 0");
   {
     Progress progress("writing tensors");
-    write_synthetic_checkpoint(config, s, o.out,
-                               [&](int64_t done, int64_t total) { progress.update(done, total); });
+    with_interrupt_context(
+        [&] {
+          write_synthetic_checkpoint(
+              config, s, o.out, [&](int64_t done, int64_t total) { progress.update(done, total); });
+        },
+        [&] { return "; " + o.out + " was not written"; });
   }
   std::printf("wrote %s (%.1fM parameters, %s, seed %llu) to %s\n", o.preset.c_str(),
               static_cast<double>(config.num_parameters()) / 1e6,

@@ -4,6 +4,7 @@
 
 #include "apps/infinigen/commands.h"
 #include "apps/infinigen/progress.h"
+#include "core/interrupt.h"
 #include "core/model_loader.h"
 #include "speculate/skew.h"
 
@@ -19,22 +20,26 @@ struct SkewCommandOptions {
 };
 
 int skew(const SkewCommandOptions& o) {
-  // The built-in model is a checkpoint too (generated on first use).
+  // The built-in model is a checkpoint too.
   const std::string in_dir = o.model == kBuiltinModel ? builtin_model_directory() : o.model;
   SkewOptions options;
   options.calib_file = o.calib_file;
   if (o.calib_len_option->count() > 0) options.calib_len = o.calib_len;
   std::optional<Progress> progress;
   std::string stage;
-  const SkewReport report =
-      skew_checkpoint(in_dir, o.out, options, [&](const std::string& s, int64_t done, int64_t n) {
-        if (s != stage) {
-          progress.reset();  // ends the previous stage's line
-          progress.emplace(s);
-          stage = s;
-        }
-        progress->update(done, n);
-      });
+  const SkewReport report = with_interrupt_context(
+      [&] {
+        return skew_checkpoint(in_dir, o.out, options,
+                               [&](const std::string& s, int64_t done, int64_t n) {
+                                 if (s != stage) {
+                                   progress.reset();  // ends the previous stage's line
+                                   progress.emplace(s);
+                                   stage = s;
+                                 }
+                                 progress->update(done, n);
+                               });
+      },
+      [&] { return "; " + o.out + " was not written"; });
   progress.reset();
   std::printf(
       "skewed %s into %s: %zu layers, calibration %lld tokens (%s), %s; query energy in the top "

@@ -9,6 +9,7 @@
 #include "apps/infinigen/commands.h"
 #include "apps/infinigen/yaml_config.h"
 #include "core/error.h"
+#include "core/interrupt.h"
 
 int main(int argc, char** argv) {
   using namespace infinigen;
@@ -52,8 +53,12 @@ int main(int argc, char** argv) {
     std::fputs(app.help().c_str(), stdout);
     return 0;
   }
+  install_interrupt_handlers();
   try {
     return commands.at(app.get_subcommands().front())();
+  } catch (const Interrupted& e) {
+    std::fprintf(stderr, "infinigen: %s\n", e.what());
+    return 128 + e.signal();  // the shell's convention: 130 for SIGINT, 143 for SIGTERM
   } catch (const std::exception& e) {
     std::fprintf(stderr, "infinigen: error: %s\n", e.what());
     return 1;

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/output_directory.h"
 
 namespace infinigen::cli {
 
@@ -92,9 +93,16 @@ void plot(const std::string& script_name, const fs::path& json_path, const fs::p
   const std::string script = find_plot_script(script_name);
   INFINIGEN_CHECK(!script.empty(), "wrote ", json_path.string(), " and its CSV, but tools/",
                   script_name, " was not found (pass --no-plot)");
-  const int status = run_process({python, script, json_path.string(), png_path.string()}, false);
+  // The script writes a hidden sibling, renamed once complete (no half-drawn PNG).
+  const fs::path staging = staging_path(png_path);
+  const int status = run_process({python, script, json_path.string(), staging.string()}, false);
+  if (status != 0) {
+    std::error_code ignored;
+    fs::remove(staging, ignored);
+  }
   INFINIGEN_CHECK(status == 0, "wrote ", json_path.string(), " and its CSV, but ", script,
                   " failed (exit status ", status, ")");
+  replace_file(staging, png_path);
 }
 
 }  // namespace infinigen::cli

@@ -1,0 +1,102 @@
+// tests: SIGINT and SIGTERM stop every long command within seconds, with one line saying what was
+// done, exit status 128 + signal, and nothing left under the name of an output.
+#include <gtest/gtest.h>
+
+#include <csignal>
+#include <filesystem>
+#include <regex>
+#include <thread>
+
+#include "tests/test_util.h"
+
+namespace infinigen {
+namespace {
+
+namespace fs = std::filesystem;
+using testing_util::BackgroundInfinigen;
+using testing_util::CommandResult;
+using testing_util::run_infinigen;
+using testing_util::TempDir;
+
+// A signal is honoured at the next layer of a forward pass or the next tensor written: within
+// a second or two (checked with room for a loaded machine).
+constexpr double kStopWithin = 3.0;
+
+// Starts `args`, waits `delay_s` (the command must still run then), sends `signal` and checks
+// the exit: status 128 + signal, one line on stderr with every fragment.
+void expect_interrupted(const std::vector<std::string>& args, double delay_s, int signal,
+                        const std::vector<std::string>& fragments) {
+  BackgroundInfinigen command(args);
+  std::this_thread::sleep_for(std::chrono::duration<double>(delay_s));
+  ASSERT_TRUE(command.running()) << args.front() << " finished before the signal";
+  double seconds = 0;
+  const CommandResult r = command.signal_and_wait(signal, 30.0, &seconds);
+  EXPECT_EQ(r.exit_code, 128 + signal) << args.front() << "\n" << r.err;
+  EXPECT_LT(seconds, kStopWithin) << args.front();
+  const std::string last_line = r.err.substr(r.err.rfind('\n', r.err.size() - 2) + 1);
+  for (const std::string& fragment : fragments) {
+    EXPECT_NE(last_line.find(fragment), std::string::npos)
+        << args.front() << ": missing '" << fragment << "' in: " << r.err;
+  }
+}
+
+// Nothing under `name` in `dir`, and no hidden staging sibling left either.
+void expect_nothing_named(const fs::path& dir, const std::string& name) {
+  if (!fs::exists(dir)) return;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    EXPECT_EQ(entry.path().filename().string().find(name), std::string::npos)
+        << entry.path() << " was left behind";
+  }
+}
+
+TEST(Interrupt, RunStopsWithWhatItDid) {
+  for (double delay : {0.5, 4.0}) {  // while the weights are made, then later
+    BackgroundInfinigen run(
+        {"run", "--model", "opt-125m", "--prompt-len", "256", "--batch", "4", "--gen-len", "1700"});
+    std::this_thread::sleep_for(std::chrono::duration<double>(delay));
+    ASSERT_TRUE(run.running());
+    double seconds = 0;
+    const CommandResult r = run.signal_and_wait(SIGINT, 30.0, &seconds);
+    EXPECT_EQ(r.exit_code, 130) << r.err;
+    EXPECT_LT(seconds, kStopWithin);
+    EXPECT_TRUE(std::regex_search(
+        r.err, std::regex("^infinigen: interrupted by SIGINT (while loading the weights|during the "
+                          "prefill|after [0-9]+ of 1700 tokens per sequence .*)\\n$")))
+        << r.err;
+  }
+}
+
+TEST(Interrupt, MakeModelLeavesNoDirectory) {
+  TempDir dir("interrupt-make");
+  expect_interrupted({"make-model", "--preset", "opt-1.3b", "--out", (dir.path() / "m").string()},
+                     1.0, SIGTERM, {"interrupted by SIGTERM", "was not written"});
+  expect_nothing_named(dir.path(), "m");
+}
+
+TEST(Interrupt, SkewLeavesNoDirectory) {
+  TempDir dir("interrupt-skew");
+  const std::string model = (dir.path() / "model").string();
+  ASSERT_EQ(run_infinigen({"make-model", "--preset", "opt-125m", "--out", model}).exit_code, 0);
+  expect_interrupted({"skew", "--model", model, "--out", (dir.path() / "skewed").string()}, 1.0,
+                     SIGINT, {"interrupted by SIGINT", "was not written"});
+  expect_nothing_named(dir.path(), "skewed");
+}
+
+TEST(Interrupt, BenchWritesNoResults) {
+  TempDir dir("interrupt-bench");
+  expect_interrupted({"bench", "-e", "fig15", "--scale", "0.1", "--out", dir.str()}, 2.0, SIGTERM,
+                     {"interrupted by SIGTERM", "of 20 runs", "nothing was written"});
+  expect_nothing_named(dir.path(), "fig15");
+}
+
+TEST(Interrupt, EvalWritesNoResults) {
+  TempDir dir("interrupt-eval");
+  expect_interrupted(
+      {"eval", "--text", std::string(INFINIGEN_FIXTURES_DIR) + "/heldout/kjv_Hosea.txt", "--out",
+       dir.str()},
+      2.0, SIGINT, {"interrupted by SIGINT", "setting 1 of 2"});
+  expect_nothing_named(dir.path(), "eval");
+}
+
+}  // namespace
+}  // namespace infinigen
