@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Runs every measurement of docs/accuracy.md: `infinigen eval` on the built-in model over the
+# held-out documents of tools/make_corpus.py (windows of the model's full context, 128 tokens
+# prefilled and the rest scored one decode step each), then prints the Markdown tables.
+#
+#   python3 tools/make_corpus.py --out build/corpus      # the held-out documents
+#   cmake --workflow --preset release
+#   tools/accuracy_sweeps.sh [OUT_DIR]                   # default build/accuracy; ~1 h on 2 cores
+#
+# INFINIGEN (default build/release/bin/infinigen) and WINDOWS (default 16) can be overridden.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+bin=${INFINIGEN:-build/release/bin/infinigen}
+out=${1:-build/accuracy}
+windows=${WINDOWS:-16}
+shopt -s nullglob
+texts=(build/corpus/heldout/*.txt)
+if [ ${#texts[@]} -eq 0 ]; then
+  echo "accuracy_sweeps: no held-out documents in build/corpus/heldout (run tools/make_corpus.py)" >&2
+  exit 1
+fi
+text_args=()
+for text in "${texts[@]}"; do text_args+=(--text "$text"); done
+mkdir -p "$out"
+
+run() {  # run NAME [eval options...]: one sweep into $out/NAME
+  local name=$1
+  shift
+  echo "== $name" >&2
+  "$bin" eval "${text_args[@]}" --max-windows "$windows" --out "$out/$name" "$@" >"$out/$name.txt"
+}
+
+run alpha --policy full,infinigen --alpha 1,2,3,4,5,6,7,8,9
+# H2O with the budget InfiniGen loads at alpha 4 (its share of the full KV over all layers).
+budget=$(python3 -c "import json,sys; p=[p for p in json.load(open(sys.argv[1]))['points'] if p['settings'].startswith('alpha 4,')][0]; print(round(p['kv_fetched'], 3))" "$out/alpha/eval.json")
+run compare --policy full,infinigen,h2o,int4 --alpha 4 --h2o-budget "$budget,0.2"
+run pool --policy full,infinigen --kv-pool-limit 0,0.8 --eviction counter,lru,fifo
+run ratio --policy infinigen --partial-ratio 0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0 \
+  --partial-index-rule qk,q
+run keys --policy infinigen --partial-key-dtype f32,f16
+run fetch-rule-batch --policy infinigen --fetch-rule batch
+[ -d "$out/builtin-skewed" ] || "$bin" skew --model builtin --out "$out/builtin-skewed"
+run skewed --model "$out/builtin-skewed" --policy full,infinigen --alpha 1,2,4,6
+
+for name in alpha compare pool ratio keys fetch-rule-batch skewed; do
+  echo
+  echo "### $name"
+  echo
+  if [ "$name" = compare ]; then
+    python3 tools/eval_table.py "$out/$name/eval.json" --chunks
+  else
+    python3 tools/eval_table.py "$out/$name/eval.json"
+  fi
+done
