@@ -72,7 +72,7 @@ int64_t check_request(const ModelConfig& config, const GenerationRequest& reques
   return longest;
 }
 
-GenerationResult generate(OptModel& model, const GenerationRequest& request,
+GenerationResult generate(Model& model, const GenerationRequest& request,
                           const ProgressCallback& progress, const KvStoreFactory& make_store) {
   const ModelConfig& config = model.config();
   const int64_t B = static_cast<int64_t>(request.prompts.size());

@@ -10,7 +10,7 @@
 #include <memory>
 #include <vector>
 
-#include "core/opt_model.h"
+#include "core/model.h"
 #include "core/sampler.h"
 
 namespace infinigen {
@@ -53,7 +53,7 @@ using KvStoreFactory = std::function<std::unique_ptr<KvStore>(int64_t batch, int
 // generates exactly gen_len tokens per sequence (EOS does not stop a sequence, as in FlexGen's
 // benchmarks), sampled or forced.
 // KV lives in `make_store`'s store, or in a resident KvCache on the model's device when empty.
-GenerationResult generate(OptModel& model, const GenerationRequest& request,
+GenerationResult generate(Model& model, const GenerationRequest& request,
                           const ProgressCallback& progress = {},
                           const KvStoreFactory& make_store = {});
 

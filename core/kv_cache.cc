@@ -30,7 +30,7 @@ void KvStore::end_pass(int64_t n_new) {
 KvCache::KvCache(const ModelConfig& config, int64_t batch, int64_t capacity, DType dtype,
                  Device device)
     : KvStore(batch, capacity), dtype_(dtype) {
-  const Shape shape = {batch, config.num_heads, capacity, config.head_dim()};
+  const Shape shape = {batch, config.kv_heads(), capacity, config.head_dim()};
   for (int64_t l = 0; l < config.num_layers; ++l) {
     keys_.push_back(Tensor::empty(shape, dtype, device));
     values_.push_back(Tensor::empty(shape, dtype, device));

@@ -16,7 +16,16 @@
 
 namespace infinigen {
 
-struct OptLayerWeights;
+// What a layer's attention computes from, before it runs: the input of its Q/K/V projections
+// (B * n_new, D) (the normalised hidden state in a pre-norm model), its queries (B * n_new, H * d,
+// already scaled by 1/sqrt(d)), and the query projection that made them, weight (H * d, D) in
+// HF layout and bias (H * d; undefined when the model has none).
+struct AttentionInput {
+  const Tensor& x;
+  const Tensor& queries;
+  const Tensor& q_weight;
+  const Tensor& q_bias;
+};
 
 class KvStore {
  public:
@@ -44,14 +53,10 @@ class KvStore {
     const std::vector<int32_t>* first_valid = nullptr;
   };
 
-  // What layer `layer` computes from, before its attention: the LayerNorm output `normed`
-  // (B * n_new, D), the queries `queries` (B * n_new, H * d, already scaled by 1/sqrt(d)), and the
-  // layer's weights. Stores that speculate on the next layer's attention (InfiniGen) or record
-  // activations (skewing) use it; the default ignores it.
-  virtual void observe(int64_t layer, const Tensor& normed, const Tensor& queries,
-                       const OptLayerWeights& weights) {
-    (void)layer, (void)normed, (void)queries, (void)weights;
-  }
+  // What layer `layer` computes from, before its attention. Stores that speculate on the next
+  // layer's attention (InfiniGen), score tokens (H2O) or record activations (skewing) use it;
+  // the default ignores it.
+  virtual void observe(int64_t layer, const AttentionInput& input) { (void)layer, (void)input; }
 
   virtual void begin_pass(int64_t n_new);
   virtual void begin_layer(int64_t layer) { (void)layer; }

@@ -9,6 +9,7 @@
 
 #include "core/error.h"
 #include "core/resources.h"
+#include "core/weights.h"
 
 namespace infinigen {
 namespace {
@@ -29,6 +30,13 @@ int32_t token_id(const json& j, const char* key, int32_t fallback, const std::st
   INFINIGEN_CHECK(v.is_number_integer() && v.get<int64_t>() >= 0, source, ": '", key,
                   "' must be a non-negative integer, got ", v.dump());
   return static_cast<int32_t>(v.get<int64_t>());
+}
+
+bool flag(const json& j, const char* key, bool fallback, const std::string& source) {
+  if (!j.contains(key) || j.at(key).is_null()) return fallback;
+  INFINIGEN_CHECK(j.at(key).is_boolean(), source, ": '", key, "' must be true or false, got ",
+                  j.at(key).dump());
+  return j.at(key).get<bool>();
 }
 
 // A key that must have `expected` for this engine to compute the model correctly.
@@ -80,9 +88,9 @@ json yaml_to_json(const YAML::Node& node) {
 }  // namespace
 
 int64_t ModelConfig::num_parameters() const {
-  const int64_t D = hidden_size, F = ffn_dim;
-  const int64_t per_layer = 4 * (D * D + D) + 2 * D * F + F + D + 4 * D;
-  return vocab_size * D + (max_positions + kPositionOffset) * D + num_layers * per_layer + 2 * D;
+  int64_t total = 0;
+  for (const TensorSpec& spec : weight_layout(*this).all()) total += shape_numel(spec.shape);
+  return total;
 }
 
 size_t ModelConfig::weight_bytes() const {
@@ -90,7 +98,7 @@ size_t ModelConfig::weight_bytes() const {
 }
 
 size_t ModelConfig::kv_bytes_per_token(DType kv_dtype) const {
-  return 2 * static_cast<size_t>(num_layers * hidden_size) * dtype_size(kv_dtype);
+  return 2 * static_cast<size_t>(num_layers * kv_dim()) * dtype_size(kv_dtype);
 }
 
 ModelConfig config_from_json(const json& j, const std::string& source) {
@@ -116,16 +124,19 @@ ModelConfig config_from_json(const json& j, const std::string& source) {
     INFINIGEN_CHECK(id < c.vocab_size, source, ": special token id ", id,
                     " is outside the vocabulary of ", c.vocab_size);
   }
-  require(j, "word_embed_proj_dim", c.hidden_size, source,
-          "project_in/project_out between embedding and hidden width is not supported");
-  require(j, "do_layer_norm_before", true, source,
-          "post-LayerNorm OPT such as opt-350m is not supported");
+  // Kept only when it differs from the width (so that code resizing a model, such as bench's
+  // --scale, keeps an unprojected model unprojected).
+  if (j.contains("word_embed_proj_dim") && !j.at("word_embed_proj_dim").is_null()) {
+    const int64_t embed = positive_int(j, "word_embed_proj_dim", source);
+    c.word_embed_dim = embed == c.hidden_size ? 0 : embed;
+  }
+  c.pre_norm = flag(j, "do_layer_norm_before", true, source);
+  // transformers builds the final LayerNorm only for pre-LayerNorm models.
+  c.final_norm = c.pre_norm && !flag(j, "_remove_final_layer_norm", false, source);
   require(j, "activation_function", std::string("relu"), source, "OPT uses ReLU");
   require(j, "enable_bias", true, source, "linear layers without bias are not supported");
   require(j, "layer_norm_elementwise_affine", true, source,
           "LayerNorm without weight and bias is not supported");
-  require(j, "_remove_final_layer_norm", false, source,
-          "checkpoints without the final LayerNorm are not supported");
   require(j, "tie_word_embeddings", true, source, "the LM head must be tied to the embedding");
   for (const char* key : {"torch_dtype", "dtype"}) {
     if (j.contains(key) && j.at(key).is_string()) {
@@ -187,12 +198,12 @@ json config_to_hf_json(const ModelConfig& c) {
               {"ffn_dim", c.ffn_dim},
               {"vocab_size", c.vocab_size},
               {"max_position_embeddings", c.max_positions},
-              {"word_embed_proj_dim", c.hidden_size},
-              {"do_layer_norm_before", true},
+              {"word_embed_proj_dim", c.embed_dim()},
+              {"do_layer_norm_before", c.pre_norm},
               {"activation_function", "relu"},
               {"enable_bias", true},
               {"layer_norm_elementwise_affine", true},
-              {"_remove_final_layer_norm", false},
+              {"_remove_final_layer_norm", c.pre_norm && !c.final_norm},
               {"tie_word_embeddings", true},
               {"pad_token_id", c.pad_token_id},
               {"bos_token_id", c.bos_token_id},

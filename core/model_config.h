@@ -1,5 +1,6 @@
-// core: the architecture of an OPT model, read from a preset (configs/models/*.yaml) or from a
-// checkpoint's HF config.json (same keys), validated, and written back as config.json.
+// core: the architecture of a model, read from a preset (configs/models/*.yaml) or from a
+// checkpoint's HF config.json (same keys), validated, and written back as config.json. The
+// family (HF model_type) picks the forward pass and the tensor layout (core/models/).
 #pragma once
 
 #include <cstdint>
@@ -13,33 +14,37 @@
 namespace infinigen {
 
 struct ModelConfig {
-  std::string name;           // preset name or checkpoint directory, for messages
-  int64_t hidden_size = 0;    // D
-  int64_t num_layers = 0;     // L
-  int64_t num_heads = 0;      // H
-  int64_t ffn_dim = 0;        // F
-  int64_t vocab_size = 0;     // V
-  int64_t max_positions = 0;  // learned positions; the table has max_positions + 2 rows
+  std::string name;            // preset name or checkpoint directory, for messages
+  std::string family = "opt";  // HF model_type
+  int64_t hidden_size = 0;     // D
+  int64_t num_layers = 0;      // L
+  int64_t num_heads = 0;       // H
+  int64_t num_kv_heads = 0;    // H_kv: heads of K and V (0: H; fewer with grouped queries)
+  int64_t ffn_dim = 0;         // F
+  int64_t vocab_size = 0;      // V
+  int64_t max_positions = 0;   // context length (OPT: learned positions)
+  int64_t word_embed_dim = 0;  // E: token embedding width (0: D; OPT's word_embed_proj_dim)
+  bool pre_norm = true;        // norm before each block (OPT: do_layer_norm_before)
+  bool final_norm = true;      // a norm after the last layer
   int32_t pad_token_id = 1;
   int32_t bos_token_id = 2;
   int32_t eos_token_id = 2;
   float layer_norm_eps = 1e-5f;
   DType dtype = DType::F16;  // storage type of the weights (HF torch_dtype)
 
-  // OPT offsets learned position ids by 2 (rows 0 and 1 of the table are never used by real
-  // tokens; left padding maps to row 1).
-  static constexpr int64_t kPositionOffset = 2;
-
   int64_t head_dim() const { return hidden_size / num_heads; }  // d
-  int64_t num_parameters() const;  // with the LM head tied to the token embedding
-  size_t weight_bytes() const;     // num_parameters in `dtype` (LayerNorms and biases included)
-  // K and V of one token over all layers, in `kv_dtype`: 2 * L * D * size.
+  int64_t kv_heads() const { return num_kv_heads > 0 ? num_kv_heads : num_heads; }
+  int64_t kv_dim() const { return kv_heads() * head_dim(); }  // width of K or V per token
+  int64_t embed_dim() const { return word_embed_dim > 0 ? word_embed_dim : hidden_size; }
+  int64_t num_parameters() const;  // every tensor of the family's layout (core/weights.h)
+  size_t weight_bytes() const;     // num_parameters in `dtype` (norms and biases included)
+  // K and V of one token over all layers, in `kv_dtype`: 2 * L * H_kv * d * size.
   size_t kv_bytes_per_token(DType kv_dtype) const;
 };
 
 // Parses HF config.json keys (or a preset with the same keys). Architectures this engine does
-// not run correctly (post-LN OPT such as opt-350m, project_in/out, non-ReLU activations, no
-// biases) are refused with an Error naming `source` and the key.
+// not run correctly (non-ReLU OPT, no biases, an untied LM head) are refused with an Error
+// naming `source` and the key.
 ModelConfig config_from_json(const nlohmann::json& json, const std::string& source);
 // <directory>/config.json.
 ModelConfig load_hf_config(const std::string& directory);

@@ -7,7 +7,6 @@
 #include <sstream>
 #include <vector>
 
-#include "core/opt_weights.h"
 #include "core/safetensors.h"
 #include "core/synthetic_model.h"
 
@@ -91,28 +90,28 @@ ModelSource resolve_model(const std::string& spec, const ModelLoadOptions& optio
   }
   source.config = load_hf_config(source.directory);
   // Fail on a malformed checkpoint now, before any planning or allocation.
-  check_opt_checkpoint(SafetensorsCheckpoint::open(source.directory), source.config);
+  check_checkpoint(SafetensorsCheckpoint::open(source.directory), source.config);
   if (fs::exists(fs::path(source.directory) / "vocab.json")) {
     source.tokenizer = Tokenizer::from_directory(source.directory);
   }
   return source;
 }
 
-OptWeights load_weights(const ModelSource& source, Device device) {
+ModelWeights load_weights(const ModelSource& source, Device device) {
   if (source.directory.empty()) {
     SyntheticModelOptions synthetic;
     synthetic.seed = source.seed;
-    return synthetic_opt_weights(source.config, synthetic, device);
+    return synthetic_weights(source.config, synthetic, device);
   }
-  return load_opt_weights(SafetensorsCheckpoint::open(source.directory), source.config, device);
+  return load_checkpoint_weights(SafetensorsCheckpoint::open(source.directory), source.config,
+                                 device);
 }
 
 LoadedModel load_model(const std::string& spec, const ModelLoadOptions& options) {
   ModelSource source = resolve_model(spec, options);
   check_fits_in_memory(source.config, options.device);
   LoadedModel loaded;
-  loaded.model = std::make_unique<OptModel>(source.config, load_weights(source, options.device),
-                                            options.device);
+  loaded.model = make_model(source.config, load_weights(source, options.device), options.device);
   loaded.tokenizer = std::move(source.tokenizer);
   loaded.description = source.description;
   loaded.synthetic = source.synthetic;

@@ -9,7 +9,7 @@
 #include <optional>
 #include <string>
 
-#include "core/opt_model.h"
+#include "core/model.h"
 #include "core/tokenizer.h"
 
 namespace infinigen {
@@ -27,7 +27,7 @@ struct ModelSource {
 };
 
 struct LoadedModel {
-  std::unique_ptr<OptModel> model;
+  std::unique_ptr<Model> model;
   std::optional<Tokenizer> tokenizer;  // absent when a checkpoint ships none
   std::string description;             // e.g. "opt-13b preset on synthetic weights (seed 0)"
   bool synthetic = false;
@@ -48,7 +48,7 @@ std::string builtin_model_directory();
 // anything else.
 ModelSource resolve_model(const std::string& spec, const ModelLoadOptions& options);
 // The weights of `source` on `device`, every tensor checked against the config.
-OptWeights load_weights(const ModelSource& source, Device device);
+ModelWeights load_weights(const ModelSource& source, Device device);
 // resolve_model + load_weights into a model with resident weights, after checking that they fit
 // in available memory.
 LoadedModel load_model(const std::string& spec, const ModelLoadOptions& options);

@@ -106,28 +106,37 @@ void embed(const std::vector<int32_t>& tokens, const std::vector<int32_t>& posit
   const Device device = common_device("embed", {&out, &tokens_table, &positions_table});
   const int64_t n = static_cast<int64_t>(tokens.size());
   const int64_t D = tokens_table.dim(1);
-  INFINIGEN_CHECK(positions.size() == tokens.size(), "embed: ", tokens.size(), " tokens but ",
-                  positions.size(), " positions");
-  INFINIGEN_CHECK(tokens_table.dtype() == positions_table.dtype(), "embed: table dtypes differ");
+  const bool with_positions = positions_table.defined();
   check_shape("embed", out, {n, D});
   for (int64_t i = 0; i < n; ++i) {
     INFINIGEN_CHECK(tokens[i] >= 0 && tokens[i] < tokens_table.dim(0), "token id ", tokens[i],
                     " is outside the vocabulary of ", tokens_table.dim(0));
-    INFINIGEN_CHECK(positions[i] >= 0 && positions[i] < positions_table.dim(0), "position ",
-                    positions[i], " is outside the position table of ", positions_table.dim(0));
   }
+  if (with_positions) {
+    INFINIGEN_CHECK(positions.size() == tokens.size(), "embed: ", tokens.size(), " tokens but ",
+                    positions.size(), " positions");
+    INFINIGEN_CHECK(tokens_table.dtype() == positions_table.dtype(), "embed: table dtypes differ");
+    check_shape("embed", positions_table, {positions_table.dim(0), D});
+    for (int64_t i = 0; i < n; ++i) {
+      INFINIGEN_CHECK(positions[i] >= 0 && positions[i] < positions_table.dim(0), "position ",
+                      positions[i], " is outside the position table of ", positions_table.dim(0));
+    }
+  }
+  const void* position_rows = with_positions ? positions_table.raw() : nullptr;
   if (device == Device::Cuda) {
 #ifdef INFINIGEN_CUDA
-    const Tensor tokens_d = indices_on_cuda(tokens), positions_d = indices_on_cuda(positions);
-    check_cuda("embed",
-               gpu::embed(tokens_d.data<int32_t>(), positions_d.data<int32_t>(), n,
-                          tokens_table.raw(), positions_table.raw(),
-                          gpu_element(tokens_table.dtype()), D, out.data<float>(), kDefaultStream));
+    const Tensor tokens_d = indices_on_cuda(tokens);
+    const Tensor positions_d = with_positions ? indices_on_cuda(positions) : Tensor();
+    check_cuda(
+        "embed",
+        gpu::embed(tokens_d.data<int32_t>(), with_positions ? positions_d.data<int32_t>() : nullptr,
+                   n, tokens_table.raw(), position_rows, gpu_element(tokens_table.dtype()), D,
+                   out.data<float>(), kDefaultStream));
 #endif
     return;
   }
-  cpu::embed(tokens.data(), positions.data(), n, tokens_table.raw(), positions_table.raw(),
-             element(tokens_table.dtype()), D, out.data<float>());
+  cpu::embed(tokens.data(), with_positions ? positions.data() : nullptr, n, tokens_table.raw(),
+             position_rows, element(tokens_table.dtype()), D, out.data<float>());
 }
 
 void layer_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps, Tensor& y) {

@@ -12,7 +12,8 @@ namespace infinigen::ops {
 // True when every op below has a kernel on `device` (the CPU today; CUDA once its kernels land).
 bool device_runs_transformer(Device device);
 
-// out (n, D) = tokens_table[tokens[i]] + positions_table[positions[i]].
+// out (n, D) = tokens_table[tokens[i]] + positions_table[positions[i]]; without a positions
+// table (undefined; positions then unused), out (n, D) = tokens_table[tokens[i]].
 void embed(const std::vector<int32_t>& tokens, const std::vector<int32_t>& positions,
            const Tensor& tokens_table, const Tensor& positions_table, Tensor& out);
 

@@ -54,8 +54,14 @@ class NormalStream {
 Matrix gaussian(const NormalStream& normal, int64_t rows, int64_t cols, float std) {
   Matrix m(rows, cols);
   float* data = m.data();
+  // In chunks, so that an interrupt is noticed within a chunk even in a large embedding table.
+  constexpr int64_t kChunk = int64_t{1} << 22;
+  for (int64_t start = 0; start < rows * cols; start += kChunk) {
+    check_interrupt();
+    const int64_t end = std::min(rows * cols, start + kChunk);
 #pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < rows * cols; ++i) data[i] = std * normal(static_cast<uint64_t>(i));
+    for (int64_t i = start; i < end; ++i) data[i] = std * normal(static_cast<uint64_t>(i));
+  }
   return m;
 }
 
@@ -218,20 +224,21 @@ class Generator {
 
 }  // namespace
 
-void generate_synthetic_opt(const ModelConfig& config, const SyntheticModelOptions& options,
-                            const std::function<void(const std::string&, const Tensor&)>& sink) {
+void generate_synthetic_weights(
+    const ModelConfig& config, const SyntheticModelOptions& options,
+    const std::function<void(const std::string&, const Tensor&)>& sink) {
   const Generator generator(config, options);
-  for (const OptTensorSpec& spec : opt_tensor_specs(config)) {
+  for (const TensorSpec& spec : weight_layout(config).all()) {
     check_interrupt();
     sink(spec.name, generator.make(spec.name, spec.shape));
   }
 }
 
-OptWeights synthetic_opt_weights(const ModelConfig& config, const SyntheticModelOptions& options,
-                                 Device device) {
-  OptWeightsBuilder builder(config, device);
-  generate_synthetic_opt(config, options,
-                         [&](const std::string& name, const Tensor& t) { builder.add(name, t); });
+ModelWeights synthetic_weights(const ModelConfig& config, const SyntheticModelOptions& options,
+                               Device device) {
+  WeightsBuilder builder(config, device);
+  generate_synthetic_weights(
+      config, options, [&](const std::string& name, const Tensor& t) { builder.add(name, t); });
   return builder.finish();
 }
 
@@ -245,13 +252,13 @@ void write_synthetic_checkpoint(const ModelConfig& config, const SyntheticModelO
                   tokenizer.vocab_size(), " tokens");
   write_directory_atomically(target, [&](const std::filesystem::path& staging) {
     std::vector<TensorRecord> records;
-    for (const OptTensorSpec& spec : opt_tensor_specs(config)) {
+    for (const TensorSpec& spec : weight_layout(config).all()) {
       records.push_back({spec.name, config.dtype, spec.shape});
     }
     const int64_t total = static_cast<int64_t>(records.size());
     SafetensorsWriter writer((staging / "model.safetensors").string(), records, {{"format", "pt"}});
     int64_t done = 0;
-    generate_synthetic_opt(config, options, [&](const std::string& name, const Tensor& t) {
+    generate_synthetic_weights(config, options, [&](const std::string& name, const Tensor& t) {
       writer.write(name, t.raw(), t.nbytes());
       if (progress) progress(++done, total);
     });

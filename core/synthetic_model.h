@@ -16,7 +16,7 @@
 #include <string>
 
 #include "core/model_config.h"
-#include "core/opt_weights.h"
+#include "core/weights.h"
 
 namespace infinigen {
 
@@ -32,14 +32,14 @@ struct SyntheticModelOptions {
   float weight_std = 0.02f;             // std of the remaining matrices (as OPT's init_std)
 };
 
-// Calls `sink(name, tensor)` for every tensor of the checkpoint, in opt_tensor_specs order; each
-// tensor is a fresh CPU tensor of config.dtype.
-void generate_synthetic_opt(const ModelConfig& config, const SyntheticModelOptions& options,
-                            const std::function<void(const std::string&, const Tensor&)>& sink);
+// Calls `sink(name, tensor)` for every tensor of the model's layout (weight_layout), in
+// checkpoint order; each tensor is a fresh CPU tensor of config.dtype.
+void generate_synthetic_weights(const ModelConfig& config, const SyntheticModelOptions& options,
+                                const std::function<void(const std::string&, const Tensor&)>& sink);
 
 // Synthetic weights held in memory on `device` (for presets without a checkpoint).
-OptWeights synthetic_opt_weights(const ModelConfig& config, const SyntheticModelOptions& options,
-                                 Device device);
+ModelWeights synthetic_weights(const ModelConfig& config, const SyntheticModelOptions& options,
+                               Device device);
 
 // Writes a complete HF-layout checkpoint into `directory` (created; must not exist or be empty):
 // config.json, model.safetensors, vocab.json and merges.txt (the bundled tokenizer), and

@@ -7,7 +7,7 @@
 #include <limits>
 
 #include "core/error.h"
-#include "core/opt_weights.h"
+#include "core/weights.h"
 #include "offload/h2o_kv.h"
 #include "offload/int4_codec.h"
 #include "offload/memory_planner.h"
@@ -95,11 +95,12 @@ class ScheduleBuilder {
     // Streamed weights: the host-resident tensors of a layer (every layer places alike), as
     // loaded: matrices in the checkpoint dtype, biases and LayerNorm parameters widened to fp32.
     const std::vector<WeightHome> homes = place_weights(c_, in.options.weights_gpu_percent);
-    const std::vector<OptTensorSpec> specs = opt_tensor_specs(c_);
-    for (size_t i = 2; i < 18; ++i) {
-      if (homes[i].on_device) continue;
-      const size_t element = specs[i].shape.size() == 1 ? 4 : w_;
-      weight_bytes_ += static_cast<uint64_t>(shape_numel(specs[i].shape)) * element;
+    const WeightLayout layout = weight_layout(c_);
+    for (size_t i = 0; i < layout.layer.size(); ++i) {  // layer 0's tensors
+      if (homes[layout.first.size() + i].on_device) continue;
+      const Shape& shape = layout.layer[i].shape;
+      const size_t element = shape.size() == 1 ? 4 : w_;
+      weight_bytes_ += static_cast<uint64_t>(shape_numel(shape)) * element;
       weight_chunks_ += 1;
     }
     if (policy_ == KvPolicy::Infinigen) {

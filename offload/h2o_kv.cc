@@ -173,10 +173,9 @@ void H2oKv::issue_store(int64_t layer, std::vector<CopyChunk> chunks, EventPtr a
   staging_read_[l % 2] = stored_[l];
 }
 
-void H2oKv::observe(int64_t layer, const Tensor& normed, const Tensor& queries,
-                    const OptLayerWeights& weights) {
-  (void)layer, (void)normed, (void)weights;
-  queries_ = queries;  // the model's buffer, valid until the layer's attention has run
+void H2oKv::observe(int64_t layer, const AttentionInput& input) {
+  (void)layer;
+  queries_ = input.queries;  // the model's buffer, valid until the layer's attention has run
 }
 
 void H2oKv::append(int64_t layer, const Tensor& keys, const Tensor& values) {

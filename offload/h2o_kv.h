@@ -69,8 +69,7 @@ class H2oKv : public PipelinedKv {
   ~H2oKv() override;
 
   void begin_pass(int64_t n_new) override;
-  void observe(int64_t layer, const Tensor& normed, const Tensor& queries,
-               const OptLayerWeights& weights) override;
+  void observe(int64_t layer, const AttentionInput& input) override;
   void append(int64_t layer, const Tensor& keys, const Tensor& values) override;
   View view(int64_t layer) override;
   void end_pass(int64_t n_new) override;

@@ -4,7 +4,6 @@
 #include <cmath>
 
 #include "core/ops.h"
-#include "core/opt_weights.h"
 #include "speculate/prompt_keep.h"
 
 namespace infinigen {
@@ -56,17 +55,17 @@ void InfinigenKv::issue_load(int64_t layer) {
   load_selection(layer);
 }
 
-void InfinigenKv::observe(int64_t layer, const Tensor& normed, const Tensor& queries,
-                          const OptLayerWeights& weights) {
+void InfinigenKv::observe(int64_t layer, const AttentionInput& input) {
   if (length() == 0) {
-    prefill_queries_ = &queries;
-    prefill_weights_ = &weights;
+    prefill_queries_ = &input.queries;
+    prefill_q_weight_ = &input.q_weight;
+    prefill_q_bias_ = &input.q_bias;
     return;
   }
-  if (check_recall_ || limited()) decode_queries_ = queries;
+  if (check_recall_ || limited()) decode_queries_ = input.queries;
   // Speculate the next layer's attention from this layer's input, and start its load.
   if (layer + 1 < static_cast<int64_t>(partial_.size()) && !dense(layer + 1)) {
-    select_and_load(layer + 1, normed);
+    select_and_load(layer + 1, input.x);
   }
 }
 
@@ -84,9 +83,9 @@ void InfinigenKv::append(int64_t layer, const Tensor& keys, const Tensor& values
     Tensor queries = prefill_queries_->clone();
     ops::scale_inplace(queries, std::sqrt(static_cast<float>(head_dim_)));
     const int64_t r = partial_columns(options_.partial_ratio, head_dim_);
-    partial_[l].build(queries, keys, prefill_weights_->q_weight, prefill_weights_->q_bias,
-                      first_valid(), heads_, slots_, r, options_.index_rule,
-                      limited() ? &position_tokens_[l] : nullptr, options_.partial_key_dtype);
+    partial_[l].build(queries, keys, *prefill_q_weight_, *prefill_q_bias_, first_valid(), heads_,
+                      slots_, r, options_.index_rule, limited() ? &position_tokens_[l] : nullptr,
+                      options_.partial_key_dtype);
     return;
   }
   if (!compact(layer)) {

@@ -38,8 +38,7 @@ class InfinigenKv : public OffloadedKv {
               const SpeculationOptions& options, bool check_recall, const KvPoolLimit& limit = {});
 
   void begin_layer(int64_t layer) override;
-  void observe(int64_t layer, const Tensor& normed, const Tensor& queries,
-               const OptLayerWeights& weights) override;
+  void observe(int64_t layer, const AttentionInput& input) override;
   void append(int64_t layer, const Tensor& keys, const Tensor& values) override;
   View view(int64_t layer) override;
 
@@ -77,10 +76,12 @@ class InfinigenKv : public OffloadedKv {
   bool check_recall_;
   int64_t head_dim_;
   int64_t heads_;
-  int64_t slots_;                            // pool positions per (layer, sequence, head)
-  std::vector<PartialLayer> partial_;        // per layer (unused for dense layers)
-  const Tensor* prefill_queries_ = nullptr;  // this layer's scaled queries, between observe
-  const OptLayerWeights* prefill_weights_ = nullptr;  // and append at prefill
+  int64_t slots_;                      // pool positions per (layer, sequence, head)
+  std::vector<PartialLayer> partial_;  // per layer (unused for dense layers)
+  // Between observe and append at prefill: the layer's scaled queries and query projection.
+  const Tensor* prefill_queries_ = nullptr;
+  const Tensor* prefill_q_weight_ = nullptr;
+  const Tensor* prefill_q_bias_ = nullptr;
   Tensor decode_queries_;  // (B, H * d) of the current layer: recall, dense counters
   std::vector<PartialLayer::Selection> selection_;  // per layer: this step's selection
   std::vector<int32_t> compact_first_valid_;        // (B): left padding of the staged rows

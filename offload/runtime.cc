@@ -106,17 +106,17 @@ OffloadRun run_offloaded(const ModelSource& source, const GenerationRequest& req
   run.plan = plan_offloaded_run(memory, options, device);
 
   // Weights: load to the host, then place (FlexGen's per-tensor rule).
-  OptWeights weights = with_interrupt_context([&] { return load_weights(source, Device::Cpu); },
-                                              [] { return " while loading the weights"; });
+  ModelWeights weights = with_interrupt_context([&] { return load_weights(source, Device::Cpu); },
+                                                [] { return " while loading the weights"; });
   const std::vector<WeightHome> homes = place_weights(config, options.weights_gpu_percent);
   TransferEngine engine(device, options.link);
-  std::vector<OptLayerWeights> layers = std::move(weights.layers);
+  std::vector<TensorTable> layers = std::move(weights.layers);
   weights.layers.clear();
-  for (Tensor* t : {&weights.embed_tokens, &weights.embed_positions, &weights.final_norm_weight,
-                    &weights.final_norm_bias}) {
-    if (t->device() != device) *t = t->to(device);
+  for (auto& [name, tensor] : weights.globals.entries()) {
+    if (tensor.device() != device) tensor = tensor.to(device);
   }
-  OptModel model(config, std::move(weights), device,
+  const std::unique_ptr<Model> model =
+      make_model(config, std::move(weights), device,
                  std::make_unique<StreamedLayers>(config, std::move(layers), homes, device, engine,
                                                   run.stats));
   const KvStoreFactory make_store = [&](int64_t batch,
@@ -141,7 +141,7 @@ OffloadRun run_offloaded(const ModelSource& source, const GenerationRequest& req
     return std::make_unique<OffloadedKv>(config, batch, capacity, request.kv_dtype, device,
                                          options.kv_block_tokens, engine, run.stats);
   };
-  run.result = generate(model, request, progress, make_store);
+  run.result = generate(*model, request, progress, make_store);
   engine.synchronize();
   run.totals = engine.counters();
   return run;

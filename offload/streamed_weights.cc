@@ -6,27 +6,21 @@
 
 namespace infinigen {
 
-std::array<Tensor*, 16> StreamedLayers::slots(OptLayerWeights& w) {
-  // The order of opt_tensor_specs within a layer.
-  return {&w.q_weight,         &w.q_bias,         &w.k_weight,        &w.k_bias,
-          &w.v_weight,         &w.v_bias,         &w.out_weight,      &w.out_bias,
-          &w.attn_norm_weight, &w.attn_norm_bias, &w.fc1_weight,      &w.fc1_bias,
-          &w.fc2_weight,       &w.fc2_bias,       &w.ffn_norm_weight, &w.ffn_norm_bias};
-}
-
-StreamedLayers::StreamedLayers(const ModelConfig& config, std::vector<OptLayerWeights> layers,
+StreamedLayers::StreamedLayers(const ModelConfig& config, std::vector<TensorTable> layers,
                                const std::vector<WeightHome>& homes, Device device,
                                TransferEngine& engine, OffloadStats& stats)
     : num_layers_(config.num_layers), engine_(engine), stats_(stats), layers_(std::move(layers)) {
-  // homes: 2 global tensors, then 16 per layer, then 2 global (opt_tensor_specs order).
-  INFINIGEN_CHECK(homes.size() == 4 + 16 * layers_.size(), "weight placement does not match");
-  on_host_.resize(layers_.size());
+  const WeightLayout layout = weight_layout(config);
+  const size_t n = layout.layer.size(), first = layout.first.size();
+  INFINIGEN_CHECK(homes.size() == first + n * layers_.size() + layout.last.size(),
+                  "weight placement does not match the model's layout");
+  for (const TensorSpec& spec : layout.layer) names_.push_back(spec.name);
+  on_host_.assign(layers_.size(), std::vector<char>(n, 0));
   for (size_t l = 0; l < layers_.size(); ++l) {
-    const auto tensors = slots(layers_[l]);
-    for (size_t i = 0; i < 16; ++i) {
-      const bool host = !homes[2 + 16 * l + i].on_device;
+    for (size_t i = 0; i < n; ++i) {
+      const bool host = !homes[first + n * l + i].on_device;
       on_host_[l][i] = host;
-      Tensor& t = *tensors[i];
+      Tensor& t = *layers_[l].find(names_[i]);
       if (host) {
         // Pinned host copy, the source of every load of this tensor.
         void* pinned = pinned_alloc(t.nbytes());
@@ -39,15 +33,16 @@ StreamedLayers::StreamedLayers(const ModelConfig& config, std::vector<OptLayerWe
       }
     }
   }
-  // Staging: one device tensor per host-resident slot (the same for every layer: all layers
-  // share shapes, and the placement rule depends only on them).
-  for (size_t p = 0; p < 2; ++p) {
-    const auto shapes = slots(layers_[0]);
-    const auto staged = slots(staged_[p]);
-    for (size_t i = 0; i < 16; ++i) {
+  // Staging: one device tensor per host-resident tensor (the same for every layer: all layers
+  // share shapes, and the placement rule depends only on them); resident tensors are filled in
+  // by issue_load.
+  for (TensorTable& staged : staged_) {
+    for (size_t i = 0; i < n; ++i) {
       bool any_host = false;
       for (const auto& host : on_host_) any_host = any_host || host[i];
-      if (any_host) *staged[i] = Tensor::empty(shapes[i]->shape(), shapes[i]->dtype(), device);
+      const Tensor& shape_of = layers_[0].get(names_[i]);
+      staged.add(names_[i],
+                 any_host ? Tensor::empty(shape_of.shape(), shape_of.dtype(), device) : Tensor());
     }
   }
 }
@@ -62,18 +57,17 @@ StreamedLayers::~StreamedLayers() {
 
 void StreamedLayers::issue_load(int64_t layer) {
   const size_t p = static_cast<size_t>(layer % 2);
-  OptLayerWeights& target = staged_[p];
-  const auto sources = slots(layers_[static_cast<size_t>(layer)]);
-  const auto targets = slots(target);
   std::vector<CopyChunk> chunks;
   uint64_t bytes = 0;
-  for (size_t i = 0; i < 16; ++i) {
+  for (size_t i = 0; i < names_.size(); ++i) {
+    const Tensor& source = layers_[static_cast<size_t>(layer)].get(names_[i]);
+    Tensor& target = staged_[p].entries()[i].second;
     if (!on_host_[static_cast<size_t>(layer)][i]) {
-      *targets[i] = *sources[i];  // device-resident: use in place
+      target = source;  // device-resident: use in place
       continue;
     }
-    chunks.push_back({targets[i]->raw(), sources[i]->raw(), sources[i]->nbytes()});
-    bytes += sources[i]->nbytes();
+    chunks.push_back({target.raw(), source.raw(), source.nbytes()});
+    bytes += source.nbytes();
   }
   staged_layer_[p] = layer;
   if (chunks.empty()) {
@@ -85,7 +79,7 @@ void StreamedLayers::issue_load(int64_t layer) {
   loaded_[p] = engine_.load(std::move(chunks));
 }
 
-const OptLayerWeights& StreamedLayers::layer(int64_t layer) {
+const TensorTable& StreamedLayers::layer(int64_t layer) {
   const size_t p = static_cast<size_t>(layer % 2);
   if (staged_layer_[p] != layer) issue_load(layer);  // first use: nothing prefetched it
   const auto start = std::chrono::steady_clock::now();

@@ -10,7 +10,7 @@
 #include <array>
 #include <vector>
 
-#include "core/opt_weights.h"
+#include "core/model.h"
 #include "offload/offload_stats.h"
 #include "offload/transfer_engine.h"
 #include "offload/weight_placement.h"
@@ -19,27 +19,27 @@ namespace infinigen {
 
 class StreamedLayers : public LayerWeightSource {
  public:
-  // `layers` are host tensors in checkpoint dtypes as loaded (LayerNorms and biases widened);
-  // `homes` is place_weights() for the same config.
-  StreamedLayers(const ModelConfig& config, std::vector<OptLayerWeights> layers,
+  // `layers` are host tensors in checkpoint dtypes as loaded (vectors widened to F32); `homes`
+  // is place_weights() for the same config.
+  StreamedLayers(const ModelConfig& config, std::vector<TensorTable> layers,
                  const std::vector<WeightHome>& homes, Device device, TransferEngine& engine,
                  OffloadStats& stats);
   ~StreamedLayers() override;
 
-  const OptLayerWeights& layer(int64_t layer) override;
+  const TensorTable& layer(int64_t layer) override;
   size_t host_bytes() const { return host_bytes_; }
 
  private:
-  // The 16 tensors of a layer in a fixed order, for walking host and staging copies together.
-  static std::array<Tensor*, 16> slots(OptLayerWeights& w);
   void issue_load(int64_t layer);
 
   int64_t num_layers_;
   TransferEngine& engine_;
   OffloadStats& stats_;
-  std::vector<OptLayerWeights> layers_;  // device-resident tensors on the device, others on host
-  std::vector<std::array<bool, 16>> on_host_;
-  std::array<OptLayerWeights, 2> staged_;  // by parity: device copies of host-resident tensors
+  std::vector<std::string> names_;          // a layer's tensors, in the layout's order
+  std::vector<TensorTable> layers_;         // device-resident tensors on the device, others on host
+  std::vector<std::vector<char>> on_host_;  // (L, tensors): lives in pinned host memory
+  std::array<TensorTable, 2> staged_;       // by parity: the layer attention reads (device copies
+                                            // of host-resident tensors, resident ones as they are)
   std::array<int64_t, 2> staged_layer_ = {-1, -1};
   std::array<EventPtr, 2> loaded_;
   size_t host_bytes_ = 0;

@@ -2,37 +2,35 @@
 #include "offload/weight_placement.h"
 
 #include <map>
-#include <string_view>
 
 #include "core/dtype.h"
 #include "core/error.h"
-#include "core/opt_weights.h"
+#include "core/weights.h"
 
 namespace infinigen {
-namespace {
-
-// Group of a tensor: its layer index, or -1 for embeddings, positions and the final LayerNorm.
-int64_t weight_group(const std::string& name) {
-  constexpr std::string_view kLayers = "model.decoder.layers.";
-  if (!name.starts_with(kLayers)) return -1;
-  return std::stoll(name.substr(kLayers.size(), name.find('.', kLayers.size()) - kLayers.size()));
-}
-
-}  // namespace
+namespace {}  // namespace
 
 std::vector<WeightHome> place_weights(const ModelConfig& config, double gpu_percent) {
   INFINIGEN_CHECK(gpu_percent >= 0.0 && gpu_percent <= 100.0, "--weights-gpu-percent must be in ",
                   "[0, 100], got ", gpu_percent);
   const size_t element_bytes = dtype_size(config.dtype);
+  // Group of each tensor: its layer, or -1 for the globals (embeddings, final norm).
+  const WeightLayout layout = weight_layout(config);
   std::vector<WeightHome> homes;
   std::vector<int64_t> groups;
   std::map<int64_t, size_t> group_bytes;
-  for (const OptTensorSpec& spec : opt_tensor_specs(config)) {
+  const auto add = [&](const TensorSpec& spec, int64_t group) {
     homes.push_back(
         {spec.name, static_cast<size_t>(shape_numel(spec.shape)) * element_bytes, true});
-    groups.push_back(weight_group(spec.name));
-    group_bytes[groups.back()] += homes.back().bytes;
+    groups.push_back(group);
+    group_bytes[group] += homes.back().bytes;
+  };
+  for (const TensorSpec& spec : layout.first) add(spec, -1);
+  for (int64_t l = 0; l < layout.num_layers; ++l) {
+    for (const TensorSpec& spec : layout.layer)
+      add({layout.layer_tensor_name(l, spec.name), spec.shape}, l);
   }
+  for (const TensorSpec& spec : layout.last) add(spec, -1);
   // Walk each group in order: a tensor whose byte midpoint lies in the first gpu_percent of its
   // group's bytes stays on the device (so 100% keeps everything and 0% no layer weight).
   std::map<int64_t, size_t> group_offset;
@@ -40,8 +38,8 @@ std::vector<WeightHome> place_weights(const ModelConfig& config, double gpu_perc
     size_t& offset = group_offset[groups[i]];
     const double midpoint = static_cast<double>(offset) + 0.5 * static_cast<double>(homes[i].bytes);
     const double limit = gpu_percent / 100.0 * static_cast<double>(group_bytes[groups[i]]);
-    // Embeddings, positions and the final LayerNorm are used at both ends of every pass (the LM
-    // head is tied): they stay on the device.
+    // The globals (embeddings, final norm, LM head) are used at both ends of every pass: they
+    // stay on the device.
     homes[i].on_device = groups[i] < 0 || midpoint < limit;
     offset += homes[i].bytes;
   }

@@ -2,9 +2,9 @@
 //
 // FlexGen's rule, per layer: walk the layer's tensors in order; a tensor stays on the device when
 // the midpoint of its byte range within the layer falls below `gpu_percent` of the layer's bytes,
-// otherwise it lives in pinned host memory and is loaded ahead of use. Embeddings, positions and
-// the final LayerNorm (the LM head is tied) are read at both ends of every pass and always stay
-// on the device.
+// otherwise it lives in pinned host memory and is loaded ahead of use. The globals (embeddings,
+// the final norm, the LM head) are read at both ends of every pass and always stay on the
+// device.
 #pragma once
 
 #include <string>
@@ -20,7 +20,7 @@ struct WeightHome {
   bool on_device = true;
 };
 
-// One entry per tensor of opt_tensor_specs(config), in that order.
+// One entry per tensor of weight_layout(config).all(), in that order.
 std::vector<WeightHome> place_weights(const ModelConfig& config, double gpu_percent);
 
 }  // namespace infinigen

@@ -13,9 +13,10 @@
 #include <set>
 #include <string_view>
 
+#include "core/interrupt.h"
 #include "core/kv_cache.h"
+#include "core/model.h"
 #include "core/model_config.h"
-#include "core/opt_weights.h"
 #include "core/output_directory.h"
 #include "core/resources.h"
 #include "core/safetensors.h"
@@ -75,17 +76,16 @@ class CalibrationCache final : public KvCache {
 
   int64_t layers_seen() const { return layers_seen_; }
 
-  void observe(int64_t layer, const Tensor& normed, const Tensor& queries,
-               const OptLayerWeights& weights) override {
-    (void)queries;  // scaled fp32; recomputed below in fp64 before the scaling instead
+  void observe(int64_t layer, const AttentionInput& input) override {
+    // input.queries are scaled fp32; they are recomputed below in fp64 before the scaling.
     const int64_t H = config_.num_heads, d = config_.head_dim(), D = config_.hidden_size;
-    const Tensor x_host = on_host(normed);
+    const Tensor x_host = on_host(input.x);
     const int64_t n = x_host.dim(0);
     // (n, D): the layer's attention input, exactly the values the model projects.
     const Eigen::MatrixXd x =
         Eigen::Map<const RowMatrixXf>(x_host.data<float>(), n, D).cast<double>();
-    const Tensor wq = on_host(weights.q_weight);  // (D, D), HF layout
-    const Tensor bq = on_host(weights.q_bias);    // (D)
+    const Tensor wq = on_host(input.q_weight);  // (D, D), HF layout
+    const Tensor bq = on_host(input.q_bias);    // (D)
     std::vector<Eigen::MatrixXd>& rotations = out_->rotations[static_cast<size_t>(layer)];
     std::vector<Eigen::VectorXd>& singular = out_->singular_values[static_cast<size_t>(layer)];
     std::vector<double> top_before(static_cast<size_t>(H)), top_after(static_cast<size_t>(H)),
@@ -181,7 +181,7 @@ std::vector<int32_t> calibration_tokens(const std::vector<int32_t>& ids, int32_t
   return tokens;
 }
 
-SkewMatrices compute_skew_matrices(OptModel& model, const std::vector<int32_t>& tokens,
+SkewMatrices compute_skew_matrices(Model& model, const std::vector<int32_t>& tokens,
                                    const SkewProgress& progress) {
   const ModelConfig& config = model.config();
   const int64_t n = static_cast<int64_t>(tokens.size());
@@ -256,7 +256,7 @@ SkewReport skew_checkpoint(const std::string& in_dir, const std::string& out_dir
 
   const ModelConfig config = load_hf_config(in_dir);
   const SafetensorsCheckpoint checkpoint = SafetensorsCheckpoint::open(in_dir);
-  const std::vector<std::string> stored = check_opt_checkpoint(checkpoint, config);
+  const std::vector<std::string> stored = check_checkpoint(checkpoint, config);
 
   SkewReport report;
   report.source = fs::weakly_canonical(fs::absolute(in_dir)).string();
@@ -299,29 +299,28 @@ SkewReport skew_checkpoint(const std::string& in_dir, const std::string& out_dir
 
   SkewMatrices matrices;
   {
-    OptModel model(config, load_opt_weights(checkpoint, config, Device::Cpu), Device::Cpu);
-    matrices = compute_skew_matrices(model, tokens, progress);
+    const std::unique_ptr<Model> model =
+        make_model(config, load_checkpoint_weights(checkpoint, config, Device::Cpu), Device::Cpu);
+    matrices = compute_skew_matrices(*model, tokens, progress);
   }  // the weights go before the output is written
   report.energy_before = matrices.energy_before;
   report.energy_after = matrices.energy_after;
 
   // Stored name of each rotated tensor -> its layer.
+  const WeightLayout layout = weight_layout(config);
+  std::map<std::string, std::string, std::less<>> stored_name;  // layout name -> stored name
+  const std::vector<TensorSpec> specs = layout.all();
+  for (size_t i = 0; i < specs.size(); ++i) stored_name[specs[i].name] = stored[i];
   std::map<std::string, size_t, std::less<>> rotated;
-  const std::vector<OptTensorSpec> specs = opt_tensor_specs(config);
-  for (size_t i = 0; i < specs.size(); ++i) {
-    const std::string& name = specs[i].name;
-    for (const char* suffix : {".self_attn.q_proj.weight", ".self_attn.q_proj.bias",
-                               ".self_attn.k_proj.weight", ".self_attn.k_proj.bias"}) {
-      if (!name.ends_with(suffix)) continue;
-      const std::string layers = "model.decoder.layers.";
-      rotated[stored[i]] = static_cast<size_t>(std::stoll(name.substr(layers.size())));
+  for (int64_t l = 0; l < config.num_layers; ++l) {
+    for (const char* name : {"self_attn.q_proj.weight", "self_attn.q_proj.bias",
+                             "self_attn.k_proj.weight", "self_attn.k_proj.bias"}) {
+      rotated[stored_name.at(layout.layer_tensor_name(l, name))] = static_cast<size_t>(l);
     }
   }
-  const std::string q0 = stored[static_cast<size_t>(
-      std::find_if(specs.begin(), specs.end(),
-                   [](const OptTensorSpec& s) { return s.name.ends_with("q_proj.weight"); }) -
-      specs.begin())];
-  report.dtype = checkpoint.entry(q0).dtype;
+  report.dtype =
+      checkpoint.entry(stored_name.at(layout.layer_tensor_name(0, "self_attn.q_proj.weight")))
+          .dtype;
 
   // Every tensor of the input, in its original order (file, then offset).
   std::vector<std::string> names = checkpoint.names();
@@ -342,6 +341,7 @@ SkewReport skew_checkpoint(const std::string& in_dir, const std::string& out_dir
     int64_t done = 0;
     const int64_t total = static_cast<int64_t>(names.size());
     for (const std::string& name : names) {
+      check_interrupt();
       if (const auto it = rotated.find(name); it != rotated.end()) {
         const Tensor t = rotate_projection(checkpoint.load(name), matrices.rotations[it->second]);
         writer.write(name, t.raw(), t.nbytes());

@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "core/opt_model.h"
+#include "core/model.h"
 #include "core/tensor.h"
 
 namespace infinigen {
@@ -55,7 +55,7 @@ std::vector<int32_t> calibration_tokens(const std::vector<int32_t>& ids, int32_t
 // Runs `tokens` (one sequence, fp32 KV) through `model` and computes A_h for every layer and
 // head from the fp64 queries x Wq[h rows]^T + bq[h] of each layer's attention input x. The heads
 // of a layer run in parallel (OpenMP) while the model waits; nothing but the matrices is kept.
-SkewMatrices compute_skew_matrices(OptModel& model, const std::vector<int32_t>& tokens,
+SkewMatrices compute_skew_matrices(Model& model, const std::vector<int32_t>& tokens,
                                    const SkewProgress& progress = {});
 
 // `rows` (D, cols) = H blocks of d rows (a projection weight in HF layout, or a bias as one

@@ -37,8 +37,8 @@ const char* const kMinimal = "x: batch\nplot: latency\ndefaults: {model: opt-125
 
 TEST(Experiment, EveryBundledFigureLoads) {
   const std::vector<std::string> names = bundled_experiment_names();
-  EXPECT_EQ(names, (std::vector<std::string>{"fig14", "fig15", "fig16a", "fig16b", "fig17",
-                                             "fig18"}));
+  EXPECT_EQ(names,
+            (std::vector<std::string>{"fig14", "fig15", "fig16a", "fig16b", "fig17", "fig18"}));
   for (const std::string& name : names) {
     const Experiment e = load_experiment(name);
     EXPECT_EQ(e.name, name);
@@ -111,13 +111,13 @@ TEST(Experiment, ScalingShrinksModelAndSizesWithFloors) {
   EXPECT_EQ(same.settings.batch, 20);
 
   const ScaledPoint small = scale_point(opt13b, paper, 0.05);
-  EXPECT_EQ(small.config.num_layers, 4);   // 2 -> floor of 4
-  EXPECT_EQ(small.config.num_heads, 2);    // 2
+  EXPECT_EQ(small.config.num_layers, 4);    // 2 -> floor of 4
+  EXPECT_EQ(small.config.num_heads, 2);     // 2
   EXPECT_EQ(small.config.head_dim(), 128);  // kept
   EXPECT_EQ(small.config.hidden_size, 256);
   EXPECT_EQ(small.config.ffn_dim, 1024);
   EXPECT_EQ(small.config.vocab_size, 1024);  // 126 -> floor
-  EXPECT_EQ(small.settings.batch, 5);  // ceil(20 * sqrt(0.05)) = ceil(4.47)
+  EXPECT_EQ(small.settings.batch, 5);        // ceil(20 * sqrt(0.05)) = ceil(4.47)
   EXPECT_EQ(small.settings.prompt_len, 96);
   EXPECT_EQ(small.settings.gen_len, 6);
   EXPECT_EQ(small.settings.policy, paper.policy);
@@ -181,9 +181,9 @@ TEST(BenchResults, SpeedupsAndErrorsAreDerivedFromTheRightPoints) {
 TEST(BenchCli, EveryExperimentRunsAndPlotsAtSmallScale) {
   TempDir out("bench-out");
   for (const std::string& name : bundled_experiment_names()) {
-    const CommandResult r = run_infinigen({"bench", "--experiment", name, "--scale", "0.02",
-                                           "--repeats", "1", "--out", out.str(), "--predict",
-                                           "cpu-backend"});
+    const CommandResult r =
+        run_infinigen({"bench", "--experiment", name, "--scale", "0.02", "--repeats", "1", "--out",
+                       out.str(), "--predict", "cpu-backend"});
     ASSERT_EQ(r.exit_code, 0) << name << ": " << r.err;
     for (const char* ext : {".csv", ".json", ".png"}) {
       EXPECT_TRUE(std::filesystem::exists(out.path() / (name + ext))) << name << ext;
@@ -201,10 +201,9 @@ TEST(BenchCli, EveryExperimentRunsAndPlotsAtSmallScale) {
 
 TEST(BenchCli, PredictionAloneNeedsNoMeasurement) {
   TempDir out("bench-predict");
-  const CommandResult r =
-      run_infinigen({"bench", "--experiment", "fig14", "--no-measure", "--predict",
-                     "rtx-a6000-pcie3", "--fractions-scale", "0.02", "--no-plot", "--out",
-                     out.str()});
+  const CommandResult r = run_infinigen({"bench", "--experiment", "fig14", "--no-measure",
+                                         "--predict", "rtx-a6000-pcie3", "--fractions-scale",
+                                         "0.02", "--no-plot", "--out", out.str()});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const nlohmann::json j = nlohmann::json::parse(read_file(out.path() / "fig14.json"));
   for (const auto& point : j["points"]) {
@@ -227,9 +226,9 @@ TEST(BenchCli, BadInputsGetOneLineAndNonZeroExit) {
            "nope.yaml: no such file");
   one_line(run_infinigen({"bench", "--experiment", "fig14", "--scale", "0", "--out", out.str()}),
            "--scale must be in (0, 1]");
-  one_line(run_infinigen({"bench", "--experiment", "fig14", "--predict", "abacus", "--out",
-                          out.str()}),
-           "abacus");
+  one_line(
+      run_infinigen({"bench", "--experiment", "fig14", "--predict", "abacus", "--out", out.str()}),
+      "abacus");
   one_line(run_infinigen({"bench", "--experiment", "fig14", "--no-measure", "--out", out.str()}),
            "--no-measure needs --predict");
 }

@@ -206,10 +206,10 @@ TEST(Cli, DamagedCheckpointsEndWithOneLine) {
       [](const fs::path& dir) {
         std::ifstream in(dir / "config.json");
         nlohmann::json config = nlohmann::json::parse(in);
-        config["do_layer_norm_before"] = false;
+        config["activation_function"] = "gelu";
         std::ofstream(dir / "config.json") << config.dump();
       },
-      {"do_layer_norm_before"});
+      {"activation_function"});
 }
 
 }  // namespace

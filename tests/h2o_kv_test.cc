@@ -55,8 +55,8 @@ class H2o : public ::testing::Test {
   void TearDown() override { set_debug_poison(false); }
 
   GenerationResult run(const KvStoreFactory& factory = {}) {
-    OptModel model(source_.config, load_weights(source_, Device::Cpu), Device::Cpu);
-    return generate(model, request_, {}, factory);
+    const auto model = make_model(source_.config, load_weights(source_, Device::Cpu), Device::Cpu);
+    return generate(*model, request_, {}, factory);
   }
 
   // Runs with an H2oKv of `budget` moving its KV through `engine` (engine_ by default); `store`
@@ -79,9 +79,8 @@ class H2o : public ::testing::Test {
   class Forwarding : public KvStore {
    public:
     explicit Forwarding(KvStore& inner) : KvStore(inner.batch(), inner.capacity()), inner_(inner) {}
-    void observe(int64_t layer, const Tensor& normed, const Tensor& queries,
-                 const OptLayerWeights& weights) override {
-      inner_.observe(layer, normed, queries, weights);
+    void observe(int64_t layer, const AttentionInput& input) override {
+      inner_.observe(layer, input);
     }
     void begin_pass(int64_t n_new) override {
       inner_.set_first_valid(first_valid());

@@ -199,12 +199,12 @@ TEST_F(InfinigenPolicy, PartialKeysFollowThePoolThroughEvictions) {
     speculation.alpha = 3.0;
     InfinigenKv kv(config, B, capacity, DType::F16, Device::Cpu, 4, engine, stats, speculation,
                    false, KvPoolLimit{slots, eviction});
-    OptModel model(config, load_weights(source_, Device::Cpu), Device::Cpu);
+    const auto model = make_model(config, load_weights(source_, Device::Cpu), Device::Cpu);
     std::vector<int32_t> first_valid;
     const std::vector<int32_t> tokens =
         left_pad(request_.prompts, config.pad_token_id, &first_valid);
-    model.prefill(tokens, first_valid, kv);
-    for (int32_t step = 0; step < steps; ++step) model.decode({5 + step, 40 + step}, kv);
+    model->prefill(tokens, first_valid, kv);
+    for (int32_t step = 0; step < steps; ++step) model->decode({5 + step, 40 + step}, kv);
     engine.synchronize();
 
     const int64_t H = config.num_heads, d = config.head_dim();

@@ -153,7 +153,7 @@ class Int4KvGeneration : public ::testing::Test {
   };
   // Generation with the int4 store, or (int4 false) the `full` policy's fp16 KV.
   Run run(bool int4) {
-    OptModel model(source_.config, load_weights(source_, Device::Cpu), Device::Cpu);
+    const auto model = make_model(source_.config, load_weights(source_, Device::Cpu), Device::Cpu);
     TransferEngine engine(Device::Cpu, LinkEmulation{});
     Run r;
     const ModelConfig& config = source_.config;
@@ -165,7 +165,7 @@ class Int4KvGeneration : public ::testing::Test {
       return std::make_unique<OffloadedKv>(config, batch, capacity, DType::F16, Device::Cpu, 4,
                                            engine, r.stats);
     };
-    r.result = generate(model, request_, {}, factory);
+    r.result = generate(*model, request_, {}, factory);
     engine.synchronize();
     return r;
   }

@@ -15,7 +15,7 @@
 #include "core/kv_cache.h"
 #include "core/model_config.h"
 #include "core/ops.h"
-#include "core/opt_model.h"
+#include "core/model.h"
 #include "core/synthetic_model.h"
 #include "tests/test_util.h"
 
@@ -320,8 +320,8 @@ INSTANTIATE_TEST_SUITE_P(
 // left-padded prefill (logits of every position), then decode steps over the KV cache.
 TEST_F(CudaOps, OptModelMatchesCpu) {
   const ModelConfig config = load_preset("opt-tiny");
-  OptModel cpu(config, synthetic_opt_weights(config, {}, Device::Cpu), Device::Cpu);
-  OptModel gpu(config, synthetic_opt_weights(config, {}, Device::Cuda), Device::Cuda);
+  const auto cpu = make_model(config, synthetic_weights(config, {}, Device::Cpu), Device::Cpu);
+  const auto gpu = make_model(config, synthetic_weights(config, {}, Device::Cuda), Device::Cuda);
   const std::vector<std::vector<int32_t>> prompts = {{2, 10, 11, 12, 13},
                                                      {2, 500, 600, 700, 800, 900, 1000, 1100}};
   std::vector<int32_t> first_valid;
@@ -330,8 +330,8 @@ TEST_F(CudaOps, OptModelMatchesCpu) {
   const int64_t n = static_cast<int64_t>(tokens.size()) / B, steps = 3;
   KvCache cache_cpu(config, B, n + steps, DType::F16, Device::Cpu);
   KvCache cache_gpu(config, B, n + steps, DType::F16, Device::Cuda);
-  const Tensor logits_cpu = cpu.prefill(tokens, first_valid, cache_cpu, true);
-  const Tensor logits_gpu = gpu.prefill(tokens, first_valid, cache_gpu, true);
+  const Tensor logits_cpu = cpu->prefill(tokens, first_valid, cache_cpu, true);
+  const Tensor logits_gpu = gpu->prefill(tokens, first_valid, cache_gpu, true);
   ASSERT_EQ(logits_gpu.device(), Device::Cpu);
   const std::vector<float> a = logits_gpu.to_floats(), b = logits_cpu.to_floats();
   // Padding positions' logits are not meaningful on either device; compare the real ones.
@@ -347,7 +347,7 @@ TEST_F(CudaOps, OptModelMatchesCpu) {
   EXPECT_LT(relative_error(real_a.data(), real_b.data(), real_b.size()), 1e-2);
   for (int64_t step = 0; step < steps; ++step) {
     const std::vector<int32_t> next(static_cast<size_t>(B), 20 + static_cast<int32_t>(step));
-    const Tensor step_cpu = cpu.decode(next, cache_cpu), step_gpu = gpu.decode(next, cache_gpu);
+    const Tensor step_cpu = cpu->decode(next, cache_cpu), step_gpu = gpu->decode(next, cache_gpu);
     const std::vector<float> x = step_gpu.to_floats(), y = step_cpu.to_floats();
     EXPECT_LT(relative_error(x.data(), y.data(), y.size()), 1e-2) << "step " << step;
   }

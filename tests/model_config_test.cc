@@ -57,13 +57,26 @@ TEST(ModelConfig, HfJsonRoundTrips) {
   EXPECT_EQ(back.max_positions, 2048);
 }
 
+TEST(ModelConfig, Opt350mVariantsAreRead) {
+  json opt_350m = opt_125m_json();
+  opt_350m["do_layer_norm_before"] = false;  // post-LayerNorm, so no final LayerNorm
+  opt_350m["word_embed_proj_dim"] = 512;     // project_in / project_out
+  const ModelConfig c = config_from_json(opt_350m, "opt-350m");
+  EXPECT_FALSE(c.pre_norm);
+  EXPECT_FALSE(c.final_norm);
+  EXPECT_EQ(c.embed_dim(), 512);
+  EXPECT_EQ(config_from_json(config_to_hf_json(c), "again").embed_dim(), 512);
+  // The tensors follow: a narrower embedding, the projections, no final LayerNorm.
+  const ModelConfig plain = config_from_json(opt_125m_json(), "opt-125m");
+  EXPECT_EQ(plain.embed_dim(), plain.hidden_size);
+  EXPECT_EQ(c.num_parameters() - plain.num_parameters(),
+            (512 - 768) * c.vocab_size + 2 * 512 * 768 - 2 * 768);
+  json bad = opt_125m_json();
+  bad["do_layer_norm_before"] = "yes";
+  EXPECT_NE(error_of(bad).find("'do_layer_norm_before'"), std::string::npos);
+}
+
 TEST(ModelConfig, UnsupportedVariantsAreRefusedByName) {
-  json post_ln = opt_125m_json();
-  post_ln["do_layer_norm_before"] = false;  // opt-350m
-  EXPECT_NE(error_of(post_ln).find("do_layer_norm_before"), std::string::npos);
-  json projected = opt_125m_json();
-  projected["word_embed_proj_dim"] = 512;
-  EXPECT_NE(error_of(projected).find("project_in"), std::string::npos);
   json gelu = opt_125m_json();
   gelu["activation_function"] = "gelu";
   EXPECT_NE(error_of(gelu).find("activation_function"), std::string::npos);

@@ -22,10 +22,10 @@ class OffloadRuntime : public ::testing::Test {
 
   // The non-offloaded engine (resident weights and KV cache).
   GenerationResult reference(DType kv_dtype) {
-    OptModel model(source_.config, load_weights(source_, Device::Cpu), Device::Cpu);
+    const auto model = make_model(source_.config, load_weights(source_, Device::Cpu), Device::Cpu);
     GenerationRequest request = request_;
     request.kv_dtype = kv_dtype;
-    return generate(model, request);
+    return generate(*model, request);
   }
   std::vector<std::vector<int32_t>> reference_tokens(DType kv_dtype) {
     return reference(kv_dtype).tokens;

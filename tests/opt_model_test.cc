@@ -14,7 +14,7 @@ class OptModelTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     const ModelConfig config = load_preset("opt-tiny");
-    model_ = new OptModel(config, synthetic_opt_weights(config, {}, Device::Cpu), Device::Cpu);
+    model_ = make_model(config, synthetic_weights(config, {}, Device::Cpu), Device::Cpu).release();
   }
   static void TearDownTestSuite() { delete model_; }
 
@@ -27,9 +27,9 @@ class OptModelTest : public ::testing::Test {
     return model_->prefill(tokens, first_valid, cache, true);
   }
 
-  static OptModel* model_;
+  static Model* model_;
 };
-OptModel* OptModelTest::model_ = nullptr;
+Model* OptModelTest::model_ = nullptr;
 
 const std::vector<int32_t> kShort = {2, 10, 11, 12, 13};
 const std::vector<int32_t> kLong = {2, 500, 600, 700, 800, 900, 1000, 1100, 1200};

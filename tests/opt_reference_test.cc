@@ -1,7 +1,9 @@
 // tests: the CPU backend against HF transformers' OPTForCausalLM on the same checkpoint.
 //
-// Two checkpoints: tests/fixtures/opt-tiny, synthetic (infinigen make-model --preset opt-tiny
-// --seed 7), and the built-in model (models/builtin, trained by tools/train_model.py). Next to
+// Three checkpoints: tests/fixtures/opt-tiny, synthetic (infinigen make-model --preset opt-tiny
+// --seed 7); tests/fixtures/opt-tiny-post-ln, opt-350m's variant (LayerNorm after each block,
+// project_in / project_out) initialised by transformers (tools/make_hf_checkpoint.py); and the
+// built-in model (models/builtin, trained by tools/train_model.py). Next to
 // each, tests/fixtures/NAME-reference.safetensors holds transformers' logits for a left-padded
 // batch (tools/make_hf_reference.py). Both run fp32 arithmetic on the same fp16 weights, so they
 // must agree to fp32 rounding: relative error <= 1e-4 per position.
@@ -50,7 +52,7 @@ class OptReference : public ::testing::TestWithParam<Checkpoint> {
 };
 
 TEST_P(OptReference, PrefillAndDecodeMatchTransformers) {
-  OptModel& model = *loaded_.model;
+  Model& model = *loaded_.model;
   const int64_t V = model.config().vocab_size;
   const std::vector<int32_t> tokens = ints("tokens");
   const std::vector<int32_t> first_valid = ints("first_valid");
@@ -117,9 +119,12 @@ TEST_P(OptReference, GreedyTokensMatchTransformers) {
 INSTANTIATE_TEST_SUITE_P(
     Checkpoints, OptReference,
     ::testing::Values(Checkpoint{"opt-tiny", std::string(INFINIGEN_FIXTURES_DIR) + "/opt-tiny"},
+                      Checkpoint{"opt-tiny-post-ln",
+                                 std::string(INFINIGEN_FIXTURES_DIR) + "/opt-tiny-post-ln"},
                       Checkpoint{"builtin", std::string(INFINIGEN_SOURCE_DIR) + "/models/builtin"}),
     [](const ::testing::TestParamInfo<Checkpoint>& param) {
-      return std::string(param.param.name) == "builtin" ? "Builtin" : "OptTiny";
+      const std::string name = param.param.name;
+      return name == "builtin" ? "Builtin" : name == "opt-tiny" ? "OptTiny" : "OptTinyPostLn";
     });
 
 }  // namespace

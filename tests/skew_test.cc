@@ -61,11 +61,9 @@ class QueryRecorder : public KvCache {
  public:
   QueryRecorder(const ModelConfig& config, int64_t capacity)
       : KvCache(config, 1, capacity, DType::F32, Device::Cpu) {}
-  void observe(int64_t layer, const Tensor& normed, const Tensor& queries,
-               const OptLayerWeights& weights) override {
-    (void)normed, (void)weights;
+  void observe(int64_t layer, const AttentionInput& input) override {
     if (static_cast<int64_t>(queries_.size()) <= layer) queries_.resize(layer + 1);
-    queries_[static_cast<size_t>(layer)] = queries.clone();
+    queries_[static_cast<size_t>(layer)] = input.queries.clone();
   }
   std::vector<Tensor> queries_;
 };

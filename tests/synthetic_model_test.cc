@@ -35,17 +35,17 @@ Matrix to_matrix(const Tensor& t) {
 TEST(SyntheticModel, SameSeedSameBytesOtherSeedOtherBytes) {
   const ModelConfig c = load_preset("opt-tiny");
   std::vector<std::vector<float>> first, second, other;
-  generate_synthetic_opt(
+  generate_synthetic_weights(
       c, {}, [&](const std::string&, const Tensor& t) { first.push_back(t.to_floats()); });
-  generate_synthetic_opt(
+  generate_synthetic_weights(
       c, {}, [&](const std::string&, const Tensor& t) { second.push_back(t.to_floats()); });
   SyntheticModelOptions seeded;
   seeded.seed = 1;
-  generate_synthetic_opt(
+  generate_synthetic_weights(
       c, seeded, [&](const std::string&, const Tensor& t) { other.push_back(t.to_floats()); });
   EXPECT_EQ(first, second);
   EXPECT_NE(first, other);
-  EXPECT_EQ(first.size(), opt_tensor_specs(c).size());
+  EXPECT_EQ(first.size(), weight_layout(c).all().size());
 }
 
 TEST(SyntheticModel, CheckpointLoadsBackToTheSameModel) {
@@ -58,24 +58,27 @@ TEST(SyntheticModel, CheckpointLoadsBackToTheSameModel) {
     EXPECT_TRUE(std::filesystem::exists(dir.path() / "model" / file)) << file;
   }
   const LoadedModel loaded = load_model(path, {});
-  OptModel in_memory(c, synthetic_opt_weights(c, {}, Device::Cpu), Device::Cpu);
+  const auto in_memory = make_model(c, synthetic_weights(c, {}, Device::Cpu), Device::Cpu);
   ASSERT_TRUE(loaded.tokenizer.has_value());
   KvCache a(c, 1, 8, DType::F32, Device::Cpu);
   KvCache b(c, 1, 8, DType::F32, Device::Cpu);
   const std::vector<int32_t> prompt = {2, 100, 200, 300};
   EXPECT_EQ(loaded.model->prefill(prompt, {0}, a).to_floats(),
-            in_memory.prefill(prompt, {0}, b).to_floats());
+            in_memory->prefill(prompt, {0}, b).to_floats());
   // Writing over a non-empty directory is refused.
   EXPECT_THROW(write_synthetic_checkpoint(c, {}, path), Error);
 }
 
 TEST(SyntheticModel, ResidualStreamHasOutlierChannels) {
   const ModelConfig c = small_config();
-  const OptWeights w = synthetic_opt_weights(c, {}, Device::Cpu);
+  const ModelWeights w = synthetic_weights(c, {}, Device::Cpu);
+  const TensorTable& layer0 = w.layers[0];
+  const Tensor& embed_tokens = w.globals.get("model.decoder.embed_tokens.weight");
   // LayerNorm of token embeddings: a few channels are far larger than the typical one.
-  Tensor x = w.embed_tokens.slice_rows(4, 260).to_dtype(DType::F32);
+  Tensor x = embed_tokens.slice_rows(4, 260).to_dtype(DType::F32);
   Tensor normed = Tensor::empty(x.shape(), DType::F32);
-  ops::layer_norm(x, w.layers[0].attn_norm_weight, w.layers[0].attn_norm_bias, 1e-5f, normed);
+  ops::layer_norm(x, layer0.get("self_attn_layer_norm.weight"),
+                  layer0.get("self_attn_layer_norm.bias"), 1e-5f, normed);
   const Matrix m = to_matrix(normed);
   Eigen::VectorXf channel_rms = (m.array().square().colwise().mean()).sqrt().transpose();
   std::vector<float> sorted(channel_rms.data(), channel_rms.data() + channel_rms.size());
@@ -89,7 +92,9 @@ TEST(SyntheticModel, ResidualStreamHasOutlierChannels) {
 
 TEST(SyntheticModel, AttentionIsConcentratedOnFewTokens) {
   const ModelConfig c = small_config();
-  const OptWeights w = synthetic_opt_weights(c, {}, Device::Cpu);
+  const ModelWeights w = synthetic_weights(c, {}, Device::Cpu);
+  const TensorTable& layer0 = w.layers[0];
+  const Tensor& embed_tokens = w.globals.get("model.decoder.embed_tokens.weight");
   const int64_t n = 512, d = c.head_dim();
   std::mt19937_64 rng(3);
   std::vector<int32_t> tokens(n), positions(n);
@@ -98,11 +103,13 @@ TEST(SyntheticModel, AttentionIsConcentratedOnFewTokens) {
     positions[i] = static_cast<int32_t>(i + 2);
   }
   Tensor h = Tensor::empty({n, c.hidden_size}, DType::F32);
-  ops::embed(tokens, positions, w.embed_tokens, w.embed_positions, h);
+  ops::embed(tokens, positions, embed_tokens, w.globals.get("model.decoder.embed_positions.weight"),
+             h);
   Tensor x = Tensor::empty(h.shape(), DType::F32), q = x.clone(), k = x.clone();
-  ops::layer_norm(h, w.layers[0].attn_norm_weight, w.layers[0].attn_norm_bias, 1e-5f, x);
-  ops::linear(x, w.layers[0].q_weight, w.layers[0].q_bias, q);
-  ops::linear(x, w.layers[0].k_weight, w.layers[0].k_bias, k);
+  ops::layer_norm(h, layer0.get("self_attn_layer_norm.weight"),
+                  layer0.get("self_attn_layer_norm.bias"), 1e-5f, x);
+  ops::linear(x, layer0.get("self_attn.q_proj.weight"), layer0.get("self_attn.q_proj.bias"), q);
+  ops::linear(x, layer0.get("self_attn.k_proj.weight"), layer0.get("self_attn.k_proj.bias"), k);
   const Matrix Q = to_matrix(q), K = to_matrix(k);
   double within_alpha = 0, top_mass = 0;
   int64_t rows = 0;

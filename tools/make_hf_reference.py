@@ -17,6 +17,7 @@ Requirements: tools/requirements.txt (torch, transformers, safetensors, numpy).
 
 import argparse
 import json
+import os
 
 import numpy as np
 import torch
@@ -83,6 +84,7 @@ def main():
         "checkpoint_config": json.dumps(config.to_dict(), sort_keys=True, default=str),
     }
     save_file(tensors, args.out, metadata=metadata)
+    os.chmod(args.out, 0o644)
     print(f"wrote {args.out}: prefill {tuple(prefill_logits.shape)}, "
           f"{DECODE_STEPS} decode steps, transformers {transformers.__version__}")
 

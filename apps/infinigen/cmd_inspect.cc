@@ -4,7 +4,7 @@
 
 #include "apps/infinigen/commands.h"
 #include "core/model_config.h"
-#include "core/opt_weights.h"
+#include "core/weights.h"
 #include "core/safetensors.h"
 
 namespace infinigen::cli {
@@ -36,7 +36,7 @@ int inspect(const std::string& directory) {
   std::printf("\n  %zu tensors, %lld parameters, %.1f MiB\n", checkpoint.names().size(),
               static_cast<long long>(parameters),
               static_cast<double>(checkpoint.total_bytes()) / (1024.0 * 1024.0));
-  check_opt_checkpoint(checkpoint, config);
+  check_checkpoint(checkpoint, config);
   std::printf("  every tensor matches the config\n");
   return 0;
 }

@@ -16,6 +16,7 @@ void embed(const int32_t* tokens, const int32_t* positions, int64_t n, const voi
     for (int64_t i = 0; i < n; ++i) {
       float* row = out + i * D;
       widen(tokens_table, table_type, static_cast<size_t>(tokens[i] * D), row, D);
+      if (positions_table == nullptr) continue;
       widen(positions_table, table_type, static_cast<size_t>(positions[i] * D), position_row.data(),
             D);
       for (int64_t c = 0; c < D; ++c) row[c] += position_row[c];

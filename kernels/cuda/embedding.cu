@@ -14,10 +14,13 @@ __global__ void embed_kernel(const int32_t* tokens, const int32_t* positions, co
                              const T* positions_table, int64_t D, float* out) {
   const int64_t i = blockIdx.x;
   const T* token_row = tokens_table + static_cast<int64_t>(tokens[i]) * D;
-  const T* position_row = positions_table + static_cast<int64_t>(positions[i]) * D;
+  const T* position_row =
+      positions_table ? positions_table + static_cast<int64_t>(positions[i]) * D : nullptr;
   float* row = out + i * D;
-  for (int64_t c = threadIdx.x; c < D; c += blockDim.x)
-    row[c] = detail::to_float(token_row[c]) + detail::to_float(position_row[c]);
+  for (int64_t c = threadIdx.x; c < D; c += blockDim.x) {
+    row[c] = detail::to_float(token_row[c]) +
+             (position_row ? detail::to_float(position_row[c]) : 0.0f);
+  }
 }
 
 }  // namespace

@@ -1,0 +1,75 @@
+// core: what every model family shares: request checks, the last position's logits, and the
+// family dispatch.
+#include "core/model.h"
+
+#include "core/models/opt.h"
+
+namespace infinigen {
+namespace {
+
+// The default source: every layer resident in ModelWeights.
+class ResidentLayers : public LayerWeightSource {
+ public:
+  explicit ResidentLayers(const std::vector<TensorTable>& layers) : layers_(layers) {}
+  const TensorTable& layer(int64_t layer) override { return layers_[static_cast<size_t>(layer)]; }
+
+ private:
+  const std::vector<TensorTable>& layers_;
+};
+
+}  // namespace
+
+Model::Model(ModelConfig config, ModelWeights weights, Device device,
+             std::unique_ptr<LayerWeightSource> layers)
+    : config_(std::move(config)),
+      device_(device),
+      weights_(std::move(weights)),
+      layers_(std::move(layers)) {
+  if (!layers_) {
+    INFINIGEN_CHECK(static_cast<int64_t>(weights_.layers.size()) == config_.num_layers,
+                    config_.name, ": weights for ", weights_.layers.size(), " of ",
+                    config_.num_layers, " layers");
+    layers_ = std::make_unique<ResidentLayers>(weights_.layers);
+  }
+}
+
+Tensor Model::prefill(const std::vector<int32_t>& tokens, const std::vector<int32_t>& first_valid,
+                      KvStore& cache, bool all_positions) {
+  const int64_t B = cache.batch();
+  INFINIGEN_CHECK(cache.length() == 0, "prefill needs an empty KV cache");
+  INFINIGEN_CHECK(B > 0 && static_cast<int64_t>(tokens.size()) % B == 0 &&
+                      static_cast<int64_t>(first_valid.size()) == B,
+                  "prefill: ", tokens.size(), " tokens do not form a batch of ", B);
+  const int64_t n = static_cast<int64_t>(tokens.size()) / B;
+  for (int32_t start : first_valid) {
+    INFINIGEN_CHECK(start >= 0 && start < n, "prefill: every sequence needs at least one token");
+  }
+  cache.set_first_valid(first_valid);
+  const Tensor hidden = forward(tokens, n, cache);  // (B*n, D)
+  if (all_positions) return lm_head(hidden).reshape({B, n, config_.vocab_size});
+  // Only each sequence's last row feeds the next token.
+  const int64_t D = hidden.dim(1);
+  Tensor last = Tensor::empty({B, D}, DType::F32, device_);
+  for (int64_t b = 0; b < B; ++b) {
+    const Tensor row = hidden.slice_rows(b * n + n - 1, b * n + n);
+    device_copy(last.slice_rows(b, b + 1).raw(), device_, row.raw(), device_, row.nbytes());
+  }
+  return lm_head(last);
+}
+
+Tensor Model::decode(const std::vector<int32_t>& tokens, KvStore& cache) {
+  INFINIGEN_CHECK(cache.length() > 0, "decode needs a prefilled KV cache");
+  INFINIGEN_CHECK(static_cast<int64_t>(tokens.size()) == cache.batch(), "decode: ", tokens.size(),
+                  " tokens for a batch of ", cache.batch());
+  return lm_head(forward(tokens, 1, cache));
+}
+
+std::unique_ptr<Model> make_model(const ModelConfig& config, ModelWeights weights, Device device,
+                                  std::unique_ptr<LayerWeightSource> layers) {
+  if (config.family == "opt") {
+    return std::make_unique<OptModel>(config, std::move(weights), device, std::move(layers));
+  }
+  fail(config.name, ": no model for family '", config.family, "'");
+}
+
+}  // namespace infinigen

@@ -1,0 +1,75 @@
+// core: the model interface the runtime, generation, the planner and the KV policies use. One
+// file per family implements it (core/models/<family>.cc) from the shared ops; nothing outside a
+// family's file and the config parsing knows which family runs.
+//
+// A forward pass of n new tokens per sequence calls, for each layer, KvStore::begin_layer,
+// observe (the layer's attention input and queries), append (the new keys and values) and, in
+// decode, view (what attention reads); see core/kv_cache.h.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "core/kv_cache.h"
+#include "core/model_config.h"
+#include "core/weights.h"
+
+namespace infinigen {
+
+// Where the forward pass finds a layer's weights: resident in ModelWeights (the default), or
+// streamed from host memory ahead of use by offload/.
+class LayerWeightSource {
+ public:
+  virtual ~LayerWeightSource() = default;
+  // Layer `layer`'s tensors on the model's device, valid until layer(layer + 2) is requested.
+  // Layers are requested in order within a pass, starting from 0.
+  virtual const TensorTable& layer(int64_t layer) = 0;
+};
+
+class Model {
+ public:
+  virtual ~Model() = default;
+  Model(const Model&) = delete;
+  Model& operator=(const Model&) = delete;
+
+  const ModelConfig& config() const { return config_; }
+  Device device() const { return device_; }
+
+  // tokens (B, n) row-major, left-padded: sequence b's real tokens start at first_valid[b]
+  // (positions count from there). Fills `cache`, which must be empty. Returns fp32 logits on
+  // the CPU: (B, V) of each sequence's last token, or (B, n, V) for every position when
+  // `all_positions`.
+  Tensor prefill(const std::vector<int32_t>& tokens, const std::vector<int32_t>& first_valid,
+                 KvStore& cache, bool all_positions = false);
+  // Appends one token per sequence, tokens (B); returns fp32 logits (B, V) on the CPU.
+  Tensor decode(const std::vector<int32_t>& tokens, KvStore& cache);
+
+ protected:
+  // `weights` holds the globals; its layers come from `layers` (resident in `weights` when null).
+  Model(ModelConfig config, ModelWeights weights, Device device,
+        std::unique_ptr<LayerWeightSource> layers);
+
+  // Runs n_new tokens per sequence through every layer; returns the hidden states (B * n, D)
+  // that lm_head turns into logits.
+  virtual Tensor forward(const std::vector<int32_t>& tokens, int64_t n_new, KvStore& cache) = 0;
+  // (rows, D) -> fp32 logits (rows, V) on the CPU.
+  virtual Tensor lm_head(const Tensor& hidden) const = 0;
+
+  const TensorTable& globals() const { return weights_.globals; }
+  const TensorTable& layer(int64_t l) { return layers_->layer(l); }
+
+  ModelConfig config_;
+  Device device_;
+
+ private:
+  ModelWeights weights_;
+  std::unique_ptr<LayerWeightSource> layers_;
+};
+
+// The model of `config`'s family. `weights` holds the globals and, when `layers` is null, every
+// layer resident; otherwise its layers may be empty and `layers` supplies them.
+std::unique_ptr<Model> make_model(const ModelConfig& config, ModelWeights weights, Device device,
+                                  std::unique_ptr<LayerWeightSource> layers = nullptr);
+
+}  // namespace infinigen

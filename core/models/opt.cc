@@ -1,0 +1,159 @@
+// core/models: the OPT forward pass, read top to bottom as one loop over layers.
+#include "core/models/opt.h"
+
+#include <cmath>
+
+#include "core/interrupt.h"
+#include "core/ops.h"
+
+namespace infinigen {
+namespace {
+
+constexpr const char* kPrefix = "model.decoder.";
+
+std::string global(const char* name) {
+  return std::string(kPrefix) + name;
+}
+
+}  // namespace
+
+WeightLayout opt_weight_layout(const ModelConfig& c) {
+  const int64_t D = c.hidden_size, F = c.ffn_dim, E = c.embed_dim();
+  WeightLayout layout;
+  layout.layer_prefix = global("layers.");
+  layout.num_layers = c.num_layers;
+  layout.first = {{global("embed_tokens.weight"), {c.vocab_size, E}},
+                  {global("embed_positions.weight"), {c.max_positions + kOptPositionOffset, D}}};
+  if (E != D) layout.first.push_back({global("project_in.weight"), {D, E}});
+  for (const char* proj : {"q_proj", "k_proj", "v_proj", "out_proj"}) {
+    layout.layer.push_back({std::string("self_attn.") + proj + ".weight", {D, D}});
+    layout.layer.push_back({std::string("self_attn.") + proj + ".bias", {D}});
+  }
+  layout.layer.insert(layout.layer.end(), {{"self_attn_layer_norm.weight", {D}},
+                                           {"self_attn_layer_norm.bias", {D}},
+                                           {"fc1.weight", {F, D}},
+                                           {"fc1.bias", {F}},
+                                           {"fc2.weight", {D, F}},
+                                           {"fc2.bias", {D}},
+                                           {"final_layer_norm.weight", {D}},
+                                           {"final_layer_norm.bias", {D}}});
+  if (c.final_norm) {
+    layout.last = {{global("final_layer_norm.weight"), {D}},
+                   {global("final_layer_norm.bias"), {D}}};
+  }
+  if (E != D) layout.last.push_back({global("project_out.weight"), {E, D}});
+  return layout;
+}
+
+OptModel::OptModel(const ModelConfig& config, ModelWeights weights, Device device,
+                   std::unique_ptr<LayerWeightSource> layers)
+    : Model(config, std::move(weights), device, std::move(layers)) {}
+
+Tensor OptModel::forward(const std::vector<int32_t>& tokens, int64_t n, KvStore& cache) {
+  const ModelConfig& c = config_;
+  const int64_t B = cache.batch(), D = c.hidden_size, rows = B * n;
+  const int64_t past = cache.length();
+  const std::vector<int32_t>& first_valid = cache.first_valid();
+  cache.begin_pass(n);
+
+  // Positions count real tokens only: the learned table is offset by 2, padding uses row 1.
+  std::vector<int32_t> positions(static_cast<size_t>(rows));
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t t = past + i, start = first_valid[static_cast<size_t>(b)];
+      positions[static_cast<size_t>(b * n + i)] =
+          static_cast<int32_t>(t < start ? kOptPositionOffset - 1 : t - start + kOptPositionOffset);
+    }
+  }
+
+  Tensor h = Tensor::empty({rows, D}, DType::F32, device_);  // residual stream (B*n, D)
+  Tensor x = Tensor::empty({rows, D}, DType::F32, device_);  // normed input / block output
+  Tensor q = Tensor::empty({rows, D}, DType::F32, device_);  // (B, n, H, d)
+  Tensor k = Tensor::empty({rows, D}, DType::F32, device_);
+  Tensor v = Tensor::empty({rows, D}, DType::F32, device_);
+  Tensor attn = Tensor::empty({rows, D}, DType::F32, device_);
+  Tensor ffn = Tensor::empty({rows, c.ffn_dim}, DType::F32, device_);
+  const float q_scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim()));
+
+  const TensorTable& g = globals();
+  if (c.embed_dim() == D) {
+    ops::embed(tokens, positions, g.get(global("embed_tokens.weight")),
+               g.get(global("embed_positions.weight")), h);
+  } else {
+    // opt-350m: token embeddings (B*n, E) projected to the model width, then positions added.
+    Tensor e = Tensor::empty({rows, c.embed_dim()}, DType::F32, device_);
+    ops::embed(tokens, {}, g.get(global("embed_tokens.weight")), Tensor(), e);
+    ops::linear(e, g.get(global("project_in.weight")), Tensor(), h);
+    ops::embed(positions, {}, g.get(global("embed_positions.weight")), Tensor(), x);
+    ops::add_inplace(h, x);
+  }
+  // Pre-LayerNorm blocks normalise their input; post-LayerNorm ones (opt-350m) their output.
+  const bool pre = c.pre_norm;
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    check_interrupt();
+    cache.begin_layer(l);
+    const TensorTable& w = layer(l);
+    // Self-attention block: h += out_proj(attention(LN(h))) (pre), h = LN(h + ...) (post).
+    if (pre) {
+      ops::layer_norm(h, w.get("self_attn_layer_norm.weight"), w.get("self_attn_layer_norm.bias"),
+                      c.layer_norm_eps, x);
+    }
+    const Tensor& in = pre ? x : h;
+    const Tensor& wq = w.get("self_attn.q_proj.weight");
+    const Tensor& bq = w.get("self_attn.q_proj.bias");
+    ops::linear(in, wq, bq, q);
+    ops::scale_inplace(q, q_scale);
+    ops::linear(in, w.get("self_attn.k_proj.weight"), w.get("self_attn.k_proj.bias"), k);
+    ops::linear(in, w.get("self_attn.v_proj.weight"), w.get("self_attn.v_proj.bias"), v);
+    cache.observe(l, {in, q, wq, bq});
+    cache.append(l, k, v);
+    if (past == 0) {
+      ops::attention_prefill(q, k, v, attn, B, c.num_heads, first_valid);
+    } else {
+      const KvStore::View kv = cache.view(l);
+      ops::attention_decode(q, *kv.keys, *kv.values, attn, kv.length,
+                            kv.first_valid ? *kv.first_valid : first_valid);
+    }
+    ops::linear(attn, w.get("self_attn.out_proj.weight"), w.get("self_attn.out_proj.bias"), x);
+    ops::add_inplace(h, x);
+    if (!pre) {
+      ops::layer_norm(h, w.get("self_attn_layer_norm.weight"), w.get("self_attn_layer_norm.bias"),
+                      c.layer_norm_eps, h);
+    }
+    // Feed-forward block: h += fc2(relu(fc1(LN(h)))) (pre), h = LN(h + ...) (post).
+    if (pre) {
+      ops::layer_norm(h, w.get("final_layer_norm.weight"), w.get("final_layer_norm.bias"),
+                      c.layer_norm_eps, x);
+    }
+    ops::linear(pre ? x : h, w.get("fc1.weight"), w.get("fc1.bias"), ffn, /*relu=*/true);
+    ops::linear(ffn, w.get("fc2.weight"), w.get("fc2.bias"), x);
+    ops::add_inplace(h, x);
+    if (!pre) {
+      ops::layer_norm(h, w.get("final_layer_norm.weight"), w.get("final_layer_norm.bias"),
+                      c.layer_norm_eps, h);
+    }
+  }
+  cache.end_pass(n);
+  return h;
+}
+
+Tensor OptModel::lm_head(const Tensor& hidden) const {
+  const TensorTable& g = globals();
+  Tensor out = hidden;
+  if (config_.final_norm) {
+    out = Tensor::empty(hidden.shape(), DType::F32, device_);
+    ops::layer_norm(hidden, g.get(global("final_layer_norm.weight")),
+                    g.get(global("final_layer_norm.bias")), config_.layer_norm_eps, out);
+  }
+  if (config_.embed_dim() != config_.hidden_size) {
+    Tensor projected = Tensor::empty({hidden.dim(0), config_.embed_dim()}, DType::F32, device_);
+    ops::linear(out, g.get(global("project_out.weight")), Tensor(), projected);
+    out = projected;
+  }
+  // The LM head is tied to the token embedding.
+  Tensor logits = Tensor::empty({hidden.dim(0), config_.vocab_size}, DType::F32, device_);
+  ops::linear(out, g.get(global("embed_tokens.weight")), Tensor(), logits);
+  return device_ == Device::Cpu ? logits : logits.to(Device::Cpu);
+}
+
+}  // namespace infinigen
