@@ -203,8 +203,14 @@ void attention_prefill(const Tensor& q, const Tensor& k, const Tensor& v, Tensor
                        int64_t batch, int64_t num_heads, const std::vector<int32_t>& first_valid) {
   const Device device = common_device("attention_prefill", {&q, &k, &v, &out});
   const int64_t n = q.dim(0) / batch, D = q.dim(1), d = D / num_heads;
-  for (const Tensor* t : std::initializer_list<const Tensor*>{&k, &v, &out})
-    check_shape("attention_prefill", *t, q.shape());
+  const int64_t kv_heads = k.dim(1) / d;
+  INFINIGEN_CHECK(num_heads > 0 && D % num_heads == 0 && kv_heads > 0 && k.dim(1) == kv_heads * d &&
+                      num_heads % kv_heads == 0,
+                  "attention_prefill: ", num_heads, " query heads of width ", D,
+                  " do not group over keys of width ", k.dim(1));
+  check_shape("attention_prefill", out, q.shape());
+  check_shape("attention_prefill", k, {q.dim(0), kv_heads * d});
+  check_shape("attention_prefill", v, k.shape());
   INFINIGEN_CHECK(static_cast<int64_t>(first_valid.size()) == batch && n * batch == q.dim(0),
                   "attention_prefill: batch ", batch, " does not divide ", q.dim(0), " rows");
   if (device == Device::Cuda) {
@@ -214,20 +220,22 @@ void attention_prefill(const Tensor& q, const Tensor& k, const Tensor& v, Tensor
     const Tensor first_valid_d = indices_on_cuda(first_valid);
     check_cuda("attention_prefill",
                gpu::attention_prefill(q.data<float>(), k.data<float>(), v.data<float>(),
-                                      out.data<float>(), batch, n, num_heads, d,
+                                      out.data<float>(), batch, n, num_heads, kv_heads, d,
                                       first_valid_d.data<int32_t>(), kDefaultStream));
 #endif
     return;
   }
   cpu::attention_prefill(q.data<float>(), k.data<float>(), v.data<float>(), out.data<float>(),
-                         batch, n, num_heads, d, first_valid.data());
+                         batch, n, num_heads, kv_heads, d, first_valid.data());
 }
 
 void attention_decode(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, Tensor& out,
                       int64_t length, const std::vector<int32_t>& first_valid) {
   const Device device = common_device("attention_decode", {&q, &k_cache, &v_cache, &out});
-  const int64_t B = k_cache.dim(0), H = k_cache.dim(1), capacity = k_cache.dim(2);
-  const int64_t d = k_cache.dim(3);
+  const int64_t B = k_cache.dim(0), kv_heads = k_cache.dim(1), capacity = k_cache.dim(2);
+  const int64_t d = k_cache.dim(3), H = q.dim(1) / d;
+  INFINIGEN_CHECK(q.dim(1) == H * d && H % kv_heads == 0, "attention_decode: queries of width ",
+                  q.dim(1), " do not group over ", kv_heads, " KV heads of size ", d);
   check_shape("attention_decode", q, {B, H * d});
   check_shape("attention_decode", out, {B, H * d});
   check_shape("attention_decode", v_cache, k_cache.shape());
@@ -246,13 +254,13 @@ void attention_decode(const Tensor& q, const Tensor& k_cache, const Tensor& v_ca
     check_cuda(
         "attention_decode",
         gpu::attention_decode(q.data<float>(), k_cache.raw(), v_cache.raw(),
-                              gpu_element(k_cache.dtype()), out.data<float>(), B, H, d, capacity,
-                              length, first_valid_d.data<int32_t>(), kDefaultStream));
+                              gpu_element(k_cache.dtype()), out.data<float>(), B, H, kv_heads, d,
+                              capacity, length, first_valid_d.data<int32_t>(), kDefaultStream));
 #endif
     return;
   }
   cpu::attention_decode(q.data<float>(), k_cache.raw(), v_cache.raw(), element(k_cache.dtype()),
-                        out.data<float>(), B, H, d, capacity, length, first_valid.data());
+                        out.data<float>(), B, H, kv_heads, d, capacity, length, first_valid.data());
 }
 
 void cache_store(const Tensor& rows, Tensor& cache, int64_t offset) {

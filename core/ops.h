@@ -27,11 +27,13 @@ void linear(const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& y, boo
 void add_inplace(Tensor& y, const Tensor& x);
 void scale_inplace(Tensor& y, float factor);
 
-// q, k, v, out: (B, n, H, d) viewed as (B * n, H * d); left padding per first_valid (B).
+// q, out: (B, n, H, d) viewed as (B * n, H * d); k, v: (B, n, H_kv, d) with H_kv dividing H
+// (grouped-query attention; H_kv = H for multi-head); left padding per first_valid (B).
 void attention_prefill(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
                        int64_t batch, int64_t num_heads, const std::vector<int32_t>& first_valid);
 
-// q, out: (B, H * d); caches (B, H, capacity, d); attends rows [first_valid[b], length).
+// q, out: (B, H * d); caches (B, H_kv, capacity, d), H_kv dividing H; attends rows
+// [first_valid[b], length).
 void attention_decode(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, Tensor& out,
                       int64_t length, const std::vector<int32_t>& first_valid);
 

@@ -127,7 +127,7 @@ TEST(Attention, PrefillMatchesNaiveWithPadding) {
   const auto q = random_values(B * n * H * d, 7), k = random_values(B * n * H * d, 8),
              v = random_values(B * n * H * d, 9);
   std::vector<float> out(q.size(), std::nanf(""));
-  attention_prefill(q.data(), k.data(), v.data(), out.data(), B, n, H, d, first_valid.data());
+  attention_prefill(q.data(), k.data(), v.data(), out.data(), B, n, H, H, d, first_valid.data());
   const std::vector<float> expected = naive_attention(q, k, v, B, n, H, d, first_valid);
   EXPECT_LT(relative_error(out.data(), expected.data(), out.size()), 1e-5);
 }
@@ -153,11 +153,49 @@ TEST(Attention, DecodeOverCacheMatchesLastPrefillRow) {
         expected_last[b * H * d + c] = expected[(b * n + n - 1) * H * d + c];
       }
     }
-    attention_decode(q_last.data(), k_cache, v_cache, type, out.data(), B, H, d, capacity, n,
+    attention_decode(q_last.data(), k_cache, v_cache, type, out.data(), B, H, H, d, capacity, n,
                      first_valid.data());
     const double tolerance = type == Element::F32 ? 1e-5 : 2e-3;
     EXPECT_LT(relative_error(out.data(), expected_last.data(), out.size()), tolerance);
   }
+}
+
+// Grouped-query attention equals multi-head attention over K/V whose heads are repeated for
+// every query head of their group (what transformers' repeat_kv does).
+TEST(Attention, GroupedQueriesEqualRepeatedKeysAndValues) {
+  const int64_t B = 2, n = 40, H = 6, H_kv = 2, d = 8, capacity = 48, group = H / H_kv;
+  const std::vector<int32_t> first_valid = {0, 9};
+  const auto q = random_values(B * n * H * d, 13), k = random_values(B * n * H_kv * d, 14),
+             v = random_values(B * n * H_kv * d, 15);
+  std::vector<float> k_rep(B * n * H * d), v_rep(k_rep.size());
+  for (int64_t row = 0; row < B * n; ++row) {
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t c = 0; c < d; ++c) {
+        k_rep[(row * H + h) * d + c] = k[(row * H_kv + h / group) * d + c];
+        v_rep[(row * H + h) * d + c] = v[(row * H_kv + h / group) * d + c];
+      }
+    }
+  }
+  std::vector<float> grouped(q.size(), std::nanf("")), repeated(q.size(), std::nanf(""));
+  attention_prefill(q.data(), k.data(), v.data(), grouped.data(), B, n, H, H_kv, d,
+                    first_valid.data());
+  attention_prefill(q.data(), k_rep.data(), v_rep.data(), repeated.data(), B, n, H, H, d,
+                    first_valid.data());
+  EXPECT_LT(relative_error(grouped.data(), repeated.data(), grouped.size()), 1e-6);
+
+  std::vector<float> k_cache(B * H_kv * capacity * d), v_cache(k_cache.size());
+  cache_store(k.data(), k_cache.data(), Element::F32, B, n, H_kv, d, capacity, 0);
+  cache_store(v.data(), v_cache.data(), Element::F32, B, n, H_kv, d, capacity, 0);
+  std::vector<float> q_last(B * H * d), out(B * H * d), expected(B * H * d);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t c = 0; c < H * d; ++c) {
+      q_last[b * H * d + c] = q[(b * n + n - 1) * H * d + c];
+      expected[b * H * d + c] = repeated[(b * n + n - 1) * H * d + c];
+    }
+  }
+  attention_decode(q_last.data(), k_cache.data(), v_cache.data(), Element::F32, out.data(), B, H,
+                   H_kv, d, capacity, n, first_valid.data());
+  EXPECT_LT(relative_error(out.data(), expected.data(), out.size()), 1e-5);
 }
 
 }  // namespace

@@ -31,8 +31,8 @@ void softmax_rows(RowMajor& scores) {
 }  // namespace
 
 void attention_prefill(const float* q, const float* k, const float* v, float* out, int64_t B,
-                       int64_t n, int64_t H, int64_t d, const int32_t* first_valid) {
-  const int64_t D = H * d;
+                       int64_t n, int64_t H, int64_t H_kv, int64_t d, const int32_t* first_valid) {
+  const int64_t D = H * d, D_kv = H_kv * d, group = H / H_kv;
   const int64_t n_blocks = (n + kQueryBlock - 1) / kQueryBlock;
   const float neg_inf = -std::numeric_limits<float>::infinity();
 #pragma omp parallel if (B * H * n * n * d >= kParallelWork)
@@ -45,7 +45,8 @@ void attention_prefill(const float* q, const float* k, const float* v, float* ou
           const int64_t start = first_valid[b];
           const int64_t i0 = block * kQueryBlock;
           const int64_t i1 = std::min(n, i0 + kQueryBlock);
-          const int64_t offset = b * n * D + h * d;  // (b, token 0, h, 0)
+          const int64_t offset = b * n * D + h * d;                  // (b, token 0, h, 0)
+          const int64_t kv_offset = b * n * D_kv + (h / group) * d;  // its KV head
           StridedOut O(out + offset + i0 * D, i1 - i0, d, Eigen::OuterStride<>(D));
           // Rows that are padding attend to nothing.
           const int64_t q0 = std::max(i0, start);
@@ -53,8 +54,8 @@ void attention_prefill(const float* q, const float* k, const float* v, float* ou
           if (q0 >= i1) continue;
           // Keys [start, i1): everything a query of this block may see.
           const Strided Q(q + offset + q0 * D, i1 - q0, d, Eigen::OuterStride<>(D));
-          const Strided K(k + offset + start * D, i1 - start, d, Eigen::OuterStride<>(D));
-          const Strided V(v + offset + start * D, i1 - start, d, Eigen::OuterStride<>(D));
+          const Strided K(k + kv_offset + start * D_kv, i1 - start, d, Eigen::OuterStride<>(D_kv));
+          const Strided V(v + kv_offset + start * D_kv, i1 - start, d, Eigen::OuterStride<>(D_kv));
           scores.noalias() = Q * K.transpose();
           for (int64_t r = 0; r < i1 - q0; ++r) {  // causal: query q0+r sees keys <= q0+r
             const int64_t visible = q0 + r - start + 1;
@@ -69,8 +70,9 @@ void attention_prefill(const float* q, const float* k, const float* v, float* ou
 }
 
 void attention_decode(const float* q, const void* k_cache, const void* v_cache, Element cache_type,
-                      float* out, int64_t B, int64_t H, int64_t d, int64_t capacity, int64_t length,
-                      const int32_t* first_valid) {
+                      float* out, int64_t B, int64_t H, int64_t H_kv, int64_t d, int64_t capacity,
+                      int64_t length, const int32_t* first_valid) {
+  const int64_t group = H / H_kv;
 #pragma omp parallel if (B * H * length * d >= kParallelWork)
   {
     // Per-thread buffers for the life of the thread: widened rows of a long context are big
@@ -83,7 +85,7 @@ void attention_decode(const float* q, const void* k_cache, const void* v_cache, 
       for (int64_t h = 0; h < H; ++h) {
         const int64_t start = first_valid[b];
         const int64_t rows = length - start;
-        const size_t base = static_cast<size_t>(((b * H + h) * capacity + start) * d);
+        const size_t base = static_cast<size_t>(((b * H_kv + h / group) * capacity + start) * d);
         keys.resize(static_cast<size_t>(rows * d));
         values.resize(keys.size());
         widen(k_cache, cache_type, base, keys.data(), keys.size());

@@ -7,17 +7,19 @@
 
 namespace infinigen::kernels::cpu {
 
-// q, k, v, out: (B, n, H, d) fp32, q already scaled by 1/sqrt(d). Causal. In sequence b the
-// tokens before first_valid[b] are left padding: never attended to, and their rows of `out`
-// are zero.
+// q, out: (B, n, H, d) fp32, q already scaled by 1/sqrt(d); k, v: (B, n, H_kv, d), H_kv
+// dividing H: query head h reads KV head h / (H / H_kv) (grouped-query attention; H_kv = H is
+// multi-head attention). Causal. In sequence b the tokens before first_valid[b] are left
+// padding: never attended to, and their rows of `out` are zero.
 void attention_prefill(const float* q, const float* k, const float* v, float* out, int64_t B,
-                       int64_t n, int64_t H, int64_t d, const int32_t* first_valid);
+                       int64_t n, int64_t H, int64_t H_kv, int64_t d, const int32_t* first_valid);
 
-// q, out: (B, H, d) fp32, q scaled; k_cache, v_cache: (B, H, capacity, d) of `cache_type`.
-// Sequence b attends to cache rows [first_valid[b], length).
+// q, out: (B, H, d) fp32, q scaled; k_cache, v_cache: (B, H_kv, capacity, d) of `cache_type`,
+// query head h reading KV head h / (H / H_kv). Sequence b attends to cache rows
+// [first_valid[b], length).
 void attention_decode(const float* q, const void* k_cache, const void* v_cache, Element cache_type,
-                      float* out, int64_t B, int64_t H, int64_t d, int64_t capacity, int64_t length,
-                      const int32_t* first_valid);
+                      float* out, int64_t B, int64_t H, int64_t H_kv, int64_t d, int64_t capacity,
+                      int64_t length, const int32_t* first_valid);
 
 // Stores rows src (B, n, H, d) fp32 into cache (B, H, capacity, d) at tokens [offset, offset+n).
 void cache_store(const float* src, void* cache, Element cache_type, int64_t B, int64_t n, int64_t H,

@@ -38,7 +38,8 @@ size_t prefill_shared_bytes(int64_t d) {
 }
 
 // Grid (ceil(n / kQueryTile), H, B). Token t of sequence b, head h, dim c is element
-// (b * n + t) * D + h * d + c of q, k, v and out, D = H * d.
+// (b * n + t) * D + h * d + c of q and out, D = H * d, and of k and v the same with D_kv and
+// the KV head h / (H / H_kv).
 //
 // Warp w owns queries q0 + w * kRowsPerWarp + r. For each key tile, lane j scores key k0 + j
 // against the query (the key rows are padded to d + 1 floats, so the 32 lanes reading the same
@@ -48,15 +49,16 @@ size_t prefill_shared_bytes(int64_t d) {
 template <int kPerLane>
 __global__ void __launch_bounds__(kPrefillThreads)
     prefill_kernel(const float* q, const float* k, const float* v, float* out, int64_t n, int64_t H,
-                   int64_t d, const int32_t* first_valid) {
+                   int64_t H_kv, int64_t d, const int32_t* first_valid) {
   extern __shared__ float shared[];
   float* q_tile = shared;                       // (kQueryTile, d)
   float* k_tile = q_tile + kQueryTile * d;      // (kKeyTile, d + 1)
   float* v_tile = k_tile + kKeyTile * (d + 1);  // (kKeyTile, d)
 
   const int64_t b = blockIdx.z, h = blockIdx.y;
-  const int64_t D = H * d;
-  const int64_t base = b * n * D + h * d;  // (b, token 0, h, dim 0)
+  const int64_t D = H * d, D_kv = H_kv * d;
+  const int64_t base = b * n * D + h * d;                     // (b, token 0, h, dim 0)
+  const int64_t kv_base = b * n * D_kv + h / (H / H_kv) * d;  // its KV head
   const int64_t start = first_valid[b];
   const int64_t q0 = static_cast<int64_t>(blockIdx.x) * kQueryTile;
   const int64_t q_end = q0 + kQueryTile < n ? q0 + kQueryTile : n;
@@ -85,8 +87,8 @@ __global__ void __launch_bounds__(kPrefillThreads)
       const int64_t j = idx / d, c = idx % d, t = k0 + j;
       // Rows past key_end are zero, not garbage: p = 0 times a NaN would still be NaN.
       const bool present = t < key_end;
-      k_tile[j * (d + 1) + c] = present ? k[base + t * D + c] : 0.0f;
-      v_tile[j * d + c] = present ? v[base + t * D + c] : 0.0f;
+      k_tile[j * (d + 1) + c] = present ? k[kv_base + t * D_kv + c] : 0.0f;
+      v_tile[j * d + c] = present ? v[kv_base + t * D_kv + c] : 0.0f;
     }
     __syncthreads();
 
@@ -140,7 +142,8 @@ __global__ void __launch_bounds__(kPrefillThreads)
 
 template <int kPerLane>
 int launch_prefill(const float* q, const float* k, const float* v, float* out, int64_t B, int64_t n,
-                   int64_t H, int64_t d, const int32_t* first_valid, cudaStream_t stream) {
+                   int64_t H, int64_t H_kv, int64_t d, const int32_t* first_valid,
+                   cudaStream_t stream) {
   const size_t shared_bytes = prefill_shared_bytes(d);
   if (shared_bytes > 48 * 1024) {  // beyond the default limit a kernel must opt in
     const cudaError_t status =
@@ -151,7 +154,7 @@ int launch_prefill(const float* q, const float* k, const float* v, float* out, i
   const dim3 grid(static_cast<unsigned>((n + kQueryTile - 1) / kQueryTile),
                   static_cast<unsigned>(H), static_cast<unsigned>(B));
   prefill_kernel<kPerLane>
-      <<<grid, kPrefillThreads, shared_bytes, stream>>>(q, k, v, out, n, H, d, first_valid);
+      <<<grid, kPrefillThreads, shared_bytes, stream>>>(q, k, v, out, n, H, H_kv, d, first_valid);
   return cudaGetLastError();
 }
 
@@ -160,21 +163,23 @@ int launch_prefill(const float* q, const float* k, const float* v, float* out, i
 constexpr int kDecodeWarps = 8;
 constexpr int kDecodeThreads = kDecodeWarps * kWarpSize;
 
-// Grid (H, B). The block of (b, h) reads rows [first_valid[b], length) of its (capacity, d)
-// slice of each cache; warp w takes rows start + w, start + w + kDecodeWarps, ..., its lanes
-// covering the dims (coalesced row reads), with an online softmax per warp. The warps' (max,
-// sum, acc) are then merged in shared memory.
+// Grid (H, B). The block of (b, h) reads rows [first_valid[b], length) of the (capacity, d)
+// slice of its KV head h / (H / H_kv) in each cache; warp w takes rows start + w, start + w +
+// kDecodeWarps, ..., its lanes covering the dims (coalesced row reads), with an online softmax per
+// warp. The warps' (max, sum, acc) are then merged in shared memory.
 template <typename T, int kPerLane>
 __global__ void __launch_bounds__(kDecodeThreads)
     decode_kernel(const float* q, const T* k_cache, const T* v_cache, float* out, int64_t H,
-                  int64_t d, int64_t capacity, int64_t length, const int32_t* first_valid) {
+                  int64_t H_kv, int64_t d, int64_t capacity, int64_t length,
+                  const int32_t* first_valid) {
   __shared__ float warp_m[kDecodeWarps], warp_l[kDecodeWarps];
   __shared__ float warp_acc[kDecodeWarps][kMaxHeadDim];
 
   const int64_t b = blockIdx.y, h = blockIdx.x;
-  const int64_t head = b * H + h;                 // index of (b, h) in (B, H)
-  const T* keys = k_cache + head * capacity * d;  // (capacity, d)
-  const T* values = v_cache + head * capacity * d;
+  const int64_t head = b * H + h;                     // index of (b, h) in (B, H)
+  const int64_t kv_head = b * H_kv + h / (H / H_kv);  // its KV head in (B, H_kv)
+  const T* keys = k_cache + kv_head * capacity * d;   // (capacity, d)
+  const T* values = v_cache + kv_head * capacity * d;
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
 
   float q_part[kPerLane], acc[kPerLane];
@@ -258,28 +263,31 @@ bool grid_fits(int64_t x, int64_t y, int64_t z) {
 }  // namespace
 
 int attention_prefill(const float* q, const float* k, const float* v, float* out, int64_t B,
-                      int64_t n, int64_t H, int64_t d, const int32_t* first_valid, void* stream) {
+                      int64_t n, int64_t H, int64_t H_kv, int64_t d, const int32_t* first_valid,
+                      void* stream) {
   if (B <= 0 || n <= 0 || H <= 0 || d <= 0) return cudaSuccess;
+  if (H_kv <= 0 || H % H_kv != 0) return cudaErrorInvalidValue;
   if (!grid_fits((n + kQueryTile - 1) / kQueryTile, H, B)) return cudaErrorInvalidValue;
   const cudaStream_t s = detail::as_stream(stream);
   switch (values_per_lane(d)) {
     case 1:
-      return launch_prefill<1>(q, k, v, out, B, n, H, d, first_valid, s);
+      return launch_prefill<1>(q, k, v, out, B, n, H, H_kv, d, first_valid, s);
     case 2:
-      return launch_prefill<2>(q, k, v, out, B, n, H, d, first_valid, s);
+      return launch_prefill<2>(q, k, v, out, B, n, H, H_kv, d, first_valid, s);
     case 4:
-      return launch_prefill<4>(q, k, v, out, B, n, H, d, first_valid, s);
+      return launch_prefill<4>(q, k, v, out, B, n, H, H_kv, d, first_valid, s);
     case 8:
-      return launch_prefill<8>(q, k, v, out, B, n, H, d, first_valid, s);
+      return launch_prefill<8>(q, k, v, out, B, n, H, H_kv, d, first_valid, s);
     default:
       return cudaErrorInvalidValue;
   }
 }
 
 int attention_decode(const float* q, const void* k_cache, const void* v_cache, Element cache_type,
-                     float* out, int64_t B, int64_t H, int64_t d, int64_t capacity, int64_t length,
-                     const int32_t* first_valid, void* stream) {
+                     float* out, int64_t B, int64_t H, int64_t H_kv, int64_t d, int64_t capacity,
+                     int64_t length, const int32_t* first_valid, void* stream) {
   if (B <= 0 || H <= 0 || d <= 0) return cudaSuccess;
+  if (H_kv <= 0 || H % H_kv != 0) return cudaErrorInvalidValue;
   if (!grid_fits(H, B, 1) || length > capacity) return cudaErrorInvalidValue;
   const int per_lane = values_per_lane(d);
   if (per_lane == 0) return cudaErrorInvalidValue;
@@ -291,20 +299,20 @@ int attention_decode(const float* q, const void* k_cache, const void* v_cache, E
     const T* values = static_cast<const T*>(v_cache);
     switch (per_lane) {
       case 1:
-        decode_kernel<T, 1><<<grid, kDecodeThreads, 0, s>>>(q, keys, values, out, H, d, capacity,
-                                                            length, first_valid);
+        decode_kernel<T, 1><<<grid, kDecodeThreads, 0, s>>>(q, keys, values, out, H, H_kv, d,
+                                                            capacity, length, first_valid);
         break;
       case 2:
-        decode_kernel<T, 2><<<grid, kDecodeThreads, 0, s>>>(q, keys, values, out, H, d, capacity,
-                                                            length, first_valid);
+        decode_kernel<T, 2><<<grid, kDecodeThreads, 0, s>>>(q, keys, values, out, H, H_kv, d,
+                                                            capacity, length, first_valid);
         break;
       case 4:
-        decode_kernel<T, 4><<<grid, kDecodeThreads, 0, s>>>(q, keys, values, out, H, d, capacity,
-                                                            length, first_valid);
+        decode_kernel<T, 4><<<grid, kDecodeThreads, 0, s>>>(q, keys, values, out, H, H_kv, d,
+                                                            capacity, length, first_valid);
         break;
       default:
-        decode_kernel<T, 8><<<grid, kDecodeThreads, 0, s>>>(q, keys, values, out, H, d, capacity,
-                                                            length, first_valid);
+        decode_kernel<T, 8><<<grid, kDecodeThreads, 0, s>>>(q, keys, values, out, H, H_kv, d,
+                                                            capacity, length, first_valid);
         break;
     }
     return static_cast<int>(cudaGetLastError());
