@@ -7,6 +7,7 @@
 #include <sstream>
 #include <vector>
 
+#include "core/generation_config.h"
 #include "core/safetensors.h"
 #include "core/synthetic_model.h"
 
@@ -94,6 +95,7 @@ ModelSource resolve_model(const std::string& spec, const ModelLoadOptions& optio
   if (fs::exists(fs::path(source.directory) / "vocab.json")) {
     source.tokenizer = Tokenizer::from_directory(source.directory);
   }
+  source.sampling = load_generation_config(source.directory);
   return source;
 }
 

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "core/model.h"
+#include "core/sampler.h"
 #include "core/tokenizer.h"
 
 namespace infinigen {
@@ -21,6 +22,7 @@ struct ModelSource {
   ModelConfig config;
   std::string directory;  // checkpoint directory; empty for a preset on synthetic weights
   std::optional<Tokenizer> tokenizer;  // absent when a checkpoint ships none
+  std::optional<SamplingOptions> sampling;  // its generation_config.json, when it ships one
   std::string description;
   bool synthetic = false;
   uint64_t seed = 0;  // of synthetic weights

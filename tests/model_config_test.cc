@@ -1,4 +1,5 @@
-// tests: presets, HF config.json parsing and the refusal of unsupported OPT variants.
+// tests: presets, HF config.json parsing, the refusal of unsupported OPT variants and
+// generation_config.json (a checkpoint's sampling defaults).
 #include "core/model_config.h"
 
 #include <gtest/gtest.h>
@@ -6,6 +7,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "core/generation_config.h"
 #include "tests/test_util.h"
 
 namespace infinigen {
@@ -117,6 +119,52 @@ TEST(ModelConfig, FilesAndPresetsReportWhatIsWrong) {
     EXPECT_NE(std::string(e.what()).find("unknown model preset 'opt-7b'"), std::string::npos);
     EXPECT_NE(std::string(e.what()).find("opt-6.7b"), std::string::npos);
   }
+}
+
+std::optional<SamplingOptions> generation_config_of(const std::string& text) {
+  testing_util::TempDir dir("generation-config");
+  if (!text.empty()) std::ofstream(dir.path() / "generation_config.json") << text;
+  return load_generation_config(dir.str());
+}
+
+std::string generation_config_error(const std::string& text) {
+  try {
+    generation_config_of(text);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(GenerationConfig, AbsentIsNulloptAndDoSampleFalseIsGreedy) {
+  EXPECT_FALSE(generation_config_of("").has_value());
+  const auto greedy = generation_config_of(R"({"do_sample": false, "temperature": 0.7})");
+  ASSERT_TRUE(greedy.has_value());
+  EXPECT_EQ(greedy->temperature, 0.0f);
+  EXPECT_EQ(greedy->top_p, 1.0f);
+}
+
+TEST(GenerationConfig, DoSampleTakesTemperatureAndTopP) {
+  const auto sampled = generation_config_of(R"({"do_sample": true, "temperature": 0.7,
+      "top_p": 0.9, "bos_token_id": 2})");
+  ASSERT_TRUE(sampled.has_value());
+  EXPECT_FLOAT_EQ(sampled->temperature, 0.7f);
+  EXPECT_FLOAT_EQ(sampled->top_p, 0.9f);
+  const auto defaults = generation_config_of(R"({"do_sample": true})");
+  EXPECT_FLOAT_EQ(defaults->temperature, 1.0f);
+  EXPECT_FLOAT_EQ(defaults->top_p, 1.0f);
+}
+
+TEST(GenerationConfig, BadFilesAreOneLineErrors) {
+  EXPECT_NE(generation_config_error("{not json").find("not valid JSON"), std::string::npos);
+  EXPECT_NE(generation_config_error(R"({"do_sample": true, "top_p": 1.5})").find("top_p"),
+            std::string::npos);
+  EXPECT_NE(generation_config_error(R"({"do_sample": true, "temperature": 0})")
+                .find("temperature must be positive"),
+            std::string::npos);
+  EXPECT_NE(generation_config_error(R"({"do_sample": "yes"})").find("wrong type"),
+            std::string::npos);
+  EXPECT_NE(generation_config_error("[1, 2]").find("not a JSON object"), std::string::npos);
 }
 
 }  // namespace

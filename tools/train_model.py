@@ -325,7 +325,12 @@ def command_export(args: argparse.Namespace) -> int:
     shutil.rmtree(staging, ignore_errors=True)
     model.save_pretrained(staging, safe_serialization=True)
     (staging / "model.safetensors").chmod(0o644)
-    (staging / "generation_config.json").unlink(missing_ok=True)
+    # Sampling by default: a model this small repeats itself under greedy decoding.
+    generation = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p,
+                  "bos_token_id": model.config.bos_token_id,
+                  "eos_token_id": model.config.eos_token_id,
+                  "pad_token_id": model.config.pad_token_id}
+    (staging / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     for name in ("vocab.json", "merges.txt"):
         shutil.copyfile(tokenizer_dir / name, staging / name)
 
@@ -338,6 +343,7 @@ def command_export(args: argparse.Namespace) -> int:
     manifest = json.loads((pathlib.Path(settings["corpus"]) / "manifest.json").read_text())
     card = {
         "parameters": sum(p.numel() for p in check.parameters()),
+        "vocab_size": vocab_size,
         "tokens_seen": state["tokens_seen"],
         "steps": state["step"],
         "heldout_perplexity_fp16_weights": round(ppl, 3),
@@ -347,11 +353,50 @@ def command_export(args: argparse.Namespace) -> int:
         "settings": settings,
     }
     (staging / "training.json").write_text(json.dumps(card, indent=2) + "\n")
+    (staging / "README.md").write_text(model_card(card, generation))
     shutil.rmtree(args.out, ignore_errors=True)
     staging.rename(args.out)
     log(f"wrote {args.out}: held-out perplexity {ppl:.2f} over {len(windows)} windows "
         f"(fp16 weights, HF transformers)")
     return 0
+
+
+def model_card(card: dict, generation: dict) -> str:
+    """The checkpoint's README: what it is, what it was trained on, how well it does."""
+    s = card["settings"]
+    packages = ", ".join(f"`{name}` {version}" for name, version in card["corpus_packages"].items())
+    history = "\n".join(f"| {h['step']} | {h['tokens'] / 1e6:.1f} M | {h['ppl']:.1f} |"
+                        for h in card["history"])
+    return f"""# The built-in model
+
+A small `OPTForCausalLM` trained from scratch with `tools/train_model.py` on real English that
+Debian packages ship ({packages}): the reStructuredText sources of the Python documentation and
+the King James Bible, documents kept whole. It is what `infinigen run` and `infinigen eval` use
+when no `--model` is given. It writes English-like text; it knows little and makes no sense for
+long. It exists so that the engine, and InfiniGen's choice of KV entries, are judged on attention
+that learned language rather than on random weights.
+
+| | |
+|---|---|
+| architecture | OPT, pre-LayerNorm, {s['layers']} layers, hidden {s['hidden']}, {s['heads']} heads, FFN {s['ffn']} |
+| context | {s['context']} tokens |
+| parameters | {card['parameters'] / 1e6:.2f} M |
+| vocabulary | {card['vocab_size']} tokens, byte-level BPE trained on the same corpus (`tools/train_tokenizer.py`) |
+| tokens seen | {card['tokens_seen'] / 1e6:.1f} M ({card['steps']} steps of {s['batch_tokens']} tokens) |
+| held-out perplexity | {card['heldout_perplexity_fp16_weights']:.1f} (HF transformers, these fp16 weights, {card['heldout_windows']} windows of {s['context']} tokens from documents never trained on) |
+| weights | fp16 safetensors |
+| sampling default | temperature {generation['temperature']}, top-p {generation['top_p']} (`generation_config.json`) |
+
+Held-out perplexity during training (the first 48 windows, fp32 weights):
+
+| step | tokens | perplexity |
+|---:|---:|---:|
+{history}
+
+Rebuild it (hours on two cores): `tools/make_corpus.py`, `tools/train_tokenizer.py`, then
+`tools/train_model.py train` and `export` with the settings in `training.json`; see
+`docs/builtin-model.md`.
+"""
 
 
 def main() -> int:
@@ -382,6 +427,10 @@ def main() -> int:
     export = commands.add_parser("export", help="write a run's best checkpoint for the engine")
     export.add_argument("--run", type=pathlib.Path, required=True)
     export.add_argument("--out", type=pathlib.Path, required=True)
+    export.add_argument("--temperature", type=float, default=0.8,
+                        help="sampling temperature written to generation_config.json")
+    export.add_argument("--top-p", type=float, default=0.95,
+                        help="nucleus mass written to generation_config.json")
     export.set_defaults(handler=command_export)
 
     args = parser.parse_args()

@@ -3,6 +3,7 @@
 
 #include <cstdio>
 #include <fstream>
+#include <optional>
 #include <nlohmann/json.hpp>
 
 #include "apps/infinigen/commands.h"
@@ -33,8 +34,8 @@ struct RunOptions {
   bool prompt_len_given = false;
   int64_t gen_len = 32;
   uint64_t seed = 0;
-  float temperature = 0.0f;
-  float top_p = 1.0f;
+  std::optional<float> temperature;  // unset: the checkpoint's generation_config.json, else greedy
+  std::optional<float> top_p;
   std::string device = "auto";
   std::string kv_dtype = "f16";
   int threads = 0;
@@ -105,6 +106,12 @@ std::vector<std::vector<int32_t>> build_prompts(const RunOptions& o, const Model
   return prompts;
 }
 
+std::string describe(const SamplingOptions& sampling) {
+  if (sampling.temperature == 0.0f) return "greedy";
+  return cat("sampled at temperature ", sampling.temperature, ", top-p ", sampling.top_p,
+             ", seed ", sampling.seed);
+}
+
 std::string render(const ModelSource& loaded, const std::vector<int32_t>& ids) {
   if (loaded.tokenizer) return loaded.tokenizer->decode(ids);
   std::string out;
@@ -171,7 +178,10 @@ int run(const RunOptions& o) {
   GenerationRequest request;
   request.prompts = build_prompts(o, loaded);
   request.gen_len = o.gen_len;
-  request.sampling = {o.temperature, o.top_p, o.seed};
+  request.sampling = loaded.sampling.value_or(SamplingOptions{});
+  if (o.temperature) request.sampling.temperature = *o.temperature;
+  if (o.top_p) request.sampling.top_p = *o.top_p;
+  request.sampling.seed = o.seed;
   request.kv_dtype = kv_dtype;
   OffloadRun run;
   {
@@ -201,6 +211,9 @@ int run(const RunOptions& o) {
                              {"prompt_len", result.prompt_len},
                              {"gen_len", result.gen_len},
                              {"kv_dtype", dtype_name(kv_dtype)},
+                             {"sampling", {{"temperature", request.sampling.temperature},
+                                           {"top_p", request.sampling.top_p},
+                                           {"seed", request.sampling.seed}}},
                              {"prefill_latency_s", result.prefill_seconds},
                              {"decode_latency_s", result.decode_seconds},
                              {"total_latency_s", result.total_seconds()},
@@ -223,9 +236,9 @@ int run(const RunOptions& o) {
               o.link_gbps > 0
                   ? (std::to_string(o.link_gbps).substr(0, 5) + " GB/s (emulated)").c_str()
                   : "not emulated");
-  std::printf("batch %lld, prompt %lld tokens (longest), %lld generated tokens per sequence\n\n",
+  std::printf("batch %lld, prompt %lld tokens (longest), %lld generated tokens per sequence, %s\n\n",
               static_cast<long long>(result.batch), static_cast<long long>(result.prompt_len),
-              static_cast<long long>(result.gen_len));
+              static_cast<long long>(result.gen_len), describe(request.sampling).c_str());
   for (size_t b = 0; b < request.prompts.size(); ++b) {
     std::printf("[%zu] %s\n    -> %s\n", b + 1,
                 shorten(render(loaded, request.prompts[b]), 160).c_str(),
@@ -259,9 +272,11 @@ Command add_run_command(CLI::App& app) {
       ->capture_default_str();
   app.add_option("--seed", o->seed, "Seed for sampling, synthetic prompts and synthetic weights")
       ->capture_default_str();
-  app.add_option("--temperature", o->temperature, "Sampling temperature (0 = greedy)")
-      ->capture_default_str();
-  app.add_option("--top-p", o->top_p, "Nucleus sampling mass")->capture_default_str();
+  app.add_option("--temperature", o->temperature,
+                 "Sampling temperature, 0 = greedy (default: the checkpoint's "
+                 "generation_config.json, else greedy)");
+  app.add_option("--top-p", o->top_p,
+                 "Nucleus sampling mass (default: the checkpoint's generation_config.json, else 1)");
   app.add_option("--device", o->device, "cpu, cuda or auto")->capture_default_str();
   app.add_option("--kv-dtype", o->kv_dtype, "KV cache element type: f16 or f32")
       ->capture_default_str();
