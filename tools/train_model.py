@@ -117,6 +117,7 @@ def heldout_perplexity(model: OPTForCausalLM, windows: list[np.ndarray], rows: i
     total_nll, total_tokens = 0.0, 0
     for first in range(0, len(windows), rows):
         batch = torch.from_numpy(np.stack(windows[first:first + rows]).astype(np.int64))
+        batch = batch.to(model.device)
         logits = model(input_ids=batch).logits[:, :-1].float()
         nll = torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum")
@@ -171,6 +172,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences per forward pass")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="PyTorch device to train on (default: cuda when PyTorch sees one)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,7 +195,7 @@ def command_train(args: argparse.Namespace) -> int:
     run.mkdir(parents=True, exist_ok=True)
     settings_path = run / "settings.json"
     settings = {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()
-                if k not in ("command", "handler", "run", "threads", "total_steps")}
+                if k not in ("command", "handler", "run", "threads", "device", "total_steps")}
     if settings_path.is_file():
         saved = json.loads(settings_path.read_text())
         changed = {k: (saved.get(k), v) for k, v in settings.items()
@@ -210,7 +213,7 @@ def command_train(args: argparse.Namespace) -> int:
     args.total_steps = args.max_tokens // (accumulation * args.micro_batch * args.context)
 
     torch.manual_seed(args.seed)
-    model = OPTForCausalLM(model_config(args, vocab_size))
+    model = OPTForCausalLM(model_config(args, vocab_size)).to(args.device)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
@@ -219,7 +222,7 @@ def command_train(args: argparse.Namespace) -> int:
     step, tokens_seen, history, best = 0, 0, [], float("inf")
     checkpoint = run / "checkpoint.pt"
     if checkpoint.is_file():
-        state = torch.load(checkpoint, weights_only=False)
+        state = torch.load(checkpoint, weights_only=False, map_location=args.device)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         step, tokens_seen = state["step"], state["tokens_seen"]
@@ -242,6 +245,7 @@ def command_train(args: argparse.Namespace) -> int:
         for micro in range(accumulation):
             batch = training_batch(train_tokens, train_starts, args.micro_batch, args.context,
                                    args.seed * 1_000_003 + step * accumulation + micro)
+            batch = batch.to(args.device)
             loss = model(input_ids=batch, labels=batch).loss / accumulation
             loss.backward()
             loss_sum += loss.item()
@@ -290,15 +294,17 @@ def command_measure(args: argparse.Namespace) -> int:
     """Times a few optimizer steps of the given shape (tokens per second)."""
     torch.set_num_threads(args.threads)
     vocab_size = len(json.loads((args.tokenizer / "vocab.json").read_text()))
-    model = OPTForCausalLM(model_config(args, vocab_size))
+    model = OPTForCausalLM(model_config(args, vocab_size)).to(args.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    batch = torch.randint(4, vocab_size, (args.micro_batch, args.context))
+    batch = torch.randint(4, vocab_size, (args.micro_batch, args.context), device=args.device)
     times = []
     for _ in range(args.steps):
         start = time.time()
         optimizer.zero_grad()
         model(input_ids=batch, labels=batch).loss.backward()
         optimizer.step()
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
         times.append(time.time() - start)
     median = sorted(times[1:])[len(times[1:]) // 2]
     parameters = sum(p.numel() for p in model.parameters())
@@ -315,7 +321,7 @@ def command_export(args: argparse.Namespace) -> int:
     namespace = argparse.Namespace(**settings)
     tokenizer_dir = pathlib.Path(settings["tokenizer"])
     vocab_size = len(json.loads((tokenizer_dir / "vocab.json").read_text()))
-    state = torch.load(run / "best.pt", weights_only=False)
+    state = torch.load(run / "best.pt", weights_only=False, map_location="cpu")
     model = OPTForCausalLM(model_config(namespace, vocab_size))
     model.load_state_dict(state["model"])
     model.config.dropout = 0.0
