@@ -16,12 +16,14 @@
 namespace infinigen::cli {
 namespace {
 
-// Prompts of the default run: different lengths, so left padding is exercised from the start.
+// Prompts of the default run, from the two sources the built-in model learned from (the Python
+// documentation and the King James Bible, docs/builtin-model.md), of different lengths so that
+// left padding is exercised from the start.
 const char* const kDefaultPrompts[] = {
-    "The history of computing begins with",
-    "In a small village by the sea, the fishermen",
-    "To make bread at home you need flour, water,",
-    "The weather tomorrow will be",
+    "In the beginning God created the heaven and the earth. And",
+    "The Python interpreter reads a program",
+    "To open a file for reading, call",
+    "And Jesus answered and said unto them,",
 };
 
 struct RunOptions {
