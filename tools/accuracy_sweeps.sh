@@ -38,12 +38,17 @@ run compare --policy full,infinigen,h2o,int4 --alpha 4 --h2o-budget "$budget,0.2
 run pool --policy full,infinigen --kv-pool-limit 0,0.8 --eviction counter,lru,fifo
 run ratio --policy infinigen --partial-ratio 0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0 \
   --partial-index-rule qk,q
+# Tighter fetch caps than the default 20% of the window, and H2O at similar budgets.
+for cap in 200 100 50; do
+  run "cap-$cap" --policy infinigen --max-num-kv "$cap"
+done
+run h2o-small --policy h2o --h2o-budget 0.1,0.05
 run keys --policy infinigen --partial-key-dtype f32,f16
 run fetch-rule-batch --policy infinigen --fetch-rule batch
 [ -d "$out/builtin-skewed" ] || "$bin" skew --model builtin --out "$out/builtin-skewed"
 run skewed --model "$out/builtin-skewed" --policy full,infinigen --alpha 1,2,4,6
 
-for name in alpha compare pool ratio keys fetch-rule-batch skewed; do
+for name in alpha compare pool ratio cap-200 cap-100 cap-50 h2o-small keys fetch-rule-batch skewed; do
   echo
   echo "### $name"
   echo
