@@ -94,6 +94,7 @@ class CalibrationCache final : public KvCache {
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t h = 0; h < H; ++h) {
       try {
+        check_interrupt();  // a head's SVD is the longest step between layers
         const size_t hs = static_cast<size_t>(h);
         const Eigen::MatrixXd w = rows_f64(wq, h * d, d);  // (d, D)
         const Eigen::VectorXd b = rows_f64(bq, h * d, d);  // (d)
