@@ -44,8 +44,8 @@ ModelSource point_source(const BenchSettings& s, const ModelConfig& config, doub
     INFINIGEN_CHECK(source.synthetic, "--scale ", scale, " needs a preset model (synthetic ",
                     "weights); ", s.model, " is a checkpoint");
     source.config = config;
-    source.description = cat(s.model, " at scale ", scale, " on synthetic weights (seed ", seed,
-                              ")");
+    source.description =
+        cat(s.model, " at scale ", scale, " on synthetic weights (seed ", seed, ")");
   }
   return source;
 }
@@ -91,9 +91,10 @@ PointMetrics median_metrics(const std::vector<PointMetrics>& runs) {
         &PointMetrics::block_compute_s}) {
     m.*field = pick(field);
   }
-  const auto closest = std::min_element(runs.begin(), runs.end(), [&](const auto& a, const auto& b) {
-    return std::abs(a.total_s - m.total_s) < std::abs(b.total_s - m.total_s);
-  });
+  const auto closest =
+      std::min_element(runs.begin(), runs.end(), [&](const auto& a, const auto& b) {
+        return std::abs(a.total_s - m.total_s) < std::abs(b.total_s - m.total_s);
+      });
   m.layer_fetched_fraction = closest->layer_fetched_fraction;
   m.fetched_rows = closest->fetched_rows;
   return m;
@@ -101,39 +102,48 @@ PointMetrics median_metrics(const std::vector<PointMetrics>& runs) {
 
 struct RunInputs {
   ModelSource source;
-  GenerationRequest request;
+  BenchSettings settings;  // the batch and lengths; prompts are built only for a run
   OffloadOptions options;
+  uint64_t seed = 0;
 };
 
 RunInputs run_inputs(const BenchSettings& s, const ModelConfig& config, double scale,
                      const LinkEmulation& link, uint64_t seed) {
-  RunInputs in{point_source(s, config, scale, seed), {}, offload_options(s, link)};
-  const int32_t vocab = static_cast<int32_t>(in.source.config.vocab_size);
-  in.request.prompts =
-      synthetic_prompts(s.batch, s.prompt_len, in.source.config.bos_token_id, vocab, seed);
-  in.request.gen_len = s.gen_len;
-  in.request.kv_dtype = DType::F16;
-  return in;
+  return {point_source(s, config, scale, seed), s, offload_options(s, link), seed};
 }
 
-// Plans the run here; the planner's one line when it cannot fit.
+// Plans the run here; the planner's one line when it cannot fit. Nothing proportional to the
+// point's sizes is built before this says "ok".
 std::string plan_status(const RunInputs& in, Device device) {
   try {
-    plan_offloaded_run(offload_memory_request(in.source.config, in.request.prompts.size(),
-                                              in.request.prompts.front().size(),
-                                              in.request.gen_len, in.request.kv_dtype,
-                                              in.options),
-                       in.options, device);
+    check_context(in.source.config, in.settings.prompt_len, in.settings.gen_len);
+    plan_offloaded_run(
+        offload_memory_request(in.source.config, in.settings.batch, in.settings.prompt_len,
+                               in.settings.gen_len, DType::F16, in.options),
+        in.options, device);
   } catch (const Error& e) {
     return cat("does not fit here: ", e.what());
   }
   return "ok";
 }
 
+// The point's requests: synthetic prompts of its batch and length.
+GenerationRequest generation_request(const RunInputs& in) {
+  GenerationRequest request;
+  request.prompts =
+      synthetic_prompts(in.settings.batch, in.settings.prompt_len, in.source.config.bos_token_id,
+                        static_cast<int32_t>(in.source.config.vocab_size), in.seed);
+  request.gen_len = in.settings.gen_len;
+  request.kv_dtype = DType::F16;
+  return request;
+}
+
+// Median metrics of `repeats` runs; only for inputs plan_status accepted.
 PointMetrics measure(const RunInputs& in, Device device, int repeats) {
+  const GenerationRequest request = generation_request(in);
   std::vector<PointMetrics> runs;
   for (int r = 0; r < repeats; ++r) {
-    const OffloadRun run = run_offloaded(in.source, in.request, in.options, device);
+    const OffloadRun run = run_offloaded(in.source, request, in.options, device);
     runs.push_back(metrics_of(run, in.source.config.num_layers));
   }
   return median_metrics(runs);
@@ -178,8 +188,8 @@ double mean_fetched_fraction(const CostModelInput& model, KvPolicy policy) {
 
 bool same_group(const PointResult& a, const PointResult& b) {
   if (a.point.panel != b.point.panel) return false;
-  for (const char* key : {"model", "batch", "prompt_len", "gen_len", "weights_gpu_percent",
-                          "alpha", "partial_ratio", "dense_layers", "h2o_budget"}) {
+  for (const char* key : {"model", "batch", "prompt_len", "gen_len", "weights_gpu_percent", "alpha",
+                          "partial_ratio", "dense_layers", "h2o_budget"}) {
     if (settings_value(a.point.settings, key) != settings_value(b.point.settings, key)) {
       return false;
     }
@@ -220,9 +230,9 @@ BenchReport run_experiment(const Experiment& experiment, const BenchOptions& opt
         options.fetched_fraction > 0
             ? cat("given: ", options.fetched_fraction, " of each speculated layer's KV")
         : options.measure ? "the measured runs of each point"
-                        : cat("runs of each point's model at scale ", options.fractions_scale,
-                              " with the point's lengths, ", options.fractions_gen_len,
-                              " decode steps, on this machine");
+                          : cat("runs of each point's model at scale ", options.fractions_scale,
+                                " with the point's lengths, ", options.fractions_gen_len,
+                                " decode steps, on this machine");
   }
 
   const size_t total = experiment.points.size();
@@ -270,24 +280,33 @@ BenchReport run_experiment(const Experiment& experiment, const BenchOptions& opt
           // The fetched share depends on the attention pattern and the context length, not on
           // the model's width: measure it on a narrow model with the point's lengths.
           BenchSettings small = scaled.settings;
-          small.batch = std::max<int64_t>(1, std::llround(scaled.settings.batch *
-                                                          options.fractions_scale));
+          small.batch =
+              std::max<int64_t>(1, std::llround(scaled.settings.batch * options.fractions_scale));
           small.gen_len = std::min(scaled.settings.gen_len, options.fractions_gen_len);
           const ModelConfig narrow = scaled_model_config(preset, options.fractions_scale);
           const RunInputs probe =
               run_inputs(small, narrow, options.fractions_scale, {}, options.seed);
-          model.fetched_fraction = measure(probe, options.device, 1).layer_fetched_fraction;
+          if (const std::string probe_status = plan_status(probe, options.device);
+              probe_status == "ok") {
+            model.fetched_fraction = measure(probe, options.device, 1).layer_fetched_fraction;
+          } else {
+            result.prediction_status =
+                cat("its fetched fractions could not be measured: ", probe_status);
+          }
         }
       }
-      const PredictedRun predicted = predict_run(model, *profile);
-      if (predicted.fits) {
-        result.predicted = metrics_of(predicted);
-        // The fetched share is an input of the prediction, not an output: carry it along.
-        result.predicted->fetched_fraction =
-            result.measured ? result.measured->fetched_fraction
-                            : mean_fetched_fraction(model, in.options.policy);
-      } else {
-        result.prediction_status = cat("does not fit on ", profile->name, ": ", predicted.does_not_fit);
+      if (result.prediction_status == "ok") {
+        const PredictedRun predicted = predict_run(model, *profile);
+        if (predicted.fits) {
+          result.predicted = metrics_of(predicted);
+          // The fetched share is an input of the prediction, not an output: carry it along.
+          result.predicted->fetched_fraction =
+              result.measured ? result.measured->fetched_fraction
+                              : mean_fetched_fraction(model, in.options.policy);
+        } else {
+          result.prediction_status =
+              cat("does not fit on ", profile->name, ": ", predicted.does_not_fit);
+        }
       }
     }
     if (progress) {

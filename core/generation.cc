@@ -39,6 +39,15 @@ std::vector<int32_t> left_pad(const std::vector<std::vector<int32_t>>& prompts, 
   return tokens;
 }
 
+void check_context(const ModelConfig& config, int64_t longest, int64_t gen_len) {
+  INFINIGEN_CHECK(longest < config.max_positions, "a prompt of ", longest,
+                  " tokens leaves no room to generate in the model's context of ",
+                  config.max_positions, " positions");
+  INFINIGEN_CHECK(gen_len <= config.max_positions - longest, "--gen-len ", gen_len, ": prompt (",
+                  longest, " tokens) plus generation exceeds the model's context of ",
+                  config.max_positions, " positions");
+}
+
 int64_t check_request(const ModelConfig& config, const GenerationRequest& request) {
   INFINIGEN_CHECK(!request.prompts.empty(), "--batch must be at least 1");
   INFINIGEN_CHECK(request.gen_len > 0, "--gen-len must be at least 1, got ", request.gen_len);
@@ -52,9 +61,7 @@ int64_t check_request(const ModelConfig& config, const GenerationRequest& reques
     }
     longest = std::max<int64_t>(longest, static_cast<int64_t>(prompt.size()));
   }
-  INFINIGEN_CHECK(longest + request.gen_len <= config.max_positions, "--gen-len ", request.gen_len,
-                  ": prompt (", longest, " tokens) plus generation exceeds the ",
-                  "model's context of ", config.max_positions, " positions");
+  check_context(config, longest, request.gen_len);
   if (!request.forced_tokens.empty()) {
     INFINIGEN_CHECK(request.forced_tokens.size() == request.prompts.size(), "forced tokens for ",
                     request.forced_tokens.size(), " sequences in a batch of ",

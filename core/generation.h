@@ -61,6 +61,9 @@ GenerationResult generate(Model& model, const GenerationRequest& request,
 // in the vocabulary, gen_len >= 1, prompt plus generation within the context, forced tokens of
 // the right shape and in the vocabulary) and returns the longest prompt's length.
 int64_t check_request(const ModelConfig& config, const GenerationRequest& request);
+// One-line Error unless a prompt of `longest` tokens plus `gen_len` generated ones fit in the
+// model's context (no overflow for lengths near the int64 limit).
+void check_context(const ModelConfig& config, int64_t longest, int64_t gen_len);
 
 // `batch` prompts of `prompt_len` ids each: BOS, then ids drawn uniformly from [4, vocab_limit)
 // (the special tokens excluded) by a generator seeded with `seed`; the same on every machine.

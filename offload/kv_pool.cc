@@ -6,12 +6,13 @@
 
 #include "core/device.h"
 #include "core/error.h"
+#include "core/saturating.h"
 
 namespace infinigen {
 namespace {
 
 int64_t ceil_div(int64_t a, int64_t b) {
-  return (a + b - 1) / b;
+  return a / b + (a % b != 0 ? 1 : 0);  // no a + b - 1: a may be near the int64 limit
 }
 
 const char* kind_name(KvKind kind) {
@@ -44,9 +45,9 @@ int64_t KvPool::num_blocks() const {
 size_t KvPool::capacity_bytes(const KvPoolShape& s) {
   INFINIGEN_CHECK(s.block_tokens > 0, "KV pool: block_tokens must be positive, got ",
                   s.block_tokens);
-  const int64_t tokens = ceil_div(s.max_tokens, s.block_tokens) * s.block_tokens;
-  return 2 * static_cast<size_t>(s.num_layers * s.batch * s.num_heads * tokens * s.head_dim) *
-         dtype_size(s.dtype);
+  return saturating_product({2, s.num_layers, s.batch, s.num_heads,
+                             ceil_div(s.max_tokens, s.block_tokens), s.block_tokens, s.head_dim,
+                             static_cast<int64_t>(dtype_size(s.dtype))});
 }
 
 size_t KvPool::allocated_bytes() const {

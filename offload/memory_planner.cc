@@ -3,10 +3,13 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <limits>
 #include <map>
+#include <optional>
 #include <vector>
 
 #include "core/error.h"
+#include "core/saturating.h"
 #include "offload/h2o_kv.h"
 #include "offload/int4_codec.h"
 #include "offload/kv_pool.h"
@@ -20,8 +23,8 @@ constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 constexpr double kMiB = 1024.0 * 1024.0;
 
 // Prefill attention scores: one block of query rows per worker thread, fp32.
-constexpr size_t kScoreBlockRows = 64;
-constexpr size_t kScoreThreads = 16;
+constexpr int64_t kScoreBlockRows = 64;
+constexpr int64_t kScoreThreads = 16;
 
 // "12.3" (GiB, no unit), with `digits` decimals.
 std::string gib(size_t bytes, int digits = 1) {
@@ -49,29 +52,43 @@ int digits_to_tell_apart(size_t need, size_t have) {
   return digits;
 }
 
+// Positions per sequence, prompt and generated (saturating: both lengths come from the user).
+int64_t positions(const MemoryRequest& r) {
+  return r.prompt_len > std::numeric_limits<int64_t>::max() - r.gen_len
+             ? std::numeric_limits<int64_t>::max()
+             : r.prompt_len + r.gen_len;
+}
+
+// What the host must give: its pinned part, and where device and host share one RAM (the CPU
+// backend) the device part as well.
+size_t host_need(const MemoryPlan& plan, const MemoryRequest& request) {
+  return request.shared_memory ? saturating_sum({plan.host_total(), plan.device_total()})
+                               : plan.host_total();
+}
+
 bool device_fits(const MemoryPlan& plan, const MemoryRequest& request) {
   return plan.device_total() <= request.device_capacity;
 }
 bool host_fits(const MemoryPlan& plan, const MemoryRequest& request) {
-  return plan.host_total() <= request.host_capacity;
+  return host_need(plan, request) <= request.host_capacity;
 }
 bool fits(const MemoryRequest& request) {
   const MemoryPlan plan = compute_memory_plan(request);
   return device_fits(plan, request) && host_fits(plan, request);
 }
 
-// The largest batch in [1, max_batch] with which `request` fits on both sides, 0 if none. Every
-// term of the plan grows with the batch, so a binary search finds it.
-int64_t largest_fitting_batch(MemoryRequest request, int64_t max_batch) {
-  request.batch = 1;
-  if (max_batch < 1 || !fits(request)) return 0;
-  int64_t lo = 1, hi = max_batch;  // fits at lo
+// The largest value in [1, most] of the size `field` with which `request` fits, 0 if none. Every
+// term of the plan grows with the batch and with the lengths, so a binary search finds it.
+int64_t largest_fitting(MemoryRequest request, int64_t MemoryRequest::*field, int64_t most) {
+  request.*field = 1;
+  if (most < 1 || !fits(request)) return 0;
+  int64_t lo = 1, hi = most;  // fits at lo
   while (lo < hi) {
-    request.batch = lo + (hi - lo + 1) / 2;
+    request.*field = lo + (hi - lo + 1) / 2;
     if (fits(request)) {
-      lo = request.batch;
+      lo = request.*field;
     } else {
-      hi = request.batch - 1;
+      hi = request.*field - 1;
     }
   }
   return lo;
@@ -97,58 +114,139 @@ const char* kv_policy_name(KvPolicy policy) {
 
 namespace {
 
+// Shares of the full KV that a capped InfiniGen pool is offered at (--kv-pool-limit).
+constexpr double kPoolLimits[] = {0.5, 0.25, 0.1};
+
+// A configuration that fits, the flags that make it, and the pool limit those flags name.
+struct Candidate {
+  MemoryRequest request;
+  double pool_limit = 0.0;  // --kv-pool-limit, 0 = unchanged
+};
+
 // The flags that turn `from` into `to`, e.g. "--policy full --weights-gpu-percent 60".
-std::string flags_for(const MemoryRequest& from, const MemoryRequest& to) {
+std::string flags_for(const MemoryRequest& from, const Candidate& to) {
   std::string flags;
   auto add = [&flags](const std::string& flag) { flags += (flags.empty() ? "" : " ") + flag; };
-  if (to.policy != from.policy) add(cat("--policy ", kv_policy_name(to.policy)));
-  if (to.weights_gpu_percent != from.weights_gpu_percent) {
-    add(cat("--weights-gpu-percent ", to.weights_gpu_percent));
+  const MemoryRequest& r = to.request;
+  if (r.policy != from.policy) add(cat("--policy ", kv_policy_name(r.policy)));
+  if (r.weights_gpu_percent != from.weights_gpu_percent) {
+    add(cat("--weights-gpu-percent ", r.weights_gpu_percent));
   }
-  if (to.batch != from.batch) add(cat("--batch ", to.batch));
+  if (r.kv_block_tokens != from.kv_block_tokens) add(cat("--kv-block-tokens ", r.kv_block_tokens));
+  if (to.pool_limit > 0) add(cat("--kv-pool-limit ", to.pool_limit));
+  if (r.batch != from.batch) add(cat("--batch ", r.batch));
+  if (r.gen_len != from.gen_len) add(cat("--gen-len ", r.gen_len));
   return flags;
 }
 
-// A configuration close to `request` that fits, as flags; empty when nothing fits.
-// Preference: a smaller batch alone; then, per policy (offloading first, as it needs the least
-// device memory), the largest share of weights on the device (steps of 5) with the batch kept,
-// then with the largest batch that fits at that share.
-std::string suggest_fitting(const MemoryRequest& request) {
-  if (const int64_t batch = largest_fitting_batch(request, request.batch - 1); batch > 0) {
-    MemoryRequest smaller = request;
-    smaller.batch = batch;
-    return flags_for(request, smaller);
+// A configuration close to `request` that fits; none when nothing does. Every candidate is
+// planned here, so what is suggested is what the planner accepts. Preference, from the change
+// that alters the experiment least: pool blocks no longer than the default; a smaller batch; for
+// infinigen a capped host pool; per policy (offloading first, as it needs the least device memory)
+// the largest share of weights on the device (steps of 5) with the batch kept, then with the
+// largest batch that fits at that share; last, fewer generated tokens.
+std::optional<Candidate> suggest_fitting(const MemoryRequest& asked) {
+  // Candidates are planned against the capacities less the margin, and flags are relative to
+  // what was asked.
+  MemoryRequest request = asked;
+  if (request.suggestion_margin > 0) {
+    const double keep = 1.0 - request.suggestion_margin;
+    request.device_capacity =
+        static_cast<size_t>(static_cast<double>(request.device_capacity) * keep);
+    request.host_capacity = static_cast<size_t>(static_cast<double>(request.host_capacity) * keep);
+  }
+  // Pool blocks longer than a sequence only add padding: blocks of the default size first.
+  const int64_t default_block = MemoryRequest{}.kv_block_tokens;
+  if (request.kv_block_tokens > std::max(default_block, positions(request))) {
+    Candidate shorter_blocks{request};
+    shorter_blocks.request.kv_block_tokens = default_block;
+    if (fits(shorter_blocks.request)) return shorter_blocks;
+  }
+  if (const int64_t batch = largest_fitting(request, &MemoryRequest::batch, request.batch - 1);
+      batch > 0) {
+    Candidate smaller{request};
+    smaller.request.batch = batch;
+    return smaller;
+  }
+  if (request.policy == KvPolicy::Infinigen && request.kv_pool_tokens == 0) {
+    const int64_t tokens = positions(request);
+    for (double limit : kPoolLimits) {
+      Candidate capped{request, limit};
+      capped.request.kv_pool_tokens = static_cast<int64_t>(limit * static_cast<double>(tokens));
+      if (capped.request.kv_pool_tokens >= 2 && fits(capped.request)) return capped;
+    }
   }
   // h2o keeps its own policy first: its staging is smaller than `full`'s, and switching would
   // change what the run measures.
   std::vector<KvPolicy> policies = {KvPolicy::Full, KvPolicy::Gpu};
   if (request.policy == KvPolicy::H2o) policies.insert(policies.begin(), KvPolicy::H2o);
   for (KvPolicy policy : policies) {
-    MemoryRequest candidate = request;
-    candidate.policy = policy;
+    Candidate candidate{request};
+    candidate.request.policy = policy;
+    candidate.request.kv_pool_tokens = 0;  // a pool limit is infinigen's alone
     for (int percent = 100; percent >= 0; percent -= 5) {
-      candidate.weights_gpu_percent = percent;
-      if (fits(candidate)) return flags_for(request, candidate);
+      candidate.request.weights_gpu_percent = percent;
+      if (fits(candidate.request)) return candidate;
     }
     for (int percent = 100; percent >= 0; percent -= 5) {
-      candidate.weights_gpu_percent = percent;
-      if (const int64_t batch = largest_fitting_batch(candidate, request.batch); batch > 0) {
-        candidate.batch = batch;
-        return flags_for(request, candidate);
+      candidate.request.weights_gpu_percent = percent;
+      if (const int64_t batch =
+              largest_fitting(candidate.request, &MemoryRequest::batch, request.batch);
+          batch > 0) {
+        candidate.request.batch = batch;
+        return candidate;
       }
     }
   }
-  return "";
+  if (const int64_t gen = largest_fitting(request, &MemoryRequest::gen_len, request.gen_len - 1);
+      gen > 0) {
+    Candidate shorter{request};
+    shorter.request.gen_len = gen;
+    return shorter;
+  }
+  return std::nullopt;
+}
+
+// Why nothing fits, in terms of the resource that is short: the weights alone when the host
+// cannot hold them (device and host sharing one RAM), else the leanest plan there is (batch 1,
+// one generated token, all weights streamed by the `full` policy) and what it lacks.
+std::string why_nothing_fits(const MemoryRequest& request) {
+  MemoryRequest lean = request;
+  lean.batch = 1;
+  lean.gen_len = 1;
+  lean.policy = KvPolicy::Full;
+  lean.weights_gpu_percent = 0;
+  lean.kv_pool_tokens = 0;
+  const MemoryPlan plan = compute_memory_plan(lean);
+  const size_t weights = saturating_sum({plan.device_weights, plan.host_weights});
+  if (request.shared_memory && weights > request.host_capacity) {
+    const int digits = digits_to_tell_apart(weights, request.host_capacity);
+    return cat("the host cannot hold the weights: ", request.config.name, "'s weights are ",
+               gib(weights, digits), " GiB and the host has ", gib(request.host_capacity, digits),
+               " GiB available");
+  }
+  const std::string lean_setting =
+      cat("even batch 1 with the ", request.prompt_len,
+          "-token prompt, --gen-len 1, --policy full --weights-gpu-percent 0");
+  if (!device_fits(plan, lean)) {
+    const size_t short_by = plan.device_total() - request.device_capacity;
+    return cat("no configuration fits: ", lean_setting, " needs ", gib(plan.device_total(), 2),
+               " GiB of device memory, ", gib(short_by, 2), " GiB more than the device has");
+  }
+  const size_t need = host_need(plan, lean);
+  const size_t short_by = need > request.host_capacity ? need - request.host_capacity : 0;
+  return cat("no configuration fits: ", lean_setting, " needs ", gib(need, 2),
+             " GiB of host memory, ", gib(short_by, 2), " GiB more than is available");
 }
 
 }  // namespace
 
 size_t MemoryPlan::device_total() const {
-  return device_weights + device_weight_staging + device_kv + device_activations;
+  return saturating_sum({device_weights, device_weight_staging, device_kv, device_activations});
 }
 
 size_t MemoryPlan::host_total() const {
-  return host_weights + host_kv_pool;
+  return saturating_sum({host_weights, host_kv_pool});
 }
 
 std::string MemoryPlan::describe() const {
@@ -203,45 +301,47 @@ MemoryPlan compute_memory_plan(const MemoryRequest& r) {
   plan.device_weight_staging = 2 * largest_host_group;
 
   // KV: the gpu policy keeps all of it, 2 * L * B * (prompt + gen) * D; offloading policies stage
-  // one layer's K and V, double-buffered, 2 * 2 * B * H * (prompt + gen) * d.
-  const size_t B = static_cast<size_t>(r.batch);
-  const size_t tokens = static_cast<size_t>(r.prompt_len + r.gen_len);
-  const size_t kv_size = dtype_size(r.kv_dtype);
-  const size_t L = static_cast<size_t>(c.num_layers), H = static_cast<size_t>(c.num_heads);
-  const size_t D = static_cast<size_t>(c.hidden_size), d = static_cast<size_t>(c.head_dim());
+  // one layer's K and V, double-buffered, 2 * 2 * B * H * (prompt + gen) * d. Products saturate:
+  // sizes come from the user and an absurd one must read as too large, not wrap round.
+  const int64_t B = r.batch;
+  const int64_t tokens = positions(r);
+  const auto kv_size = static_cast<int64_t>(dtype_size(r.kv_dtype));
+  const int64_t L = c.num_layers, H = c.num_heads, D = c.hidden_size, d = c.head_dim();
   if (r.policy == KvPolicy::Gpu) {
-    plan.device_kv = 2 * L * B * tokens * D * kv_size;
+    plan.device_kv = saturating_product({2, L, B, tokens, D, kv_size});
   } else if (r.policy == KvPolicy::H2o) {
     // The kept entries (`slots` per layer, sequence and head) in the host pool; on the device only
     // their staging, K and V of one layer with a row for the new token, double-buffered.
-    const auto slots = static_cast<size_t>(h2o_slots(r.h2o_budget, static_cast<int64_t>(tokens)));
-    plan.host_kv_pool = 2 * L * B * H * slots * d * kv_size;
-    plan.device_kv = 2 * 2 * B * H * (slots + 1) * d * kv_size;
+    const int64_t slots = h2o_slots(r.h2o_budget, tokens);
+    plan.host_kv_pool = saturating_product({2, L, B, H, slots, d, kv_size});
+    plan.device_kv = saturating_product({2, 2, B, H, slots + 1, d, kv_size});
   } else {
-    plan.device_kv = 2 * 2 * B * H * tokens * d * kv_size;
+    plan.device_kv = saturating_product({2, 2, B, H, tokens, d, kv_size});
     KvPoolShape pool;
     pool.num_layers = c.num_layers;
     pool.batch = r.batch;
     pool.num_heads = c.num_heads;
     pool.head_dim = c.head_dim();
-    pool.max_tokens = r.kv_pool_tokens > 0
-                          ? std::min<int64_t>(r.kv_pool_tokens, static_cast<int64_t>(tokens))
-                          : static_cast<int64_t>(tokens);
+    pool.max_tokens = r.kv_pool_tokens > 0 ? std::min(r.kv_pool_tokens, tokens) : tokens;
     pool.block_tokens = r.kv_block_tokens;
     pool.dtype = r.kv_dtype;
     plan.host_kv_pool = KvPool::capacity_bytes(pool);
     if (r.policy == KvPolicy::Int4) {
       // Packed 4-bit codes plus an fp16 min and scale per group of 64, on the host and in the
       // device's code staging (two layers); dequantised into the fp16 staging counted above.
-      const size_t row = int4_row_bytes(c.head_dim());
-      plan.host_kv_pool = 2 * L * B * H * tokens * row;
-      plan.device_kv += 2 * 2 * B * H * tokens * row;
+      const auto row = static_cast<int64_t>(int4_row_bytes(c.head_dim()));
+      plan.host_kv_pool = saturating_product({2, L, B, H, tokens, row});
+      plan.device_kv =
+          saturating_sum({plan.device_kv, saturating_product({2, 2, B, H, tokens, row})});
     }
     if (r.policy == KvPolicy::Infinigen) {
-      const size_t rp =
-          static_cast<size_t>(partial_columns(r.partial_ratio, static_cast<int64_t>(d)));
-      plan.device_kv +=
-          L * (B * H * tokens * rp * dtype_size(r.partial_key_dtype) + (H * rp * D + H * rp) * 4);
+      // Per layer: the partial key cache (B, H, tokens, rp) and the partial query weights and
+      // bias (H, rp, D + 1) in fp32.
+      const int64_t rp = partial_columns(r.partial_ratio, d);
+      const auto partial_size = static_cast<int64_t>(dtype_size(r.partial_key_dtype));
+      plan.device_kv =
+          saturating_sum({plan.device_kv, saturating_product({L, B, H, tokens, rp, partial_size}),
+                          saturating_product({L, H, rp, D + 1, 4})});
     }
   }
 
@@ -250,10 +350,10 @@ MemoryPlan compute_memory_plan(const MemoryRequest& r) {
   //   FFN intermediate                            B * n * F * 4
   //   logits of the last position                 B * V * 4
   //   attention scores, one 64-row query block per worker (16 workers)   64 * n * 4 * 16
-  const size_t n = static_cast<size_t>(r.prompt_len);
-  const size_t F = static_cast<size_t>(c.ffn_dim), V = static_cast<size_t>(c.vocab_size);
-  plan.device_activations =
-      6 * B * n * D * 4 + B * n * F * 4 + B * V * 4 + kScoreBlockRows * n * 4 * kScoreThreads;
+  const int64_t n = r.prompt_len, F = c.ffn_dim, V = c.vocab_size;
+  plan.device_activations = saturating_sum(
+      {saturating_product({6, B, n, D, 4}), saturating_product({B, n, F, 4}),
+       saturating_product({B, V, 4}), saturating_product({kScoreBlockRows, n, 4, kScoreThreads})});
   return plan;
 }
 
@@ -276,17 +376,20 @@ MemoryPlan plan_memory(const MemoryRequest& request) {
                         gib(request.device_capacity, digits), " GiB"));
   }
   if (!host_ok) {
-    const int digits = digits_to_tell_apart(plan.host_total(), request.host_capacity);
-    parts.push_back(cat("the host needs ", gib(plan.host_total(), digits),
-                        " GiB of pinned memory (weights ", gib(plan.host_weights, digits),
+    const size_t need = host_need(plan, request);
+    const int digits = digits_to_tell_apart(need, request.host_capacity);
+    const std::string what =
+        request.shared_memory
+            ? cat(" GiB (the device's part ", gib(plan.device_total(), digits), ", pinned weights ")
+            : std::string(" GiB of pinned memory (weights ");
+    parts.push_back(cat("the host needs ", gib(need, digits), what, gib(plan.host_weights, digits),
                         ", KV pool ", gib(plan.host_kv_pool, digits), ") but has ",
                         gib(request.host_capacity, digits), " GiB available"));
   }
-  const std::string flags = suggest_fitting(request);
-  if (flags.empty()) {
-    parts.push_back("no smaller batch, --weights-gpu-percent or --policy fits on this machine");
+  if (const std::optional<Candidate> fitting = suggest_fitting(request)) {
+    parts.push_back("try " + flags_for(request, *fitting));
   } else {
-    parts.push_back("try " + flags);
+    parts.push_back(why_nothing_fits(request));
   }
   std::string message = "plan does not fit: ";
   for (size_t i = 0; i < parts.size(); ++i) message += (i ? "; " : "") + parts[i];

@@ -7,7 +7,9 @@
 // pass dominates: hidden states, Q/K/V, FFN and one attention score block per worker).
 // Host (pinned): host-resident weights and the KV pool (for `h2o`, only the kept entries).
 // If the plan does not fit, `plan_memory` throws one line with the numbers and a configuration
-// that would fit (a smaller batch, fewer weights on the device, or an offloading policy).
+// that the planner itself accepts (a smaller batch, a capped InfiniGen pool, fewer weights on the
+// device, an offloading policy, fewer generated tokens), or, when none does, which resource is
+// short and by how much. Sizes saturate, so an absurd request is refused, never wrapped round.
 #pragma once
 
 #include <cstddef>
@@ -36,6 +38,13 @@ struct MemoryRequest {
   double h2o_budget = 0.2;     // H2O: share of the tokens each (layer, sequence, head) keeps
   size_t device_capacity = 0;  // bytes usable on the device
   size_t host_capacity = 0;    // bytes of pinned host memory available
+  // Device and host memory are one RAM (the CPU backend): the device part counts against
+  // host_capacity too.
+  bool shared_memory = false;
+  // Share of each capacity that a suggested configuration leaves free. Capacities measured now
+  // (the host's MemAvailable) move between runs: a suggestion planned to the last byte could be
+  // refused when it is run.
+  double suggestion_margin = 0.0;
 };
 
 struct MemoryPlan {

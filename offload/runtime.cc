@@ -14,6 +14,13 @@
 #include "offload/weight_placement.h"
 
 namespace infinigen {
+namespace {
+
+// Share of the measured capacities that a suggested configuration leaves free: MemAvailable
+// moves by tens of MiB between one run and the next.
+constexpr double kSuggestionMargin = 0.02;
+
+}  // namespace
 
 KvPolicy parse_kv_policy(const std::string& name) {
   if (name == "gpu") return KvPolicy::Gpu;
@@ -79,17 +86,12 @@ MemoryRequest offload_memory_request(const ModelConfig& config, int64_t batch, i
 }
 
 MemoryPlan plan_offloaded_run(MemoryRequest memory, const OffloadOptions& options, Device device) {
-  // On the CPU backend device and pinned host memory come out of the same RAM: the host gets
-  // what the device part leaves (all of it when the device part alone cannot fit, so that the
-  // error names the device side).
+  // On the CPU backend device and pinned host memory come out of the same RAM.
   const size_t available = available_host_memory();
-  const size_t device_needs = compute_memory_plan(memory).device_total();
   memory.device_capacity = options.device_memory > 0 ? options.device_memory : available;
   memory.host_capacity = available;
-  if (device == Device::Cpu && device_needs <= memory.device_capacity &&
-      device_needs <= available) {
-    memory.host_capacity = available - device_needs;
-  }
+  memory.shared_memory = device == Device::Cpu;
+  memory.suggestion_margin = kSuggestionMargin;
   return plan_memory(memory);
 }
 

@@ -52,7 +52,8 @@ void expect_nothing_named(const fs::path& dir, const std::string& name) {
 }
 
 // Whether `err` is exactly one line naming where a run of `gen_len` tokens was when SIGINT came:
-// "while loading the weights", "during the prefill" or "after N of <gen_len> tokens per sequence ...".
+// "while loading the weights", "during the prefill" or "after N of <gen_len> tokens per
+// sequence ...".
 // (Parsed by hand: std::regex trips GCC 12's -Wmaybe-uninitialized under the sanitizers.)
 bool says_where_the_run_stopped(const std::string& err, int gen_len) {
   const std::string head = "infinigen: interrupted by SIGINT ";

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <map>
 #include <sstream>
 #include <string>
@@ -62,8 +63,19 @@ MemoryRequest apply_suggestion(MemoryRequest request, const std::string& message
     } else if (flag == "--weights-gpu-percent") {
       request.weights_gpu_percent = std::stod(value);
     } else if (flag == "--policy") {
-      EXPECT_TRUE(value == "full" || value == "gpu") << message;
-      request.policy = value == "gpu" ? KvPolicy::Gpu : KvPolicy::Full;
+      EXPECT_TRUE(value == "full" || value == "gpu" || value == "h2o") << message;
+      request.policy = value == "gpu"   ? KvPolicy::Gpu
+                       : value == "h2o" ? KvPolicy::H2o
+                                        : KvPolicy::Full;
+      request.kv_pool_tokens = 0;
+    } else if (flag == "--kv-block-tokens") {
+      request.kv_block_tokens = std::stoll(value);
+    } else if (flag == "--gen-len") {
+      request.gen_len = std::stoll(value);
+    } else if (flag == "--kv-pool-limit") {
+      // As the runtime reads it: a share of prompt + generated positions.
+      request.kv_pool_tokens = static_cast<int64_t>(
+          std::floor(std::stod(value) * static_cast<double>(request.prompt_len + request.gen_len)));
     } else {
       ADD_FAILURE() << "unknown flag " << flag << " in: " << message;
     }
@@ -344,7 +356,98 @@ TEST(MemoryPlanner, NothingFitsSaysSo) {
   const std::string message = plan_error(r);
   EXPECT_NE(message.find("the device needs"), std::string::npos) << message;
   EXPECT_EQ(message.find("try "), std::string::npos) << message;
-  EXPECT_NE(message.find("no smaller batch"), std::string::npos) << message;
+  EXPECT_NE(message.find("no configuration fits: even batch 1 with the 1920-token prompt"),
+            std::string::npos)
+      << message;
+  EXPECT_NE(message.find("GiB more than the device has"), std::string::npos) << message;
+}
+
+// Sizes far beyond any machine saturate instead of wrapping round to a plan that fits.
+TEST(MemoryPlanner, AbsurdSizesAreRefusedNotWrapped) {
+  const int64_t huge = std::numeric_limits<int64_t>::max();
+  for (int64_t MemoryRequest::*field : {&MemoryRequest::batch, &MemoryRequest::prompt_len,
+                                        &MemoryRequest::gen_len, &MemoryRequest::kv_block_tokens}) {
+    for (int64_t value : {int64_t{1000000000}, huge / 3, huge}) {
+      for (KvPolicy policy :
+           {KvPolicy::Gpu, KvPolicy::Full, KvPolicy::Infinigen, KvPolicy::Int4, KvPolicy::H2o}) {
+        // Only the paged pools of full and infinigen have blocks.
+        if (field == &MemoryRequest::kv_block_tokens && policy != KvPolicy::Full &&
+            policy != KvPolicy::Infinigen) {
+          continue;
+        }
+        MemoryRequest r = opt13b_request();
+        r.policy = policy;
+        r.*field = value;
+        const MemoryPlan plan = compute_memory_plan(r);
+        EXPECT_TRUE(plan.device_total() > r.device_capacity || plan.host_total() > r.host_capacity)
+            << kv_policy_name(policy) << " " << value;
+        EXPECT_THROW(plan_memory(r), Error) << kv_policy_name(policy) << " " << value;
+      }
+    }
+  }
+}
+
+// The CPU backend: device and host are one RAM, and OPT-13B's 23.9 GiB of weights cannot fit in
+// 20 GiB whatever the placement, policy or batch. Said in those terms, with no suggestion.
+TEST(MemoryPlanner, SharedMemoryTooSmallForTheWeightsSaysSo) {
+  MemoryRequest r = opt13b_request();
+  r.shared_memory = true;
+  r.device_capacity = r.host_capacity = 20 * kGiB;
+  const std::string message = plan_error(r);
+  EXPECT_EQ(message.find("try "), std::string::npos) << message;
+  EXPECT_NE(message.find("the host cannot hold the weights: opt-13b's weights are 23.9 GiB and "
+                         "the host has 20.0 GiB available"),
+            std::string::npos)
+      << message;
+}
+
+// With device and host in one RAM, moving weights between them frees nothing: a suggestion must
+// shrink what the run needs in total, and the planner must accept it.
+TEST(MemoryPlanner, SharedMemorySuggestionsFit) {
+  for (KvPolicy policy : {KvPolicy::Gpu, KvPolicy::Full, KvPolicy::Infinigen, KvPolicy::H2o}) {
+    for (size_t gib : {16, 24, 40}) {
+      for (int64_t batch : {8, 64, 1000000000}) {
+        MemoryRequest r = opt13b_request();
+        r.config = load_preset("opt-6.7b");
+        r.shared_memory = true;
+        r.policy = policy;
+        r.batch = batch;
+        r.device_capacity = r.host_capacity = gib * kGiB;
+        const std::string message = plan_error(r);
+        if (message.empty()) continue;
+        ASSERT_NE(message.find("; try "), std::string::npos) << message;
+        EXPECT_NO_THROW(plan_memory(apply_suggestion(r, message))) << message;
+      }
+    }
+  }
+}
+
+// A host too small for InfiniGen's whole pool is offered a capped pool before anything that
+// changes the policy.
+TEST(MemoryPlanner, InfinigenIsOfferedACappedPool) {
+  MemoryRequest r = opt13b_request();
+  r.policy = KvPolicy::Infinigen;
+  r.batch = 1;
+  r.host_capacity = kGiB;  // the whole pool of one sequence is 1.56 GiB
+  const std::string message = plan_error(r);
+  EXPECT_NE(message.find("; try --kv-pool-limit 0.5"), std::string::npos) << message;
+  EXPECT_NO_THROW(plan_memory(apply_suggestion(r, message))) << message;
+}
+
+// When only the generation is too long, fewer generated tokens are offered, the most that fit.
+TEST(MemoryPlanner, ShorterGenerationIsOfferedLast) {
+  MemoryRequest r = opt13b_request();
+  r.policy = KvPolicy::Gpu;
+  r.batch = 1;
+  r.prompt_len = 64;
+  r.gen_len = 1000000000;
+  const std::string message = plan_error(r);
+  ASSERT_NE(message.find("; try --gen-len "), std::string::npos) << message;
+  const MemoryRequest fixed = apply_suggestion(r, message);
+  EXPECT_NO_THROW(plan_memory(fixed)) << message;
+  MemoryRequest one_more = fixed;
+  ++one_more.gen_len;
+  EXPECT_THROW(plan_memory(one_more), Error);
 }
 
 TEST(MemoryPlanner, EverySuggestionFits) {

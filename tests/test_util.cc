@@ -1,6 +1,7 @@
 // tests: shared helpers.
 #include "tests/test_util.h"
 
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -34,6 +35,28 @@ std::string slurp(const std::filesystem::path& path) {
   std::ostringstream text;
   text << in.rdbuf();
   return text.str();
+}
+
+// Starts the binary with `args`, stdin from /dev/null and stdout/stderr into the two files;
+// the child's pid (-1 when fork failed).
+int spawn_infinigen(const std::vector<std::string>& args, const std::string& out,
+                    const std::string& err) {
+  std::vector<std::string> argv = {INFINIGEN_BINARY};
+  argv.insert(argv.end(), args.begin(), args.end());
+  std::fflush(nullptr);
+  const int pid = fork();
+  if (pid == 0) {
+    std::vector<char*> raw;
+    for (std::string& a : argv) raw.push_back(a.data());
+    raw.push_back(nullptr);
+    if (!std::freopen("/dev/null", "r", stdin) || !std::freopen(out.c_str(), "w", stdout) ||
+        !std::freopen(err.c_str(), "w", stderr)) {
+      _exit(126);
+    }
+    execv(raw[0], raw.data());
+    _exit(127);
+  }
+  return pid;
 }
 
 }  // namespace
@@ -93,6 +116,35 @@ CommandResult run_infinigen(const std::vector<std::string>& args,
   return result;
 }
 
+MeasuredCommand run_infinigen_measured(const std::vector<std::string>& args, double timeout_s) {
+  TempDir capture("measured");
+  const auto out_path = capture.path() / "out", err_path = capture.path() / "err";
+  const auto start = std::chrono::steady_clock::now();
+  const auto elapsed = [&] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
+  MeasuredCommand result;
+  const int pid = spawn_infinigen(args, out_path.string(), err_path.string());
+  EXPECT_GT(pid, 0) << "fork failed";
+  if (pid <= 0) return result;
+  int status = 0;
+  struct rusage usage {};
+  bool exited = false;
+  while (!(exited = wait4(pid, &status, WNOHANG, &usage) == pid) && elapsed() < timeout_s) {
+    usleep(5000);
+  }
+  result.seconds = elapsed();
+  if (!exited) {
+    kill(pid, SIGKILL);
+    wait4(pid, &status, 0, &usage);
+  }
+  result.exit_code = exited && WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  result.peak_rss_mib = static_cast<double>(usage.ru_maxrss) / 1024.0;  // KiB on Linux
+  result.out = slurp(out_path);
+  result.err = slurp(err_path);
+  return result;
+}
+
 void expect_one_line_error(const std::vector<std::string>& args,
                            const std::vector<std::string>& fragments) {
   const CommandResult r = run_infinigen(args);
@@ -108,23 +160,8 @@ void expect_one_line_error(const std::vector<std::string>& args,
 
 BackgroundInfinigen::BackgroundInfinigen(const std::vector<std::string>& args)
     : capture_("background") {
-  std::vector<std::string> argv = {INFINIGEN_BINARY};
-  argv.insert(argv.end(), args.begin(), args.end());
-  const std::string out = (capture_.path() / "out").string();
-  const std::string err = (capture_.path() / "err").string();
-  std::fflush(nullptr);
-  pid_ = fork();
-  if (pid_ == 0) {
-    std::vector<char*> raw;
-    for (std::string& a : argv) raw.push_back(a.data());
-    raw.push_back(nullptr);
-    if (!std::freopen("/dev/null", "r", stdin) || !std::freopen(out.c_str(), "w", stdout) ||
-        !std::freopen(err.c_str(), "w", stderr)) {
-      _exit(126);
-    }
-    execv(raw[0], raw.data());
-    _exit(127);
-  }
+  pid_ =
+      spawn_infinigen(args, (capture_.path() / "out").string(), (capture_.path() / "err").string());
   EXPECT_GT(pid_, 0) << "fork failed";
 }
 

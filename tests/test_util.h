@@ -39,6 +39,17 @@ struct CommandResult {
 CommandResult run_infinigen(const std::vector<std::string>& args,
                             const std::vector<std::string>& env = {});
 
+// A finished run of the binary with what it cost: wall time and the process's own peak resident
+// memory (from wait4, so earlier children do not count).
+struct MeasuredCommand : CommandResult {
+  double seconds = 0.0;
+  double peak_rss_mib = 0.0;
+};
+// Runs the infinigen binary with `args` (no shell in between), killing it after `timeout_s`
+// (exit_code -1 then).
+MeasuredCommand run_infinigen_measured(const std::vector<std::string>& args,
+                                       double timeout_s = 60.0);
+
 // The infinigen binary running in the background (stdout and stderr captured), for tests that
 // signal it. The destructor kills it if it still runs.
 class BackgroundInfinigen {

@@ -2,6 +2,7 @@
 // policies and their settings (bench/perplexity.h), as a table, CSV, JSON and a plot.
 #include <omp.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -16,6 +17,7 @@
 #include "core/interrupt.h"
 #include "core/model_loader.h"
 #include "core/output_directory.h"
+#include "offload/runtime.h"
 
 namespace infinigen::cli {
 namespace {
@@ -209,6 +211,18 @@ int eval(EvalCommandOptions& o) {
   }
   if (o.max_windows > 0 && static_cast<int64_t>(windows.size()) > o.max_windows) {
     windows.resize(static_cast<size_t>(o.max_windows));
+  }
+  // Every setting is planned before the first one runs: one that cannot fit is refused now, not
+  // after the others have run for minutes.
+  const int64_t batch = std::min<int64_t>(o.perplexity.batch, std::ssize(windows));
+  for (const SweepPoint& p : points) {
+    try {
+      plan_offloaded_run(offload_memory_request(model.config, batch, o.perplexity.prefill,
+                                                window - o.perplexity.prefill, kv_dtype, p.offload),
+                         p.offload, device);
+    } catch (const Error& e) {
+      throw Error(cat(p.policy, p.settings.empty() ? "" : " (" + p.settings + ")", ": ", e.what()));
+    }
   }
   fs::create_directories(o.out);
   INFINIGEN_CHECK(fs::is_directory(o.out), "--out ", o.out, ": cannot create the directory");

@@ -1,10 +1,11 @@
 // apps/infinigen: `infinigen run`, batch generation with timings.
 #include <omp.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
-#include <optional>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "apps/infinigen/commands.h"
 #include "apps/infinigen/progress.h"
@@ -44,6 +45,7 @@ struct RunOptions {
   bool json = false;
   bool stats = false;
   bool debug_nan = false;
+  bool dry_run = false;
   std::string policy = "infinigen";
   double weights_gpu_percent = 100.0;
   double link_gbps = 0.0;
@@ -75,18 +77,20 @@ std::vector<std::string> read_prompt_file(const std::string& path) {
   return lines;
 }
 
-// Prompt token ids per sequence: BOS, then the text's tokens (or synthetic ids).
-std::vector<std::vector<int32_t>> build_prompts(const RunOptions& o, const ModelSource& loaded) {
-  const ModelConfig& config = loaded.config;
-  std::vector<std::vector<int32_t>> prompts;
+// The run's prompts before any work proportional to the batch: the distinct prompt texts
+// tokenised (BOS first), or, for --prompt-len, only the length of the synthetic ones.
+struct PromptPlan {
+  int64_t batch = 1;
+  int64_t longest = 0;                      // tokens of the longest prompt in the batch
+  std::vector<std::vector<int32_t>> texts;  // empty for synthetic prompts
+};
+
+PromptPlan plan_prompts(const RunOptions& o, const ModelSource& loaded) {
+  PromptPlan plan;
   if (o.prompt_len > 0) {
-    // Deterministic ids that the tokenizer can print, excluding the 4 special tokens.
-    const int32_t top = loaded.tokenizer
-                            ? std::min<int32_t>(loaded.tokenizer->vocab_size(),
-                                                static_cast<int32_t>(config.vocab_size))
-                            : static_cast<int32_t>(config.vocab_size);
-    return synthetic_prompts(std::max<int64_t>(o.batch, 1), o.prompt_len, config.bos_token_id, top,
-                             o.seed);
+    plan.batch = std::max<int64_t>(o.batch, 1);
+    plan.longest = o.prompt_len;
+    return plan;
   }
   std::vector<std::string> texts;
   if (!o.prompt.empty()) {
@@ -98,20 +102,44 @@ std::vector<std::vector<int32_t>> build_prompts(const RunOptions& o, const Model
   }
   INFINIGEN_CHECK(loaded.tokenizer.has_value(), loaded.description,
                   " has no tokenizer (vocab.json, merges.txt): use --prompt-len N");
-  const int64_t B = o.batch > 0 ? o.batch : static_cast<int64_t>(texts.size());
-  for (int64_t b = 0; b < B; ++b) {
-    std::vector<int32_t> ids = {config.bos_token_id};
-    const std::vector<int32_t> text_ids = loaded.tokenizer->encode(texts[b % texts.size()]);
+  plan.batch = o.batch > 0 ? o.batch : static_cast<int64_t>(texts.size());
+  // Sequence b uses text b % texts; a batch smaller than the file uses only its first texts.
+  texts.resize(static_cast<size_t>(std::min<int64_t>(plan.batch, std::ssize(texts))));
+  for (const std::string& text : texts) {
+    std::vector<int32_t> ids = {loaded.config.bos_token_id};
+    const std::vector<int32_t> text_ids = loaded.tokenizer->encode(text);
     ids.insert(ids.end(), text_ids.begin(), text_ids.end());
-    prompts.push_back(std::move(ids));
+    plan.longest = std::max<int64_t>(plan.longest, std::ssize(ids));
+    plan.texts.push_back(std::move(ids));
+  }
+  return plan;
+}
+
+// Prompt token ids per sequence: BOS, then the text's tokens (or synthetic ids). Call only once
+// the memory plan has accepted the batch.
+std::vector<std::vector<int32_t>> build_prompts(const RunOptions& o, const ModelSource& loaded,
+                                                const PromptPlan& plan) {
+  if (plan.texts.empty()) {
+    // Deterministic ids that the tokenizer can print, excluding the 4 special tokens.
+    const ModelConfig& config = loaded.config;
+    const int32_t top = loaded.tokenizer
+                            ? std::min<int32_t>(loaded.tokenizer->vocab_size(),
+                                                static_cast<int32_t>(config.vocab_size))
+                            : static_cast<int32_t>(config.vocab_size);
+    return synthetic_prompts(plan.batch, plan.longest, config.bos_token_id, top, o.seed);
+  }
+  std::vector<std::vector<int32_t>> prompts;
+  prompts.reserve(static_cast<size_t>(plan.batch));
+  for (int64_t b = 0; b < plan.batch; ++b) {
+    prompts.push_back(plan.texts[static_cast<size_t>(b) % plan.texts.size()]);
   }
   return prompts;
 }
 
 std::string describe(const SamplingOptions& sampling) {
   if (sampling.temperature == 0.0f) return "greedy";
-  return cat("sampled at temperature ", sampling.temperature, ", top-p ", sampling.top_p,
-             ", seed ", sampling.seed);
+  return cat("sampled at temperature ", sampling.temperature, ", top-p ", sampling.top_p, ", seed ",
+             sampling.seed);
 }
 
 std::string render(const ModelSource& loaded, const std::vector<int32_t>& ids) {
@@ -177,8 +205,26 @@ int run(const RunOptions& o) {
   load_options.seed = o.seed;
   const ModelSource loaded = resolve_model(o.model, load_options);
 
+  // Every size the user gave is checked against the context and the memory plan before anything
+  // proportional to it is built: a refusal comes at once, whatever the size.
+  const PromptPlan prompt_plan = plan_prompts(o, loaded);
+  check_context(loaded.config, prompt_plan.longest, o.gen_len);
+  const MemoryPlan plan =
+      plan_offloaded_run(offload_memory_request(loaded.config, prompt_plan.batch,
+                                                prompt_plan.longest, o.gen_len, kv_dtype, offload),
+                         offload, device);
+  if (o.dry_run) {
+    std::printf(
+        "model: %s\ndevice: %s\npolicy %s, batch %lld, prompt %lld tokens (longest), "
+        "%lld generated tokens per sequence: the plan fits\n%s",
+        loaded.description.c_str(), std::string(device_name(device)).c_str(), o.policy.c_str(),
+        static_cast<long long>(prompt_plan.batch), static_cast<long long>(prompt_plan.longest),
+        static_cast<long long>(o.gen_len), plan.describe().c_str());
+    return 0;
+  }
+
   GenerationRequest request;
-  request.prompts = build_prompts(o, loaded);
+  request.prompts = build_prompts(o, loaded, prompt_plan);
   request.gen_len = o.gen_len;
   request.sampling = loaded.sampling.value_or(SamplingOptions{});
   if (o.temperature) request.sampling.temperature = *o.temperature;
@@ -213,9 +259,10 @@ int run(const RunOptions& o) {
                              {"prompt_len", result.prompt_len},
                              {"gen_len", result.gen_len},
                              {"kv_dtype", dtype_name(kv_dtype)},
-                             {"sampling", {{"temperature", request.sampling.temperature},
-                                           {"top_p", request.sampling.top_p},
-                                           {"seed", request.sampling.seed}}},
+                             {"sampling",
+                              {{"temperature", request.sampling.temperature},
+                               {"top_p", request.sampling.top_p},
+                               {"seed", request.sampling.seed}}},
                              {"prefill_latency_s", result.prefill_seconds},
                              {"decode_latency_s", result.decode_seconds},
                              {"total_latency_s", result.total_seconds()},
@@ -238,9 +285,10 @@ int run(const RunOptions& o) {
               o.link_gbps > 0
                   ? (std::to_string(o.link_gbps).substr(0, 5) + " GB/s (emulated)").c_str()
                   : "not emulated");
-  std::printf("batch %lld, prompt %lld tokens (longest), %lld generated tokens per sequence, %s\n\n",
-              static_cast<long long>(result.batch), static_cast<long long>(result.prompt_len),
-              static_cast<long long>(result.gen_len), describe(request.sampling).c_str());
+  std::printf(
+      "batch %lld, prompt %lld tokens (longest), %lld generated tokens per sequence, %s\n\n",
+      static_cast<long long>(result.batch), static_cast<long long>(result.prompt_len),
+      static_cast<long long>(result.gen_len), describe(request.sampling).c_str());
   for (size_t b = 0; b < request.prompts.size(); ++b) {
     std::printf("[%zu] %s\n    -> %s\n", b + 1,
                 shorten(render(loaded, request.prompts[b]), 160).c_str(),
@@ -277,8 +325,9 @@ Command add_run_command(CLI::App& app) {
   app.add_option("--temperature", o->temperature,
                  "Sampling temperature, 0 = greedy (default: the checkpoint's "
                  "generation_config.json, else greedy)");
-  app.add_option("--top-p", o->top_p,
-                 "Nucleus sampling mass (default: the checkpoint's generation_config.json, else 1)");
+  app.add_option(
+      "--top-p", o->top_p,
+      "Nucleus sampling mass (default: the checkpoint's generation_config.json, else 1)");
   app.add_option("--device", o->device, "cpu, cuda or auto")->capture_default_str();
   app.add_option("--kv-dtype", o->kv_dtype, "KV cache element type: f16 or f32")
       ->capture_default_str();
@@ -336,6 +385,9 @@ Command add_run_command(CLI::App& app) {
       ->capture_default_str();
   app.add_flag("--check-recall", o->check_recall,
                "infinigen: measure the share of full attention weight the fetched tokens carry");
+  app.add_flag("--dry-run", o->dry_run,
+               "Check the sizes against the context and the memory plan, print the plan, and stop "
+               "before loading weights");
   app.add_flag("--debug-nan", o->debug_nan,
                "Fill device buffers with NaN before use, to expose reads of untransferred data");
   return [o, batch, prompt_len, max_num_kv] {

@@ -1,0 +1,164 @@
+// tests: sizes a user typed are checked against the context and the memory plan before anything
+// proportional to them is built, so absurd ones are refused at once and in bounded memory, and
+// every suggested fix is one the planner accepts.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "core/model_loader.h"
+#include "tests/test_util.h"
+
+namespace infinigen {
+namespace {
+
+using testing_util::MeasuredCommand;
+using testing_util::run_infinigen_measured;
+using testing_util::TempDir;
+
+// A refusal must come this fast and stay this small (the sanitizer build's runtime included).
+constexpr double kMaxSeconds = 2.0;
+constexpr double kMaxPeakRssMib = 300.0;
+
+std::string joined(const std::vector<std::string>& args) {
+  std::string text = "infinigen";
+  for (const std::string& a : args) text += " " + a;
+  return text;
+}
+
+// Runs `args`, expecting a quick refusal: non-zero exit, one line on stderr holding every
+// fragment, within kMaxSeconds and kMaxPeakRssMib. Returns that line.
+std::string expect_quick_refusal(const std::vector<std::string>& args,
+                                 const std::vector<std::string>& fragments) {
+  const MeasuredCommand r = run_infinigen_measured(args, 30.0);
+  EXPECT_NE(r.exit_code, 0) << joined(args);
+  EXPECT_NE(r.exit_code, -1) << joined(args) << ": did not finish in 30 s";
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << joined(args) << "\n" << r.err;
+  for (const std::string& fragment : fragments) {
+    EXPECT_NE(r.err.find(fragment), std::string::npos)
+        << joined(args) << "\nmissing '" << fragment << "' in: " << r.err;
+  }
+  EXPECT_LT(r.seconds, kMaxSeconds) << joined(args);
+  EXPECT_LT(r.peak_rss_mib, kMaxPeakRssMib) << joined(args);
+  return r.err;
+}
+
+// `args` with the flags after "try " in `refusal` applied (a flag already present is replaced).
+std::vector<std::string> with_suggestion(std::vector<std::string> args,
+                                         const std::string& refusal) {
+  const size_t at = refusal.find("; try ");
+  EXPECT_NE(at, std::string::npos) << refusal;
+  if (at == std::string::npos) return args;
+  std::istringstream flags(refusal.substr(at + 6));
+  std::string flag, value;
+  while (flags >> flag >> value) {
+    bool replaced = false;
+    for (size_t i = 0; i + 1 < args.size(); ++i) {
+      if (args[i] == flag) {
+        args[i + 1] = value;
+        replaced = true;
+      }
+    }
+    if (!replaced) {
+      args.push_back(flag);
+      args.push_back(value);
+    }
+  }
+  return args;
+}
+
+// The suggestion in `refusal`, applied to `args` and planned (--dry-run): accepted.
+void expect_suggestion_accepted(const std::vector<std::string>& args, const std::string& refusal) {
+  std::vector<std::string> fixed = with_suggestion(args, refusal);
+  fixed.push_back("--dry-run");
+  const MeasuredCommand r = run_infinigen_measured(fixed, 30.0);
+  EXPECT_EQ(r.exit_code, 0) << joined(fixed) << "\n" << r.err;
+  EXPECT_NE(r.out.find("the plan fits"), std::string::npos) << joined(fixed) << "\n" << r.out;
+}
+
+TEST(PlanRefusal, ABillionSequencesAreRefusedAtOnceWithABatchThatFits) {
+  const std::vector<std::string> args = {"run", "--batch", "1000000000", "--gen-len", "2"};
+  const std::string refusal = expect_quick_refusal(args, {"plan does not fit", "; try --batch "});
+  expect_suggestion_accepted(args, refusal);
+}
+
+TEST(PlanRefusal, ManySyntheticPromptsAreRefusedAtOnce) {
+  const std::vector<std::string> args = {"run", "--batch",   "3000000", "--prompt-len",
+                                         "64",  "--gen-len", "2"};
+  const std::string refusal = expect_quick_refusal(args, {"plan does not fit", "; try "});
+  expect_suggestion_accepted(args, refusal);
+}
+
+TEST(PlanRefusal, HugeBlocksAreRefusedWithTheDefaultBlock) {
+  const std::vector<std::string> args = {"run", "--kv-block-tokens", "1000000000", "--gen-len",
+                                         "2"};
+  const std::string refusal =
+      expect_quick_refusal(args, {"plan does not fit", "; try --kv-block-tokens 128"});
+  expect_suggestion_accepted(args, refusal);
+}
+
+TEST(PlanRefusal, LengthsBeyondTheContextAreRefusedAtOnce) {
+  expect_quick_refusal({"run", "--prompt-len", "1000000000", "--gen-len", "2"},
+                       {"a prompt of 1000000000 tokens", "context of 2048 positions"});
+  expect_quick_refusal({"run", "--gen-len", "1000000000"},
+                       {"--gen-len 1000000000", "exceeds the model's context of 2048"});
+  expect_quick_refusal(
+      {"run", "--gen-len", "9223372036854775807", "--prompt-len", "9223372036854775807"},
+      {"context of 2048 positions"});
+}
+
+// The CPU backend keeps device and host parts in one RAM: a model whose weights alone exceed it
+// is refused in those terms, with no suggestion that would be refused in turn.
+TEST(PlanRefusal, AModelLargerThanTheHostIsRefusedInThoseTerms) {
+  const ModelConfig config = load_preset("opt-66b");
+  if (available_host_memory() > config.weight_bytes()) {
+    GTEST_SKIP() << "this machine could hold opt-66b's weights";
+  }
+  const std::string refusal =
+      expect_quick_refusal({"run", "--model", "opt-66b", "--device", "cpu", "--batch", "20",
+                            "--prompt-len", "1920", "--gen-len", "128"},
+                           {"the host cannot hold the weights: opt-66b's weights are "});
+  EXPECT_EQ(refusal.find("try "), std::string::npos) << refusal;
+}
+
+TEST(PlanRefusal, ABenchPointOfABillionSequencesIsReportedAtOnce) {
+  TempDir dir("plan-refusal-bench");
+  const std::string experiment = (dir.path() / "huge.yaml").string();
+  std::ofstream(experiment) << "figure: \"test\"\n"
+                               "title: \"a point far beyond any machine\"\n"
+                               "x: batch\n"
+                               "plot: latency\n"
+                               "repeats: 1\n"
+                               "defaults: {model: opt-125m, prompt_len: 64, gen_len: 4}\n"
+                               "policies: [infinigen]\n"
+                               "points:\n"
+                               "  - {batch: 1000000000}\n";
+  const MeasuredCommand r = run_infinigen_measured(
+      {"bench", "-e", experiment, "--out", (dir.path() / "out").string(), "--no-plot"}, 30.0);
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find("does not fit here: plan does not fit"), std::string::npos) << r.err;
+  EXPECT_LT(r.seconds, kMaxSeconds);
+  EXPECT_LT(r.peak_rss_mib, kMaxPeakRssMib);
+}
+
+// eval plans every setting of its sweep first: the one that cannot run is named before the
+// others have spent minutes.
+TEST(PlanRefusal, AnEvalSettingThatCannotRunIsRefusedBeforeAnyRuns) {
+  TempDir dir("plan-refusal-eval");
+  const MeasuredCommand r = run_infinigen_measured(
+      {"eval", "--text", std::string(INFINIGEN_FIXTURES_DIR) + "/heldout/kjv_Hosea.txt", "--policy",
+       "full,infinigen", "--kv-pool-limit", "0.0001", "--out", dir.str()},
+      60.0);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("infinigen ("), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("--kv-pool-limit 0.0001 leaves"), std::string::npos) << r.err;
+  EXPECT_LT(r.seconds, 20.0);  // the full setting alone takes minutes under the sanitizers
+  EXPECT_FALSE(std::filesystem::exists(dir.path() / "eval.csv"));
+}
+
+}  // namespace
+}  // namespace infinigen
