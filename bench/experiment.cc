@@ -12,6 +12,7 @@
 
 #include "core/error.h"
 #include "core/resources.h"
+#include "core/yaml_text.h"
 
 namespace infinigen {
 namespace {
@@ -41,7 +42,7 @@ class Reader {
   void settings(const YAML::Node& map, BenchSettings& s, const std::string& where) const {
     INFINIGEN_CHECK(map.IsMap(), source_, ": ", where, " must be a map of settings");
     for (const auto& item : map) {
-      const std::string key = item.first.as<std::string>();
+      const std::string key = yaml_key(item.first, source_);
       const std::string path = where + "." + key;
       if (key == "model") {
         s.model = scalar<std::string>(item.second, path);
@@ -94,6 +95,8 @@ class Reader {
   std::string source_;
 };
 
+}  // namespace
+
 Experiment parse_experiment(const std::string& text, const std::string& source,
                             const std::string& stem) {
   YAML::Node root;
@@ -110,7 +113,7 @@ Experiment parse_experiment(const std::string& text, const std::string& source,
   std::vector<std::string> policies;
   YAML::Node points;
   for (const auto& item : root) {
-    const std::string key = item.first.as<std::string>();
+    const std::string key = yaml_key(item.first, source);
     const YAML::Node& v = item.second;
     if (key == "name") {
       e.name = r.scalar<std::string>(v, key);
@@ -137,7 +140,7 @@ Experiment parse_experiment(const std::string& text, const std::string& source,
     } else if (key == "paper") {
       INFINIGEN_CHECK(v.IsMap(), source, ": paper must be a map with source and values");
       for (const auto& p : v) {
-        const std::string pkey = p.first.as<std::string>();
+        const std::string pkey = yaml_key(p.first, source);
         if (pkey == "source") {
           e.paper_source = r.scalar<std::string>(p.second, "paper.source");
         } else if (pkey == "values") {
@@ -147,7 +150,7 @@ Experiment parse_experiment(const std::string& text, const std::string& source,
             std::map<std::string, std::string> match;
             std::vector<std::pair<std::string, double>> metrics;
             for (const auto& kv : entry) {
-              const std::string k = kv.first.as<std::string>();
+              const std::string k = yaml_key(kv.first, source);
               if (kSettingsKeys.count(k) || k == "panel" || k == "total_len") {
                 match[k] = r.scalar<std::string>(kv.second, "paper.values." + k);
               } else {
@@ -203,6 +206,8 @@ Experiment parse_experiment(const std::string& text, const std::string& source,
   }
   return e;
 }
+
+namespace {
 
 int64_t scaled(int64_t value, double scale, int64_t minimum) {
   return std::max<int64_t>(minimum, std::llround(static_cast<double>(value) * scale));

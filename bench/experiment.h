@@ -58,6 +58,9 @@ struct Experiment {
 // Reads configs/experiments/<name>.yaml by path, or a bundled experiment by name (e.g. "fig14").
 // Unknown keys, wrong types and impossible values are one-line Errors naming the file and key.
 Experiment load_experiment(const std::string& path_or_name);
+// The same from the file's text; `source` names it in errors, `stem` is the experiment's name.
+Experiment parse_experiment(const std::string& text, const std::string& source,
+                            const std::string& stem);
 std::vector<std::string> bundled_experiment_names();
 
 // `settings` as the YAML key/value text the paper's matches use (e.g. "batch" -> "8").

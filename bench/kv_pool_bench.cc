@@ -2,15 +2,19 @@
 //
 // Shapes of one OPT-13B layer's keys for batch 8 and 2048 tokens (H 40, d 128, fp16: 160 MiB):
 //  - range: every token of every (sequence, head), the `full` policy's per-layer load;
-//  - selected: 10% of the tokens of each (sequence, head), scattered, row by row (d elements), as
-//    a host-side gather of InfiniGen's selection does, on one thread or on every OpenMP thread.
+//  - selected: 10% of the tokens of each (sequence, head), scattered, row by row (d elements),
+//    through gather_rows (offload/row_gather.h), the host gather of InfiniGen's selection, with
+//    its options varied: threads, prefetching, streaming stores, picks sorted per head;
+//  - memcpy of the same bytes as each, the ceiling.
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <cstring>
 #include <random>
 #include <vector>
 
 #include "offload/kv_pool.h"
+#include "offload/row_gather.h"
 
 namespace infinigen {
 namespace {
@@ -49,33 +53,55 @@ void BM_GatherRange(benchmark::State& state) {
   state.counters["chunks"] = static_cast<double>(chunks.size());
 }
 
-void BM_GatherSelected(benchmark::State& state) {
-  Filled filled(state.range(0));
-  const bool parallel = state.range(1) != 0;
+// The selection's rows: 10% of the tokens of each (sequence, head), in the order speculation gives
+// them (`sorted`: ascending positions within each head, as a sort of each head's picks would).
+std::vector<CopyChunk> selected_rows(const KvPool& pool, std::vector<uint16_t>& staging,
+                                     bool sorted) {
   const int64_t keep = kTokens / 10;
-  std::vector<int32_t> picks(static_cast<size_t>(kBatch * kHeads * keep));
   std::mt19937 rng(1);
-  for (int32_t& p : picks) p = static_cast<int32_t>(rng() % kTokens);
-  std::vector<uint16_t> staging(static_cast<size_t>(kBatch * kHeads * keep * kHeadDim));
-  for (auto _ : state) {
-#pragma omp parallel for collapse(2) schedule(static) if (parallel)
-    for (int64_t b = 0; b < kBatch; ++b) {
-      for (int64_t h = 0; h < kHeads; ++h) {
-        for (int64_t k = 0; k < keep; ++k) {
-          const size_t i = static_cast<size_t>((b * kHeads + h) * keep + k);
-          std::memcpy(staging.data() + i * kHeadDim,
-                      filled.pool.row(0, KvKind::Key, b, h, picks[i]), kHeadDim * 2);
-        }
+  std::vector<CopyChunk> chunks;
+  chunks.reserve(static_cast<size_t>(kBatch * kHeads * keep));
+  std::vector<int32_t> picks(static_cast<size_t>(keep));
+  for (int64_t b = 0; b < kBatch; ++b) {
+    for (int64_t h = 0; h < kHeads; ++h) {
+      for (int32_t& p : picks) p = static_cast<int32_t>(rng() % kTokens);
+      if (sorted) std::sort(picks.begin(), picks.end());
+      for (int32_t p : picks) {
+        chunks.push_back({staging.data() + chunks.size() * kHeadDim,
+                          pool.row(0, KvKind::Key, b, h, p), kHeadDim * 2});
       }
     }
-    benchmark::ClobberMemory();
   }
-  state.SetBytesProcessed(state.iterations() * static_cast<int64_t>(staging.size() * 2));
+  return chunks;
 }
 
-// The ceiling: one contiguous copy of the range gather's bytes.
+size_t selected_bytes() {
+  return static_cast<size_t>(kBatch * kHeads * (kTokens / 10) * kHeadDim * 2);
+}
+
+// gather_rows over the selection. Arguments: block tokens, threads (0 = every core), rows
+// prefetched ahead, streaming stores, picks sorted per head.
+void BM_GatherSelected(benchmark::State& state) {
+  Filled filled(state.range(0));
+  std::vector<uint16_t> staging(selected_bytes() / 2);
+  const std::vector<CopyChunk> chunks = selected_rows(filled.pool, staging, state.range(4) != 0);
+  GatherOptions options;
+  options.threads = static_cast<int>(state.range(1));
+  options.prefetch_rows = static_cast<int>(state.range(2));
+  options.streaming = state.range(3) != 0;
+  for (auto _ : state) {
+    gather_rows(chunks, options);
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(state.iterations() * static_cast<int64_t>(selected_bytes()));
+}
+
+// The ceiling of each gather: one memcpy of the same bytes, contiguous (arg: bytes of the range
+// gather, 0, or of the selected one, 1).
 void BM_Memcpy(benchmark::State& state) {
-  const size_t bytes = static_cast<size_t>(kBatch * kHeads * kTokens * kHeadDim * 2);
+  const size_t bytes = state.range(0) == 0
+                           ? static_cast<size_t>(kBatch * kHeads * kTokens * kHeadDim * 2)
+                           : selected_bytes();
   std::vector<char> src(bytes, 1), dst(bytes);
   for (auto _ : state) {
     std::memcpy(dst.data(), src.data(), bytes);
@@ -86,10 +112,14 @@ void BM_Memcpy(benchmark::State& state) {
 
 BENCHMARK(BM_GatherRange)->Arg(16)->Arg(64)->Arg(128)->Arg(256)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_GatherSelected)
-    ->ArgsProduct({{16, 64, 128, 256}, {0, 1}})
-    ->ArgNames({"bt", "omp"})
+    ->ArgsProduct({{128}, {1, 0}, {0, 4, 16}, {0, 1}, {0, 1}})
+    ->ArgNames({"bt", "threads", "prefetch", "stream", "sorted"})
     ->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_Memcpy)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_GatherSelected)
+    ->ArgsProduct({{16, 64, 256}, {0}, {4}, {0}, {0}})
+    ->ArgNames({"bt", "threads", "prefetch", "stream", "sorted"})
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Memcpy)->Arg(0)->Arg(1)->ArgName("selected")->Unit(benchmark::kMillisecond);
 
 }  // namespace
 }  // namespace infinigen

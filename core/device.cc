@@ -8,7 +8,10 @@
 #include <limits>
 #include <mutex>
 #include <new>
-#include <unordered_set>
+#include <cstdio>
+#include <optional>
+#include <string>
+#include <unordered_map>
 
 #ifdef INFINIGEN_CUDA
 #include "kernels/cuda/runtime.h"
@@ -18,23 +21,62 @@ namespace infinigen {
 namespace {
 
 constexpr size_t kHostAlignment = 64;
+constexpr double kMiB = 1024.0 * 1024.0;
+
+struct PinnedBlock {
+  size_t bytes = 0;
+  bool from_cuda = false;
+};
+
+// Every live pinned allocation: its size (for the bytes in use) and whether it came from
+// cudaHostAlloc rather than the host allocator, so that pinned_free never guesses (a wrong free
+// corrupts the heap). Never destroyed, so buffers freed during static destruction are found.
+struct PinnedRegistry {
+  std::mutex mutex;
+  std::unordered_map<void*, PinnedBlock> blocks;
+  size_t bytes_in_use = 0;
+};
+PinnedRegistry& pinned_registry() {
+  static auto* registry = new PinnedRegistry;
+  return *registry;
+}
+
+// INFINIGEN_PINNED_LIMIT: bytes ("268435456", or with a binary suffix: "256M", "2G"), read once.
+std::optional<size_t> pinned_limit() {
+  static const std::optional<size_t> limit = []() -> std::optional<size_t> {
+    const char* text = std::getenv("INFINIGEN_PINNED_LIMIT");
+    if (text == nullptr || *text == '\0') return std::nullopt;
+    const std::optional<size_t> bytes = parse_byte_size(text);
+    INFINIGEN_CHECK(bytes, "INFINIGEN_PINNED_LIMIT: expected a size in bytes such as 268435456 ",
+                    "or 256M, got '", text, "'");
+    return bytes;
+  }();
+  return limit;
+}
+
+// Returns a pinned block to where it came from.
+void release_pinned(void* pointer, const PinnedBlock& block) {
+#ifdef INFINIGEN_CUDA
+  if (block.from_cuda) {
+    kernels::cuda::free_host_pinned(pointer);  // errors on free cannot be handled meaningfully
+    return;
+  }
+#endif
+  (void)block;
+  device_free(Device::Cpu, pointer);
+}
+
+std::string mib(size_t bytes) {
+  char text[64];
+  std::snprintf(text, sizeof(text), "%.1f MiB", static_cast<double>(bytes) / kMiB);
+  return text;
+}
 
 #ifdef INFINIGEN_CUDA
 void check_cuda(int code, const char* what) {
   if (code != 0) fail("CUDA ", what, " failed: ", kernels::cuda::error_string(code));
 }
 
-// Pointers that pinned_alloc got from cudaHostAlloc; every other pinned pointer came from the
-// host allocator. Recorded per pointer so that pinned_free never guesses (a wrong free corrupts
-// the heap). Never destroyed, so buffers freed during static destruction are still found.
-std::mutex& cuda_pinned_mutex() {
-  static auto* mutex = new std::mutex;
-  return *mutex;
-}
-std::unordered_set<void*>& cuda_pinned_pointers() {
-  static auto* pointers = new std::unordered_set<void*>;
-  return *pointers;
-}
 
 struct Discovery {
   int count = 0;
@@ -186,47 +228,93 @@ void device_copy(void* dst, Device dst_device, const void* src, Device src_devic
 #endif
 }
 
-void* pinned_alloc(size_t bytes) {
+std::optional<size_t> parse_byte_size(std::string_view text) {
+  size_t digits = 0;
+  while (digits < text.size() && text[digits] >= '0' && text[digits] <= '9') ++digits;
+  if (digits == 0 || digits > 19) return std::nullopt;
+  const std::string_view suffix = text.substr(digits);
+  int shift = 0;
+  if (suffix == "K" || suffix == "k") {
+    shift = 10;
+  } else if (suffix == "M" || suffix == "m") {
+    shift = 20;
+  } else if (suffix == "G" || suffix == "g") {
+    shift = 30;
+  } else if (!suffix.empty()) {
+    return std::nullopt;
+  }
+  const uint64_t value = std::stoull(std::string(text.substr(0, digits)));
+  if (value > (std::numeric_limits<uint64_t>::max() >> shift)) return std::nullopt;
+  return static_cast<size_t>(value << shift);
+}
+
+PinnedAllocationError::PinnedAllocationError(const std::string& message, size_t requested,
+                                             size_t pinned_before)
+    : Error(message), requested_(requested), pinned_before_(pinned_before) {}
+
+void* pinned_alloc(size_t bytes, std::string_view purpose) {
   // Zero-byte requests still return a distinct pointer, as device_alloc's callers expect.
   const size_t request = bytes == 0 ? 1 : bytes;
   INFINIGEN_CHECK(request <= std::numeric_limits<size_t>::max() - kHostAlignment,
                   "pinned host allocation of ", bytes, " bytes is too large");
+  PinnedRegistry& registry = pinned_registry();
+  const size_t before = pinned_bytes_in_use();
+  const auto refuse = [&](const std::string& why) {
+    throw PinnedAllocationError(cat("could not pin ", mib(request), " of host memory for ",
+                                    purpose, " with ", mib(before), " pinned already (", why, ")"),
+                                request, before);
+  };
+  if (const std::optional<size_t> limit = pinned_limit();
+      limit && request > *limit - std::min(*limit, before)) {
+    refuse(cat("INFINIGEN_PINNED_LIMIT is ", mib(*limit)));
+  }
+  PinnedBlock block{request, false};
+  void* p = nullptr;
 #ifdef INFINIGEN_CUDA
   if (pin_with_cuda()) {
-    void* p = nullptr;
     const int code = kernels::cuda::host_alloc_pinned(&p, request);
-    if (code != 0 || p == nullptr) {
-      fail("pinned host allocation of ", bytes,
-           " bytes failed: ", kernels::cuda::error_string(code));
-    }
-    try {
-      std::lock_guard lock(cuda_pinned_mutex());
-      cuda_pinned_pointers().insert(p);
-    } catch (...) {
-      kernels::cuda::free_host_pinned(p);
-      throw;
-    }
-    return p;
+    if (code != 0 || p == nullptr) refuse(cat("cudaHostAlloc: ", kernels::cuda::error_string(code)));
+    block.from_cuda = true;
   }
 #endif
-  return device_alloc(Device::Cpu, request);
+  if (p == nullptr) {
+    try {
+      p = device_alloc(Device::Cpu, request);
+    } catch (const Error&) {
+      refuse("the host allocator is out of memory");
+    }
+  }
+  try {
+    std::lock_guard lock(registry.mutex);
+    registry.blocks.emplace(p, block);
+    registry.bytes_in_use += request;
+  } catch (...) {
+    release_pinned(p, block);
+    throw;
+  }
+  return p;
 }
 
 void pinned_free(void* pointer) {
   if (pointer == nullptr) return;
-#ifdef INFINIGEN_CUDA
-  bool from_cuda = false;
+  PinnedRegistry& registry = pinned_registry();
+  PinnedBlock block;
   {
-    std::lock_guard lock(cuda_pinned_mutex());
-    from_cuda = cuda_pinned_pointers().erase(pointer) != 0;
+    std::lock_guard lock(registry.mutex);
+    const auto found = registry.blocks.find(pointer);
+    if (found == registry.blocks.end()) return;  // not ours: never free what we did not allocate
+    block = found->second;
+    registry.bytes_in_use -= block.bytes;
+    registry.blocks.erase(found);
   }
   // Freed outside the lock: cudaFreeHost may wait for the device, and other threads allocate.
-  if (from_cuda) {
-    kernels::cuda::free_host_pinned(pointer);  // errors on free cannot be handled meaningfully
-    return;
-  }
-#endif
-  device_free(Device::Cpu, pointer);
+  release_pinned(pointer, block);
+}
+
+size_t pinned_bytes_in_use() {
+  PinnedRegistry& registry = pinned_registry();
+  std::lock_guard lock(registry.mutex);
+  return registry.bytes_in_use;
 }
 
 bool debug_poison() {

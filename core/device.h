@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -54,9 +55,29 @@ void device_free(Device device, void* pointer);
 void device_copy(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes);
 
 // Host memory that transfers to the device read directly: page-locked (cudaHostAlloc) when a
-// CUDA device is in use, ordinary 64-byte aligned memory otherwise. Throws Error when exhausted.
-void* pinned_alloc(size_t bytes);
+// CUDA device is in use, ordinary 64-byte aligned memory otherwise. `purpose` names what it holds
+// ("a KV pool block") in the error. Throws PinnedAllocationError when none can be had.
+//
+// INFINIGEN_PINNED_LIMIT (bytes, or with a K/M/G suffix) caps the bytes pinned at once, as a
+// driver or another process would; the memory planner is not told, so the cap exercises what
+// happens when memory that the plan counted on cannot be had.
+void* pinned_alloc(size_t bytes, std::string_view purpose);
 void pinned_free(void* pointer);
+size_t pinned_bytes_in_use();  // live bytes from pinned_alloc
+
+class PinnedAllocationError : public Error {
+ public:
+  PinnedAllocationError(const std::string& message, size_t requested, size_t pinned_before);
+  size_t requested() const { return requested_; }
+  size_t pinned_before() const { return pinned_before_; }  // bytes pinned when it failed
+
+ private:
+  size_t requested_;
+  size_t pinned_before_;
+};
+
+// "268435456", "256M", "2G" (binary suffixes K, M, G) in bytes; nullopt for anything else.
+std::optional<size_t> parse_byte_size(std::string_view text);
 
 // Debug mode for catching reads of data that was never written or transferred: every device
 // buffer is filled with NaN when allocated and staging buffers are refilled before reuse.

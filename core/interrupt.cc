@@ -27,6 +27,9 @@ void install_interrupt_handlers() {
   action.sa_flags = SA_RESTART;
   sigaction(SIGINT, &action, nullptr);
   sigaction(SIGTERM, &action, nullptr);
+  // A write past the file-size limit (ulimit -f) then fails with EFBIG, which the writers report
+  // and clean up after, instead of the process dying half-way through a file.
+  std::signal(SIGXFSZ, SIG_IGN);
 }
 
 int interrupt_signal() {

@@ -24,7 +24,8 @@ class Interrupted : public Error {
   int signal_;
 };
 
-// Routes SIGINT and SIGTERM to the interrupt flag (once per process).
+// Routes SIGINT and SIGTERM to the interrupt flag and ignores SIGXFSZ, so that a write past
+// `ulimit -f` fails like one to a full disk (once per process).
 void install_interrupt_handlers();
 // The signal received (SIGINT, SIGTERM), or 0.
 int interrupt_signal();

@@ -1,9 +1,11 @@
 // core: atomic output directories.
 #include "core/output_directory.h"
 
+#include <fcntl.h>
 #include <unistd.h>
 
-#include <fstream>
+#include <cerrno>
+#include <system_error>
 
 #include "core/error.h"
 
@@ -53,17 +55,32 @@ void replace_file(const fs::path& staging, const fs::path& target) {
 
 void write_text_file(const fs::path& path, std::string_view text) {
   const fs::path staging = staging_path(path);
-  {
-    std::ofstream out(staging, std::ios::binary);
-    out.write(text.data(), static_cast<std::streamsize>(text.size()));
-    out.flush();
-    if (!out.good()) {
-      out.close();
-      std::error_code ignored;
-      fs::remove(staging, ignored);
-      fail(path.string(), ": cannot write (disk full or not writable?)");
+  const auto refuse = [&](const char* step, int error) {
+    std::error_code ignored;
+    fs::remove(staging, ignored);
+    fail(path.string(), ": cannot write (", step, ": ",
+         std::error_code(error, std::generic_category()).message(), ")");
+  };
+  const int fd = ::open(staging.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) refuse("create", errno);
+  // Written, flushed to the disk and closed before the rename, so that neither a full disk nor a
+  // crash leaves a partial file under `path`.
+  for (size_t done = 0; done < text.size();) {
+    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int error = n < 0 ? errno : ENOSPC;
+      ::close(fd);
+      refuse("write", error);
     }
+    done += static_cast<size_t>(n);
   }
+  if (::fsync(fd) != 0) {
+    const int error = errno;
+    ::close(fd);
+    refuse("fsync", error);
+  }
+  if (::close(fd) != 0) refuse("close", errno);
   replace_file(staging, path);
 }
 

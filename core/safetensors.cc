@@ -19,6 +19,7 @@
 #include <utility>
 
 #include "core/error.h"
+#include "core/output_directory.h"
 
 namespace infinigen {
 namespace {
@@ -188,30 +189,6 @@ void write_fully(int fd, const std::string& path, const void* data, size_t nbyte
   }
 }
 
-// Writes `path` through "<path>.tmp" and a rename, like the tensor writer.
-void write_text_file_atomically(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) fail(tmp, ": cannot create: ", errno_text(errno));
-  try {
-    write_fully(fd, tmp, text.data(), text.size());
-    if (::fsync(fd) != 0) fail(tmp, ": fsync failed: ", errno_text(errno));
-  } catch (...) {
-    ::close(fd);
-    ::unlink(tmp.c_str());
-    throw;
-  }
-  if (::close(fd) != 0) {
-    const int error = errno;
-    ::unlink(tmp.c_str());
-    fail(tmp, ": close failed: ", errno_text(error));
-  }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int error = errno;
-    ::unlink(tmp.c_str());
-    fail(path, ": cannot rename ", tmp, " into place: ", errno_text(error));
-  }
-}
 
 }  // namespace
 
@@ -704,7 +681,7 @@ void write_sharded_safetensors(const std::string& directory,
     fail(index_path, ": tensor names must be valid UTF-8");
   }
   // The index goes last, so it never names a shard that is not complete on disk.
-  write_text_file_atomically(index_path, text);
+  write_text_file(index_path, text);
 }
 
 }  // namespace infinigen

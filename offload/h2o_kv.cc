@@ -79,7 +79,8 @@ H2oKv::H2oKv(const ModelConfig& config, int64_t batch, int64_t capacity, DType k
     staging_values_[p] = Tensor::empty(shape, kv_dtype, device);
   }
   pool_ = static_cast<char*>(
-      pinned_alloc(static_cast<size_t>(num_layers_ * 2 * batch * heads_ * slots_) * row_bytes_));
+      pinned_alloc(static_cast<size_t>(num_layers_ * 2 * batch * heads_ * slots_) * row_bytes_,
+                   "the H2O KV pool"));
   const auto rows = static_cast<size_t>(num_layers_ * batch * heads_ * (slots_ + 1));
   host_keys_.assign(rows * static_cast<size_t>(head_dim_), 0.0f);
   scores_.assign(rows, 0.0f);

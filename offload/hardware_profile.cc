@@ -10,7 +10,9 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/output_directory.h"
 #include "core/resources.h"
+#include "core/yaml_text.h"
 
 namespace infinigen {
 namespace {
@@ -172,7 +174,7 @@ std::vector<int64_t> integer_list(const YAML::Node& node, const std::string& whe
 void check_keys(const YAML::Node& map, std::initializer_list<const char*> known,
                 const std::string& where, const std::string& source) {
   for (const auto& item : map) {
-    const std::string key = item.first.as<std::string>();
+    const std::string key = yaml_key(item.first, source);
     bool ok = false;
     for (const char* k : known) ok = ok || key == k;
     INFINIGEN_CHECK(ok, source, ": unknown field '", where, key, "'");
@@ -252,7 +254,7 @@ HardwareProfile parse_hardware_profile(const std::string& yaml, const std::strin
   }
   INFINIGEN_CHECK(root.IsMap(), source, ": expected a YAML map of profile fields");
   for (const auto& item : root) {
-    const std::string key = item.first.as<std::string>();
+    const std::string key = yaml_key(item.first, source);
     INFINIGEN_CHECK(key == "sources" || is_known_field(key), source, ": unknown field '", key, "'");
   }
   HardwareProfile p;
@@ -269,7 +271,7 @@ HardwareProfile parse_hardware_profile(const std::string& yaml, const std::strin
   if (const YAML::Node sources = root["sources"]) {
     INFINIGEN_CHECK(sources.IsMap(), source, ": field 'sources' must be a map of field: text");
     for (const auto& item : sources) {
-      const std::string key = item.first.as<std::string>();
+      const std::string key = yaml_key(item.first, source);
       INFINIGEN_CHECK(is_known_field(key), source, ": field 'sources' names unknown field '", key,
                       "'");
       INFINIGEN_CHECK(item.second.IsScalar(), source, ": field 'sources." + key,
@@ -329,11 +331,7 @@ std::string hardware_profile_yaml(const HardwareProfile& p) {
 }
 
 void write_hardware_profile(const HardwareProfile& profile, const std::string& path) {
-  std::ofstream out(path);
-  INFINIGEN_CHECK(out.good(), path, ": cannot be written");
-  out << hardware_profile_yaml(profile);
-  out.close();
-  INFINIGEN_CHECK(out.good(), path, ": cannot be written");
+  write_text_file(path, hardware_profile_yaml(profile));
 }
 
 HardwareProfile with_link(HardwareProfile profile, double gbps, double latency_us) {

@@ -29,8 +29,8 @@ Int4Kv::Int4Kv(const ModelConfig& config, int64_t batch, int64_t capacity, Devic
                   "the int4 KV policy dequantises on the CPU backend only (no CUDA kernel yet)");
   const size_t layer_rows = static_cast<size_t>(2 * batch * num_heads_ * capacity);
   const size_t host_rows = static_cast<size_t>(num_layers_) * layer_rows;
-  host_.codes = static_cast<uint8_t*>(pinned_alloc(host_rows * code_bytes_));
-  host_.meta = static_cast<uint8_t*>(pinned_alloc(host_rows * meta_bytes_));
+  host_.codes = static_cast<uint8_t*>(pinned_alloc(host_rows * code_bytes_, "the int4 KV codes"));
+  host_.meta = static_cast<uint8_t*>(pinned_alloc(host_rows * meta_bytes_, "the int4 KV scales"));
   const size_t store_rows = static_cast<size_t>(2 * batch * num_heads_);
   const Shape staging = {batch, num_heads_, capacity, head_dim_};
   for (size_t p = 0; p < 2; ++p) {

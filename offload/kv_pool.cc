@@ -67,7 +67,7 @@ void KvPool::reserve(int64_t tokens) {
   for (auto& table : block_table_) table.reserve(static_cast<size_t>(needed));
   const size_t first = blocks_.size();
   try {
-    for (size_t i = 0; i < added; ++i) blocks_.push_back(pinned_alloc(block_bytes_));
+    for (size_t i = 0; i < added; ++i) blocks_.push_back(pinned_alloc(block_bytes_, "a KV pool block"));
   } catch (...) {
     for (size_t i = first; i < blocks_.size(); ++i) pinned_free(blocks_[i]);
     blocks_.resize(first);

@@ -69,8 +69,11 @@ size_t host_need(const MemoryPlan& plan, const MemoryRequest& request) {
 bool device_fits(const MemoryPlan& plan, const MemoryRequest& request) {
   return plan.device_total() <= request.device_capacity;
 }
+bool pinned_fits(const MemoryPlan& plan, const MemoryRequest& request) {
+  return plan.host_total() <= request.pinned_capacity;
+}
 bool host_fits(const MemoryPlan& plan, const MemoryRequest& request) {
-  return host_need(plan, request) <= request.host_capacity;
+  return host_need(plan, request) <= request.host_capacity && pinned_fits(plan, request);
 }
 bool fits(const MemoryRequest& request) {
   const MemoryPlan plan = compute_memory_plan(request);
@@ -154,6 +157,10 @@ std::optional<Candidate> suggest_fitting(const MemoryRequest& asked) {
     request.device_capacity =
         static_cast<size_t>(static_cast<double>(request.device_capacity) * keep);
     request.host_capacity = static_cast<size_t>(static_cast<double>(request.host_capacity) * keep);
+    if (request.pinned_capacity != std::numeric_limits<size_t>::max()) {
+      request.pinned_capacity =
+          static_cast<size_t>(static_cast<double>(request.pinned_capacity) * keep);
+    }
   }
   // Pool blocks longer than a sequence only add padding: blocks of the default size first.
   const int64_t default_block = MemoryRequest{}.kv_block_tokens;
@@ -232,6 +239,11 @@ std::string why_nothing_fits(const MemoryRequest& request) {
     const size_t short_by = plan.device_total() - request.device_capacity;
     return cat("no configuration fits: ", lean_setting, " needs ", gib(plan.device_total(), 2),
                " GiB of device memory, ", gib(short_by, 2), " GiB more than the device has");
+  }
+  if (!pinned_fits(plan, lean)) {
+    const size_t short_by = plan.host_total() - request.pinned_capacity;
+    return cat("no configuration fits: ", lean_setting, " pins ", gib(plan.host_total(), 2),
+               " GiB of host memory, ", gib(short_by, 2), " GiB more than could be pinned");
   }
   const size_t need = host_need(plan, lean);
   const size_t short_by = need > request.host_capacity ? need - request.host_capacity : 0;
@@ -375,7 +387,11 @@ MemoryPlan plan_memory(const MemoryRequest& request) {
                         gib(plan.device_activations, digits), ") but has ",
                         gib(request.device_capacity, digits), " GiB"));
   }
-  if (!host_ok) {
+  if (!pinned_fits(plan, request)) {
+    parts.push_back(cat("the plan pins ", human(plan.host_total()), " of host memory (weights ",
+                        human(plan.host_weights), ", KV pool ", human(plan.host_kv_pool),
+                        ") but only ", human(request.pinned_capacity), " could be pinned"));
+  } else if (!host_ok) {
     const size_t need = host_need(plan, request);
     const int digits = digits_to_tell_apart(need, request.host_capacity);
     const std::string what =

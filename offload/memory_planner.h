@@ -14,6 +14,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <string>
 
 #include "core/model_config.h"
@@ -41,6 +42,10 @@ struct MemoryRequest {
   // Device and host memory are one RAM (the CPU backend): the device part counts against
   // host_capacity too.
   bool shared_memory = false;
+  // Bytes of host memory that can be pinned: the plan's host part (weights streamed from the host,
+  // the KV pool) must fit in it as well. Unlimited unless a run could pin less than its plan
+  // (another process, a driver limit) and is planned again with what it got.
+  size_t pinned_capacity = std::numeric_limits<size_t>::max();
   // Share of each capacity that a suggested configuration leaves free. Capacities measured now
   // (the host's MemAvailable) move between runs: a suggestion planned to the last byte could be
   // refused when it is run.

@@ -16,6 +16,7 @@
 #include "core/model_loader.h"
 #include "core/ops.h"
 #include "offload/cost_model.h"
+#include "offload/row_gather.h"
 #include "offload/int4_codec.h"
 #include "offload/transfer_engine.h"
 #include "speculate/speculation.h"
@@ -52,7 +53,7 @@ Tensor random_tensor(const Shape& shape, DType dtype, uint64_t seed) {
 
 // Pinned host bytes freed on scope exit.
 struct Pinned {
-  explicit Pinned(size_t bytes) : data(static_cast<char*>(pinned_alloc(bytes))), size(bytes) {
+  explicit Pinned(size_t bytes) : data(static_cast<char*>(pinned_alloc(bytes, "a measurement buffer"))), size(bytes) {
     std::memset(data, 1, bytes);
   }
   ~Pinned() { pinned_free(data); }
@@ -529,19 +530,11 @@ HardwareProfile measure_cpu_backend_profile(const std::function<void(const std::
   say(cat("host row copy (one thread): ", p.host_row_copy_bytes_per_s / 1e9, " GB/s"));
   // The cuda backend's host gather into pinned staging spreads the rows over OpenMP threads.
   const std::vector<CopyChunk> many_rows = scattered_chunks(dst, pool, 256, 65536, 27);
-  const double gather_t = median_seconds(
-      [&] {
-        const int64_t n = static_cast<int64_t>(many_rows.size());
-#pragma omp parallel for schedule(static)
-        for (int64_t i = 0; i < n; ++i) {
-          const CopyChunk& c = many_rows[static_cast<size_t>(i)];
-          std::memcpy(c.dst, c.src, c.bytes);
-        }
-      },
-      effort.reps(21));
+  const double gather_t = median_seconds([&] { gather_rows(many_rows); }, effort.reps(21));
   p.host_gather_bytes_per_s = static_cast<double>(total_bytes(many_rows)) / gather_t;
   p.sources["host_gather_bytes_per_s"] =
-      how + "an OpenMP loop copying 65536 scattered 256-byte rows out of a 128 MiB pinned pool";
+      how + "gather_rows (every OpenMP thread) copying 65536 scattered 256-byte rows out of a " +
+      "128 MiB pinned pool";
   say(cat("host gather (OpenMP): ", p.host_gather_bytes_per_s / 1e9, " GB/s"));
 
   // Contention: a decode layer's compute (a projection, then attention over a batch's KV, both

@@ -22,6 +22,17 @@ constexpr double kSuggestionMargin = 0.02;
 
 }  // namespace
 
+std::string plan_within_pinned(MemoryRequest memory, const OffloadOptions& options, Device device,
+                               size_t pinned) {
+  memory.pinned_capacity = pinned;
+  try {
+    plan_offloaded_run(memory, options, device);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "yet the memory plan fits in that much: the plan undercounts what this run pins";
+}
+
 KvPolicy parse_kv_policy(const std::string& name) {
   if (name == "gpu") return KvPolicy::Gpu;
   if (name == "full") return KvPolicy::Full;
@@ -95,18 +106,14 @@ MemoryPlan plan_offloaded_run(MemoryRequest memory, const OffloadOptions& option
   return plan_memory(memory);
 }
 
-OffloadRun run_offloaded(const ModelSource& source, const GenerationRequest& request,
-                         const OffloadOptions& options, Device device,
-                         const ProgressCallback& progress) {
-  const ModelConfig& config = source.config;
-  const int64_t longest = check_request(config, request);
-  const MemoryRequest memory =
-      offload_memory_request(config, static_cast<int64_t>(request.prompts.size()), longest,
-                             request.gen_len, request.kv_dtype, options);
-  const int64_t pool_positions = memory.kv_pool_tokens;
-  OffloadRun run;
-  run.plan = plan_offloaded_run(memory, options, device);
+namespace {
 
+// The run of a plan that fits: loads and places the weights, builds the policy's KV store for
+// each batch and generates, filling `run`.
+void generate_offloaded(const ModelSource& source, const GenerationRequest& request,
+                        const OffloadOptions& options, Device device, int64_t pool_positions,
+                        const ProgressCallback& progress, OffloadRun& run) {
+  const ModelConfig& config = source.config;
   // Weights: load to the host, then place (FlexGen's per-tensor rule).
   ModelWeights weights = with_interrupt_context([&] { return load_weights(source, Device::Cpu); },
                                                 [] { return " while loading the weights"; });
@@ -146,6 +153,26 @@ OffloadRun run_offloaded(const ModelSource& source, const GenerationRequest& req
   run.result = generate(*model, request, progress, make_store);
   engine.synchronize();
   run.totals = engine.counters();
+}
+
+}  // namespace
+
+OffloadRun run_offloaded(const ModelSource& source, const GenerationRequest& request,
+                         const OffloadOptions& options, Device device,
+                         const ProgressCallback& progress) {
+  const ModelConfig& config = source.config;
+  const int64_t longest = check_request(config, request);
+  const MemoryRequest memory =
+      offload_memory_request(config, static_cast<int64_t>(request.prompts.size()), longest,
+                             request.gen_len, request.kv_dtype, options);
+  OffloadRun run;
+  run.plan = plan_offloaded_run(memory, options, device);
+
+  try {
+    generate_offloaded(source, request, options, device, memory.kv_pool_tokens, progress, run);
+  } catch (const PinnedAllocationError& e) {
+    fail(e.what(), "; ", plan_within_pinned(memory, options, device, e.pinned_before()));
+  }
   return run;
 }
 

@@ -56,6 +56,10 @@ MemoryRequest offload_memory_request(const ModelConfig& config, int64_t batch, i
 // Plans `memory` against what `device` and the host can give now (options.device_memory, when
 // set, is the device's size). Throws the planner's one-line Error when it cannot fit.
 MemoryPlan plan_offloaded_run(MemoryRequest memory, const OffloadOptions& options, Device device);
+// When a run could pin only `pinned` bytes of host memory: the refusal of the plan with that as
+// its pinned capacity, which names a configuration that fits in it (or the resource short).
+std::string plan_within_pinned(MemoryRequest memory, const OffloadOptions& options, Device device,
+                               size_t pinned);
 
 // Plans memory for `request` (throws a one-line Error with a configuration that would fit when it
 // cannot), loads the weights with their placement, and generates.

@@ -23,7 +23,7 @@ StreamedLayers::StreamedLayers(const ModelConfig& config, std::vector<TensorTabl
       Tensor& t = *layers_[l].find(names_[i]);
       if (host) {
         // Pinned host copy, the source of every load of this tensor.
-        void* pinned = pinned_alloc(t.nbytes());
+        void* pinned = pinned_alloc(t.nbytes(), cat("weight ", names_[i], " of layer ", l));
         std::memcpy(pinned, t.raw(), t.nbytes());
         host_bytes_ += t.nbytes();
         t = Tensor::view(pinned, t.shape(), t.dtype(), Device::Cpu,

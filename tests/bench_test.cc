@@ -100,6 +100,11 @@ TEST(Experiment, BadFilesGetOneLineNamingTheKey) {
   expect_error(load("plot: latency\n"), {"exp.yaml", "x (the key on the x axis) is missing"});
   expect_error(load("x: batch\nplot: pie\n"), {"exp.yaml", "plot = 'pie'"});
   expect_error(load("x: [batch\n"), {"exp.yaml", "not valid YAML"});
+  // Keys that are not text (found by fuzzing: yaml-cpp's own "bad conversion" escaped).
+  expect_error(load(std::string(kMinimal) + "[a, b]: 1\n"),
+               {"exp.yaml", "line 4", "a key must be plain text"});
+  expect_error(load(std::string(kMinimal) + "points: [{{batch: 1}: 2}]\n"),
+               {"exp.yaml", "a key must be plain text"});
   expect_error([] { load_experiment("fig99"); }, {"fig99", "not a bundled experiment", "fig14"});
 }
 

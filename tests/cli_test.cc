@@ -137,6 +137,13 @@ TEST(Cli, BadFlagsEndWithOneLine) {
   expect_one_line_error({"run", "--model", kTiny, "--prompt-file", "/nonexistent/prompts.txt"},
                         {"--prompt-file", "/nonexistent/prompts.txt"});
   expect_one_line_error({"run", "--config", "/nonexistent/run.yaml"}, {"/nonexistent/run.yaml"});
+  TempDir dir("cli-bad-config");
+  const auto config = dir.path() / "run.yaml";
+  std::ofstream(config) << "prompt: [hello, {nested: map}]\n";
+  expect_one_line_error({"run", "--config", config.string()},
+                        {"--config", "each value of option 'prompt'", "single value"});
+  std::ofstream(config, std::ios::trunc) << "[batch]: 2\n";
+  expect_one_line_error({"run", "--config", config.string()}, {"--config", "plain text"});
 }
 
 TEST(Cli, UnknownModelsEndWithOneLine) {

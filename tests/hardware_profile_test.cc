@@ -203,6 +203,8 @@ TEST_F(HardwareProfileFile, EachBadInputIsOneLineNamingFileAndField) {
   expect_error([&] { load_hardware_profile(path); }, {path, "'sources'"});
   path = write("name: [unclosed\n");
   expect_error([&] { load_hardware_profile(path); }, {path, "not valid YAML"});
+  path = write(hardware_profile_yaml(unsourced) + "? [gemm_flops]\n: 1\n");
+  expect_error([&] { load_hardware_profile(path); }, {path, "a key must be plain text"});
   path = write("- a list\n- not a map\n");
   expect_error([&] { load_hardware_profile(path); }, {path, "map"});
 }

@@ -16,9 +16,11 @@
 namespace infinigen {
 namespace {
 
+using testing_util::ChildOptions;
 using testing_util::MeasuredCommand;
 using testing_util::run_infinigen_measured;
 using testing_util::TempDir;
+using testing_util::with_suggestion;
 
 // A refusal must come this fast and stay this small (the sanitizer build's runtime included).
 constexpr double kMaxSeconds = 2.0;
@@ -34,7 +36,7 @@ std::string joined(const std::vector<std::string>& args) {
 // fragment, within kMaxSeconds and kMaxPeakRssMib. Returns that line.
 std::string expect_quick_refusal(const std::vector<std::string>& args,
                                  const std::vector<std::string>& fragments) {
-  const MeasuredCommand r = run_infinigen_measured(args, 30.0);
+  const MeasuredCommand r = run_infinigen_measured(args, ChildOptions().timeout(30.0));
   EXPECT_NE(r.exit_code, 0) << joined(args);
   EXPECT_NE(r.exit_code, -1) << joined(args) << ": did not finish in 30 s";
   EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << joined(args) << "\n" << r.err;
@@ -47,35 +49,11 @@ std::string expect_quick_refusal(const std::vector<std::string>& args,
   return r.err;
 }
 
-// `args` with the flags after "try " in `refusal` applied (a flag already present is replaced).
-std::vector<std::string> with_suggestion(std::vector<std::string> args,
-                                         const std::string& refusal) {
-  const size_t at = refusal.find("; try ");
-  EXPECT_NE(at, std::string::npos) << refusal;
-  if (at == std::string::npos) return args;
-  std::istringstream flags(refusal.substr(at + 6));
-  std::string flag, value;
-  while (flags >> flag >> value) {
-    bool replaced = false;
-    for (size_t i = 0; i + 1 < args.size(); ++i) {
-      if (args[i] == flag) {
-        args[i + 1] = value;
-        replaced = true;
-      }
-    }
-    if (!replaced) {
-      args.push_back(flag);
-      args.push_back(value);
-    }
-  }
-  return args;
-}
-
 // The suggestion in `refusal`, applied to `args` and planned (--dry-run): accepted.
 void expect_suggestion_accepted(const std::vector<std::string>& args, const std::string& refusal) {
   std::vector<std::string> fixed = with_suggestion(args, refusal);
   fixed.push_back("--dry-run");
-  const MeasuredCommand r = run_infinigen_measured(fixed, 30.0);
+  const MeasuredCommand r = run_infinigen_measured(fixed, ChildOptions().timeout(30.0));
   EXPECT_EQ(r.exit_code, 0) << joined(fixed) << "\n" << r.err;
   EXPECT_NE(r.out.find("the plan fits"), std::string::npos) << joined(fixed) << "\n" << r.out;
 }
@@ -138,7 +116,7 @@ TEST(PlanRefusal, ABenchPointOfABillionSequencesIsReportedAtOnce) {
                                "points:\n"
                                "  - {batch: 1000000000}\n";
   const MeasuredCommand r = run_infinigen_measured(
-      {"bench", "-e", experiment, "--out", (dir.path() / "out").string(), "--no-plot"}, 30.0);
+      {"bench", "-e", experiment, "--out", (dir.path() / "out").string(), "--no-plot"}, ChildOptions().timeout(30.0));
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.err.find("does not fit here: plan does not fit"), std::string::npos) << r.err;
   EXPECT_LT(r.seconds, kMaxSeconds);
@@ -151,8 +129,7 @@ TEST(PlanRefusal, AnEvalSettingThatCannotRunIsRefusedBeforeAnyRuns) {
   TempDir dir("plan-refusal-eval");
   const MeasuredCommand r = run_infinigen_measured(
       {"eval", "--text", std::string(INFINIGEN_FIXTURES_DIR) + "/heldout/kjv_Hosea.txt", "--policy",
-       "full,infinigen", "--kv-pool-limit", "0.0001", "--out", dir.str()},
-      60.0);
+       "full,infinigen", "--kv-pool-limit", "0.0001", "--out", dir.str()});
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.err.find("infinigen ("), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("--kv-pool-limit 0.0001 leaves"), std::string::npos) << r.err;

@@ -40,7 +40,7 @@ std::string slurp(const std::filesystem::path& path) {
 // Starts the binary with `args`, stdin from /dev/null and stdout/stderr into the two files;
 // the child's pid (-1 when fork failed).
 int spawn_infinigen(const std::vector<std::string>& args, const std::string& out,
-                    const std::string& err) {
+                    const std::string& err, const ChildOptions& options = {}) {
   std::vector<std::string> argv = {INFINIGEN_BINARY};
   argv.insert(argv.end(), args.begin(), args.end());
   std::fflush(nullptr);
@@ -52,6 +52,19 @@ int spawn_infinigen(const std::vector<std::string>& args, const std::string& out
     if (!std::freopen("/dev/null", "r", stdin) || !std::freopen(out.c_str(), "w", stdout) ||
         !std::freopen(err.c_str(), "w", stderr)) {
       _exit(126);
+    }
+    for (const std::string& assignment : options.env) {
+      const size_t equals = assignment.find('=');
+      if (equals == std::string::npos ||
+          setenv(assignment.substr(0, equals).c_str(), assignment.c_str() + equals + 1, 1) != 0) {
+        _exit(126);
+      }
+    }
+    if (options.max_file_bytes > 0) {
+      const struct rlimit limit = {options.max_file_bytes, options.max_file_bytes};
+      if (setrlimit(RLIMIT_FSIZE, &limit) != 0) {
+        _exit(126);
+      }
     }
     execv(raw[0], raw.data());
     _exit(127);
@@ -116,7 +129,8 @@ CommandResult run_infinigen(const std::vector<std::string>& args,
   return result;
 }
 
-MeasuredCommand run_infinigen_measured(const std::vector<std::string>& args, double timeout_s) {
+MeasuredCommand run_infinigen_measured(const std::vector<std::string>& args,
+                                       const ChildOptions& options) {
   TempDir capture("measured");
   const auto out_path = capture.path() / "out", err_path = capture.path() / "err";
   const auto start = std::chrono::steady_clock::now();
@@ -124,9 +138,10 @@ MeasuredCommand run_infinigen_measured(const std::vector<std::string>& args, dou
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   };
   MeasuredCommand result;
-  const int pid = spawn_infinigen(args, out_path.string(), err_path.string());
+  const int pid = spawn_infinigen(args, out_path.string(), err_path.string(), options);
   EXPECT_GT(pid, 0) << "fork failed";
   if (pid <= 0) return result;
+  const double timeout_s = options.timeout_s;
   int status = 0;
   struct rusage usage {};
   bool exited = false;
@@ -143,6 +158,30 @@ MeasuredCommand run_infinigen_measured(const std::vector<std::string>& args, dou
   result.out = slurp(out_path);
   result.err = slurp(err_path);
   return result;
+}
+
+// `args` with the flags after "try " in `refusal` applied (a flag already present is replaced).
+std::vector<std::string> with_suggestion(std::vector<std::string> args,
+                                         const std::string& refusal) {
+  const size_t at = refusal.find("; try ");
+  EXPECT_NE(at, std::string::npos) << refusal;
+  if (at == std::string::npos) return args;
+  std::istringstream flags(refusal.substr(at + 6));
+  std::string flag, value;
+  while (flags >> flag >> value) {
+    bool replaced = false;
+    for (size_t i = 0; i + 1 < args.size(); ++i) {
+      if (args[i] == flag) {
+        args[i + 1] = value;
+        replaced = true;
+      }
+    }
+    if (!replaced) {
+      args.push_back(flag);
+      args.push_back(value);
+    }
+  }
+  return args;
 }
 
 void expect_one_line_error(const std::vector<std::string>& args,

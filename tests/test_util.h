@@ -45,10 +45,25 @@ struct MeasuredCommand : CommandResult {
   double seconds = 0.0;
   double peak_rss_mib = 0.0;
 };
-// Runs the infinigen binary with `args` (no shell in between), killing it after `timeout_s`
-// (exit_code -1 then).
+// How run_infinigen_measured starts and bounds the child.
+struct ChildOptions {
+  double timeout_s = 60.0;       // killed after this (exit_code -1 then)
+  std::vector<std::string> env;  // "NAME=value" added to the child's environment
+  // RLIMIT_FSIZE in the child (0: none). The binary ignores SIGXFSZ, so a write past the limit
+  // fails with EFBIG, as one to a full disk fails with ENOSPC.
+  size_t max_file_bytes = 0;
+
+  ChildOptions& timeout(double seconds) { return timeout_s = seconds, *this; }
+  ChildOptions& with_env(std::string assignment) { return env.push_back(assignment), *this; }
+  ChildOptions& file_limit(size_t bytes) { return max_file_bytes = bytes, *this; }
+};
+// Runs the infinigen binary with `args` (no shell in between).
 MeasuredCommand run_infinigen_measured(const std::vector<std::string>& args,
-                                       double timeout_s = 60.0);
+                                       const ChildOptions& options = {});
+
+// `args` with the flags after "; try " in a planner's `refusal` applied (a flag already present is
+// replaced), so that a test can run what was suggested.
+std::vector<std::string> with_suggestion(std::vector<std::string> args, const std::string& refusal);
 
 // The infinigen binary running in the background (stdout and stderr captured), for tests that
 // signal it. The destructor kills it if it still runs.

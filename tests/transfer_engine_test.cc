@@ -293,7 +293,7 @@ TEST(DebugPoison, FillNanCoversEveryFloatTypeAndRejectsIntegers) {
 
 TEST(PinnedMemory, IsAlignedWritableAndFreed) {
   for (size_t bytes : {size_t{0}, size_t{1}, size_t{63}, size_t{1} << 20}) {
-    void* p = pinned_alloc(bytes);
+    void* p = pinned_alloc(bytes, "a test buffer");
     ASSERT_NE(p, nullptr);
     EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % 64, 0u) << bytes << " bytes";
     std::memset(p, 0x5a, bytes);
@@ -305,7 +305,7 @@ TEST(PinnedMemory, IsAlignedWritableAndFreed) {
 TEST(PinnedMemory, ImpossibleSizeThrowsNamingIt) {
   const size_t huge = std::numeric_limits<size_t>::max() - 1;
   try {
-    pinned_alloc(huge);
+    pinned_alloc(huge, "a test buffer");
     ADD_FAILURE() << "pinned_alloc of an impossible size returned";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find(std::to_string(huge)), std::string::npos) << e.what();

@@ -9,6 +9,7 @@ packages=(
   libeigen3-dev libcli11-dev libyaml-cpp-dev nlohmann-json3-dev libpcre2-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   python3-matplotlib
+  clang libclang-rt-dev libomp-dev
 )
 
 run_as_root() {

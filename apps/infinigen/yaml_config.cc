@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/yaml_text.h"
 
 namespace infinigen::cli {
 
@@ -39,12 +40,14 @@ std::vector<CLI::ConfigItem> YamlConfig::from_config(std::istream& input) const 
   for (const auto& entry : root) {
     CLI::ConfigItem item;
     item.parents = parents;
-    item.name = entry.first.as<std::string>();
+    item.name = yaml_key(entry.first, "--config");
     const YAML::Node& value = entry.second;
+    const std::string what = "option '" + item.name + "'";
     if (value.IsSequence()) {
-      for (const auto& element : value) item.inputs.push_back(element.as<std::string>());
+      for (const auto& element : value)
+        item.inputs.push_back(yaml_scalar_text(element, "each value of " + what, "--config"));
     } else if (value.IsScalar()) {
-      item.inputs.push_back(value.as<std::string>());
+      item.inputs.push_back(value.Scalar());
     } else {
       fail("--config: option '", item.name, "' must be a value or a list of values");
     }
