@@ -82,10 +82,12 @@ class Reader {
          "is not one of gpu, full, int4, h2o, infinigen");
     need(s.weights_gpu_percent >= 0 && s.weights_gpu_percent <= 100, "weights_gpu_percent",
          s.weights_gpu_percent, "must be in [0, 100]");
-    need(s.alpha > 0, "alpha", s.alpha, "must be positive");
+    // The rules of SpeculationOptions::validate, which run, eval and the runtime apply.
+    need(s.alpha >= 0, "alpha", s.alpha, "must be >= 0");
     need(s.partial_ratio > 0 && s.partial_ratio <= 1, "partial_ratio", s.partial_ratio,
          "must be in (0, 1]");
-    need(s.dense_layers >= 0, "dense_layers", s.dense_layers, "must be >= 0");
+    need(s.dense_layers >= 1, "dense_layers", s.dense_layers,
+         "must be at least 1 (layer 0 has no previous layer to speculate from)");
     need(s.h2o_budget > 0 && s.h2o_budget <= 1, "h2o_budget", s.h2o_budget, "must be in (0, 1]");
   }
 

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/model_config.h"
+#include "offload/runtime.h"
 
 namespace infinigen {
 
@@ -18,12 +19,13 @@ struct BenchSettings {
   int64_t batch = 1;
   int64_t prompt_len = 128;
   int64_t gen_len = 32;
-  std::string policy = "infinigen";
-  double weights_gpu_percent = 100.0;
-  double alpha = 4.0;
-  double partial_ratio = 0.3;
-  int64_t dense_layers = 2;
-  double h2o_budget = 0.2;
+  // The runtime's own defaults, declared once in OffloadOptions and SpeculationOptions.
+  std::string policy = kv_policy_name(OffloadOptions{}.policy);
+  double weights_gpu_percent = OffloadOptions{}.weights_gpu_percent;
+  double alpha = SpeculationOptions{}.alpha;
+  double partial_ratio = SpeculationOptions{}.partial_ratio;
+  int64_t dense_layers = SpeculationOptions{}.dense_layers;
+  double h2o_budget = OffloadOptions{}.h2o_budget;
 };
 
 // One point of a figure: the settings it runs, and where it is drawn.

@@ -3,8 +3,8 @@
 // Shapes of one OPT-13B layer's keys for batch 8 and 2048 tokens (H 40, d 128, fp16: 160 MiB):
 //  - range: every token of every (sequence, head), the `full` policy's per-layer load;
 //  - selected: 10% of the tokens of each (sequence, head), scattered, row by row (d elements),
-//    through gather_rows (offload/row_gather.h), the host gather of InfiniGen's selection, with
-//    its options varied: threads, prefetching, streaming stores, picks sorted per head;
+//    through gather_rows (offload/row_gather.h), the host gather of InfiniGen's selection, on one
+//    thread and on every core, with the picks of each head in speculation's order or sorted;
 //  - memcpy of the same bytes as each, the ceiling.
 #include <benchmark/benchmark.h>
 
@@ -79,18 +79,15 @@ size_t selected_bytes() {
   return static_cast<size_t>(kBatch * kHeads * (kTokens / 10) * kHeadDim * 2);
 }
 
-// gather_rows over the selection. Arguments: block tokens, threads (0 = every core), rows
-// prefetched ahead, streaming stores, picks sorted per head.
+// gather_rows over the selection. Arguments: block tokens, threads (0 = every core), picks sorted
+// per head.
 void BM_GatherSelected(benchmark::State& state) {
   Filled filled(state.range(0));
   std::vector<uint16_t> staging(selected_bytes() / 2);
-  const std::vector<CopyChunk> chunks = selected_rows(filled.pool, staging, state.range(4) != 0);
-  GatherOptions options;
-  options.threads = static_cast<int>(state.range(1));
-  options.prefetch_rows = static_cast<int>(state.range(2));
-  options.streaming = state.range(3) != 0;
+  const std::vector<CopyChunk> chunks = selected_rows(filled.pool, staging, state.range(2) != 0);
+  const int threads = static_cast<int>(state.range(1));
   for (auto _ : state) {
-    gather_rows(chunks, options);
+    gather_rows(chunks, threads);
     benchmark::ClobberMemory();
   }
   state.SetBytesProcessed(state.iterations() * static_cast<int64_t>(selected_bytes()));
@@ -112,12 +109,8 @@ void BM_Memcpy(benchmark::State& state) {
 
 BENCHMARK(BM_GatherRange)->Arg(16)->Arg(64)->Arg(128)->Arg(256)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_GatherSelected)
-    ->ArgsProduct({{128}, {1, 0}, {0, 4, 16}, {0, 1}, {0, 1}})
-    ->ArgNames({"bt", "threads", "prefetch", "stream", "sorted"})
-    ->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_GatherSelected)
-    ->ArgsProduct({{16, 64, 256}, {0}, {4}, {0}, {0}})
-    ->ArgNames({"bt", "threads", "prefetch", "stream", "sorted"})
+    ->ArgsProduct({{16, 64, 128, 256}, {1, 0}, {0, 1}})
+    ->ArgNames({"bt", "threads", "sorted"})
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_Memcpy)->Arg(0)->Arg(1)->ArgName("selected")->Unit(benchmark::kMillisecond);
 

@@ -52,6 +52,19 @@ bool parse_dtype(std::string_view name, DType* out) {
   return false;
 }
 
+std::string_view float_dtype_spelling(DType dtype) {
+  switch (dtype) {
+    case DType::F32:
+      return "f32";
+    case DType::F16:
+      return "f16";
+    case DType::BF16:
+      return "bf16";
+    default:
+      fail("not a floating-point type: ", dtype_name(dtype));
+  }
+}
+
 DType parse_float_dtype(std::string_view name) {
   if (name == "f32" || name == "float32" || name == "F32") return DType::F32;
   if (name == "f16" || name == "float16" || name == "half" || name == "F16") return DType::F16;

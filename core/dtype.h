@@ -25,6 +25,8 @@ std::string_view dtype_name(DType dtype);
 bool parse_dtype(std::string_view name, DType* out);
 // Parses user spellings: "f32"/"float32", "f16"/"float16"/"half", "bf16"/"bfloat16".
 DType parse_float_dtype(std::string_view name);
+// The short lowercase spelling parse_float_dtype reads back: "f32", "f16", "bf16".
+std::string_view float_dtype_spelling(DType dtype);
 
 template <typename T>
 constexpr DType dtype_of();

@@ -9,15 +9,10 @@
 
 namespace infinigen {
 
-struct GatherOptions {
-  int threads = 0;         // OpenMP threads; 0 = the OpenMP default (every core)
-  int prefetch_rows = 4;   // source rows fetched ahead of the copy (0 = none)
-  bool streaming = false;  // non-temporal stores, bypassing the cache (for staging the CPU
-                           // does not read next, such as a DMA source)
-};
-
-// Copies every chunk. Each thread takes one contiguous share of the list (equal rows in practice),
-// so neighbouring rows of the pool stay on one core.
-void gather_rows(const std::vector<CopyChunk>& chunks, const GatherOptions& options = {});
+// Copies every chunk on `threads` OpenMP threads (0: the OpenMP default, every core). Each thread
+// takes one contiguous share of the list (equal rows in practice), so that rows next to each
+// other in the pool are read by one core. Software prefetching and streaming stores were measured
+// and left out: both were slower or no faster (docs/benchmarks/host-gather.md).
+void gather_rows(const std::vector<CopyChunk>& chunks, int threads = 0);
 
 }  // namespace infinigen

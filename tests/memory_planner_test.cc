@@ -434,6 +434,28 @@ TEST(MemoryPlanner, InfinigenIsOfferedACappedPool) {
   EXPECT_NO_THROW(plan_memory(apply_suggestion(r, message))) << message;
 }
 
+// A run that could pin less than its plan is planned again with what it pinned: the refusal names
+// the pinned share, and the suggestion fits in it.
+TEST(MemoryPlanner, APinnedCapacityBoundsTheHostPartAndItsSuggestion) {
+  MemoryRequest r = opt13b_request();
+  r.policy = KvPolicy::Full;
+  r.batch = 8;
+  EXPECT_NO_THROW(plan_memory(r));
+  const MemoryPlan plan = compute_memory_plan(r);
+  r.pinned_capacity = plan.host_total() / 2;
+  const std::string message = plan_error(r);
+  EXPECT_NE(message.find("of host memory (weights "), std::string::npos) << message;
+  EXPECT_NE(message.find("could be pinned; try "), std::string::npos) << message;
+  const MemoryRequest fixed = apply_suggestion(r, message);
+  EXPECT_NO_THROW(plan_memory(fixed)) << message;
+  EXPECT_LE(compute_memory_plan(fixed).host_total(), r.pinned_capacity);
+
+  r.pinned_capacity = 0;  // nothing can be pinned: only the policy that keeps KV on the device
+  const std::string none = plan_error(r);
+  EXPECT_NE(none.find("; try "), std::string::npos) << none;
+  EXPECT_NO_THROW(plan_memory(apply_suggestion(r, none))) << none;
+}
+
 // When only the generation is too long, fewer generated tokens are offered, the most that fit.
 TEST(MemoryPlanner, ShorterGenerationIsOfferedLast) {
   MemoryRequest r = opt13b_request();

@@ -70,7 +70,7 @@ def main() -> int:
     right.grid(alpha=0.3)
 
     figure.suptitle("%s: %d windows, %d prefilled + %d decoded tokens (%s)" % (
-        result["model"], result["windows"], result["prefill"], result["decode"],
+        result.get("model_name", result["model"]), result["windows"], result["prefill"], result["decode"],
         result["machine"]["device"]), fontsize=9)
     figure.tight_layout()
     figure.savefig(sys.argv[2], dpi=110, format="png")

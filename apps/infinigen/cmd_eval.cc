@@ -39,7 +39,7 @@ struct EvalCommandOptions {
   std::vector<std::string> evictions = {"counter"};
   std::string fetch_rule = fetch_rule_name(SpeculationOptions{}.fetch_rule);
   std::vector<std::string> partial_key_dtypes = {
-      std::string(dtype_name(SpeculationOptions{}.partial_key_dtype))};
+      std::string(float_dtype_spelling(SpeculationOptions{}.partial_key_dtype))};
   int64_t max_num_kv = 0;
   int64_t dense_layers = SpeculationOptions{}.dense_layers;
   bool no_recall = false;
@@ -257,7 +257,11 @@ int eval(EvalCommandOptions& o) {
   }
 
   const MachineInfo machine = this_machine(device);
+  // The plot's title names the model briefly: its directory's name, not the whole path.
+  const std::string model_name =
+      o.model == kBuiltinModel ? "built-in model" : fs::path(o.model).filename().string();
   nlohmann::json report = {{"model", model.description},
+                           {"model_name", model_name.empty() ? o.model : model_name},
                            {"texts", o.texts},
                            {"windows", windows.size()},
                            {"prefill", o.perplexity.prefill},

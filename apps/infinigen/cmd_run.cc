@@ -46,23 +46,24 @@ struct RunOptions {
   bool stats = false;
   bool debug_nan = false;
   bool dry_run = false;
-  std::string policy = "infinigen";
-  double weights_gpu_percent = 100.0;
+  // Defaults of the runtime's options, declared once in OffloadOptions and SpeculationOptions.
+  std::string policy = kv_policy_name(OffloadOptions{}.policy);
+  double weights_gpu_percent = OffloadOptions{}.weights_gpu_percent;
   double link_gbps = 0.0;
   double link_latency_us = 0.0;
-  int64_t kv_block_tokens = 128;
+  int64_t kv_block_tokens = OffloadOptions{}.kv_block_tokens;
   double device_memory_gib = 0.0;
-  double alpha = 4.0;
-  double partial_ratio = 0.3;
+  double alpha = SpeculationOptions{}.alpha;
+  double partial_ratio = SpeculationOptions{}.partial_ratio;
   std::string partial_index_rule = "qk";
   std::string fetch_rule = fetch_rule_name(SpeculationOptions{}.fetch_rule);
-  std::string partial_key_dtype = std::string(dtype_name(SpeculationOptions{}.partial_key_dtype));
+  std::string partial_key_dtype = std::string(float_dtype_spelling(SpeculationOptions{}.partial_key_dtype));
   int64_t max_num_kv = 0;
-  int64_t dense_layers = 2;
+  int64_t dense_layers = SpeculationOptions{}.dense_layers;
   bool check_recall = false;
   double kv_pool_limit = 0.0;
   std::string eviction = "counter";
-  double h2o_budget = 0.2;
+  double h2o_budget = OffloadOptions{}.h2o_budget;
 };
 
 std::vector<std::string> read_prompt_file(const std::string& path) {
