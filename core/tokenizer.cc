@@ -24,6 +24,7 @@ namespace {
 
 // Ids beyond this are rejected: id -> token is a dense table, and no real vocabulary comes near.
 constexpr int64_t kMaxTokenId = (int64_t{1} << 24) - 1;
+constexpr int64_t kMaxUnusedIds = 65536;  // ids below the largest that name no token
 // Pieces cached per tokenizer; like HF, the cache simply stops growing when full.
 constexpr size_t kCacheCapacity = 10000;
 constexpr size_t kMaxCachedPieceBytes = 256;
@@ -221,6 +222,13 @@ void Tokenizer::Impl::load_vocab(std::string_view json_text, const std::string& 
   }
   int64_t max_id = -1;
   for (const auto& entry : entries) max_id = std::max(max_id, entry.first);
+  // Tables are indexed by id: a few tokens with ids in the millions would cost millions of
+  // entries (found by fuzzing). Vocabularies number their tokens densely; a few gaps are fine.
+  const int64_t unused = max_id + 1 - static_cast<int64_t>(entries.size());
+  if (unused > kMaxUnusedIds) {
+    fail(file, ": ids reach ", max_id, " but only ", entries.size(), " tokens are given (",
+         unused, " ids unused; at most ", kMaxUnusedIds, " may be)");
+  }
   tokens.assign(static_cast<size_t>(max_id + 1), std::string());
   present.assign(tokens.size(), false);
   special.assign(tokens.size(), false);

@@ -356,6 +356,10 @@ TEST(TokenizerErrors, BadVocabularyIds) {
   EXPECT_NE(message.find("is out of range"), std::string::npos) << message;
   message = error_of([] { Tokenizer::from_strings(R"({"a": 99999999999})", "", "here"); });
   EXPECT_NE(message.find("is out of range"), std::string::npos) << message;
+  message = error_of([] { Tokenizer::from_strings(R"({"a": 0, "b": 7777777})", "", "here"); });
+  EXPECT_NE(message.find("here/vocab.json: ids reach 7777777 but only 2 tokens are given"),
+            std::string::npos)
+      << message;
   message = error_of([] { Tokenizer::from_strings(R"({"a": 0, "b": 0})", "", "here"); });
   EXPECT_NE(message.find("here/vocab.json: tokens \"a\" and \"b\" both have id 0"),
             std::string::npos)

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Runs every fuzz target of the `fuzz` preset for SECONDS each (default 600), one after another,
-# and prints each target's executions, then the total. Resumable: each target starts from the
+# Runs every fuzz target of the `fuzz` preset (or the TARGETs named) for SECONDS each (default
+# 600), one after another, and prints each target's executions, then the total. Resumable: each target starts from the
 # committed corpus plus everything it found in earlier runs (build/fuzz/tests/fuzz/found/NAME).
 # A crashing input is written to build/fuzz/tests/fuzz/crashes/NAME/ and that target stops.
 #
-#   cmake --workflow --preset fuzz && nice tools/fuzz_long.sh 600
+#   cmake --workflow --preset fuzz && nice tools/fuzz_long.sh 600 [TARGET...]
 set -euo pipefail
 
 seconds=${1:-600}
+shift || true
 root=$(cd "$(dirname "$0")/.." && pwd)
 bin=$root/build/fuzz/bin
 work=$root/build/fuzz/tests/fuzz
@@ -15,9 +16,15 @@ logs=$work/logs
 mkdir -p "$logs"
 [ -d "$bin" ] || { echo "fuzz_long: $bin is missing; build it with: cmake --workflow --preset fuzz" >&2; exit 1; }
 
+targets=("$@")
+if [ ${#targets[@]} -eq 0 ]; then
+  for target in "$bin"/*_fuzz; do targets+=("$(basename "$target")"); done
+fi
+
 total=0
-for target in "$bin"/*_fuzz; do
-  name=$(basename "$target")
+for name in "${targets[@]}"; do
+  target=$bin/$name
+  [ -x "$target" ] || { echo "fuzz_long: no fuzz target $target" >&2; exit 1; }
   mkdir -p "$work/found/$name" "$work/crashes/$name"
   log=$logs/$name.log
   status=ok
