@@ -1,7 +1,7 @@
 // core: stopping long work when the user asks (SIGINT, SIGTERM).
 //
 // The CLI installs the handlers; the handler only records the signal. Loops that can run for
-// long call check_interrupt() at points where stopping is safe (each layer of a forward pass,
+// long call check_interrupt() at points where stopping is safe (each half layer of a forward pass,
 // each tensor written by make-model or skew), which throws Interrupted; its message says what
 // was done so far, and the CLI exits with 128 + the signal number. Unwinding runs the usual
 // destructors (transfers drained, staging directories removed), so nothing half-written

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <chrono>
 #include <csignal>
 #include <filesystem>
 #include <string>
@@ -93,12 +94,54 @@ TEST(Interrupt, MakeModelLeavesNoDirectory) {
   expect_nothing_named(dir.path(), "m");
 }
 
-TEST(Interrupt, SkewLeavesNoDirectory) {
+// Waits until an entry whose name holds `name` appears in `dir` (the staging sibling an atomic
+// write fills), polling every 5 ms; false when `command` exits first or `timeout_s` passes.
+bool wait_for_entry(BackgroundInfinigen& command, const fs::path& dir, const std::string& name,
+                    double timeout_s) {
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+  while (command.running() && std::chrono::steady_clock::now() < deadline) {
+    for (const auto& entry : fs::directory_iterator(dir)) {
+      if (entry.path().filename().string().find(name) != std::string::npos) return true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return false;
+}
+
+TEST(Interrupt, SkewWhileWritingLeavesNoDirectory) {
   TempDir dir("interrupt-skew");
   const std::string model = (dir.path() / "model").string();
   ASSERT_EQ(run_infinigen({"make-model", "--preset", "opt-125m", "--out", model}).exit_code, 0);
-  expect_interrupted({"skew", "--model", model, "--out", (dir.path() / "skewed").string()}, 1.0,
-                     SIGINT, {"interrupted by SIGINT", "was not written"});
+  // Signalled once the output's staging directory exists, whatever the build's speed: the
+  // write is the step that must leave nothing behind.
+  BackgroundInfinigen skew({"skew", "--model", model, "--out", (dir.path() / "skewed").string(),
+                            "--calib-len", "64"});
+  ASSERT_TRUE(wait_for_entry(skew, dir.path(), "skewed", 300.0)) << "skew never began writing";
+  double seconds = 0;
+  const CommandResult r = skew.signal_and_wait(SIGINT, 30.0, &seconds);
+  EXPECT_EQ(r.exit_code, 130) << r.err;
+  EXPECT_LT(seconds, kStopWithin);
+  EXPECT_NE(r.err.find("interrupted by SIGINT"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("was not written"), std::string::npos) << r.err;
+  expect_nothing_named(dir.path(), "skewed");
+}
+
+TEST(Interrupt, SkewWhileCalibratingLeavesNoDirectory) {
+  TempDir dir("interrupt-skew");
+  const std::string model = (dir.path() / "model").string();
+  ASSERT_EQ(run_infinigen({"make-model", "--preset", "opt-125m", "--out", model}).exit_code, 0);
+  // The signal is checked between the halves of each layer and before each head's SVD. The
+  // calibration keeps the 12 layers busy for several seconds while each half stays well under
+  // kStopWithin: 2048 tokens take about 5 s in a release build, 256 about 15 s under ASan.
+#if defined(__SANITIZE_ADDRESS__)
+  const std::string calib_len = "256";
+#else
+  const std::string calib_len = "2048";
+#endif
+  expect_interrupted({"skew", "--model", model, "--out", (dir.path() / "skewed").string(),
+                      "--calib-len", calib_len},
+                     1.0, SIGINT, {"interrupted by SIGINT", "was not written"});
   expect_nothing_named(dir.path(), "skewed");
 }
 

@@ -120,6 +120,7 @@ Tensor OptModel::forward(const std::vector<int32_t>& tokens, int64_t n, KvStore&
       ops::layer_norm(h, w.get("self_attn_layer_norm.weight"), w.get("self_attn_layer_norm.bias"),
                       c.layer_norm_eps, h);
     }
+    check_interrupt();  // also between the halves of a layer: each takes seconds in a long prefill
     // Feed-forward block: h += fc2(relu(fc1(LN(h)))) (pre), h = LN(h + ...) (post).
     if (pre) {
       ops::layer_norm(h, w.get("final_layer_norm.weight"), w.get("final_layer_norm.bias"),
