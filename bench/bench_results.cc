@@ -1,6 +1,7 @@
 // bench: writing results.
 #include "bench/bench_results.h"
 
+#include <charconv>
 #include <set>
 #include <sstream>
 
@@ -9,17 +10,21 @@ namespace {
 
 using nlohmann::json;
 
+// Every setting by its key; options whose text is a number as JSON numbers.
 json settings_json(const BenchSettings& s) {
-  return {{"model", s.model},
-          {"batch", s.batch},
-          {"prompt_len", s.prompt_len},
-          {"gen_len", s.gen_len},
-          {"policy", s.policy},
-          {"weights_gpu_percent", s.weights_gpu_percent},
-          {"alpha", s.alpha},
-          {"partial_ratio", s.partial_ratio},
-          {"dense_layers", s.dense_layers},
-          {"h2o_budget", s.h2o_budget}};
+  json j = {
+      {"model", s.model}, {"batch", s.batch}, {"prompt_len", s.prompt_len}, {"gen_len", s.gen_len}};
+  for (const OptionSpec<OffloadOptions>& spec : offload_option_table()) {
+    const std::string text = spec.format(s.offload);
+    double value = 0;
+    const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+    if (error == std::errc() && end == text.data() + text.size()) {
+      j[spec.key] = value;
+    } else {
+      j[spec.key] = text;
+    }
+  }
+  return j;
 }
 
 json metrics_json(const PointMetrics& m) {
@@ -68,10 +73,10 @@ void metric_cells(std::vector<std::string>& row, const std::optional<PointMetric
     row.insert(row.end(), 13, "");
     return;
   }
-  for (double v : {m->prefill_s, m->decode_s, m->total_s, m->throughput_tok_s,
-                   1e3 * m->decode_step_s, m->h2d_bytes_per_step / (1024.0 * 1024.0),
-                   m->fetched_fraction, 1e3 * m->block_s, 1e3 * m->block_transfer_s,
-                   1e3 * m->block_compute_s}) {
+  for (double v :
+       {m->prefill_s, m->decode_s, m->total_s, m->throughput_tok_s, 1e3 * m->decode_step_s,
+        m->h2d_bytes_per_step / (1024.0 * 1024.0), m->fetched_fraction, 1e3 * m->block_s,
+        1e3 * m->block_transfer_s, 1e3 * m->block_compute_s}) {
     row.push_back(number(v));
   }
   row.push_back(speedup > 0 ? number(speedup) : "");
@@ -89,7 +94,7 @@ json bench_json(const BenchReport& report, const MachineInfo& machine,
     const PointResult& p = report.points[i];
     json point = {{"panel", p.point.panel},
                   {"x", p.point.x},
-                  {"policy", p.point.settings.policy},
+                  {"policy", p.point.settings.offload.policy},
                   {"settings", settings_json(p.point.settings)},
                   {"ran", settings_json(p.ran)},
                   {"ran_model",
@@ -145,11 +150,13 @@ json bench_json(const BenchReport& report, const MachineInfo& machine,
 std::string bench_csv(const BenchReport& report) {
   std::set<std::string> paper_metrics;
   for (const PaperValue& v : report.experiment.paper) paper_metrics.insert(v.metric);
-  std::vector<std::string> header = {
-      "experiment", "panel",        "x",          "policy",     "model",
-      "batch",      "prompt_len",   "gen_len",    "weights_gpu_percent",
-      "alpha",      "partial_ratio", "h2o_budget", "scale",      "ran_batch",
-      "ran_prompt_len", "ran_gen_len", "ran_layers", "ran_heads", "status"};
+  std::vector<std::string> header = {"experiment",  "panel",         "x",
+                                     "policy",      "model",         "batch",
+                                     "prompt_len",  "gen_len",       "weights_gpu_percent",
+                                     "alpha",       "partial_ratio", "h2o_budget",
+                                     "scale",       "ran_batch",     "ran_prompt_len",
+                                     "ran_gen_len", "ran_layers",    "ran_heads",
+                                     "status"};
   for (const char* side : {"measured", "predicted"}) {
     for (const char* column :
          {"prefill_s", "decode_s", "total_s", "throughput_tok_s", "decode_step_ms",
@@ -177,15 +184,15 @@ std::string bench_csv(const BenchReport& report) {
     std::vector<std::string> row = {report.experiment.name,
                                     p.point.panel,
                                     p.point.x,
-                                    s.policy,
+                                    s.offload.policy,
                                     s.model,
                                     std::to_string(s.batch),
                                     std::to_string(s.prompt_len),
                                     std::to_string(s.gen_len),
-                                    number(s.weights_gpu_percent),
-                                    number(s.alpha),
-                                    number(s.partial_ratio),
-                                    number(s.h2o_budget),
+                                    settings_value(s, "weights_gpu_percent"),
+                                    settings_value(s, "alpha"),
+                                    settings_value(s, "partial_ratio"),
+                                    settings_value(s, "h2o_budget"),
                                     number(report.options.scale),
                                     std::to_string(p.ran.batch),
                                     std::to_string(p.ran.prompt_len),

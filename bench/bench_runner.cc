@@ -9,6 +9,7 @@
 #include "core/model_loader.h"
 #include "offload/cost_model.h"
 #include "offload/hardware_profile.h"
+#include "offload/kv_policy.h"
 #include "offload/run_summary.h"
 #include "offload/runtime.h"
 
@@ -23,14 +24,8 @@ double median(std::vector<double> values) {
 }
 
 OffloadOptions offload_options(const BenchSettings& s, const LinkEmulation& link) {
-  OffloadOptions o;
-  o.policy = parse_kv_policy(s.policy);
-  o.weights_gpu_percent = s.weights_gpu_percent;
+  OffloadOptions o = s.offload;
   o.link = link;
-  o.speculation.alpha = s.alpha;
-  o.speculation.partial_ratio = s.partial_ratio;
-  o.speculation.dense_layers = s.dense_layers;
-  o.h2o_budget = s.h2o_budget;
   return o;
 }
 
@@ -41,8 +36,8 @@ ModelSource point_source(const BenchSettings& s, const ModelConfig& config, doub
   load.seed = seed;
   ModelSource source = resolve_model(s.model, load);
   if (scale != 1.0) {
-    INFINIGEN_CHECK(source.synthetic, "--scale ", scale, " needs a preset model (synthetic ",
-                    "weights); ", s.model, " is a checkpoint");
+    INFINIGEN_CHECK(source.synthetic, option("scale"), " ", scale,
+                    " needs a preset model (synthetic ", "weights); ", s.model, " is a checkpoint");
     source.config = config;
     source.description =
         cat(s.model, " at scale ", scale, " on synthetic weights (seed ", seed, ")");
@@ -172,8 +167,10 @@ PointMetrics metrics_of(const PredictedRun& p) {
 // the share over all layers of the predicted model, its dense layers loading everything and the
 // others the mean of the shares given for speculated layers (the input's first dense_layers
 // entries are the measured run's dense layers).
-double mean_fetched_fraction(const CostModelInput& model, KvPolicy policy) {
-  if (policy != KvPolicy::Infinigen || model.fetched_fraction.empty()) return 1.0;
+double mean_fetched_fraction(const CostModelInput& model) {
+  if (!kv_policy(model.options.policy).selects_loads || model.fetched_fraction.empty()) {
+    return 1.0;
+  }
   const size_t dense = static_cast<size_t>(model.options.speculation.dense_layers);
   double sum = 0;
   size_t count = 0;
@@ -188,9 +185,14 @@ double mean_fetched_fraction(const CostModelInput& model, KvPolicy policy) {
 
 bool same_group(const PointResult& a, const PointResult& b) {
   if (a.point.panel != b.point.panel) return false;
-  for (const char* key : {"model", "batch", "prompt_len", "gen_len", "weights_gpu_percent", "alpha",
-                          "partial_ratio", "dense_layers", "h2o_budget"}) {
+  for (const char* key : {"model", "batch", "prompt_len", "gen_len"}) {
     if (settings_value(a.point.settings, key) != settings_value(b.point.settings, key)) {
+      return false;
+    }
+  }
+  for (const OptionSpec<OffloadOptions>& spec : offload_option_table()) {
+    if (spec.key == "policy") continue;
+    if (spec.format(a.point.settings.offload) != spec.format(b.point.settings.offload)) {
       return false;
     }
   }
@@ -206,11 +208,13 @@ const PointMetrics* metrics(const PointResult& p, bool predicted) {
 
 BenchReport run_experiment(const Experiment& experiment, const BenchOptions& options,
                            const std::function<void(const std::string&)>& progress) {
-  INFINIGEN_CHECK(options.scale > 0 && options.scale <= 1, "--scale must be in (0, 1], got ",
-                  options.scale);
-  INFINIGEN_CHECK(options.repeats >= 0, "--repeats must be at least 1, got ", options.repeats);
+  INFINIGEN_CHECK(options.scale > 0 && options.scale <= 1, option("scale"),
+                  " must be in (0, 1], got ", options.scale);
+  INFINIGEN_CHECK(options.repeats >= 0, option("repeats"), " must be at least 1, got ",
+                  options.repeats);
   INFINIGEN_CHECK(options.measure || !options.predict.empty(),
-                  "nothing to do: --no-measure needs --predict PROFILE");
+                  "nothing to do: ", option("no_measure"), " needs ", option("predict"),
+                  " PROFILE");
   BenchReport report;
   report.experiment = experiment;
   report.options = options;
@@ -248,7 +252,7 @@ BenchReport run_experiment(const Experiment& experiment, const BenchOptions& opt
     result.paper = paper_values_for(experiment, point.settings);
     const std::string name = cat(experiment.name, " [", i + 1, "/", total, "] ",
                                  point.panel.empty() ? "" : point.panel + " ", experiment.x_key,
-                                 "=", point.x, " ", point.settings.policy);
+                                 "=", point.x, " ", point.settings.offload.policy);
     const RunInputs in =
         run_inputs(scaled.settings, scaled.config, options.scale, link, options.seed);
     if (options.measure) {
@@ -269,7 +273,7 @@ BenchReport run_experiment(const Experiment& experiment, const BenchOptions& opt
       model.gen_len = scaled.settings.gen_len;
       model.kv_dtype = DType::F16;
       model.options = in.options;
-      if (in.options.policy == KvPolicy::Infinigen) {
+      if (kv_policy(in.options.policy).selects_loads) {
         if (options.fetched_fraction > 0) {
           model.fetched_fraction.assign(static_cast<size_t>(scaled.config.num_layers),
                                         options.fetched_fraction);
@@ -301,8 +305,7 @@ BenchReport run_experiment(const Experiment& experiment, const BenchOptions& opt
           result.predicted = metrics_of(predicted);
           // The fetched share is an input of the prediction, not an output: carry it along.
           result.predicted->fetched_fraction =
-              result.measured ? result.measured->fetched_fraction
-                              : mean_fetched_fraction(model, in.options.policy);
+              result.measured ? result.measured->fetched_fraction : mean_fetched_fraction(model);
         } else {
           result.prediction_status =
               cat("does not fit on ", profile->name, ": ", predicted.does_not_fit);
@@ -329,7 +332,7 @@ double speedup_vs_full(const BenchReport& report, size_t index, bool predicted) 
   const PointMetrics* m = metrics(p, predicted);
   if (!m) return 0.0;
   for (const PointResult& other : report.points) {
-    if (other.point.settings.policy != "full" || !same_group(p, other)) continue;
+    if (other.point.settings.offload.policy != "full" || !same_group(p, other)) continue;
     const PointMetrics* full = metrics(other, predicted);
     return full && m->total_s > 0 ? full->total_s / m->total_s : 0.0;
   }
@@ -341,7 +344,7 @@ double slowdown_vs_gpu(const BenchReport& report, size_t index, bool predicted) 
   const PointMetrics* m = metrics(p, predicted);
   if (!m) return 0.0;
   for (const PointResult& other : report.points) {
-    if (other.point.settings.policy != "gpu" || !same_group(p, other)) continue;
+    if (other.point.settings.offload.policy != "gpu" || !same_group(p, other)) continue;
     const PointMetrics* gpu = metrics(other, predicted);
     return gpu && gpu->decode_step_s > 0 ? m->decode_step_s / gpu->decode_step_s : 0.0;
   }

@@ -17,10 +17,14 @@
 namespace infinigen {
 namespace {
 
-const std::set<std::string> kSettingsKeys = {
-    "model", "batch",        "prompt_len",   "gen_len",    "policy",
-    "weights_gpu_percent",   "alpha",        "partial_ratio", "dense_layers", "h2o_budget"};
-const std::set<std::string> kPolicies = {"gpu", "full", "int4", "h2o", "infinigen"};
+// The settings keys of a run besides the offload options.
+const std::set<std::string> kRunKeys = {"model", "batch", "prompt_len", "gen_len"};
+
+// Whether `key` names a setting (a run key or an offload option).
+bool is_setting(const std::string& key) {
+  return kRunKeys.contains(key) || find_option(offload_option_table(), key) != nullptr;
+}
+
 const std::set<std::string> kPlots = {"latency", "speedup", "fetched", "block"};
 
 // Reads scalars with one-line errors naming the file and key.
@@ -52,21 +56,16 @@ class Reader {
         s.prompt_len = scalar<int64_t>(item.second, path);
       } else if (key == "gen_len") {
         s.gen_len = scalar<int64_t>(item.second, path);
-      } else if (key == "policy") {
-        s.policy = scalar<std::string>(item.second, path);
-      } else if (key == "weights_gpu_percent") {
-        s.weights_gpu_percent = scalar<double>(item.second, path);
-      } else if (key == "alpha") {
-        s.alpha = scalar<double>(item.second, path);
-      } else if (key == "partial_ratio") {
-        s.partial_ratio = scalar<double>(item.second, path);
-      } else if (key == "dense_layers") {
-        s.dense_layers = scalar<int64_t>(item.second, path);
-      } else if (key == "h2o_budget") {
-        s.h2o_budget = scalar<double>(item.second, path);
+      } else if (const OptionSpec<OffloadOptions>* spec =
+                     find_option(offload_option_table(), key)) {
+        try {
+          spec->parse(s.offload, scalar<std::string>(item.second, path));
+        } catch (const Error& e) {
+          fail(source_, ": ", where, ": ", e.what());  // option keys as the file spells them
+        }
       } else if (key != "panel") {
         fail(source_, ": unknown setting '", path, "' (known: model, batch, prompt_len, gen_len, ",
-             "policy, weights_gpu_percent, alpha, partial_ratio, dense_layers, h2o_budget)");
+             option_keys(offload_option_table()), ")");
       }
     }
   }
@@ -78,17 +77,11 @@ class Reader {
     need(s.batch >= 1, "batch", s.batch, "must be at least 1");
     need(s.prompt_len >= 2, "prompt_len", s.prompt_len, "must be at least 2");
     need(s.gen_len >= 2, "gen_len", s.gen_len, "must be at least 2");
-    need(kPolicies.count(s.policy) > 0, "policy", s.policy,
-         "is not one of gpu, full, int4, h2o, infinigen");
-    need(s.weights_gpu_percent >= 0 && s.weights_gpu_percent <= 100, "weights_gpu_percent",
-         s.weights_gpu_percent, "must be in [0, 100]");
-    // The rules of SpeculationOptions::validate, which run, eval and the runtime apply.
-    need(s.alpha >= 0, "alpha", s.alpha, "must be >= 0");
-    need(s.partial_ratio > 0 && s.partial_ratio <= 1, "partial_ratio", s.partial_ratio,
-         "must be in (0, 1]");
-    need(s.dense_layers >= 1, "dense_layers", s.dense_layers,
-         "must be at least 1 (layer 0 has no previous layer to speculate from)");
-    need(s.h2o_budget > 0 && s.h2o_budget <= 1, "h2o_budget", s.h2o_budget, "must be in (0, 1]");
+    try {
+      s.offload.validate();  // the runtime's own rules
+    } catch (const Error& e) {
+      fail(source_, ": ", where, ": ", e.what());
+    }
   }
 
   const std::string& source() const { return source_; }
@@ -134,7 +127,8 @@ Experiment parse_experiment(const std::string& text, const std::string& source,
     } else if (key == "defaults") {
       r.settings(v, defaults, key);
     } else if (key == "policies") {
-      INFINIGEN_CHECK(v.IsSequence() && v.size() > 0, source, ": policies must be a non-empty list");
+      INFINIGEN_CHECK(v.IsSequence() && v.size() > 0, source,
+                      ": policies must be a non-empty list");
       for (const auto& p : v) policies.push_back(r.scalar<std::string>(p, key));
     } else if (key == "points") {
       INFINIGEN_CHECK(v.IsSequence() && v.size() > 0, source, ": points must be a non-empty list");
@@ -153,7 +147,7 @@ Experiment parse_experiment(const std::string& text, const std::string& source,
             std::vector<std::pair<std::string, double>> metrics;
             for (const auto& kv : entry) {
               const std::string k = yaml_key(kv.first, source);
-              if (kSettingsKeys.count(k) || k == "panel" || k == "total_len") {
+              if (is_setting(k) || k == "panel" || k == "total_len") {
                 match[k] = r.scalar<std::string>(kv.second, "paper.values." + k);
               } else {
                 metrics.emplace_back(k, r.scalar<double>(kv.second, "paper.values." + k));
@@ -173,13 +167,13 @@ Experiment parse_experiment(const std::string& text, const std::string& source,
     }
   }
   INFINIGEN_CHECK(!e.x_key.empty(), source, ": x (the key on the x axis) is missing");
-  INFINIGEN_CHECK(kSettingsKeys.count(e.x_key) || e.x_key == "total_len", source, ": x = '",
-                  e.x_key, "' is not a setting");
+  INFINIGEN_CHECK(is_setting(e.x_key) || e.x_key == "total_len", source, ": x = '", e.x_key,
+                  "' is not a setting");
   INFINIGEN_CHECK(kPlots.count(e.plot), source, ": plot = '", e.plot,
                   "' is not one of latency, speedup, fetched, block");
   INFINIGEN_CHECK(e.repeats >= 1, source, ": repeats must be at least 1, got ", e.repeats);
   INFINIGEN_CHECK(e.link_gbps > 0, source, ": link_gbps must be positive, got ", e.link_gbps);
-  if (policies.empty()) policies.push_back(defaults.policy);
+  if (policies.empty()) policies.push_back(defaults.offload.policy);
 
   std::vector<std::pair<std::string, BenchSettings>> overrides;
   if (points.IsSequence()) {
@@ -199,10 +193,10 @@ Experiment parse_experiment(const std::string& text, const std::string& source,
       ExperimentPoint p;
       p.panel = overrides[i].first;
       p.settings = overrides[i].second;
-      p.settings.policy = policy;
+      p.settings.offload.policy = policy;
       r.check(p.settings, cat("points[", i, "]"));
       // A panel named after a setting (fig17's "partial_ratio") has that setting on its x axis.
-      p.x = settings_value(p.settings, kSettingsKeys.count(p.panel) ? p.panel : e.x_key);
+      p.x = settings_value(p.settings, is_setting(p.panel) ? p.panel : e.x_key);
       e.points.push_back(std::move(p));
     }
   }
@@ -223,12 +217,9 @@ std::string settings_value(const BenchSettings& s, const std::string& key) {
   if (key == "prompt_len") return std::to_string(s.prompt_len);
   if (key == "gen_len") return std::to_string(s.gen_len);
   if (key == "total_len") return std::to_string(s.prompt_len + s.gen_len);
-  if (key == "policy") return s.policy;
-  if (key == "weights_gpu_percent") return cat(s.weights_gpu_percent);
-  if (key == "alpha") return cat(s.alpha);
-  if (key == "partial_ratio") return cat(s.partial_ratio);
-  if (key == "dense_layers") return std::to_string(s.dense_layers);
-  if (key == "h2o_budget") return cat(s.h2o_budget);
+  if (const OptionSpec<OffloadOptions>* spec = find_option(offload_option_table(), key)) {
+    return spec->format(s.offload);
+  }
   fail("unknown experiment setting '", key, "'");
 }
 
@@ -244,8 +235,8 @@ std::map<std::string, double> paper_values_for(const Experiment& experiment,
       char* end = nullptr;
       const double a = std::strtod(text.c_str(), &end);
       const bool numeric = end && *end == '\0' && !text.empty();
-      all = all && (numeric ? std::abs(a - std::strtod(ours.c_str(), nullptr)) < 1e-9
-                            : ours == text);
+      all =
+          all && (numeric ? std::abs(a - std::strtod(ours.c_str(), nullptr)) < 1e-9 : ours == text);
     }
     if (all) values[v.metric] = v.value;
   }
@@ -255,10 +246,10 @@ std::map<std::string, double> paper_values_for(const Experiment& experiment,
 Experiment load_experiment(const std::string& path_or_name) {
   namespace fs = std::filesystem;
   if (fs::exists(path_or_name)) {
-    INFINIGEN_CHECK(fs::is_regular_file(path_or_name), "--experiment ", path_or_name,
+    INFINIGEN_CHECK(fs::is_regular_file(path_or_name), option("experiment"), " ", path_or_name,
                     ": not a file");
     std::ifstream in(path_or_name);
-    INFINIGEN_CHECK(in.good(), "--experiment ", path_or_name, ": cannot be read");
+    INFINIGEN_CHECK(in.good(), option("experiment"), " ", path_or_name, ": cannot be read");
     const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     return parse_experiment(text, path_or_name, fs::path(path_or_name).stem().string());
   }
@@ -266,8 +257,8 @@ Experiment load_experiment(const std::string& path_or_name) {
   if (!text) {
     std::string known;
     for (const std::string& name : bundled_experiment_names()) known += " " + name;
-    fail("--experiment ", path_or_name, ": no such file, and not a bundled experiment (bundled:",
-         known, ")");
+    fail(option("experiment"), " ", path_or_name,
+         ": no such file, and not a bundled experiment (bundled:", known, ")");
   }
   return parse_experiment(std::string(*text), "configs/experiments/" + path_or_name + ".yaml",
                           path_or_name);
@@ -301,8 +292,8 @@ ScaledPoint scale_point(const ModelConfig& config, const BenchSettings& settings
   // Batch shrinks by sqrt(scale), rounded up, so that a sweep over batch sizes keeps distinct
   // points (fig15's 4..20 at scale 0.05 becomes 1..5).
   p.settings.batch = std::max<int64_t>(
-      1, static_cast<int64_t>(std::ceil(static_cast<double>(settings.batch) * std::sqrt(scale) -
-                                        1e-9)));
+      1, static_cast<int64_t>(
+             std::ceil(static_cast<double>(settings.batch) * std::sqrt(scale) - 1e-9)));
   p.settings.prompt_len = scaled(settings.prompt_len, scale, 16);
   p.settings.gen_len = scaled(settings.gen_len, scale, 4);
   return p;

@@ -9,23 +9,18 @@
 #include <vector>
 
 #include "core/model_config.h"
-#include "offload/runtime.h"
+#include "offload/offload_options.h"
 
 namespace infinigen {
 
-// The settings of one generation run; the YAML keys have the same names.
+// The settings of one generation run. YAML keys: model, batch, prompt_len, gen_len, and every
+// option of offload_option_table() by its key (policy, alpha, h2o_budget, ...).
 struct BenchSettings {
   std::string model = "opt-13b";  // a preset (synthetic weights) or a checkpoint directory
   int64_t batch = 1;
   int64_t prompt_len = 128;
   int64_t gen_len = 32;
-  // The runtime's own defaults, declared once in OffloadOptions and SpeculationOptions.
-  std::string policy = kv_policy_name(OffloadOptions{}.policy);
-  double weights_gpu_percent = OffloadOptions{}.weights_gpu_percent;
-  double alpha = SpeculationOptions{}.alpha;
-  double partial_ratio = SpeculationOptions{}.partial_ratio;
-  int64_t dense_layers = SpeculationOptions{}.dense_layers;
-  double h2o_budget = OffloadOptions{}.h2o_budget;
+  OffloadOptions offload;  // the runtime's options, with its defaults
 };
 
 // One point of a figure: the settings it runs, and where it is drawn.
@@ -51,7 +46,7 @@ struct Experiment {
   std::string x_key;  // settings key on the x axis ("policy", "batch", "total_len", ...)
   std::string plot;   // latency | speedup | fetched | block (tools/plot_bench.py)
   int repeats = 3;
-  double link_gbps = 12.0;  // link emulated by CPU-backend runs (PCIe 3.0 x16, pinned)
+  double link_gbps = 12.0;              // link emulated by CPU-backend runs (PCIe 3.0 x16, pinned)
   std::vector<ExperimentPoint> points;  // every (point, policy) pair, in file order
   std::string paper_source;
   std::vector<PaperValue> paper;

@@ -30,15 +30,16 @@ int64_t PerplexityOptions::decode_length(int64_t max_positions) const {
 }
 
 void PerplexityOptions::validate(int64_t max_positions) const {
-  INFINIGEN_CHECK(prefill >= 1, "--prefill must be at least 1 (the BOS token), got ", prefill);
-  INFINIGEN_CHECK(decode >= 0, "--decode must be at least 1, got ", decode);
-  INFINIGEN_CHECK(prefill < max_positions, "--prefill ", prefill,
+  INFINIGEN_CHECK(prefill >= 1, option("prefill"), " must be at least 1 (the BOS token), got ",
+                  prefill);
+  INFINIGEN_CHECK(decode >= 0, option("decode"), " must be at least 1, got ", decode);
+  INFINIGEN_CHECK(prefill < max_positions, option("prefill"), " ", prefill,
                   " leaves no position to decode in the model's context of ", max_positions);
-  INFINIGEN_CHECK(prefill + decode_length(max_positions) <= max_positions, "--prefill ", prefill,
-                  " plus --decode ", decode, " exceeds the model's context of ", max_positions,
-                  " positions");
-  INFINIGEN_CHECK(chunk >= 1, "--chunk must be at least 1, got ", chunk);
-  INFINIGEN_CHECK(batch >= 1, "--batch must be at least 1, got ", batch);
+  INFINIGEN_CHECK(prefill + decode_length(max_positions) <= max_positions, option("prefill"), " ",
+                  prefill, " plus ", option("decode"), " ", decode,
+                  " exceeds the model's context of ", max_positions, " positions");
+  INFINIGEN_CHECK(chunk >= 1, option("chunk"), " must be at least 1, got ", chunk);
+  INFINIGEN_CHECK(batch >= 1, option("batch"), " must be at least 1, got ", batch);
 }
 
 double PerplexityResult::perplexity() const {

@@ -3,12 +3,12 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <mutex>
 #include <new>
-#include <cstdio>
 #include <optional>
 #include <string>
 #include <unordered_map>
@@ -76,7 +76,6 @@ std::string mib(size_t bytes) {
 void check_cuda(int code, const char* what) {
   if (code != 0) fail("CUDA ", what, " failed: ", kernels::cuda::error_string(code));
 }
-
 
 struct Discovery {
   int count = 0;
@@ -151,7 +150,7 @@ DeviceRequest parse_device_request(std::string_view text) {
   if (text == "auto") return DeviceRequest::Auto;
   if (text == "cpu") return DeviceRequest::Cpu;
   if (text == "cuda") return DeviceRequest::Cuda;
-  fail("--device: unknown device '", text, "' (expected cpu, cuda or auto)");
+  fail(option("device"), ": unknown device '", text, "' (expected cpu, cuda or auto)");
 }
 
 Device resolve_device(DeviceRequest request, bool cuda_runs_job, std::string* reason,
@@ -162,11 +161,11 @@ Device resolve_device(DeviceRequest request, bool cuda_runs_job, std::string* re
     if (!cuda_compiled()) throw_cuda_not_compiled();
     if (cuda_devices().empty()) {
       const std::string error = cuda_discovery_error();
-      fail("--device cuda: ",
-           error.empty() ? "no CUDA device is available on this machine" : error);
+      fail(option("device"),
+           " cuda: ", error.empty() ? "no CUDA device is available on this machine" : error);
     }
-    INFINIGEN_CHECK(cuda_runs_job, "--device cuda: the CUDA backend does not run ", job,
-                    " yet (use --device cpu)");
+    INFINIGEN_CHECK(cuda_runs_job, option("device"), " cuda: the CUDA backend does not run ", job,
+                    " yet (use ", option("device"), " cpu)");
     return Device::Cuda;
   }
   if (!cuda_compiled()) return Device::Cpu;
@@ -260,8 +259,8 @@ void* pinned_alloc(size_t bytes, std::string_view purpose) {
   PinnedRegistry& registry = pinned_registry();
   const size_t before = pinned_bytes_in_use();
   const auto refuse = [&](const std::string& why) {
-    throw PinnedAllocationError(cat("could not pin ", mib(request), " of host memory for ",
-                                    purpose, " with ", mib(before), " pinned already (", why, ")"),
+    throw PinnedAllocationError(cat("could not pin ", mib(request), " of host memory for ", purpose,
+                                    " with ", mib(before), " pinned already (", why, ")"),
                                 request, before);
   };
   if (const std::optional<size_t> limit = pinned_limit();
@@ -273,7 +272,8 @@ void* pinned_alloc(size_t bytes, std::string_view purpose) {
 #ifdef INFINIGEN_CUDA
   if (pin_with_cuda()) {
     const int code = kernels::cuda::host_alloc_pinned(&p, request);
-    if (code != 0 || p == nullptr) refuse(cat("cudaHostAlloc: ", kernels::cuda::error_string(code)));
+    if (code != 0 || p == nullptr)
+      refuse(cat("cudaHostAlloc: ", kernels::cuda::error_string(code)));
     block.from_cuda = true;
   }
 #endif

@@ -43,14 +43,15 @@ void check_context(const ModelConfig& config, int64_t longest, int64_t gen_len) 
   INFINIGEN_CHECK(longest < config.max_positions, "a prompt of ", longest,
                   " tokens leaves no room to generate in the model's context of ",
                   config.max_positions, " positions");
-  INFINIGEN_CHECK(gen_len <= config.max_positions - longest, "--gen-len ", gen_len, ": prompt (",
-                  longest, " tokens) plus generation exceeds the model's context of ",
+  INFINIGEN_CHECK(gen_len <= config.max_positions - longest, option("gen_len"), " ", gen_len,
+                  ": prompt (", longest, " tokens) plus generation exceeds the model's context of ",
                   config.max_positions, " positions");
 }
 
 int64_t check_request(const ModelConfig& config, const GenerationRequest& request) {
-  INFINIGEN_CHECK(!request.prompts.empty(), "--batch must be at least 1");
-  INFINIGEN_CHECK(request.gen_len > 0, "--gen-len must be at least 1, got ", request.gen_len);
+  INFINIGEN_CHECK(!request.prompts.empty(), option("batch"), " must be at least 1");
+  INFINIGEN_CHECK(request.gen_len > 0, option("gen_len"), " must be at least 1, got ",
+                  request.gen_len);
   int64_t longest = 0;
   for (size_t b = 0; b < request.prompts.size(); ++b) {
     const auto& prompt = request.prompts[b];

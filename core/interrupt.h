@@ -41,7 +41,7 @@ auto with_interrupt_context(Work&& work, Context&& context) -> decltype(work()) 
   try {
     return work();
   } catch (const Interrupted& e) {
-    throw Interrupted(e.signal(), std::string(e.what()) + context());
+    throw Interrupted(e.signal(), e.message() + context());
   }
 }
 

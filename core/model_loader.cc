@@ -61,7 +61,7 @@ std::string builtin_model_directory() {
     if (fs::is_regular_file(dir / "config.json")) return dir.string();
     looked += (looked.empty() ? "" : ", ") + dir.string();
   }
-  fail("the built-in model was not found (looked in ", looked, "); pass --model DIR");
+  fail("the built-in model was not found (looked in ", looked, "); pass ", option("model"), " DIR");
 }
 
 ModelSource resolve_model(const std::string& spec, const ModelLoadOptions& options) {
@@ -81,13 +81,14 @@ ModelSource resolve_model(const std::string& spec, const ModelLoadOptions& optio
     source.synthetic = true;
     return source;
   } else if (fs::exists(spec)) {
-    fail("--model ", spec, ": not a directory");
+    fail(option("model"), " ", spec, ": not a directory");
   } else if (spec.find('/') != std::string::npos) {
-    fail("--model ", spec, ": no such directory");
+    fail(option("model"), " ", spec, ": no such directory");
   } else {
     std::string known;
     for (const std::string& name : preset_names()) known += (known.empty() ? "" : ", ") + name;
-    fail("--model ", spec, ": not a checkpoint directory or a preset (presets: ", known, ")");
+    fail(option("model"), " ", spec, ": not a checkpoint directory or a preset (presets: ", known,
+         ")");
   }
   source.config = load_hf_config(source.directory);
   // Fail on a malformed checkpoint now, before any planning or allocation.

@@ -33,9 +33,9 @@ double token_log_probability(const float* logits, int64_t V, int32_t token) {
 
 Sampler::Sampler(const SamplingOptions& options) : options_(options), rng_(options.seed) {
   INFINIGEN_CHECK(options.temperature >= 0.0f && std::isfinite(options.temperature),
-                  "--temperature must be >= 0, got ", options.temperature);
-  INFINIGEN_CHECK(options.top_p > 0.0f && options.top_p <= 1.0f, "--top-p must be in (0, 1], got ",
-                  options.top_p);
+                  option("temperature"), " must be >= 0, got ", options.temperature);
+  INFINIGEN_CHECK(options.top_p > 0.0f && options.top_p <= 1.0f, option("top_p"),
+                  " must be in (0, 1], got ", options.top_p);
 }
 
 std::vector<int32_t> Sampler::sample(const Tensor& logits) {

@@ -61,6 +61,18 @@ double layer_norm_bytes(int64_t rows, int64_t D) {
 
 namespace {
 
+// The policies whose schedule is written out below.
+enum class Policy { Gpu, Full, Infinigen, Int4, H2o };
+Policy schedule_policy(const std::string& name) {
+  for (const auto& [known, policy] :
+       {std::pair{"gpu", Policy::Gpu}, std::pair{"full", Policy::Full},
+        std::pair{"infinigen", Policy::Infinigen}, std::pair{"int4", Policy::Int4},
+        std::pair{"h2o", Policy::H2o}}) {
+    if (name == known) return policy;
+  }
+  fail("cost model: policy ", name, " is not modelled");
+}
+
 // Builds the schedule in the order the runtime issues work: compute ops in program order, each
 // transfer at the point of the compute stream where the runtime enqueues it, and host waits as
 // dependencies of the next compute op.
@@ -69,7 +81,7 @@ class ScheduleBuilder {
   explicit ScheduleBuilder(const CostModelInput& in)
       : in_(in),
         c_(in.config),
-        policy_(in.options.policy),
+        policy_(schedule_policy(in.options.policy)),
         B_(in.batch),
         H_(c_.num_heads),
         d_(c_.head_dim()),
@@ -83,8 +95,8 @@ class ScheduleBuilder {
         loaded_(static_cast<size_t>(c_.num_layers), -1) {
     INFINIGEN_CHECK(in.batch >= 1 && in.prompt_len >= 1 && in.gen_len >= 1,
                     "cost model: batch, prompt length and generation length must be >= 1");
-    INFINIGEN_CHECK(in.options.kv_pool_limit == 0,
-                    "cost model: --kv-pool-limit is not modelled (the pool holds every token)");
+    INFINIGEN_CHECK(in.options.kv_pool_limit == 0, "cost model: ", option("kv_pool_limit"),
+                    " is not modelled (the pool holds every token)");
     INFINIGEN_CHECK(in.options.kv_block_tokens >= 1, "cost model: kv_block_tokens must be >= 1");
     const SpeculationOptions& spec = in.options.speculation;
     dense_layers_ = spec.dense_layers;
@@ -103,7 +115,7 @@ class ScheduleBuilder {
       weight_bytes_ += static_cast<uint64_t>(shape_numel(shape)) * element;
       weight_chunks_ += 1;
     }
-    if (policy_ == KvPolicy::Infinigen) {
+    if (policy_ == Policy::Infinigen) {
       INFINIGEN_CHECK(!in.fetched_fraction.empty() || !in.fetched_rows.empty(),
                       "cost model: policy infinigen needs the fetched share per layer "
                       "(fetched_fraction) measured by a run");
@@ -126,9 +138,9 @@ class ScheduleBuilder {
   }
 
  private:
-  bool offloads_kv() const { return policy_ != KvPolicy::Gpu; }
+  bool offloads_kv() const { return policy_ != Policy::Gpu; }
   bool dense(int64_t layer) const { return layer < dense_layers_; }
-  bool speculated(int64_t layer) const { return policy_ == KvPolicy::Infinigen && !dense(layer); }
+  bool speculated(int64_t layer) const { return policy_ == Policy::Infinigen && !dense(layer); }
   double f(int64_t v) const { return static_cast<double>(v); }
 
   int32_t add(ScheduledOp op) {
@@ -246,8 +258,8 @@ class ScheduleBuilder {
     double copy = 0, rows = 0;
     int64_t chunks = 0;
     switch (policy_) {
-      case KvPolicy::Full:
-      case KvPolicy::Infinigen:
+      case Policy::Full:
+      case Policy::Infinigen:
         if (speculated(layer)) {
           const uint64_t fetched = fetched_rows(layer, n);
           bytes = 2 * fetched * static_cast<uint64_t>(d_) * kv_;
@@ -260,17 +272,17 @@ class ScheduleBuilder {
           chunks = range_chunks(n);
         }
         break;
-      case KvPolicy::Int4:
+      case Policy::Int4:
         bytes = static_cast<uint64_t>(2 * B_ * H_ * n) * int4_row_bytes(d_);
         copy = static_cast<double>(bytes);
         chunks = 4 * B_ * H_;  // codes and meta per (K/V, sequence, head)
         break;
-      case KvPolicy::H2o:
+      case Policy::H2o:
         bytes = static_cast<uint64_t>(2 * B_ * H_ * h2o_count(n) * d_) * kv_;
         copy = static_cast<double>(bytes);
         chunks = 2 * B_ * H_;
         break;
-      case KvPolicy::Gpu:
+      case Policy::Gpu:
         return;
     }
     // The pool must hold the previous step's token of this layer before it is read.
@@ -296,11 +308,11 @@ class ScheduleBuilder {
       linear("v_proj", l, rows, D_, D_, w_);
       const double kv_rows = 2.0 * f(rows * D_) * static_cast<double>(4 + kv_);
       switch (policy_) {
-        case KvPolicy::Gpu:
+        case Policy::Gpu:
           compute(OpClass::Elementwise, "kv_append", l, 0, kv_rows);
           break;
-        case KvPolicy::Full:
-        case KvPolicy::Infinigen: {
+        case Policy::Full:
+        case Policy::Infinigen: {
           if (l >= 2) wait(stored_[static_cast<size_t>(l - 2)]);  // the staging buffer's reader
           compute(OpClass::Elementwise, "kv_append", l, 0, kv_rows);
           kv_store(l, static_cast<uint64_t>(2 * rows * D_) * kv_, range_chunks(P), -1);
@@ -310,12 +322,12 @@ class ScheduleBuilder {
           }
           break;
         }
-        case KvPolicy::Int4:
+        case Policy::Int4:
           if (l >= 2) wait(stored_[static_cast<size_t>(l - 2)]);
           compute(OpClass::Codec, "int4_quantize", l, 0, 2.0 * f(rows * D_) * 2.0);
           kv_store(l, static_cast<uint64_t>(2 * rows * H_) * int4_row_bytes(d_), 4 * B_ * H_, -1);
           break;
-        case KvPolicy::H2o: {
+        case Policy::H2o: {
           // Every valid query's causal softmax over the valid keys: a d-long dot and an exp per
           // visible pair.
           const double pairs = f(P) * f(P + 1) / 2.0;
@@ -367,11 +379,11 @@ class ScheduleBuilder {
       const double row_writes = 2.0 * f(B_ * D_) * static_cast<double>(4 + kv_);
       double rows_read = f(n + 1);  // attention's KV rows per (sequence, head)
       switch (policy_) {
-        case KvPolicy::Gpu:
+        case Policy::Gpu:
           compute(OpClass::Elementwise, "kv_append", l, 0, row_writes);
           break;
-        case KvPolicy::Full:
-        case KvPolicy::Infinigen:
+        case Policy::Full:
+        case Policy::Infinigen:
           // The new row joins the staging buffer, then (once the store of the previous layer of
           // this parity has read the store buffer) the store buffer, and goes to the pool.
           compute(OpClass::Elementwise, "kv_append", l, 0, row_writes);
@@ -384,14 +396,14 @@ class ScheduleBuilder {
             rows_read = fetch_per_row_[static_cast<size_t>(l)] + 1;
           }
           break;
-        case KvPolicy::Int4:
+        case Policy::Int4:
           wait(store_buffer_read_[p]);
           compute(OpClass::Codec, "int4_quantize", l, 0, 4.0 * f(B_ * D_));
           kv_store(l, static_cast<uint64_t>(2 * B_ * H_) * int4_row_bytes(d_), 4 * B_ * H_, -1);
           store_buffer_read_[p] = stored_[static_cast<size_t>(l)];
           compute(OpClass::Codec, "int4_dequantize_new", l, 0, 4.0 * f(B_ * D_));
           break;
-        case KvPolicy::H2o: {
+        case Policy::H2o: {
           const int64_t count = h2o_count(n);
           rows_read = f(count + 1);
           // The new token into staging row `slots` once the store that last read it is done,
@@ -409,7 +421,7 @@ class ScheduleBuilder {
       }
       // view: the host waits for this layer's load.
       if (offloads_kv()) wait(loaded_[static_cast<size_t>(l)]);
-      if (policy_ == KvPolicy::Int4) {
+      if (policy_ == Policy::Int4) {
         compute(OpClass::Codec, "int4_dequantize", l, 0, 4.0 * f(B_ * H_ * n * d_));
       }
       compute(OpClass::AttentionDecode, "attention", l,
@@ -439,7 +451,7 @@ class ScheduleBuilder {
 
   const CostModelInput& in_;
   const ModelConfig& c_;
-  KvPolicy policy_;
+  Policy policy_;
   int64_t B_, H_, d_, D_, F_, L_;
   size_t kv_, w_;
   int64_t capacity_;
@@ -697,13 +709,8 @@ PredictedRun predict_run(const CostModelInput& input, const HardwareProfile& pro
   memory.batch = input.batch;
   memory.prompt_len = input.prompt_len;
   memory.gen_len = input.gen_len;
-  memory.policy = input.options.policy;
-  memory.weights_gpu_percent = input.options.weights_gpu_percent;
   memory.kv_dtype = input.kv_dtype;
-  memory.kv_block_tokens = input.options.kv_block_tokens;
-  memory.partial_ratio = input.options.speculation.partial_ratio;
-  memory.partial_key_dtype = input.options.speculation.partial_key_dtype;
-  memory.h2o_budget = input.options.h2o_budget;
+  memory.options = input.options;
   memory.device_capacity =
       static_cast<size_t>(std::min(profile.device_memory_bytes, static_cast<double>(SIZE_MAX / 2)));
   memory.host_capacity = SIZE_MAX / 2;  // the profile describes the device side only

@@ -7,8 +7,36 @@
 #include <numeric>
 
 #include "core/ops.h"
+#include "core/saturating.h"
+#include "offload/kv_policy.h"
+#include "offload/memory_planner.h"
 
 namespace infinigen {
+
+const KvPolicy& h2o_kv_policy() {
+  static const KvPolicy policy{
+      "h2o",
+      "heavy hitters + recent tokens within a budget, kept in host memory, all loaded each step",
+      {"h2o_budget"},
+      /*exact=*/false,
+      /*selects_loads=*/false,
+      [](Device device) { return device == Device::Cpu; },  // scores accumulate on the host
+      [](const MemoryRequest& r) -> KvMemory {
+        // The kept entries (`slots` per layer, sequence and head) in the host pool; on the
+        // device their staging with a row for the new token.
+        const ModelConfig& c = r.config;
+        const int64_t slots = h2o_slots(r.options.h2o_budget, request_positions(r));
+        return {kv_staging_bytes(r, slots + 1),
+                saturating_product({2, c.num_layers, r.batch, c.kv_heads(), slots, c.head_dim(),
+                                    static_cast<int64_t>(dtype_size(r.kv_dtype))})};
+      },
+      [](const KvStoreArgs& a) -> std::unique_ptr<KvStore> {
+        return std::make_unique<H2oKv>(a.config, a.batch, a.capacity, a.kv_dtype, a.device,
+                                       a.options.h2o_budget, a.engine, a.stats);
+      }};
+  return policy;
+}
+
 namespace {
 
 // A CPU tensor with `tensor`'s contents (itself when it is on the CPU already).

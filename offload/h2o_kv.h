@@ -51,6 +51,9 @@
 
 namespace infinigen {
 
+struct KvPolicy;
+const KvPolicy& h2o_kv_policy();  // its entry (offload/kv_policy.h)
+
 // The entry to evict among `scores` (accumulated attention probability per entry) and `tokens`
 // (their token indices): the lowest score among entries whose token is older than
 // `recent_start`, ties to the smallest token index; -1 when every entry is recent.

@@ -4,9 +4,47 @@
 #include <cmath>
 
 #include "core/ops.h"
+#include "core/saturating.h"
+#include "offload/kv_policy.h"
+#include "offload/memory_planner.h"
 #include "speculate/prompt_keep.h"
 
 namespace infinigen {
+
+const KvPolicy& infinigen_kv_policy() {
+  static const KvPolicy policy{
+      "infinigen",
+      "all KV in host memory, each layer loads the tokens speculated at the layer before",
+      {"alpha", "partial_ratio", "partial_index_rule", "partial_key_dtype", "fetch_rule",
+       "max_num_kv", "dense_layers", "kv_pool_limit", "eviction", "check_recall",
+       "kv_block_tokens"},
+      /*exact=*/false,
+      /*selects_loads=*/true,
+      // Speculation and the partial key cache live on the host.
+      [](Device device) { return device == Device::Cpu; },
+      [](const MemoryRequest& r) -> KvMemory {
+        // A staging as `full`'s and the pool (capped or not), plus per layer the partial key
+        // cache (B, H, tokens, r) and the partial query weights and bias (H, r, D + 1) in fp32.
+        const ModelConfig& c = r.config;
+        const int64_t tokens = request_positions(r);
+        const int64_t pooled = r.kv_pool_tokens > 0 ? std::min(r.kv_pool_tokens, tokens) : tokens;
+        const SpeculationOptions& s = r.options.speculation;
+        const int64_t rp = partial_columns(s.partial_ratio, c.head_dim());
+        const auto key_size = static_cast<int64_t>(dtype_size(s.partial_key_dtype));
+        return {saturating_sum(
+                    {kv_staging_bytes(r, tokens),
+                     saturating_product({c.num_layers, r.batch, c.num_heads, tokens, rp, key_size}),
+                     saturating_product({c.num_layers, c.num_heads, rp, c.hidden_size + 1, 4})}),
+                kv_pool_bytes(r, pooled)};
+      },
+      [](const KvStoreArgs& a) -> std::unique_ptr<KvStore> {
+        const OffloadOptions& o = a.options;
+        return std::make_unique<InfinigenKv>(
+            a.config, a.batch, a.capacity, a.kv_dtype, a.device, o.kv_block_tokens, a.engine,
+            a.stats, o.speculation, o.check_recall, KvPoolLimit{a.pool_positions, o.eviction});
+      }};
+  return policy;
+}
 
 InfinigenKv::InfinigenKv(const ModelConfig& config, int64_t batch, int64_t capacity, DType kv_dtype,
                          Device device, int64_t block_tokens, TransferEngine& engine,
@@ -22,8 +60,9 @@ InfinigenKv::InfinigenKv(const ModelConfig& config, int64_t batch, int64_t capac
       partial_(static_cast<size_t>(config.num_layers)),
       selection_(static_cast<size_t>(config.num_layers)) {
   options_.validate();
-  INFINIGEN_CHECK(device == Device::Cpu, "--policy infinigen runs on the CPU backend for now");
-  INFINIGEN_CHECK(slots_ >= 2, "--kv-pool-limit leaves ", slots_,
+  INFINIGEN_CHECK(device == Device::Cpu, option("policy"),
+                  " infinigen runs on the CPU backend for now");
+  INFINIGEN_CHECK(slots_ >= 2, option("kv_pool_limit"), " leaves ", slots_,
                   " position per sequence and head; at least 2 are needed");
   options_.max_num_kv = options_.fetch_cap(capacity);
   if (limited()) {

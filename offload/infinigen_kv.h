@@ -26,6 +26,9 @@
 
 namespace infinigen {
 
+struct KvPolicy;
+const KvPolicy& infinigen_kv_policy();  // its entry (offload/kv_policy.h)
+
 struct KvPoolLimit {
   int64_t positions = 0;  // per (layer, sequence, head); 0 = no limit
   EvictionPolicy eviction = EvictionPolicy::Counter;

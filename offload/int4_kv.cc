@@ -5,9 +5,37 @@
 #include <cstring>
 
 #include "core/error.h"
+#include "core/saturating.h"
 #include "offload/int4_codec.h"
+#include "offload/kv_policy.h"
+#include "offload/memory_planner.h"
 
 namespace infinigen {
+
+const KvPolicy& int4_kv_policy() {
+  static const KvPolicy policy{
+      "int4",
+      "all KV in host memory in 4 bits (groups of 64), loaded every step: FlexGen's compression",
+      {},
+      /*exact=*/false,
+      /*selects_loads=*/false,
+      [](Device device) { return device == Device::Cpu; },  // the codec runs on the host
+      [](const MemoryRequest& r) -> KvMemory {
+        // Packed codes plus an fp16 min and scale per group of 64, on the host and in the
+        // device's code staging (two layers), dequantised into an fp16 staging as full's.
+        const ModelConfig& c = r.config;
+        const int64_t tokens = request_positions(r);
+        const auto row = static_cast<int64_t>(int4_row_bytes(c.head_dim()));
+        return {saturating_sum({kv_staging_bytes(r, tokens),
+                                saturating_product({2, 2, r.batch, c.kv_heads(), tokens, row})}),
+                saturating_product({2, c.num_layers, r.batch, c.kv_heads(), tokens, row})};
+      },
+      [](const KvStoreArgs& a) -> std::unique_ptr<KvStore> {
+        return std::make_unique<Int4Kv>(a.config, a.batch, a.capacity, a.device, a.engine, a.stats);
+      }};
+  return policy;
+}
+
 namespace {
 
 // Every byte 0xff: fp16 NaN in a meta buffer, so rows that no transfer filled decode to NaN.

@@ -35,6 +35,9 @@
 
 namespace infinigen {
 
+struct KvPolicy;
+const KvPolicy& int4_kv_policy();  // its entry (offload/kv_policy.h)
+
 class Int4Kv : public PipelinedKv {
  public:
   Int4Kv(const ModelConfig& config, int64_t batch, int64_t capacity, Device device,

@@ -10,11 +10,9 @@
 
 #include "core/error.h"
 #include "core/saturating.h"
-#include "offload/h2o_kv.h"
-#include "offload/int4_codec.h"
+#include "offload/kv_policy.h"
 #include "offload/kv_pool.h"
 #include "offload/weight_placement.h"
-#include "speculate/speculation.h"
 
 namespace infinigen {
 namespace {
@@ -50,13 +48,6 @@ int digits_to_tell_apart(size_t need, size_t have) {
   int digits = 1;
   while (digits < 6 && gib(need, digits) == gib(have, digits)) ++digits;
   return digits;
-}
-
-// Positions per sequence, prompt and generated (saturating: both lengths come from the user).
-int64_t positions(const MemoryRequest& r) {
-  return r.prompt_len > std::numeric_limits<int64_t>::max() - r.gen_len
-             ? std::numeric_limits<int64_t>::max()
-             : r.prompt_len + r.gen_len;
 }
 
 // What the host must give: its pinned part, and where device and host share one RAM (the CPU
@@ -99,22 +90,6 @@ int64_t largest_fitting(MemoryRequest request, int64_t MemoryRequest::*field, in
 
 }  // namespace
 
-const char* kv_policy_name(KvPolicy policy) {
-  switch (policy) {
-    case KvPolicy::Gpu:
-      return "gpu";
-    case KvPolicy::Full:
-      return "full";
-    case KvPolicy::Infinigen:
-      return "infinigen";
-    case KvPolicy::Int4:
-      return "int4";
-    case KvPolicy::H2o:
-      return "h2o";
-  }
-  return "?";
-}
-
 namespace {
 
 // Shares of the full KV that a capped InfiniGen pool is offered at (--kv-pool-limit).
@@ -126,28 +101,33 @@ struct Candidate {
   double pool_limit = 0.0;  // --kv-pool-limit, 0 = unchanged
 };
 
-// The flags that turn `from` into `to`, e.g. "--policy full --weights-gpu-percent 60".
+// The options that turn `from` into `to`, e.g. "--policy full --weights-gpu-percent 60" as the
+// CLI spells them.
 std::string flags_for(const MemoryRequest& from, const Candidate& to) {
   std::string flags;
   auto add = [&flags](const std::string& flag) { flags += (flags.empty() ? "" : " ") + flag; };
   const MemoryRequest& r = to.request;
-  if (r.policy != from.policy) add(cat("--policy ", kv_policy_name(r.policy)));
-  if (r.weights_gpu_percent != from.weights_gpu_percent) {
-    add(cat("--weights-gpu-percent ", r.weights_gpu_percent));
+  const OffloadOptions &was = from.options, &now = r.options;
+  if (now.policy != was.policy) add(cat(option("policy"), " ", now.policy));
+  if (now.weights_gpu_percent != was.weights_gpu_percent) {
+    add(cat(option("weights_gpu_percent"), " ", now.weights_gpu_percent));
   }
-  if (r.kv_block_tokens != from.kv_block_tokens) add(cat("--kv-block-tokens ", r.kv_block_tokens));
-  if (to.pool_limit > 0) add(cat("--kv-pool-limit ", to.pool_limit));
-  if (r.batch != from.batch) add(cat("--batch ", r.batch));
-  if (r.gen_len != from.gen_len) add(cat("--gen-len ", r.gen_len));
+  if (now.kv_block_tokens != was.kv_block_tokens) {
+    add(cat(option("kv_block_tokens"), " ", now.kv_block_tokens));
+  }
+  if (to.pool_limit > 0) add(cat(option("kv_pool_limit"), " ", to.pool_limit));
+  if (r.batch != from.batch) add(cat(option("batch"), " ", r.batch));
+  if (r.gen_len != from.gen_len) add(cat(option("gen_len"), " ", r.gen_len));
   return flags;
 }
 
 // A configuration close to `request` that fits; none when nothing does. Every candidate is
 // planned here, so what is suggested is what the planner accepts. Preference, from the change
-// that alters the experiment least: pool blocks no longer than the default; a smaller batch; for
-// infinigen a capped host pool; per policy (offloading first, as it needs the least device memory)
-// the largest share of weights on the device (steps of 5) with the batch kept, then with the
-// largest batch that fits at that share; last, fewer generated tokens.
+// that alters the experiment least: pool blocks no longer than the default; a smaller batch; a
+// capped host pool for a policy that reads one; per policy (the asked one first unless it is
+// exact, then the exact ones in registration order, offloading before resident as it needs the
+// least device memory) the largest share of weights on the device (steps of 5) with the batch
+// kept, then with the largest batch that fits at that share; last, fewer generated tokens.
 std::optional<Candidate> suggest_fitting(const MemoryRequest& asked) {
   // Candidates are planned against the capacities less the margin, and flags are relative to
   // what was asked.
@@ -163,10 +143,10 @@ std::optional<Candidate> suggest_fitting(const MemoryRequest& asked) {
     }
   }
   // Pool blocks longer than a sequence only add padding: blocks of the default size first.
-  const int64_t default_block = MemoryRequest{}.kv_block_tokens;
-  if (request.kv_block_tokens > std::max(default_block, positions(request))) {
+  const int64_t default_block = OffloadOptions{}.kv_block_tokens;
+  if (request.options.kv_block_tokens > std::max(default_block, request_positions(request))) {
     Candidate shorter_blocks{request};
-    shorter_blocks.request.kv_block_tokens = default_block;
+    shorter_blocks.request.options.kv_block_tokens = default_block;
     if (fits(shorter_blocks.request)) return shorter_blocks;
   }
   if (const int64_t batch = largest_fitting(request, &MemoryRequest::batch, request.batch - 1);
@@ -175,28 +155,31 @@ std::optional<Candidate> suggest_fitting(const MemoryRequest& asked) {
     smaller.request.batch = batch;
     return smaller;
   }
-  if (request.policy == KvPolicy::Infinigen && request.kv_pool_tokens == 0) {
-    const int64_t tokens = positions(request);
+  if (request.kv_pool_tokens == 0 && policy_reads_option(request.options.policy, "kv_pool_limit")) {
+    const int64_t tokens = request_positions(request);
     for (double limit : kPoolLimits) {
       Candidate capped{request, limit};
       capped.request.kv_pool_tokens = static_cast<int64_t>(limit * static_cast<double>(tokens));
       if (capped.request.kv_pool_tokens >= 2 && fits(capped.request)) return capped;
     }
   }
-  // h2o keeps its own policy first: its staging is smaller than `full`'s, and switching would
-  // change what the run measures.
-  std::vector<KvPolicy> policies = {KvPolicy::Full, KvPolicy::Gpu};
-  if (request.policy == KvPolicy::H2o) policies.insert(policies.begin(), KvPolicy::H2o);
-  for (KvPolicy policy : policies) {
+  // A policy that is not exact keeps itself first: switching would change what the run measures.
+  std::vector<const KvPolicy*> policies;
+  if (!kv_policy(request.options.policy).exact)
+    policies.push_back(&kv_policy(request.options.policy));
+  for (const KvPolicy* policy : kv_policies()) {
+    if (policy->exact) policies.push_back(policy);
+  }
+  for (const KvPolicy* policy : policies) {
     Candidate candidate{request};
-    candidate.request.policy = policy;
-    candidate.request.kv_pool_tokens = 0;  // a pool limit is infinigen's alone
+    candidate.request.options.policy = policy->name;
+    if (!policy_reads_option(policy->name, "kv_pool_limit")) candidate.request.kv_pool_tokens = 0;
     for (int percent = 100; percent >= 0; percent -= 5) {
-      candidate.request.weights_gpu_percent = percent;
+      candidate.request.options.weights_gpu_percent = percent;
       if (fits(candidate.request)) return candidate;
     }
     for (int percent = 100; percent >= 0; percent -= 5) {
-      candidate.request.weights_gpu_percent = percent;
+      candidate.request.options.weights_gpu_percent = percent;
       if (const int64_t batch =
               largest_fitting(candidate.request, &MemoryRequest::batch, request.batch);
           batch > 0) {
@@ -216,15 +199,27 @@ std::optional<Candidate> suggest_fitting(const MemoryRequest& asked) {
 
 // Why nothing fits, in terms of the resource that is short: the weights alone when the host
 // cannot hold them (device and host sharing one RAM), else the leanest plan there is (batch 1,
-// one generated token, all weights streamed by the `full` policy) and what it lacks.
+// one generated token, all weights streamed, the exact policy that needs the least device
+// memory) and what it lacks.
 std::string why_nothing_fits(const MemoryRequest& request) {
   MemoryRequest lean = request;
   lean.batch = 1;
   lean.gen_len = 1;
-  lean.policy = KvPolicy::Full;
-  lean.weights_gpu_percent = 0;
+  lean.options.weights_gpu_percent = 0;
   lean.kv_pool_tokens = 0;
-  const MemoryPlan plan = compute_memory_plan(lean);
+  std::optional<MemoryPlan> leanest;
+  std::string lean_policy;
+  for (const KvPolicy* policy : kv_policies()) {
+    if (!policy->exact) continue;
+    lean.options.policy = policy->name;
+    const MemoryPlan plan = compute_memory_plan(lean);
+    if (!leanest || plan.device_total() < leanest->device_total()) {
+      leanest = plan;
+      lean_policy = policy->name;
+    }
+  }
+  lean.options.policy = lean_policy;
+  const MemoryPlan plan = *leanest;
   const size_t weights = saturating_sum({plan.device_weights, plan.host_weights});
   if (request.shared_memory && weights > request.host_capacity) {
     const int digits = digits_to_tell_apart(weights, request.host_capacity);
@@ -233,8 +228,8 @@ std::string why_nothing_fits(const MemoryRequest& request) {
                " GiB available");
   }
   const std::string lean_setting =
-      cat("even batch 1 with the ", request.prompt_len,
-          "-token prompt, --gen-len 1, --policy full --weights-gpu-percent 0");
+      cat("even batch 1 with the ", request.prompt_len, "-token prompt, ", option("gen_len"),
+          " 1, ", option("policy"), " ", lean_policy, " ", option("weights_gpu_percent"), " 0");
   if (!device_fits(plan, lean)) {
     const size_t short_by = plan.device_total() - request.device_capacity;
     return cat("no configuration fits: ", lean_setting, " needs ", gib(plan.device_total(), 2),
@@ -252,6 +247,30 @@ std::string why_nothing_fits(const MemoryRequest& request) {
 }
 
 }  // namespace
+
+int64_t request_positions(const MemoryRequest& r) {
+  return r.prompt_len > std::numeric_limits<int64_t>::max() - r.gen_len
+             ? std::numeric_limits<int64_t>::max()
+             : r.prompt_len + r.gen_len;
+}
+
+size_t kv_staging_bytes(const MemoryRequest& r, int64_t rows) {
+  const auto kv_size = static_cast<int64_t>(dtype_size(r.kv_dtype));
+  return saturating_product(
+      {2, 2, r.batch, r.config.kv_heads(), rows, r.config.head_dim(), kv_size});
+}
+
+size_t kv_pool_bytes(const MemoryRequest& r, int64_t positions) {
+  KvPoolShape pool;
+  pool.num_layers = r.config.num_layers;
+  pool.batch = r.batch;
+  pool.num_heads = r.config.kv_heads();
+  pool.head_dim = r.config.head_dim();
+  pool.max_tokens = positions;
+  pool.block_tokens = r.options.kv_block_tokens;
+  pool.dtype = r.kv_dtype;
+  return KvPool::capacity_bytes(pool);
+}
 
 size_t MemoryPlan::device_total() const {
   return saturating_sum({device_weights, device_weight_staging, device_kv, device_activations});
@@ -292,7 +311,7 @@ MemoryPlan compute_memory_plan(const MemoryRequest& r) {
   // Weights: by tensor; staging holds the host-resident part of two groups (the one in use and
   // the one being loaded), sized by the largest group.
   std::map<std::string, size_t> host_group_bytes;
-  for (const WeightHome& home : place_weights(c, r.weights_gpu_percent)) {
+  for (const WeightHome& home : place_weights(c, r.options.weights_gpu_percent)) {
     if (home.on_device) {
       plan.device_weights += home.bytes;
     } else {
@@ -312,57 +331,17 @@ MemoryPlan compute_memory_plan(const MemoryRequest& r) {
   }
   plan.device_weight_staging = 2 * largest_host_group;
 
-  // KV: the gpu policy keeps all of it, 2 * L * B * (prompt + gen) * D; offloading policies stage
-  // one layer's K and V, double-buffered, 2 * 2 * B * H * (prompt + gen) * d. Products saturate:
-  // sizes come from the user and an absurd one must read as too large, not wrap round.
-  const int64_t B = r.batch;
-  const int64_t tokens = positions(r);
-  const auto kv_size = static_cast<int64_t>(dtype_size(r.kv_dtype));
-  const int64_t L = c.num_layers, H = c.num_heads, D = c.hidden_size, d = c.head_dim();
-  if (r.policy == KvPolicy::Gpu) {
-    plan.device_kv = saturating_product({2, L, B, tokens, D, kv_size});
-  } else if (r.policy == KvPolicy::H2o) {
-    // The kept entries (`slots` per layer, sequence and head) in the host pool; on the device only
-    // their staging, K and V of one layer with a row for the new token, double-buffered.
-    const int64_t slots = h2o_slots(r.h2o_budget, tokens);
-    plan.host_kv_pool = saturating_product({2, L, B, H, slots, d, kv_size});
-    plan.device_kv = saturating_product({2, 2, B, H, slots + 1, d, kv_size});
-  } else {
-    plan.device_kv = saturating_product({2, 2, B, H, tokens, d, kv_size});
-    KvPoolShape pool;
-    pool.num_layers = c.num_layers;
-    pool.batch = r.batch;
-    pool.num_heads = c.num_heads;
-    pool.head_dim = c.head_dim();
-    pool.max_tokens = r.kv_pool_tokens > 0 ? std::min(r.kv_pool_tokens, tokens) : tokens;
-    pool.block_tokens = r.kv_block_tokens;
-    pool.dtype = r.kv_dtype;
-    plan.host_kv_pool = KvPool::capacity_bytes(pool);
-    if (r.policy == KvPolicy::Int4) {
-      // Packed 4-bit codes plus an fp16 min and scale per group of 64, on the host and in the
-      // device's code staging (two layers); dequantised into the fp16 staging counted above.
-      const auto row = static_cast<int64_t>(int4_row_bytes(c.head_dim()));
-      plan.host_kv_pool = saturating_product({2, L, B, H, tokens, row});
-      plan.device_kv =
-          saturating_sum({plan.device_kv, saturating_product({2, 2, B, H, tokens, row})});
-    }
-    if (r.policy == KvPolicy::Infinigen) {
-      // Per layer: the partial key cache (B, H, tokens, rp) and the partial query weights and
-      // bias (H, rp, D + 1) in fp32.
-      const int64_t rp = partial_columns(r.partial_ratio, d);
-      const auto partial_size = static_cast<int64_t>(dtype_size(r.partial_key_dtype));
-      plan.device_kv =
-          saturating_sum({plan.device_kv, saturating_product({L, B, H, tokens, rp, partial_size}),
-                          saturating_product({L, H, rp, D + 1, 4})});
-    }
-  }
+  // KV: what the policy keeps on the device and in the host pool.
+  const KvMemory kv = kv_policy(r.options.policy).memory(r);
+  plan.device_kv = kv.device;
+  plan.host_kv_pool = kv.host;
 
   // Activations: the prefill peak (n = prompt_len), all fp32:
   //   hidden, normed, q, k, v, attention output   6 * B * n * D * 4
   //   FFN intermediate                            B * n * F * 4
   //   logits of the last position                 B * V * 4
   //   attention scores, one 64-row query block per worker (16 workers)   64 * n * 4 * 16
-  const int64_t n = r.prompt_len, F = c.ffn_dim, V = c.vocab_size;
+  const int64_t B = r.batch, n = r.prompt_len, D = c.hidden_size, F = c.ffn_dim, V = c.vocab_size;
   plan.device_activations = saturating_sum(
       {saturating_product({6, B, n, D, 4}), saturating_product({B, n, F, 4}),
        saturating_product({B, V, 4}), saturating_product({kScoreBlockRows, n, 4, kScoreThreads})});

@@ -18,25 +18,18 @@
 #include <string>
 
 #include "core/model_config.h"
+#include "offload/offload_options.h"
 
 namespace infinigen {
-
-enum class KvPolicy { Gpu, Full, Infinigen, Int4, H2o };
-const char* kv_policy_name(KvPolicy policy);  // the --policy spelling
 
 struct MemoryRequest {
   ModelConfig config;
   int64_t batch = 1;
   int64_t prompt_len = 1;  // padded
   int64_t gen_len = 1;
-  KvPolicy policy = KvPolicy::Full;
-  double weights_gpu_percent = 100.0;  // share of each layer's weights kept on the device
   DType kv_dtype = DType::F16;
-  int64_t kv_block_tokens = 128;
-  double partial_ratio = 0.3;            // InfiniGen: partial columns per head = floor(ratio * d)
-  DType partial_key_dtype = DType::F32;  // InfiniGen: element type of the partial key cache
+  OffloadOptions options;      // the policy and its options, weights_gpu_percent, kv_block_tokens
   int64_t kv_pool_tokens = 0;  // positions per (layer, sequence, head) in the pool; 0 = all
-  double h2o_budget = 0.2;     // H2O: share of the tokens each (layer, sequence, head) keeps
   size_t device_capacity = 0;  // bytes usable on the device
   size_t host_capacity = 0;    // bytes of pinned host memory available
   // Device and host memory are one RAM (the CPU backend): the device part counts against
@@ -63,6 +56,15 @@ struct MemoryPlan {
   size_t host_total() const;
   std::string describe() const;  // multi-line breakdown for --stats
 };
+
+// Positions per sequence, prompt and generated (saturating: both lengths come from the user).
+int64_t request_positions(const MemoryRequest& request);
+// Building blocks of the policies' KV memory (offload/kv_policy.h), saturating:
+// K and V of `rows` positions per (sequence, KV head) of one layer, double-buffered by layer
+// parity, in the KV dtype (a device staging).
+size_t kv_staging_bytes(const MemoryRequest& request, int64_t rows);
+// The host pool of every layer, `positions` per (sequence, KV head) in blocks of kv_block_tokens.
+size_t kv_pool_bytes(const MemoryRequest& request, int64_t positions);
 
 // Sizes of the plan, without checking capacities.
 MemoryPlan compute_memory_plan(const MemoryRequest& request);

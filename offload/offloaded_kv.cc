@@ -2,8 +2,51 @@
 #include "offload/offloaded_kv.h"
 
 #include "core/ops.h"
+#include "core/saturating.h"
+#include "offload/kv_policy.h"
+#include "offload/memory_planner.h"
 
 namespace infinigen {
+
+const KvPolicy& full_kv_policy() {
+  static const KvPolicy policy{
+      "full",
+      "all KV in host memory, each layer's whole KV loaded every step: FlexGen",
+      {"kv_block_tokens"},
+      /*exact=*/true,
+      /*selects_loads=*/false,
+      [](Device) { return true; },  // copies and the model's ops only
+      [](const MemoryRequest& r) -> KvMemory {
+        const int64_t tokens = request_positions(r);
+        return {kv_staging_bytes(r, tokens), kv_pool_bytes(r, tokens)};
+      },
+      [](const KvStoreArgs& a) -> std::unique_ptr<KvStore> {
+        return std::make_unique<OffloadedKv>(a.config, a.batch, a.capacity, a.kv_dtype, a.device,
+                                             a.options.kv_block_tokens, a.engine, a.stats);
+      }};
+  return policy;
+}
+
+const KvPolicy& gpu_kv_policy() {
+  static const KvPolicy policy{
+      "gpu",
+      "every layer's KV resident on the device, when it fits",
+      {},
+      /*exact=*/true,
+      /*selects_loads=*/false,
+      [](Device) { return true; },
+      [](const MemoryRequest& r) -> KvMemory {
+        const ModelConfig& c = r.config;
+        return {saturating_product({2, c.num_layers, r.batch, request_positions(r), c.kv_dim(),
+                                    static_cast<int64_t>(dtype_size(r.kv_dtype))}),
+                0};
+      },
+      [](const KvStoreArgs& a) -> std::unique_ptr<KvStore> {
+        return std::make_unique<ResidentKv>(a.config, a.batch, a.capacity, a.kv_dtype, a.device,
+                                            a.engine, a.stats);
+      }};
+  return policy;
+}
 
 OffloadedKv::OffloadedKv(const ModelConfig& config, int64_t batch, int64_t capacity, DType kv_dtype,
                          Device device, int64_t block_tokens, TransferEngine& engine,

@@ -20,6 +20,11 @@
 
 namespace infinigen {
 
+struct KvPolicy;
+// The entries of `full` and `gpu` (offload/kv_policy.h).
+const KvPolicy& full_kv_policy();
+const KvPolicy& gpu_kv_policy();
+
 class OffloadedKv : public PipelinedKv {
  public:
   // `pool_tokens`: positions per (layer, sequence, head) in the host pool; 0 = capacity.

@@ -8,38 +8,20 @@
 #include "core/generation.h"
 #include "core/model_loader.h"
 #include "offload/memory_planner.h"
+#include "offload/offload_options.h"
 #include "offload/offload_stats.h"
 #include "offload/transfer_engine.h"
-#include "speculate/eviction.h"
-#include "speculate/speculation.h"
 
 namespace infinigen {
-
-struct OffloadOptions {
-  KvPolicy policy = KvPolicy::Infinigen;
-  double weights_gpu_percent = 100.0;
-  LinkEmulation link;
-  int64_t kv_block_tokens = 128;
-  size_t device_memory = 0;        // bytes usable on the device; 0 = what the device has free
-  SpeculationOptions speculation;  // policy infinigen
-  bool check_recall = false;       // policy infinigen: measure the recall of attention weight
-  // Policy infinigen: cap on the host KV pool, as a fraction (<= 1) of the full KV of the
-  // request or as bytes (> 1); 0 = no cap.
-  double kv_pool_limit = 0.0;
-  EvictionPolicy eviction = EvictionPolicy::Counter;
-  double h2o_budget = 0.2;  // policy h2o: share of the tokens kept per (layer, sequence, head)
-};
 
 // Positions per (layer, sequence, head) that `limit` leaves for `capacity` tokens; 0 = no limit.
 int64_t kv_pool_positions(double limit, const ModelConfig& config, int64_t batch, int64_t capacity,
                           DType kv_dtype);
 
-KvPolicy parse_kv_policy(const std::string& name);  // "gpu" | "full" | "infinigen" | ...
-
 // Whether every step of `policy` has an implementation on `device`: the dense ops of the model
 // (ops::device_runs_transformer) and what the policy adds on the device (int4 dequantisation,
 // h2o's scores, InfiniGen's speculation). On the CPU backend every policy runs.
-bool policy_runs_on(KvPolicy policy, Device device);
+bool policy_runs_on(const std::string& policy, Device device);
 
 struct OffloadRun {
   GenerationResult result;
@@ -49,7 +31,7 @@ struct OffloadRun {
 };
 
 // The memory request of a run (sizes only; capacities are filled by plan_offloaded_run), after
-// checking the options that shape it (one-line Errors naming the flag).
+// checking the options that shape it (one-line Errors naming the option).
 MemoryRequest offload_memory_request(const ModelConfig& config, int64_t batch, int64_t prompt_len,
                                      int64_t gen_len, DType kv_dtype,
                                      const OffloadOptions& options);

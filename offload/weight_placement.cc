@@ -11,8 +11,8 @@ namespace infinigen {
 namespace {}  // namespace
 
 std::vector<WeightHome> place_weights(const ModelConfig& config, double gpu_percent) {
-  INFINIGEN_CHECK(gpu_percent >= 0.0 && gpu_percent <= 100.0, "--weights-gpu-percent must be in ",
-                  "[0, 100], got ", gpu_percent);
+  INFINIGEN_CHECK(gpu_percent >= 0.0 && gpu_percent <= 100.0, option("weights_gpu_percent"),
+                  " must be in [0, 100], got ", gpu_percent);
   const size_t element_bytes = dtype_size(config.dtype);
   // Group of each tensor: its layer, or -1 for the globals (embeddings, final norm).
   const WeightLayout layout = weight_layout(config);

@@ -19,13 +19,6 @@ bool older(int32_t step_a, int64_t slot_a, int32_t step_b, int64_t slot_b) {
 
 }  // namespace
 
-EvictionPolicy parse_eviction_policy(std::string_view name) {
-  if (name == "counter") return EvictionPolicy::Counter;
-  if (name == "lru") return EvictionPolicy::Lru;
-  if (name == "fifo") return EvictionPolicy::Fifo;
-  fail("--eviction: unknown policy '", std::string(name), "' (expected counter, lru or fifo)");
-}
-
 std::string_view eviction_policy_name(EvictionPolicy policy) {
   switch (policy) {
     case EvictionPolicy::Counter:

@@ -47,10 +47,9 @@
 namespace infinigen {
 
 enum class EvictionPolicy { Counter, Lru, Fifo };
-
-// "counter" | "lru" | "fifo"; anything else is an Error naming --eviction.
-EvictionPolicy parse_eviction_policy(std::string_view name);
-std::string_view eviction_policy_name(EvictionPolicy policy);
+inline constexpr EvictionPolicy kEvictionPolicies[] = {EvictionPolicy::Counter, EvictionPolicy::Lru,
+                                                       EvictionPolicy::Fifo};
+std::string_view eviction_policy_name(EvictionPolicy policy);  // "counter" | "lru" | "fifo"
 
 class EvictionTable {
  public:

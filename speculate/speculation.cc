@@ -9,31 +9,18 @@
 
 namespace infinigen {
 
-PartialIndexRule parse_partial_index_rule(const std::string& name) {
-  if (name == "qk") return PartialIndexRule::QK;
-  if (name == "q") return PartialIndexRule::Q;
-  fail("--partial-index-rule: unknown rule '", name, "' (expected qk or q)");
-}
-
-FetchRule parse_fetch_rule(const std::string& name) {
-  if (name == "sequence") return FetchRule::Sequence;
-  if (name == "batch") return FetchRule::Batch;
-  fail("--fetch-rule: unknown rule '", name, "' (expected sequence or batch)");
-}
-
-const char* fetch_rule_name(FetchRule rule) {
-  return rule == FetchRule::Batch ? "batch" : "sequence";
-}
-
 void SpeculationOptions::validate() const {
-  INFINIGEN_CHECK(alpha >= 0 && !std::isnan(alpha), "--alpha must be >= 0, got ", alpha);
-  INFINIGEN_CHECK(partial_ratio > 0 && partial_ratio <= 1,
-                  "--partial-ratio must be in (0, 1], got ", partial_ratio);
+  INFINIGEN_CHECK(alpha >= 0 && !std::isnan(alpha), option("alpha"), " must be >= 0, got ", alpha);
+  INFINIGEN_CHECK(partial_ratio > 0 && partial_ratio <= 1, option("partial_ratio"),
+                  " must be in (0, 1], got ", partial_ratio);
   INFINIGEN_CHECK(partial_key_dtype == DType::F32 || partial_key_dtype == DType::F16,
-                  "--partial-key-dtype must be f32 or f16, got ", dtype_name(partial_key_dtype));
-  INFINIGEN_CHECK(max_num_kv >= 0, "--max-num-kv must be at least 1, got ", max_num_kv);
-  INFINIGEN_CHECK(dense_layers >= 1, "--dense-layers must be at least 1 (layer 0 has no previous ",
-                  "layer to speculate from), got ", dense_layers);
+                  option("partial_key_dtype"), " must be f32 or f16, got ",
+                  dtype_name(partial_key_dtype));
+  INFINIGEN_CHECK(max_num_kv >= 0, option("max_num_kv"), " must be >= 0 (0: the default cap), got ",
+                  max_num_kv);
+  INFINIGEN_CHECK(dense_layers >= 1, option("dense_layers"),
+                  " must be at least 1 (layer 0 has no previous layer to speculate from), got ",
+                  dense_layers);
 }
 
 int64_t SpeculationOptions::fetch_cap(int64_t capacity) const {
@@ -49,8 +36,8 @@ void PartialLayer::build(const Tensor& queries, const Tensor& keys, const Tensor
                          const Tensor& q_bias, const std::vector<int32_t>& first_valid,
                          int64_t num_heads, int64_t capacity, int64_t r, PartialIndexRule rule,
                          const std::vector<int32_t>* position_tokens, DType key_dtype) {
-  INFINIGEN_CHECK(key_dtype == DType::F32 || key_dtype == DType::F16,
-                  "--partial-key-dtype must be f32 or f16, got ", dtype_name(key_dtype));
+  INFINIGEN_CHECK(key_dtype == DType::F32 || key_dtype == DType::F16, option("partial_key_dtype"),
+                  " must be f32 or f16, got ", dtype_name(key_dtype));
   key_dtype_ = key_dtype;
   batch_ = static_cast<int64_t>(first_valid.size());
   heads_ = num_heads;

@@ -28,11 +28,7 @@
 namespace infinigen {
 
 enum class PartialIndexRule { QK, Q };
-PartialIndexRule parse_partial_index_rule(const std::string& name);  // "qk" | "q"
-
 enum class FetchRule { Sequence, Batch };
-FetchRule parse_fetch_rule(const std::string& name);  // "sequence" | "batch"
-const char* fetch_rule_name(FetchRule rule);
 
 struct SpeculationOptions {
   double alpha = 4.0;          // logit threshold below the row maximum
@@ -42,7 +38,7 @@ struct SpeculationOptions {
   DType partial_key_dtype = DType::F32;        // the partial key cache: F32, or F16 (the KV's)
   int64_t max_num_kv = 0;    // cap on n' per layer; 0 = 20% of the sequence capacity
   int64_t dense_layers = 2;  // layers [0, dense_layers) always fetch their whole KV
-  void validate() const;     // one-line Error naming the flag
+  void validate() const;     // one-line Error naming the option
   // max_num_kv, or its default for a sequence capacity of `capacity` tokens when it is 0.
   int64_t fetch_cap(int64_t capacity) const;
 };

@@ -51,14 +51,14 @@ TEST(Experiment, PointsAreEveryOverrideTimesEveryPolicy) {
   const Experiment fig15 = load_experiment("fig15");
   ASSERT_EQ(fig15.points.size(), 5u * 4u);
   EXPECT_EQ(fig15.points[0].x, "4");
-  EXPECT_EQ(fig15.points[0].settings.policy, "full");
-  EXPECT_EQ(fig15.points[3].settings.policy, "infinigen");
+  EXPECT_EQ(fig15.points[0].settings.offload.policy, "full");
+  EXPECT_EQ(fig15.points[3].settings.offload.policy, "infinigen");
   EXPECT_EQ(fig15.points[19].settings.batch, 20);
   EXPECT_EQ(fig15.points[19].settings.prompt_len, 1920);
 
   const Experiment fig16b = load_experiment("fig16b");
   EXPECT_EQ(fig16b.points.back().settings.model, "opt-30b");
-  EXPECT_DOUBLE_EQ(fig16b.points.back().settings.weights_gpu_percent, 70.0);
+  EXPECT_DOUBLE_EQ(fig16b.points.back().settings.offload.weights_gpu_percent, 70.0);
 
   // fig17's second panel has the partial ratio on its x axis.
   const Experiment fig17 = load_experiment("fig17");
@@ -67,13 +67,13 @@ TEST(Experiment, PointsAreEveryOverrideTimesEveryPolicy) {
   EXPECT_EQ(fig17.points[0].x, "1");
   EXPECT_EQ(fig17.points[9].panel, "partial_ratio");
   EXPECT_EQ(fig17.points[9].x, "0.1");
-  EXPECT_DOUBLE_EQ(fig17.points[9].settings.alpha, 4.0);
+  EXPECT_DOUBLE_EQ(fig17.points[9].settings.offload.speculation.alpha, 4.0);
 }
 
 TEST(Experiment, PaperValuesMatchTheirPoints) {
   const Experiment fig15 = load_experiment("fig15");
   BenchSettings s = fig15.points[0].settings;
-  s.policy = "infinigen";
+  s.offload.policy = "infinigen";
   s.batch = 20;
   EXPECT_DOUBLE_EQ(paper_values_for(fig15, s).at("throughput_tok_s"), 41.99);
   s.batch = 8;
@@ -94,7 +94,7 @@ TEST(Experiment, BadFilesGetOneLineNamingTheKey) {
   expect_error(load(std::string(kMinimal) + "points: [{batch: 0}]\n"),
                {"exp.yaml", "points[0].batch = 0", "at least 1"});
   expect_error(load(std::string(kMinimal) + "policies: [full, magic]\n"),
-               {"exp.yaml", "policy = magic", "not one of"});
+               {"exp.yaml", "points[0]: policy", "unknown policy 'magic'"});
   expect_error(load(std::string(kMinimal) + "points: [{temperature: 2}]\n"),
                {"exp.yaml", "unknown setting 'points[0].temperature'"});
   expect_error(load("plot: latency\n"), {"exp.yaml", "x (the key on the x axis) is missing"});
@@ -125,7 +125,7 @@ TEST(Experiment, ScalingShrinksModelAndSizesWithFloors) {
   EXPECT_EQ(small.settings.batch, 5);        // ceil(20 * sqrt(0.05)) = ceil(4.47)
   EXPECT_EQ(small.settings.prompt_len, 96);
   EXPECT_EQ(small.settings.gen_len, 6);
-  EXPECT_EQ(small.settings.policy, paper.policy);
+  EXPECT_EQ(small.settings.offload.policy, paper.offload.policy);
 }
 
 // A report with two points (full and infinigen at one x) to check derived columns.
@@ -136,7 +136,7 @@ BenchReport two_point_report() {
   for (const char* policy : {"full", "infinigen"}) {
     PointResult p;
     p.point.x = policy;
-    p.point.settings.policy = policy;
+    p.point.settings.offload.policy = policy;
     p.ran = p.point.settings;
     p.ran_config = load_preset("opt-125m");
     PointMetrics m;

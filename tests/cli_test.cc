@@ -162,7 +162,7 @@ TEST(Cli, UnknownModelsEndWithOneLine) {
   expect_one_line_error({"run", "--model", kTiny, "--alpha", "-1"}, {"--alpha"});
   expect_one_line_error({"run", "--model", kTiny, "--partial-ratio", "0"}, {"--partial-ratio"});
   expect_one_line_error({"run", "--model", kTiny, "--partial-ratio", "1.5"}, {"--partial-ratio"});
-  expect_one_line_error({"run", "--model", kTiny, "--max-num-kv", "0"}, {"--max-num-kv"});
+  expect_one_line_error({"run", "--model", kTiny, "--max-num-kv", "-1"}, {"--max-num-kv"});
   expect_one_line_error({"run", "--model", kTiny, "--partial-index-rule", "kq"},
                         {"--partial-index-rule"});
   expect_one_line_error({"run", "--model", kTiny, "--kv-pool-limit", "0.5", "--policy", "full"},

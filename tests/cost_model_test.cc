@@ -62,7 +62,7 @@ class CostModelSchedule : public ::testing::Test {
     }
     const Schedule schedule = run_schedule(in);
     const auto bytes = schedule_bytes(schedule, source_.config.num_layers);
-    const std::string policy = kv_policy_name(options.policy);
+    const std::string policy = options.policy;
     ASSERT_EQ(bytes.size(), steps.size()) << policy;
     uint64_t moved = 0;
     for (size_t s = 0; s < steps.size(); ++s) {
@@ -82,7 +82,7 @@ class CostModelSchedule : public ::testing::Test {
       EXPECT_EQ(d2h, steps[s].d2h_bytes) << policy << " step " << s;
       moved += h2d + d2h;
     }
-    if (options.policy != KvPolicy::Gpu || options.weights_gpu_percent < 100) {
+    if (options.policy != "gpu" || options.weights_gpu_percent < 100) {
       EXPECT_GT(moved, 0u) << policy;
     }
   }
@@ -92,8 +92,7 @@ class CostModelSchedule : public ::testing::Test {
 };
 
 TEST_F(CostModelSchedule, BytesPerStepAndLayerEqualTheRuntimes) {
-  for (KvPolicy policy :
-       {KvPolicy::Gpu, KvPolicy::Full, KvPolicy::Int4, KvPolicy::H2o, KvPolicy::Infinigen}) {
+  for (const std::string policy : {"gpu", "full", "int4", "h2o", "infinigen"}) {
     OffloadOptions options;
     options.policy = policy;
     options.kv_block_tokens = 4;
@@ -106,7 +105,7 @@ TEST_F(CostModelSchedule, BytesPerStepAndLayerEqualTheRuntimes) {
 
 TEST_F(CostModelSchedule, StreamedWeightsMoveTheRuntimesBytes) {
   for (double percent : {50.0, 0.0}) {
-    for (KvPolicy policy : {KvPolicy::Full, KvPolicy::Gpu}) {
+    for (const std::string policy : {"full", "gpu"}) {
       OffloadOptions options;
       options.policy = policy;
       options.kv_block_tokens = 4;
@@ -135,7 +134,7 @@ HardwareProfile scaled(double compute, double link) {
   return p;
 }
 
-CostModelInput opt_13b(KvPolicy policy) {
+CostModelInput opt_13b(const std::string& policy) {
   CostModelInput in;
   in.config = load_preset("opt-13b");
   in.batch = 4;
@@ -153,7 +152,7 @@ double step_seconds(const Schedule& s, const std::vector<OpTiming>& t, int64_t s
 }
 
 TEST(CostModelSimulator, WithFreeComputeAFullStepIsItsTransfers) {
-  const CostModelInput in = opt_13b(KvPolicy::Full);
+  const CostModelInput in = opt_13b("full");
   const HardwareProfile p = scaled(std::numeric_limits<double>::infinity(), 1.0);
   const Schedule s = run_schedule(in);
   const std::vector<OpTiming> t = simulate(s, p);
@@ -169,7 +168,7 @@ TEST(CostModelSimulator, WithFreeComputeAFullStepIsItsTransfers) {
 }
 
 TEST(CostModelSimulator, WithAnUnlimitedLinkAStepIsItsCompute) {
-  for (KvPolicy policy : {KvPolicy::Full, KvPolicy::Int4, KvPolicy::H2o, KvPolicy::Infinigen}) {
+  for (const std::string policy : {"full", "int4", "h2o", "infinigen"}) {
     const CostModelInput in = opt_13b(policy);
     const HardwareProfile p = scaled(1.0, std::numeric_limits<double>::infinity());
     const Schedule s = run_schedule(in);
@@ -180,7 +179,7 @@ TEST(CostModelSimulator, WithAnUnlimitedLinkAStepIsItsCompute) {
         if (op.step == step && op.lane == Lane::Compute) expected += op_seconds(op, p);
       }
       EXPECT_NEAR(step_seconds(s, t, step), expected, 1e-9 * expected)
-          << kv_policy_name(policy) << " step " << step;
+          << policy << " step " << step;
     }
   }
 }
@@ -194,8 +193,7 @@ TEST(CostModelSimulator, DoublingTheLinkNeverSlowsAStep) {
     HardwareProfile fast = base;
     fast.h2d_bytes_per_s *= 2;
     fast.d2h_bytes_per_s *= 2;
-    for (KvPolicy policy :
-         {KvPolicy::Gpu, KvPolicy::Full, KvPolicy::Int4, KvPolicy::H2o, KvPolicy::Infinigen}) {
+    for (const std::string policy : {"gpu", "full", "int4", "h2o", "infinigen"}) {
       for (double percent : {100.0, 50.0}) {
         CostModelInput in = opt_13b(policy);
         in.config.num_layers = 6;
@@ -205,7 +203,7 @@ TEST(CostModelSimulator, DoublingTheLinkNeverSlowsAStep) {
         ASSERT_TRUE(slow_run.fits) << slow_run.does_not_fit;
         for (size_t s = 1; s < slow_run.steps.size(); ++s) {
           EXPECT_LE(fast_run.steps[s].seconds, slow_run.steps[s].seconds * (1 + 1e-9))
-              << base.name << " " << kv_policy_name(policy) << " " << percent << "% step " << s;
+              << base.name << " " << policy << " " << percent << "% step " << s;
         }
         EXPECT_LE(fast_run.decode_s, slow_run.decode_s * (1 + 1e-9));
       }
@@ -214,10 +212,10 @@ TEST(CostModelSimulator, DoublingTheLinkNeverSlowsAStep) {
 }
 
 TEST(CostModelSimulator, PolicyGpuMovesNothingAndFullMovesTheFormula) {
-  const Schedule gpu = run_schedule(opt_13b(KvPolicy::Gpu));
+  const Schedule gpu = run_schedule(opt_13b("gpu"));
   for (const ScheduledOp& op : gpu.ops) EXPECT_NE(op.lane, Lane::Load) << op.name;
   for (const ScheduledOp& op : gpu.ops) EXPECT_NE(op.lane, Lane::Store) << op.name;
-  const CostModelInput in = opt_13b(KvPolicy::Full);
+  const CostModelInput in = opt_13b("full");
   const PredictedRun run = predict_run(in, load_hardware_profile("rtx-a6000-pcie3"));
   ASSERT_TRUE(run.fits);
   const uint64_t L = 40, B = 4, D = 5120;
@@ -231,7 +229,7 @@ TEST(CostModelSimulator, PolicyGpuMovesNothingAndFullMovesTheFormula) {
 }
 
 TEST(CostModelSimulator, APlanThatDoesNotFitIsReportedNotTimed) {
-  CostModelInput in = opt_13b(KvPolicy::Gpu);
+  CostModelInput in = opt_13b("gpu");
   in.config = load_preset("opt-66b");
   const PredictedRun run = predict_run(in, load_hardware_profile("rtx-a6000-pcie3"));
   EXPECT_FALSE(run.fits);
@@ -240,7 +238,7 @@ TEST(CostModelSimulator, APlanThatDoesNotFitIsReportedNotTimed) {
 }
 
 TEST(CostModelSimulator, InfinigenNeedsAMeasuredFetchShare) {
-  CostModelInput in = opt_13b(KvPolicy::Infinigen);
+  CostModelInput in = opt_13b("infinigen");
   in.fetched_fraction.clear();
   testing_util::expect_error([&] { run_schedule(in); }, {"infinigen", "fetched_fraction"});
 }

@@ -55,7 +55,7 @@ TEST_F(Perplexity, WindowsAreBosAndConsecutiveText) {
 
 TEST_F(Perplexity, PoliciesThatReadAllKvAgreeAndInfinigenWithEverythingEqualsFull) {
   OffloadOptions full;
-  full.policy = KvPolicy::Full;
+  full.policy = "full";
   const PerplexityResult reference = measure(full);
   EXPECT_EQ(reference.windows, 3);
   EXPECT_EQ(reference.tokens, 3 * 80);
@@ -66,11 +66,11 @@ TEST_F(Perplexity, PoliciesThatReadAllKvAgreeAndInfinigenWithEverythingEqualsFul
   EXPECT_EQ(reference.step_fetched.size(), 79u);
 
   OffloadOptions gpu;
-  gpu.policy = KvPolicy::Gpu;
+  gpu.policy = "gpu";
   EXPECT_NEAR(measure(gpu).perplexity(), reference.perplexity(), 1e-6 * reference.perplexity());
 
   OffloadOptions everything;
-  everything.policy = KvPolicy::Infinigen;
+  everything.policy = "infinigen";
   everything.speculation.alpha = 1e9;
   everything.speculation.max_num_kv = 1000;
   everything.check_recall = true;

@@ -33,19 +33,6 @@ void fetch_times(EvictionTable& table, int64_t row, int64_t slot, int times, int
   for (int i = 0; i < times; ++i) table.on_fetch(row, slot, step);
 }
 
-TEST(EvictionPolicyTest, ParsesNamesAndRejectsOthers) {
-  EXPECT_EQ(parse_eviction_policy("counter"), EvictionPolicy::Counter);
-  EXPECT_EQ(parse_eviction_policy("lru"), EvictionPolicy::Lru);
-  EXPECT_EQ(parse_eviction_policy("fifo"), EvictionPolicy::Fifo);
-  for (EvictionPolicy p : {EvictionPolicy::Counter, EvictionPolicy::Lru, EvictionPolicy::Fifo}) {
-    EXPECT_EQ(parse_eviction_policy(eviction_policy_name(p)), p);
-  }
-  expect_error([] { parse_eviction_policy("random"); }, "--eviction");
-  expect_error([] { parse_eviction_policy("random"); }, "'random'");
-  expect_error([] { parse_eviction_policy("Counter"); }, "--eviction");
-  expect_error([] { parse_eviction_policy(""); }, "--eviction");
-}
-
 TEST(EvictionTableTest, CandidatesAreTheOlderHalf) {
   EXPECT_EQ(EvictionTable(EvictionPolicy::Counter, 1, 1).num_candidates(), 1);
   EXPECT_EQ(EvictionTable(EvictionPolicy::Counter, 1, 2).num_candidates(), 1);

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <limits>
 #include <map>
 #include <sstream>
@@ -14,6 +15,7 @@
 
 #include "core/error.h"
 #include "offload/weight_placement.h"
+#include "tests/test_util.h"
 
 namespace infinigen {
 namespace {
@@ -27,8 +29,8 @@ MemoryRequest opt13b_request() {
   r.batch = 20;
   r.prompt_len = 1920;
   r.gen_len = 128;
-  r.policy = KvPolicy::Full;
-  r.weights_gpu_percent = 100;
+  r.options.policy = "full";
+  r.options.weights_gpu_percent = 100;
   r.device_capacity = 48 * kGiB;
   r.host_capacity = 256 * kGiB;
   return r;
@@ -45,7 +47,7 @@ std::string plan_error(const MemoryRequest& request) {
   try {
     plan_memory(request);
   } catch (const Error& error) {
-    return error.what();
+    return testing_util::cli_message(error);
   }
   return "";
 }
@@ -61,15 +63,12 @@ MemoryRequest apply_suggestion(MemoryRequest request, const std::string& message
     if (flag == "--batch") {
       request.batch = std::stoll(value);
     } else if (flag == "--weights-gpu-percent") {
-      request.weights_gpu_percent = std::stod(value);
+      request.options.weights_gpu_percent = std::stod(value);
     } else if (flag == "--policy") {
-      EXPECT_TRUE(value == "full" || value == "gpu" || value == "h2o") << message;
-      request.policy = value == "gpu"   ? KvPolicy::Gpu
-                       : value == "h2o" ? KvPolicy::H2o
-                                        : KvPolicy::Full;
-      request.kv_pool_tokens = 0;
+      request.options.policy = value;
+      if (value != "infinigen") request.kv_pool_tokens = 0;
     } else if (flag == "--kv-block-tokens") {
-      request.kv_block_tokens = std::stoll(value);
+      request.options.kv_block_tokens = std::stoll(value);
     } else if (flag == "--gen-len") {
       request.gen_len = std::stoll(value);
     } else if (flag == "--kv-pool-limit") {
@@ -185,7 +184,7 @@ TEST(WeightPlacement, PercentOutOfRangeNamesTheFlag) {
       place_weights(config, percent);
       ADD_FAILURE() << "no error for " << percent;
     } catch (const Error& error) {
-      EXPECT_NE(std::string(error.what()).find("--weights-gpu-percent"), std::string::npos);
+      EXPECT_NE(testing_util::cli_message(error).find("--weights-gpu-percent"), std::string::npos);
     }
   }
 }
@@ -220,7 +219,7 @@ TEST(MemoryPlanner, Opt13bByteCountsMatchTheFormulas) {
 
 TEST(MemoryPlanner, GpuPolicyNeedsTheWholeKvOnTheDevice) {
   MemoryRequest r = opt13b_request();
-  r.policy = KvPolicy::Gpu;
+  r.options.policy = "gpu";
   const MemoryPlan plan = compute_memory_plan(r);
   EXPECT_EQ(plan.device_kv, 33554432000u);
   EXPECT_EQ(plan.host_kv_pool, 0u);
@@ -229,8 +228,8 @@ TEST(MemoryPlanner, GpuPolicyNeedsTheWholeKvOnTheDevice) {
 
 TEST(MemoryPlanner, H2oPoolsTheKeptEntriesAndStagesOnlyThemOnTheDevice) {
   MemoryRequest r = opt13b_request();
-  r.policy = KvPolicy::H2o;
-  r.h2o_budget = 0.2;
+  r.options.policy = "h2o";
+  r.options.h2o_budget = 0.2;
   const MemoryPlan plan = compute_memory_plan(r);
   // slots = floor(0.2 * 2048) = 409 per (layer, sequence, head). Host: 2 * L * B * H * slots * d
   // * 2; device: K and V of one layer with the new token's row, double-buffered.
@@ -243,7 +242,7 @@ TEST(MemoryPlanner, H2oPoolsTheKeptEntriesAndStagesOnlyThemOnTheDevice) {
 
 TEST(MemoryPlanner, H2oRefusalKeepsThePolicyInItsSuggestion) {
   MemoryRequest r = opt13b_request();
-  r.policy = KvPolicy::H2o;
+  r.options.policy = "h2o";
   r.device_capacity = 24 * kGiB;  // the weights alone are 23.9 GiB
   std::string message = plan_error(r);
   EXPECT_EQ(message.find('\n'), std::string::npos);
@@ -252,7 +251,7 @@ TEST(MemoryPlanner, H2oRefusalKeepsThePolicyInItsSuggestion) {
   EXPECT_NO_THROW(plan_memory(apply_suggestion(r, message))) << message;
 
   r = opt13b_request();
-  r.policy = KvPolicy::H2o;
+  r.options.policy = "h2o";
   r.host_capacity = 4 * kGiB;  // the kept entries take 6.24 GiB, 0.31 GiB per sequence
   message = plan_error(r);
   EXPECT_EQ(message,
@@ -263,7 +262,7 @@ TEST(MemoryPlanner, H2oRefusalKeepsThePolicyInItsSuggestion) {
 
 TEST(MemoryPlanner, HalfTheWeightsOnTheHostNeedStagingForTwoLayers) {
   MemoryRequest r = opt13b_request();
-  r.weights_gpu_percent = 50;
+  r.options.weights_gpu_percent = 50;
   const MemoryPlan plan = compute_memory_plan(r);
   // Per layer the midpoint rule keeps attention and fc1.weight (midpoint 157,317,120 of
   // 314,639,360 parameters); fc1.bias, fc2 and the final LayerNorm (F + D*F + D + 2*D) go to the
@@ -310,10 +309,10 @@ TEST(MemoryPlanner, WeightsOffTheDeviceWhenEvenBatchOneDoesNotFit) {
   EXPECT_NE(message.find("but has 24.0 GiB; try --weights-gpu-percent "), std::string::npos)
       << message;
   const MemoryRequest fixed = apply_suggestion(r, message);
-  EXPECT_LT(fixed.weights_gpu_percent, 100);
+  EXPECT_LT(fixed.options.weights_gpu_percent, 100);
   EXPECT_NO_THROW(plan_memory(fixed)) << message;
   MemoryRequest more = fixed;
-  more.weights_gpu_percent += 5;
+  more.options.weights_gpu_percent += 5;
   if (more.batch == r.batch) {
     EXPECT_THROW(plan_memory(more), Error);  // the largest share that fits
   }
@@ -321,7 +320,7 @@ TEST(MemoryPlanner, WeightsOffTheDeviceWhenEvenBatchOneDoesNotFit) {
 
 TEST(MemoryPlanner, GpuPolicySuggestsOffloadingTheKv) {
   MemoryRequest r = opt13b_request();
-  r.policy = KvPolicy::Gpu;
+  r.options.policy = "gpu";
   r.batch = 40;  // the KV alone is 62.5 GiB; a smaller batch still fits with the gpu policy
   std::string message = plan_error(r);
   EXPECT_NE(message.find("KV 62.5"), std::string::npos) << message;
@@ -365,23 +364,24 @@ TEST(MemoryPlanner, NothingFitsSaysSo) {
 // Sizes far beyond any machine saturate instead of wrapping round to a plan that fits.
 TEST(MemoryPlanner, AbsurdSizesAreRefusedNotWrapped) {
   const int64_t huge = std::numeric_limits<int64_t>::max();
-  for (int64_t MemoryRequest::*field : {&MemoryRequest::batch, &MemoryRequest::prompt_len,
-                                        &MemoryRequest::gen_len, &MemoryRequest::kv_block_tokens}) {
+  // Each size the user gives: batch, prompt and generation lengths, pool block tokens.
+  const std::vector<std::function<int64_t&(MemoryRequest&)>> sizes = {
+      [](MemoryRequest& r) -> int64_t& { return r.batch; },
+      [](MemoryRequest& r) -> int64_t& { return r.prompt_len; },
+      [](MemoryRequest& r) -> int64_t& { return r.gen_len; },
+      [](MemoryRequest& r) -> int64_t& { return r.options.kv_block_tokens; }};
+  for (size_t field = 0; field < sizes.size(); ++field) {
     for (int64_t value : {int64_t{1000000000}, huge / 3, huge}) {
-      for (KvPolicy policy :
-           {KvPolicy::Gpu, KvPolicy::Full, KvPolicy::Infinigen, KvPolicy::Int4, KvPolicy::H2o}) {
+      for (const std::string policy : {"gpu", "full", "infinigen", "int4", "h2o"}) {
         // Only the paged pools of full and infinigen have blocks.
-        if (field == &MemoryRequest::kv_block_tokens && policy != KvPolicy::Full &&
-            policy != KvPolicy::Infinigen) {
-          continue;
-        }
+        if (field == 3 && policy != "full" && policy != "infinigen") continue;
         MemoryRequest r = opt13b_request();
-        r.policy = policy;
-        r.*field = value;
+        r.options.policy = policy;
+        sizes[field](r) = value;
         const MemoryPlan plan = compute_memory_plan(r);
         EXPECT_TRUE(plan.device_total() > r.device_capacity || plan.host_total() > r.host_capacity)
-            << kv_policy_name(policy) << " " << value;
-        EXPECT_THROW(plan_memory(r), Error) << kv_policy_name(policy) << " " << value;
+            << policy << " " << value;
+        EXPECT_THROW(plan_memory(r), Error) << policy << " " << value;
       }
     }
   }
@@ -404,13 +404,13 @@ TEST(MemoryPlanner, SharedMemoryTooSmallForTheWeightsSaysSo) {
 // With device and host in one RAM, moving weights between them frees nothing: a suggestion must
 // shrink what the run needs in total, and the planner must accept it.
 TEST(MemoryPlanner, SharedMemorySuggestionsFit) {
-  for (KvPolicy policy : {KvPolicy::Gpu, KvPolicy::Full, KvPolicy::Infinigen, KvPolicy::H2o}) {
+  for (const std::string policy : {"gpu", "full", "infinigen", "h2o"}) {
     for (size_t gib : {16, 24, 40}) {
       for (int64_t batch : {8, 64, 1000000000}) {
         MemoryRequest r = opt13b_request();
         r.config = load_preset("opt-6.7b");
         r.shared_memory = true;
-        r.policy = policy;
+        r.options.policy = policy;
         r.batch = batch;
         r.device_capacity = r.host_capacity = gib * kGiB;
         const std::string message = plan_error(r);
@@ -426,7 +426,7 @@ TEST(MemoryPlanner, SharedMemorySuggestionsFit) {
 // changes the policy.
 TEST(MemoryPlanner, InfinigenIsOfferedACappedPool) {
   MemoryRequest r = opt13b_request();
-  r.policy = KvPolicy::Infinigen;
+  r.options.policy = "infinigen";
   r.batch = 1;
   r.host_capacity = kGiB;  // the whole pool of one sequence is 1.56 GiB
   const std::string message = plan_error(r);
@@ -438,7 +438,7 @@ TEST(MemoryPlanner, InfinigenIsOfferedACappedPool) {
 // the pinned share, and the suggestion fits in it.
 TEST(MemoryPlanner, APinnedCapacityBoundsTheHostPartAndItsSuggestion) {
   MemoryRequest r = opt13b_request();
-  r.policy = KvPolicy::Full;
+  r.options.policy = "full";
   r.batch = 8;
   EXPECT_NO_THROW(plan_memory(r));
   const MemoryPlan plan = compute_memory_plan(r);
@@ -459,7 +459,7 @@ TEST(MemoryPlanner, APinnedCapacityBoundsTheHostPartAndItsSuggestion) {
 // When only the generation is too long, fewer generated tokens are offered, the most that fit.
 TEST(MemoryPlanner, ShorterGenerationIsOfferedLast) {
   MemoryRequest r = opt13b_request();
-  r.policy = KvPolicy::Gpu;
+  r.options.policy = "gpu";
   r.batch = 1;
   r.prompt_len = 64;
   r.gen_len = 1000000000;
@@ -473,16 +473,16 @@ TEST(MemoryPlanner, ShorterGenerationIsOfferedLast) {
 }
 
 TEST(MemoryPlanner, EverySuggestionFits) {
-  for (KvPolicy policy : {KvPolicy::Gpu, KvPolicy::Full}) {
+  for (const std::string policy : {"gpu", "full"}) {
     for (size_t device_gib : {2, 8, 16, 24, 40, 80}) {
       for (size_t host_gib : {4, 16, 64}) {
         for (int64_t batch : {1, 8, 64}) {
           for (double percent : {100.0, 37.0, 0.0}) {
             MemoryRequest r = opt13b_request();
             r.config = load_preset("opt-6.7b");
-            r.policy = policy;
+            r.options.policy = policy;
             r.batch = batch;
-            r.weights_gpu_percent = percent;
+            r.options.weights_gpu_percent = percent;
             r.device_capacity = device_gib * kGiB;
             r.host_capacity = host_gib * kGiB;
             const std::string message = plan_error(r);
@@ -501,7 +501,7 @@ TEST(MemoryPlanner, BadRequestsThrow) {
   r.batch = 0;
   EXPECT_THROW(compute_memory_plan(r), Error);
   r = opt13b_request();
-  r.weights_gpu_percent = 120;
+  r.options.weights_gpu_percent = 120;
   EXPECT_THROW(compute_memory_plan(r), Error);
 }
 

@@ -31,7 +31,8 @@ class OffloadRuntime : public ::testing::Test {
     return reference(kv_dtype).tokens;
   }
 
-  OffloadRun run(KvPolicy policy, double weights_gpu_percent, DType kv_dtype = DType::F16) {
+  OffloadRun run(const std::string& policy, double weights_gpu_percent,
+                 DType kv_dtype = DType::F16) {
     OffloadOptions options;
     options.policy = policy;
     options.weights_gpu_percent = weights_gpu_percent;
@@ -49,23 +50,23 @@ TEST_F(OffloadRuntime, EveryPolicyAndPlacementGivesTheEngineTokensAndLogits) {
   for (DType kv : {DType::F16, DType::F32}) {
     const GenerationResult expected = reference(kv);
     const std::vector<float> expected_logits = expected.last_logits.to_floats();
-    for (KvPolicy policy : {KvPolicy::Full, KvPolicy::Gpu}) {
+    for (const std::string policy : {"full", "gpu"}) {
       for (double percent : {100.0, 50.0, 0.0}) {
         const GenerationResult got = run(policy, percent, kv).result;
         EXPECT_EQ(got.tokens, expected.tokens)
-            << kv_policy_name(policy) << " " << percent << "% " << dtype_name(kv);
+            << policy << " " << percent << "% " << dtype_name(kv);
         const std::vector<float> logits = got.last_logits.to_floats();
         EXPECT_LT(
             testing_util::relative_error(logits.data(), expected_logits.data(), logits.size()),
             1e-6)
-            << kv_policy_name(policy) << " " << percent << "% " << dtype_name(kv);
+            << policy << " " << percent << "% " << dtype_name(kv);
       }
     }
   }
 }
 
 TEST_F(OffloadRuntime, Int4PolicyMovesQuarterSizeKvAndKeepsTheTokens) {
-  const OffloadRun r = run(KvPolicy::Int4, 100.0);
+  const OffloadRun r = run("int4", 100.0);
   EXPECT_EQ(r.result.tokens, reference_tokens(DType::F16));  // 4-bit KV, same greedy choices
   const ModelConfig& c = source_.config;
   const uint64_t L = c.num_layers, B = request_.prompts.size(), H = c.num_heads, d = c.head_dim();
@@ -79,7 +80,7 @@ TEST_F(OffloadRuntime, Int4PolicyMovesQuarterSizeKvAndKeepsTheTokens) {
 
 TEST_F(OffloadRuntime, H2oKeepsItsBudgetAndWithEverythingKeptGivesTheEngineTokens) {
   OffloadOptions options;
-  options.policy = KvPolicy::H2o;
+  options.policy = "h2o";
   options.h2o_budget = 1.0;
   EXPECT_EQ(run_offloaded(source_, request_, options, Device::Cpu).result.tokens,
             reference_tokens(DType::F16));
@@ -98,9 +99,9 @@ TEST_F(OffloadRuntime, RepeatedRunsAreIdentical) {
   // up as run-to-run differences in the logits (a store buffer reused before its store had read
   // it did, once).
   request_.gen_len = 10;
-  const std::vector<float> first = run(KvPolicy::Full, 100.0).result.last_logits.to_floats();
+  const std::vector<float> first = run("full", 100.0).result.last_logits.to_floats();
   for (int i = 0; i < 8; ++i) {
-    EXPECT_EQ(run(KvPolicy::Full, 100.0).result.last_logits.to_floats(), first) << "run " << i;
+    EXPECT_EQ(run("full", 100.0).result.last_logits.to_floats(), first) << "run " << i;
   }
 }
 
@@ -108,7 +109,7 @@ TEST_F(OffloadRuntime, FullPolicyMovesExactlyTheFormulaBytes) {
   const ModelConfig& c = source_.config;
   const uint64_t L = c.num_layers, B = request_.prompts.size(), H = c.num_heads, d = c.head_dim();
   const uint64_t prompt = 9;  // the longest prompt, padding included
-  const OffloadRun r = run(KvPolicy::Full, 100.0);
+  const OffloadRun r = run("full", 100.0);
   const auto& steps = r.stats.steps();
   ASSERT_EQ(steps.size(), static_cast<size_t>(request_.gen_len));
   EXPECT_EQ(steps[0].h2d_bytes, 0u);
@@ -128,14 +129,14 @@ TEST_F(OffloadRuntime, FullPolicyMovesExactlyTheFormulaBytes) {
 }
 
 TEST_F(OffloadRuntime, GpuPolicyMovesNoKvAndStreamedWeightsAreCounted) {
-  const OffloadRun resident = run(KvPolicy::Gpu, 100.0);
+  const OffloadRun resident = run("gpu", 100.0);
   EXPECT_EQ(resident.totals.h2d_bytes, 0u);
   EXPECT_EQ(resident.totals.d2h_bytes, 0u);
   // With every weight on the host, each decode step loads every layer's weights once (with more
   // layers than the two staging buffers; two layers would simply stay staged).
   for (int64_t layers : {4, 5}) {
     source_.config.num_layers = layers;
-    const OffloadRun streamed = run(KvPolicy::Gpu, 0.0);
+    const OffloadRun streamed = run("gpu", 0.0);
     const ModelConfig& c = source_.config;
     const uint64_t D = c.hidden_size, F = c.ffn_dim;
     const uint64_t matrices = (4 * D * D + 2 * D * F) * 2;  // fp16
@@ -153,13 +154,13 @@ TEST_F(OffloadRuntime, GpuPolicyMovesNoKvAndStreamedWeightsAreCounted) {
 TEST_F(OffloadRuntime, NothingReadsKvThatWasNotTransferred) {
   set_debug_poison(true);  // every staging buffer is NaN until a transfer fills it
   const auto expected = reference_tokens(DType::F16);
-  EXPECT_EQ(run(KvPolicy::Full, 100.0).result.tokens, expected);
-  EXPECT_EQ(run(KvPolicy::Full, 0.0).result.tokens, expected);
+  EXPECT_EQ(run("full", 100.0).result.tokens, expected);
+  EXPECT_EQ(run("full", 0.0).result.tokens, expected);
 }
 
 TEST_F(OffloadRuntime, PlansThatCannotFitAreRefusedBeforeAllocating) {
   OffloadOptions options;
-  options.policy = KvPolicy::Gpu;
+  options.policy = "gpu";
   options.device_memory = 64 * 1024;  // 64 KiB of "device" memory
   try {
     run_offloaded(source_, request_, options, Device::Cpu);
@@ -175,14 +176,13 @@ TEST_F(OffloadRuntime, PlansThatCannotFitAreRefusedBeforeAllocating) {
 // only when the model's ops do and the policy adds nothing the device lacks (int4's
 // dequantisation, h2o's scores and InfiniGen's speculation run on the host today).
 TEST(PolicyGate, EachPolicySaysWhetherItsStepsRunOnTheDevice) {
-  for (KvPolicy policy :
-       {KvPolicy::Gpu, KvPolicy::Full, KvPolicy::Int4, KvPolicy::H2o, KvPolicy::Infinigen}) {
+  for (const std::string policy : {"gpu", "full", "int4", "h2o", "infinigen"}) {
     EXPECT_TRUE(policy_runs_on(policy, Device::Cpu));
   }
   const bool model_on_cuda = ops::device_runs_transformer(Device::Cuda);
-  EXPECT_EQ(policy_runs_on(KvPolicy::Gpu, Device::Cuda), model_on_cuda);
-  EXPECT_EQ(policy_runs_on(KvPolicy::Full, Device::Cuda), model_on_cuda);
-  for (KvPolicy policy : {KvPolicy::Int4, KvPolicy::H2o, KvPolicy::Infinigen}) {
+  EXPECT_EQ(policy_runs_on("gpu", Device::Cuda), model_on_cuda);
+  EXPECT_EQ(policy_runs_on("full", Device::Cuda), model_on_cuda);
+  for (const std::string policy : {"int4", "h2o", "infinigen"}) {
     EXPECT_FALSE(policy_runs_on(policy, Device::Cuda));
   }
 }

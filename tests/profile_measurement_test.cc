@@ -54,7 +54,7 @@ TEST(ProfileMeasurement, AQuickMeasurementIsAProfileTheCostModelCanUse) {
   in.batch = 2;
   in.prompt_len = 16;
   in.gen_len = 4;
-  in.options.policy = KvPolicy::Full;
+  in.options.policy = "full";
   const PredictedRun run = predict_run(in, with_link(loaded, 12.0, 0.0));
   ASSERT_TRUE(run.fits) << run.does_not_fit;
   EXPECT_GT(run.decode_s, 0);

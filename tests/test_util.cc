@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <csignal>
@@ -97,12 +98,20 @@ double relative_error(const float* a, const float* b, size_t n) {
   return std::sqrt(diff) / std::max(std::sqrt(norm), 1e-30);
 }
 
+std::string cli_message(const Error& error) {
+  return error.render([](std::string_view key) {
+    std::string flag = "--" + std::string(key);
+    std::replace(flag.begin(), flag.end(), '_', '-');
+    return flag;
+  });
+}
+
 void expect_error(const std::function<void()>& call, const std::vector<std::string>& fragments) {
   try {
     call();
     ADD_FAILURE() << "no error; expected one with '" << fragments.front() << "'";
   } catch (const Error& e) {
-    const std::string message = e.what();
+    const std::string message = cli_message(e);
     EXPECT_EQ(message.find('\n'), std::string::npos) << message;
     for (const std::string& fragment : fragments) {
       EXPECT_NE(message.find(fragment), std::string::npos)

@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "core/error.h"
+
 namespace infinigen::testing_util {
 
 // A fresh directory under the system temp dir, removed when the object goes out of scope.
@@ -26,7 +28,12 @@ class TempDir {
 // ||a - b|| / ||b|| over n values.
 double relative_error(const float* a, const float* b, size_t n);
 
-// Runs `call`, expecting an infinigen::Error whose message is one line holding every fragment.
+// An Error's message with its options spelled as the CLI spells them (--kv-pool-limit), so that
+// tests of the library and of the command line expect the same words.
+std::string cli_message(const Error& error);
+
+// Runs `call`, expecting an infinigen::Error whose message (as the CLI prints it) is one line
+// holding every fragment.
 void expect_error(const std::function<void()>& call, const std::vector<std::string>& fragments);
 
 struct CommandResult {

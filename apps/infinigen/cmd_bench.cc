@@ -90,8 +90,8 @@ int bench(const BenchCommandOptions& o) {
   // One device for the whole experiment: CUDA only when it runs every policy in it.
   bool cuda_runs_experiment = true;
   for (const ExperimentPoint& point : experiment.points) {
-    cuda_runs_experiment = cuda_runs_experiment &&
-                           policy_runs_on(parse_kv_policy(point.settings.policy), Device::Cuda);
+    cuda_runs_experiment =
+        cuda_runs_experiment && policy_runs_on(point.settings.offload.policy, Device::Cuda);
   }
   std::string fallback;
   BenchOptions options;

@@ -6,10 +6,13 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 
 #include "apps/infinigen/commands.h"
+#include "apps/infinigen/option_flags.h"
 #include "apps/infinigen/plot_script.h"
 #include "apps/infinigen/progress.h"
 #include "bench/machine_info.h"
@@ -17,6 +20,7 @@
 #include "core/interrupt.h"
 #include "core/model_loader.h"
 #include "core/output_directory.h"
+#include "offload/kv_policy.h"
 #include "offload/runtime.h"
 
 namespace infinigen::cli {
@@ -31,17 +35,8 @@ struct EvalCommandOptions {
   PerplexityOptions perplexity;
   int64_t max_windows = 0;
   std::vector<std::string> policies = {"full", "infinigen"};
-  std::vector<double> alphas = {SpeculationOptions{}.alpha};
-  std::vector<double> partial_ratios = {SpeculationOptions{}.partial_ratio};
-  std::vector<std::string> index_rules = {"qk"};
-  std::vector<double> h2o_budgets = {OffloadOptions{}.h2o_budget};
-  std::vector<double> pool_limits = {0.0};
-  std::vector<std::string> evictions = {"counter"};
-  std::string fetch_rule = fetch_rule_name(SpeculationOptions{}.fetch_rule);
-  std::vector<std::string> partial_key_dtypes = {
-      std::string(float_dtype_spelling(SpeculationOptions{}.partial_key_dtype))};
-  int64_t max_num_kv = 0;
-  int64_t dense_layers = SpeculationOptions{}.dense_layers;
+  // Values per swept option of offload_option_table(), as given (e.g. "alpha" -> {"1", "4"}).
+  std::map<std::string, std::vector<std::string>> sweeps;
   bool no_recall = false;
   std::string device = "auto";
   std::string kv_dtype = "f16";
@@ -65,55 +60,39 @@ std::string number(double value) {
   return out.str();
 }
 
-// Every combination the lists ask for, each setting only with the policy it applies to.
+// Every combination the swept options ask for, each option only with the policies that read it;
+// settings that differ only in options not in effect (an eviction policy without a pool limit)
+// run once.
 std::vector<SweepPoint> sweep(const EvalCommandOptions& o) {
-  INFINIGEN_CHECK(!o.policies.empty(), "--policy: the sweep is empty");
-  OffloadOptions base;
-  base.speculation.fetch_rule = parse_fetch_rule(o.fetch_rule);
-  base.speculation.max_num_kv = o.max_num_kv;
-  base.speculation.dense_layers = o.dense_layers;
-  base.check_recall = !o.no_recall;
+  INFINIGEN_CHECK(!o.policies.empty(), option("policy"), ": the sweep is empty");
   std::vector<SweepPoint> points;
-  for (const std::string& name : o.policies) {
-    SweepPoint point{name, "", base, {}};
-    point.offload.policy = parse_kv_policy(name);
-    if (point.offload.policy == KvPolicy::H2o) {
-      for (double budget : o.h2o_budgets) {
-        SweepPoint p = point;
-        p.offload.h2o_budget = budget;
-        p.settings = "budget " + number(budget);
-        points.push_back(p);
+  std::set<std::string> seen;
+  for (const std::string& policy : o.policies) {
+    std::vector<const OptionSpec<OffloadOptions>*> swept;
+    for (const OptionSpec<OffloadOptions>& spec : offload_option_table()) {
+      if (o.sweeps.contains(spec.key) && policy_reads_option(policy, spec.key)) {
+        swept.push_back(&spec);
       }
-    } else if (point.offload.policy == KvPolicy::Infinigen) {
-      for (double alpha : o.alphas) {
-        for (double ratio : o.partial_ratios) {
-          for (const std::string& rule : o.index_rules) {
-            for (const std::string& key_dtype : o.partial_key_dtypes) {
-              for (double limit : o.pool_limits) {
-                for (const std::string& eviction : o.evictions) {
-                  SweepPoint p = point;
-                  p.offload.speculation.alpha = alpha;
-                  p.offload.speculation.partial_ratio = ratio;
-                  p.offload.speculation.index_rule = parse_partial_index_rule(rule);
-                  p.offload.speculation.partial_key_dtype = parse_float_dtype(key_dtype);
-                  p.offload.kv_pool_limit = limit;
-                  p.offload.eviction = parse_eviction_policy(eviction);
-                  p.settings = "alpha " + number(alpha) + ", ratio " + number(ratio) + ", " + rule;
-                  if (o.partial_key_dtypes.size() > 1) p.settings += ", keys " + key_dtype;
-                  if (limit > 0) p.settings += ", pool " + number(limit) + " " + eviction;
-                  points.push_back(p);
-                  if (limit == 0) break;  // the eviction policy only matters for a capped pool
-                }
-              }
-            }
-          }
-        }
+    }
+    std::vector<size_t> at(swept.size(), 0);  // an odometer over the swept lists
+    while (true) {
+      SweepPoint p{policy, "", {}, {}};
+      p.offload.policy = policy;
+      p.offload.check_recall = !o.no_recall && policy_reads_option(policy, "check_recall");
+      for (size_t i = 0; i < swept.size(); ++i) {
+        swept[i]->parse(p.offload, o.sweeps.at(swept[i]->key)[at[i]]);
       }
-    } else {
-      points.push_back(point);
+      for (const OptionSpec<OffloadOptions>* spec : swept) {
+        if (spec->in_effect && !spec->in_effect(p.offload)) continue;
+        p.settings += (p.settings.empty() ? "" : ", ") + spec->key + " " + spec->format(p.offload);
+      }
+      p.offload.validate();
+      if (seen.insert(policy + ": " + p.settings).second) points.push_back(p);
+      size_t i = 0;
+      while (i < swept.size() && ++at[i] == o.sweeps.at(swept[i]->key).size()) at[i++] = 0;
+      if (i == swept.size()) break;
     }
   }
-  for (const SweepPoint& p : points) p.offload.speculation.validate();
   return points;
 }
 
@@ -221,7 +200,8 @@ int eval(EvalCommandOptions& o) {
                                                 window - o.perplexity.prefill, kv_dtype, p.offload),
                          p.offload, device);
     } catch (const Error& e) {
-      throw Error(cat(p.policy, p.settings.empty() ? "" : " (" + p.settings + ")", ": ", e.what()));
+      throw Error(
+          cat(p.policy, p.settings.empty() ? "" : " (" + p.settings + ")", ": ", e.message()));
     }
   }
   fs::create_directories(o.out);
@@ -251,9 +231,10 @@ int eval(EvalCommandOptions& o) {
           });
     }
   }
+  // The reference is the first policy that computes over every token (the full cache's result).
   double full_perplexity = 0;
   for (const SweepPoint& p : points) {
-    if (p.offload.policy == KvPolicy::Full) full_perplexity = p.result.perplexity();
+    if (full_perplexity == 0 && kv_policy(p.policy).exact) full_perplexity = p.result.perplexity();
   }
 
   const MachineInfo machine = this_machine(device);
@@ -328,40 +309,16 @@ Command add_eval_command(CLI::App& app) {
       ->capture_default_str();
   app.add_option("--max-windows", o->max_windows, "Score at most this many windows (0 = all)")
       ->capture_default_str();
-  app.add_option("--policy", o->policies, "KV policies to compare (comma-separated)")
+  app.add_option_function<std::vector<std::string>>(
+         "--policy",
+         [o](const std::vector<std::string>& names) {
+           for (const std::string& name : names) kv_policy(name);
+           o->policies = names;
+         },
+         "KV policies to compare (comma-separated)")
       ->delimiter(',')
-      ->capture_default_str();
-  app.add_option("--alpha", o->alphas, "infinigen: alpha values (comma-separated)")
-      ->delimiter(',')
-      ->capture_default_str();
-  app.add_option("--partial-ratio", o->partial_ratios, "infinigen: partial ratios")
-      ->delimiter(',')
-      ->capture_default_str();
-  app.add_option("--partial-index-rule", o->index_rules, "infinigen: qk and/or q")
-      ->delimiter(',')
-      ->capture_default_str();
-  app.add_option("--partial-key-dtype", o->partial_key_dtypes,
-                 "infinigen: element types of the partial key cache, f32 and/or f16")
-      ->delimiter(',')
-      ->capture_default_str();
-  app.add_option("--fetch-rule", o->fetch_rule,
-                 "infinigen: mean alpha count per sequence or over the batch")
-      ->capture_default_str();
-  app.add_option("--max-num-kv", o->max_num_kv,
-                 "infinigen: most tokens fetched per head and layer (default: 20% of the window)");
-  app.add_option("--dense-layers", o->dense_layers,
-                 "infinigen: first layers that always fetch their whole KV")
-      ->capture_default_str();
-  app.add_option("--kv-pool-limit", o->pool_limits,
-                 "infinigen: host KV pool caps, fractions of the full KV (0 = none)")
-      ->delimiter(',')
-      ->capture_default_str();
-  app.add_option("--eviction", o->evictions, "infinigen: counter, lru and/or fifo (capped pools)")
-      ->delimiter(',')
-      ->capture_default_str();
-  app.add_option("--h2o-budget", o->h2o_budgets, "h2o: shares of the tokens kept")
-      ->delimiter(',')
-      ->capture_default_str();
+      ->default_str("full,infinigen");
+  add_option_list_flags(app, offload_option_table(), o->sweeps, {"policy"});
   app.add_flag("--no-recall", o->no_recall,
                "infinigen: skip measuring the share of attention weight the fetched tokens carry");
   app.add_option("--device", o->device, "cpu, cuda or auto")->capture_default_str();

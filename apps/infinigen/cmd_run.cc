@@ -8,6 +8,7 @@
 #include <optional>
 
 #include "apps/infinigen/commands.h"
+#include "apps/infinigen/option_flags.h"
 #include "apps/infinigen/progress.h"
 #include "apps/infinigen/run_report.h"
 #include "core/generation.h"
@@ -46,24 +47,7 @@ struct RunOptions {
   bool stats = false;
   bool debug_nan = false;
   bool dry_run = false;
-  // Defaults of the runtime's options, declared once in OffloadOptions and SpeculationOptions.
-  std::string policy = kv_policy_name(OffloadOptions{}.policy);
-  double weights_gpu_percent = OffloadOptions{}.weights_gpu_percent;
-  double link_gbps = 0.0;
-  double link_latency_us = 0.0;
-  int64_t kv_block_tokens = OffloadOptions{}.kv_block_tokens;
-  double device_memory_gib = 0.0;
-  double alpha = SpeculationOptions{}.alpha;
-  double partial_ratio = SpeculationOptions{}.partial_ratio;
-  std::string partial_index_rule = "qk";
-  std::string fetch_rule = fetch_rule_name(SpeculationOptions{}.fetch_rule);
-  std::string partial_key_dtype = std::string(float_dtype_spelling(SpeculationOptions{}.partial_key_dtype));
-  int64_t max_num_kv = 0;
-  int64_t dense_layers = SpeculationOptions{}.dense_layers;
-  bool check_recall = false;
-  double kv_pool_limit = 0.0;
-  std::string eviction = "counter";
-  double h2o_budget = OffloadOptions{}.h2o_budget;
+  OffloadOptions offload;  // defaults, help and flags from offload_option_table()
 };
 
 std::vector<std::string> read_prompt_file(const std::string& path) {
@@ -167,38 +151,14 @@ int run(const RunOptions& o) {
   const DType kv_dtype = parse_float_dtype(o.kv_dtype);
   INFINIGEN_CHECK(kv_dtype != DType::BF16, "--kv-dtype must be f16 or f32");
 
+  const OffloadOptions& offload = o.offload;
+  offload.validate();
   std::string fallback;
-  const KvPolicy policy = parse_kv_policy(o.policy);
   const Device device =
-      resolve_device(parse_device_request(o.device), policy_runs_on(policy, Device::Cuda),
-                     &fallback, "--policy " + o.policy);
+      resolve_device(parse_device_request(o.device), policy_runs_on(offload.policy, Device::Cuda),
+                     &fallback, "--policy " + offload.policy);
   if (!fallback.empty()) std::fprintf(stderr, "infinigen: %s\n", fallback.c_str());
 
-  INFINIGEN_CHECK(o.link_gbps >= 0, "--emulate-link-gbps must be >= 0, got ", o.link_gbps);
-  INFINIGEN_CHECK(o.link_latency_us >= 0, "--emulate-link-latency-us must be >= 0, got ",
-                  o.link_latency_us);
-  INFINIGEN_CHECK(o.kv_block_tokens >= 1, "--kv-block-tokens must be at least 1, got ",
-                  o.kv_block_tokens);
-  INFINIGEN_CHECK(o.device_memory_gib >= 0, "--device-memory must be >= 0, got ",
-                  o.device_memory_gib);
-  OffloadOptions offload;
-  offload.policy = policy;
-  offload.weights_gpu_percent = o.weights_gpu_percent;
-  offload.link = {o.link_gbps, o.link_latency_us};
-  offload.kv_block_tokens = o.kv_block_tokens;
-  offload.device_memory = static_cast<size_t>(o.device_memory_gib * 1024.0 * 1024.0 * 1024.0);
-  offload.speculation.alpha = o.alpha;
-  offload.speculation.partial_ratio = o.partial_ratio;
-  offload.speculation.index_rule = parse_partial_index_rule(o.partial_index_rule);
-  offload.speculation.fetch_rule = parse_fetch_rule(o.fetch_rule);
-  offload.speculation.partial_key_dtype = parse_float_dtype(o.partial_key_dtype);
-  offload.speculation.max_num_kv = o.max_num_kv;
-  offload.speculation.dense_layers = o.dense_layers;
-  offload.speculation.validate();
-  offload.check_recall = o.check_recall;
-  offload.kv_pool_limit = o.kv_pool_limit;
-  offload.eviction = parse_eviction_policy(o.eviction);
-  offload.h2o_budget = o.h2o_budget;
   if (o.debug_nan) set_debug_poison(true);
 
   ModelLoadOptions load_options;
@@ -218,9 +178,10 @@ int run(const RunOptions& o) {
     std::printf(
         "model: %s\ndevice: %s\npolicy %s, batch %lld, prompt %lld tokens (longest), "
         "%lld generated tokens per sequence: the plan fits\n%s",
-        loaded.description.c_str(), std::string(device_name(device)).c_str(), o.policy.c_str(),
-        static_cast<long long>(prompt_plan.batch), static_cast<long long>(prompt_plan.longest),
-        static_cast<long long>(o.gen_len), plan.describe().c_str());
+        loaded.description.c_str(), std::string(device_name(device)).c_str(),
+        offload.policy.c_str(), static_cast<long long>(prompt_plan.batch),
+        static_cast<long long>(prompt_plan.longest), static_cast<long long>(o.gen_len),
+        plan.describe().c_str());
     return 0;
   }
 
@@ -269,9 +230,9 @@ int run(const RunOptions& o) {
                              {"total_latency_s", result.total_seconds()},
                              {"throughput_tok_s", result.throughput()},
                              {"decode_throughput_tok_s", result.decode_throughput()},
-                             {"policy", o.policy},
-                             {"weights_gpu_percent", o.weights_gpu_percent},
-                             {"emulated_link_gbps", o.link_gbps},
+                             {"policy", offload.policy},
+                             {"weights_gpu_percent", offload.weights_gpu_percent},
+                             {"emulated_link_gbps", offload.link.gbps},
                              {"transfer", transfers_json(transfers)},
                              {"memory_plan", plan_json(run.plan)},
                              {"outputs", outputs}};
@@ -281,10 +242,10 @@ int run(const RunOptions& o) {
   }
   std::printf("model: %s\ndevice: %s (%d threads)\n", loaded.description.c_str(),
               std::string(device_name(device)).c_str(), omp_get_max_threads());
-  std::printf("policy %s, %.0f%% of weights on the device, link %s\n", o.policy.c_str(),
-              o.weights_gpu_percent,
-              o.link_gbps > 0
-                  ? (std::to_string(o.link_gbps).substr(0, 5) + " GB/s (emulated)").c_str()
+  std::printf("policy %s, %.0f%% of weights on the device, link %s\n", offload.policy.c_str(),
+              offload.weights_gpu_percent,
+              offload.link.gbps > 0
+                  ? (format_number(offload.link.gbps) + " GB/s (emulated)").c_str()
                   : "not emulated");
   std::printf(
       "batch %lld, prompt %lld tokens (longest), %lld generated tokens per sequence, %s\n\n",
@@ -334,66 +295,14 @@ Command add_run_command(CLI::App& app) {
       ->capture_default_str();
   app.add_option("--threads", o->threads, "CPU threads (default: all cores)");
   app.add_flag("--json", o->json, "Print the result as JSON on stdout");
-  app.add_option("--policy", o->policy,
-                 "KV policy: infinigen (speculated subset), full (all KV, every layer), int4 "
-                 "(all KV, 4-bit), h2o (heavy hitters + recent, all loaded each step) or gpu")
-      ->capture_default_str();
-  app.add_option("--weights-gpu-percent", o->weights_gpu_percent,
-                 "Share of each layer's weights kept on the device; the rest is streamed")
-      ->capture_default_str();
-  app.add_option("--emulate-link-gbps", o->link_gbps,
-                 "Make host<->device copies take the time of a link of this many GB/s (0: off)")
-      ->capture_default_str();
-  app.add_option("--emulate-link-latency-us", o->link_latency_us,
-                 "Per-transfer latency of the emulated link")
-      ->capture_default_str();
-  app.add_option("--kv-block-tokens", o->kv_block_tokens, "Tokens per KV pool block")
-      ->capture_default_str();
-  app.add_option("--device-memory", o->device_memory_gib,
-                 "Device memory to plan for, GiB (default: what the device has)");
   app.add_flag("--stats", o->stats, "Per-layer and per-step transfer statistics");
-  app.add_option("--alpha", o->alpha,
-                 "infinigen: fetch tokens whose speculated logit is within alpha of the top")
-      ->capture_default_str();
-  app.add_option("--partial-ratio", o->partial_ratio,
-                 "infinigen: share of each head's query/key columns used to speculate")
-      ->capture_default_str();
-  app.add_option("--partial-index-rule", o->partial_index_rule,
-                 "infinigen: choose partial columns by |Q|+|K| (qk) or |Q| (q)")
-      ->capture_default_str();
-  app.add_option("--partial-key-dtype", o->partial_key_dtype,
-                 "infinigen: element type of the partial key cache, f32 or f16")
-      ->capture_default_str();
-  app.add_option("--fetch-rule", o->fetch_rule,
-                 "infinigen: tokens fetched per head are the mean alpha count of the sequence's "
-                 "heads (sequence) or of the whole batch's (batch, the paper's rule)")
-      ->capture_default_str();
-  auto* max_num_kv = app.add_option(
-      "--max-num-kv", o->max_num_kv,
-      "infinigen: most tokens fetched per head and layer (default: 20% of prompt+gen)");
-  app.add_option("--dense-layers", o->dense_layers,
-                 "infinigen: first layers that always fetch their whole KV")
-      ->capture_default_str();
-  app.add_option("--kv-pool-limit", o->kv_pool_limit,
-                 "infinigen: cap on the host KV pool, a fraction (<= 1) of the full KV or bytes "
-                 "(> 1); 0 = none")
-      ->capture_default_str();
-  app.add_option("--eviction", o->eviction,
-                 "infinigen: victim when the capped pool is full: counter, lru or fifo")
-      ->capture_default_str();
-  app.add_option("--h2o-budget", o->h2o_budget,
-                 "h2o: share of the tokens kept per layer, sequence and head")
-      ->capture_default_str();
-  app.add_flag("--check-recall", o->check_recall,
-               "infinigen: measure the share of full attention weight the fetched tokens carry");
+  add_option_flags(app, offload_option_table(), o->offload);
   app.add_flag("--dry-run", o->dry_run,
                "Check the sizes against the context and the memory plan, print the plan, and stop "
                "before loading weights");
   app.add_flag("--debug-nan", o->debug_nan,
                "Fill device buffers with NaN before use, to expose reads of untransferred data");
-  return [o, batch, prompt_len, max_num_kv] {
-    INFINIGEN_CHECK(max_num_kv->count() == 0 || o->max_num_kv >= 1,
-                    "--max-num-kv must be at least 1, got ", o->max_num_kv);
+  return [o, batch, prompt_len] {
     o->batch_given = batch->count() > 0;
     o->prompt_len_given = prompt_len->count() > 0;
     return run(*o);

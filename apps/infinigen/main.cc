@@ -7,6 +7,7 @@
 #include <string>
 
 #include "apps/infinigen/commands.h"
+#include "apps/infinigen/option_flags.h"
 #include "apps/infinigen/yaml_config.h"
 #include "core/error.h"
 #include "core/interrupt.h"
@@ -45,7 +46,10 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     std::fprintf(stderr, "infinigen: error: %s\n", e.what());
     return 2;
-  } catch (const std::exception& e) {  // e.g. a --config file that cannot be read
+  } catch (const Error& e) {  // a bad option value, a --config file that cannot be read
+    std::fprintf(stderr, "infinigen: error: %s\n", cli::flag_message(e).c_str());
+    return 2;
+  } catch (const std::exception& e) {
     std::fprintf(stderr, "infinigen: error: %s\n", e.what());
     return 2;
   }
@@ -57,8 +61,11 @@ int main(int argc, char** argv) {
   try {
     return commands.at(app.get_subcommands().front())();
   } catch (const Interrupted& e) {
-    std::fprintf(stderr, "infinigen: %s\n", e.what());
+    std::fprintf(stderr, "infinigen: %s\n", cli::flag_message(e).c_str());
     return 128 + e.signal();  // the shell's convention: 130 for SIGINT, 143 for SIGTERM
+  } catch (const Error& e) {
+    std::fprintf(stderr, "infinigen: error: %s\n", cli::flag_message(e).c_str());
+    return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "infinigen: error: %s\n", e.what());
     return 1;

@@ -3,6 +3,7 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include <algorithm>
 #include <memory>
 #include <sstream>
 
@@ -40,7 +41,9 @@ std::vector<CLI::ConfigItem> YamlConfig::from_config(std::istream& input) const 
   for (const auto& entry : root) {
     CLI::ConfigItem item;
     item.parents = parents;
+    // Keys as in experiment files (kv_pool_limit) or as flags without dashes (kv-pool-limit).
     item.name = yaml_key(entry.first, "--config");
+    std::replace(item.name.begin(), item.name.end(), '_', '-');
     const YAML::Node& value = entry.second;
     const std::string what = "option '" + item.name + "'";
     if (value.IsSequence()) {

@@ -1,9 +1,12 @@
 // tests/fuzz: a --config YAML file, read as the CLI reads it for a subcommand with options of
-// each kind (integer, real, string, flag, list).
+// each kind (integer, real, string, flag, list) and every option of the offload table (numbers,
+// whole numbers, choices, a switch) as `run` registers them.
 #include <CLI/CLI.hpp>
 #include <sstream>
 
+#include "apps/infinigen/option_flags.h"
 #include "apps/infinigen/yaml_config.h"
+#include "offload/offload_options.h"
 #include "tests/fuzz/fuzz_input.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -14,15 +17,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     cli::add_yaml_config_option(app);
     CLI::App* run = app.add_subcommand("run");
     int64_t batch = 0;
-    double alpha = 0;
-    std::string policy;
     bool stats = false;
-    std::vector<double> budgets;
+    std::vector<std::string> texts;
     run->add_option("--batch", batch);
-    run->add_option("--alpha", alpha);
-    run->add_option("--policy", policy);
     run->add_flag("--stats", stats);
-    run->add_option("--h2o-budget", budgets);
+    run->add_option("--text", texts);
+    OffloadOptions offload;
+    cli::add_option_flags(*run, offload_option_table(), offload);
     const std::string config = fuzz::write_scratch("run.yaml", text);
     try {
       app.parse("--config " + config + " run");

@@ -1,0 +1,71 @@
+// apps/infinigen: option tables (core/option_table.h) as command-line flags, and option keys as
+// the flags that name them. The only place that knows an option's `--flag` spelling.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <map>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/error.h"
+#include "core/option_table.h"
+
+namespace infinigen::cli {
+
+// "kv_pool_limit" -> "--kv-pool-limit".
+std::string flag_spelling(std::string_view key);
+
+// An Error's message with its options spelled as flags.
+inline std::string flag_message(const Error& error) {
+  return error.render(flag_spelling);
+}
+
+// Registers one flag per option of `table`, with the table's help and default. What the user
+// gives is parsed into `target` while the command line is read (a bad value is one line naming
+// the flag). `table` and `target` must outlive `app`.
+template <typename Options>
+void add_option_flags(CLI::App& app, const OptionTable<Options>& table, Options& target) {
+  const Options defaults{};
+  for (const OptionSpec<Options>& spec : table) {
+    if (spec.is_switch) {
+      app.add_flag_callback(
+          flag_spelling(spec.key), [&target, &spec] { spec.parse(target, "true"); }, spec.help);
+      continue;
+    }
+    app.add_option_function<std::string>(
+           flag_spelling(spec.key),
+           [&target, &spec](const std::string& text) { spec.parse(target, text); }, spec.help)
+        ->type_name(spec.value_type)
+        ->default_str(spec.format(defaults));
+  }
+}
+
+// Registers one flag per option of `table` (but those in `except`) that takes a
+// comma-separated list of values (eval's sweeps); what the user gives lands in `lists`, keyed by
+// option, checked value by value. Switches are not swept.
+template <typename Options>
+void add_option_list_flags(CLI::App& app, const OptionTable<Options>& table,
+                           std::map<std::string, std::vector<std::string>>& lists,
+                           const std::vector<std::string>& except) {
+  const Options defaults{};
+  for (const OptionSpec<Options>& spec : table) {
+    if (spec.is_switch || std::find(except.begin(), except.end(), spec.key) != except.end()) {
+      continue;
+    }
+    app.add_option_function<std::vector<std::string>>(
+           flag_spelling(spec.key),
+           [&lists, &spec](const std::vector<std::string>& values) {
+             Options check{};
+             for (const std::string& value : values) spec.parse(check, value);
+             lists[spec.key] = values;
+           },
+           spec.help + " (a comma-separated list sweeps it)")
+        ->delimiter(',')
+        ->type_name(spec.value_type)
+        ->default_str(spec.format(defaults));
+  }
+}
+
+}  // namespace infinigen::cli

@@ -1,0 +1,71 @@
+// offload: the KV policies, one entry each: what a policy is called and does, the options it
+// reads, the memory it needs, whether its steps run on a device, and how its KvStore is made.
+// The runtime, the memory planner, the CLI and eval look policies up here and never name one.
+//
+// Adding a policy: its store (a KvStore, usually on the layer pipeline of pipelined_kv.h) and its
+// entry in its own file, and one line in kv_policy.cc's registration list (docs/architecture.md).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/device.h"
+#include "core/kv_cache.h"
+#include "core/model_config.h"
+#include "offload/offload_options.h"
+#include "offload/offload_stats.h"
+#include "offload/transfer_engine.h"
+
+namespace infinigen {
+
+struct MemoryRequest;
+
+// The KV memory of a plan: on the device (staging, or the whole cache) and in the pinned host
+// pool.
+struct KvMemory {
+  size_t device = 0;
+  size_t host = 0;
+};
+
+// What a policy's store is built from, per batch the generation loop runs.
+struct KvStoreArgs {
+  const ModelConfig& config;
+  int64_t batch = 1;
+  int64_t capacity = 1;  // tokens per sequence, padding included (prompt + generation)
+  DType kv_dtype = DType::F16;
+  Device device = Device::Cpu;
+  const OffloadOptions& options;
+  int64_t pool_positions = 0;  // positions per (layer, sequence, head) of a capped pool; 0 = all
+  TransferEngine& engine;
+  OffloadStats& stats;
+};
+
+struct KvPolicy {
+  std::string name;  // as options name it (policy: infinigen)
+  std::string help;  // one line
+  // Keys of the options it reads beyond those every run reads (offload/offload_options.h).
+  std::vector<std::string> options;
+  // Whether it computes attention over every stored token, as the full cache does (gpu, full):
+  // a plan that does not fit may be offered such a policy without changing what the run computes.
+  bool exact = false;
+  // Whether each step loads only the tokens it selects from the data (infinigen): its bytes depend
+  // on the attention of the model that runs, so a prediction must be told the share it fetches.
+  bool selects_loads = false;
+  // Whether each of its steps has an implementation on `device` beyond the model's dense ops
+  // (ops::device_runs_transformer), e.g. dequantisation or speculation kernels.
+  bool (*runs_on)(Device device) = nullptr;
+  // KV bytes of a planned request (sizes saturate: a request's sizes come from the user).
+  KvMemory (*memory)(const MemoryRequest& request) = nullptr;
+  std::unique_ptr<KvStore> (*make_store)(const KvStoreArgs& args) = nullptr;
+};
+
+// Every registered policy, in the order help texts list them.
+const std::vector<const KvPolicy*>& kv_policies();
+// The policy named `name`; an Error naming the option `policy` when there is none.
+const KvPolicy& kv_policy(std::string_view name);
+
+}  // namespace infinigen

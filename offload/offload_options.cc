@@ -1,0 +1,152 @@
+// offload: the options of an offloaded run: their table and their rules.
+#include "offload/offload_options.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "offload/kv_policy.h"
+
+namespace infinigen {
+namespace {
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+std::vector<std::pair<std::string, EvictionPolicy>> eviction_choices() {
+  std::vector<std::pair<std::string, EvictionPolicy>> choices;
+  for (EvictionPolicy policy : kEvictionPolicies) {
+    choices.emplace_back(std::string(eviction_policy_name(policy)), policy);
+  }
+  return choices;
+}
+
+// The keys every run reads, whatever its policy.
+const std::vector<std::string> kCommonOptions = {"policy", "weights_gpu_percent",
+                                                 "emulate_link_gbps", "emulate_link_latency_us",
+                                                 "device_memory"};
+
+OptionTable<OffloadOptions> make_table() {
+  using O = OffloadOptions;
+  std::vector<std::pair<std::string, std::string>> policies;
+  std::string policy_help = "KV policy:";
+  for (const KvPolicy* policy : kv_policies()) {
+    policies.emplace_back(policy->name, policy->name);
+    policy_help += " " + policy->name + " (" + policy->help + ")";
+  }
+  OptionTable<O> table = {
+      choice_option<O, std::string>(
+          "policy", policy_help, [](auto& o) -> auto& { return o.policy; }, policies),
+      number_option<O>(
+          "weights_gpu_percent",
+          "Share of each layer's weights kept on the device; the rest is streamed",
+          [](auto& o) -> auto& { return o.weights_gpu_percent; }),
+      number_option<O>(
+          "emulate_link_gbps",
+          "Make host<->device copies take the time of a link of this many GB/s (0: off)",
+          [](auto& o) -> auto& { return o.link.gbps; }),
+      number_option<O>(
+          "emulate_link_latency_us", "Per-transfer latency of the emulated link",
+          [](auto& o) -> auto& { return o.link.latency_us; }),
+      integer_option<O>(
+          "kv_block_tokens", "Tokens per block of the host KV pool",
+          [](auto& o) -> auto& { return o.kv_block_tokens; }),
+      number_option<O>(
+          "alpha", "infinigen: fetch tokens whose speculated logit is within alpha of the top",
+          [](auto& o) -> auto& { return o.speculation.alpha; }),
+      number_option<O>(
+          "partial_ratio", "infinigen: share of each head's query/key columns used to speculate",
+          [](auto& o) -> auto& { return o.speculation.partial_ratio; }),
+      choice_option<O, PartialIndexRule>(
+          "partial_index_rule", "infinigen: choose partial columns by |Q|+|K| (qk) or |Q| (q)",
+          [](auto& o) -> auto& { return o.speculation.index_rule; },
+          {{"qk", PartialIndexRule::QK}, {"q", PartialIndexRule::Q}}),
+      choice_option<O, DType>("partial_key_dtype",
+                              "infinigen: element type of the partial key cache",
+                              [](auto& o) -> auto& { return o.speculation.partial_key_dtype; },
+                              {{"f32", DType::F32}, {"f16", DType::F16}}),
+      choice_option<O, FetchRule>(
+          "fetch_rule",
+          "infinigen: tokens fetched per head are the mean alpha count of the sequence's heads "
+          "(sequence) or of the whole batch's (batch, the paper's rule)",
+          [](auto& o) -> auto& { return o.speculation.fetch_rule; },
+          {{"sequence", FetchRule::Sequence}, {"batch", FetchRule::Batch}}),
+      integer_option<O>(
+          "max_num_kv",
+          "infinigen: most tokens fetched per head and layer (0: 20% of prompt + generation)",
+          [](auto& o) -> auto& { return o.speculation.max_num_kv; }),
+      integer_option<O>(
+          "dense_layers", "infinigen: first layers that always fetch their whole KV",
+          [](auto& o) -> auto& { return o.speculation.dense_layers; }),
+      number_option<O>(
+          "kv_pool_limit",
+          "infinigen: cap on the host KV pool, a fraction (<= 1) of the full KV or "
+          "bytes (> 1); 0 = none",
+          [](auto& o) -> auto& { return o.kv_pool_limit; }),
+      choice_option<O, EvictionPolicy>(
+          "eviction", "infinigen: victim when the capped pool is full",
+          [](auto& o) -> auto& { return o.eviction; }, eviction_choices()),
+      switch_option<O>(
+          "check_recall",
+          "infinigen: measure the share of full attention weight the fetched tokens carry",
+          [](auto& o) -> auto& { return o.check_recall; }),
+      number_option<O>(
+          "h2o_budget", "h2o: share of the tokens kept per layer, sequence and head",
+          [](auto& o) -> auto& { return o.h2o_budget; }),
+  };
+  // Device memory is given in GiB and kept in bytes.
+  OptionSpec<O> device_memory{
+      "device_memory", "Device memory to plan for, GiB (0: what the device has)",
+      "GIB",           false,
+      nullptr,         nullptr,
+      nullptr};
+  device_memory.parse = [](O& o, const std::string& text) {
+    const double gib = parse_number("device_memory", text);
+    INFINIGEN_CHECK(gib >= 0 && gib * kGiB < 1e19, option("device_memory"),
+                    " must be >= 0 GiB and below 2^63 bytes, got ", text);
+    o.device_memory = static_cast<size_t>(gib * kGiB);
+  };
+  device_memory.format = [](const O& o) {
+    return format_number(static_cast<double>(o.device_memory) / kGiB);
+  };
+  table.insert(table.begin() + 5, device_memory);
+  for (OptionSpec<O>& spec : table) {
+    if (spec.key == "eviction") spec.in_effect = [](const O& o) { return o.kv_pool_limit > 0; };
+  }
+  return table;
+}
+
+}  // namespace
+
+const OptionTable<OffloadOptions>& offload_option_table() {
+  static const OptionTable<OffloadOptions> table = make_table();
+  return table;
+}
+
+bool policy_reads_option(const std::string& policy, std::string_view key) {
+  if (std::find(kCommonOptions.begin(), kCommonOptions.end(), key) != kCommonOptions.end()) {
+    return true;
+  }
+  const std::vector<std::string>& reads = kv_policy(policy).options;
+  return std::find(reads.begin(), reads.end(), key) != reads.end();
+}
+
+void OffloadOptions::validate() const {
+  kv_policy(policy);  // names the option when unknown
+  INFINIGEN_CHECK(weights_gpu_percent >= 0.0 && weights_gpu_percent <= 100.0,
+                  option("weights_gpu_percent"), " must be in [0, 100], got ", weights_gpu_percent);
+  INFINIGEN_CHECK(link.gbps >= 0 && std::isfinite(link.gbps), option("emulate_link_gbps"),
+                  " must be >= 0, got ", link.gbps);
+  INFINIGEN_CHECK(link.latency_us >= 0 && std::isfinite(link.latency_us),
+                  option("emulate_link_latency_us"), " must be >= 0, got ", link.latency_us);
+  INFINIGEN_CHECK(kv_block_tokens >= 1, option("kv_block_tokens"), " must be at least 1, got ",
+                  kv_block_tokens);
+  speculation.validate();
+  INFINIGEN_CHECK(kv_pool_limit >= 0 && std::isfinite(kv_pool_limit), option("kv_pool_limit"),
+                  " must be >= 0, got ", kv_pool_limit);
+  INFINIGEN_CHECK(kv_pool_limit == 0 || policy_reads_option(policy, "kv_pool_limit"),
+                  option("kv_pool_limit"), " needs a policy with a pool to limit (",
+                  option("policy"), " ", policy, " has none)");
+  INFINIGEN_CHECK(h2o_budget > 0 && h2o_budget <= 1, option("h2o_budget"),
+                  " must be in (0, 1], got ", h2o_budget);
+}
+
+}  // namespace infinigen

@@ -1,0 +1,43 @@
+// offload: the options of an offloaded run, each declared once: its default here, its key, help
+// text and text form in offload_option_table(), its rule in validate(). `run`, `eval`, `bench`,
+// YAML configs and experiment files all read them through the table.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "core/option_table.h"
+#include "offload/transfer_engine.h"
+#include "speculate/eviction.h"
+#include "speculate/speculation.h"
+
+namespace infinigen {
+
+struct OffloadOptions {
+  std::string policy = "infinigen";    // a KV policy's name (offload/kv_policy.h)
+  double weights_gpu_percent = 100.0;  // share of each layer's weights kept on the device
+  LinkEmulation link;                  // emulate_link_gbps, emulate_link_latency_us
+  int64_t kv_block_tokens = 128;       // tokens per block of the host KV pool
+  size_t device_memory = 0;            // bytes usable on the device; 0 = what the device has free
+  SpeculationOptions speculation;      // policy infinigen
+  bool check_recall = false;           // policy infinigen: measure the recall of attention weight
+  // Policy infinigen: cap on the host KV pool, as a fraction (<= 1) of the full KV of the
+  // request or as bytes (> 1); 0 = no cap.
+  double kv_pool_limit = 0.0;
+  EvictionPolicy eviction = EvictionPolicy::Counter;  // victims of a capped pool
+  double h2o_budget = 0.2;  // policy h2o: share of the tokens kept per (layer, sequence, head)
+
+  // One-line Error naming the first option out of range (or a pool limit for a policy without a
+  // pool to limit).
+  void validate() const;
+};
+
+// Every option of OffloadOptions, in the order `--help` lists them.
+const OptionTable<OffloadOptions>& offload_option_table();
+
+// Whether `policy` reads option `key` (the options every run reads, such as weights_gpu_percent,
+// count for every policy).
+bool policy_reads_option(const std::string& policy, std::string_view key);
+
+}  // namespace infinigen
