@@ -1,6 +1,6 @@
 // bench: running an experiment. Every (point, policy) pair is measured on this machine (median of
 // repeated runs, at --scale) and, given a hardware profile, predicted by the cost model
-// (offload/cost_model.h) at the same scale.
+// (predict/cost_model.h) at the same scale.
 #pragma once
 
 #include <functional>

@@ -1,12 +1,16 @@
 // tests: the cost model: its schedule moves exactly the bytes the runtime moves (per step and
 // layer, every policy), and the simulator behaves as a timeline must (zero-cost compute leaves
 // the transfers, an unlimited link leaves the compute, a faster link never slows a step).
-#include "offload/cost_model.h"
+#include "predict/cost_model.h"
 
 #include <gtest/gtest.h>
 
 #include <limits>
 
+#include "core/model_loader.h"
+#include "offload/runtime.h"
+#include "predict/op_costs.h"
+#include "predict/simulator.h"
 #include "tests/test_util.h"
 
 namespace infinigen {

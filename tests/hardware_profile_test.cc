@@ -1,6 +1,6 @@
 // tests: hardware profiles: every bundled one loads with a source per constant, files round-trip,
 // and each bad input is one line naming the file and the field.
-#include "offload/hardware_profile.h"
+#include "predict/hardware_profile.h"
 
 #include <gtest/gtest.h>
 

@@ -1,13 +1,15 @@
 // tests: the linear cost table's lookup (exact at measured cells, interpolated between them,
 // clamped in K, priced by FLOPs beyond the last row count) and the cost model's use of it.
-#include "offload/linear_cost_table.h"
+#include "predict/linear_cost_table.h"
 
 #include <gtest/gtest.h>
 
 #include <cmath>
 
-#include "offload/cost_model.h"
-#include "offload/hardware_profile.h"
+#include "predict/cost_model.h"
+#include "predict/hardware_profile.h"
+#include "predict/op_costs.h"
+#include "predict/simulator.h"
 #include "tests/test_util.h"
 
 namespace infinigen {

@@ -1,7 +1,7 @@
 // tests: measuring the CPU backend's hardware profile (quick effort): every constant is
 // positive and sourced, the linear table is well formed, the profile survives a write and a
 // load, and the cost model predicts with it.
-#include "offload/profile_measurement.h"
+#include "predict/profile_measurement.h"
 
 #include <gtest/gtest.h>
 
@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "core/model_config.h"
-#include "offload/cost_model.h"
-#include "offload/hardware_profile.h"
+#include "predict/cost_model.h"
+#include "predict/hardware_profile.h"
 #include "tests/test_util.h"
 
 namespace infinigen {

@@ -15,8 +15,8 @@
 #include "core/device.h"
 #include "core/interrupt.h"
 #include "core/output_directory.h"
-#include "offload/hardware_profile.h"
-#include "offload/profile_measurement.h"
+#include "predict/hardware_profile.h"
+#include "predict/profile_measurement.h"
 #include "offload/runtime.h"
 
 namespace infinigen::cli {

@@ -1,5 +1,5 @@
 // tests/fuzz: a hardware profile (configs/hardware/*.yaml) for the cost model.
-#include "offload/hardware_profile.h"
+#include "predict/hardware_profile.h"
 #include "tests/fuzz/fuzz_input.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {

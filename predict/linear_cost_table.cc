@@ -1,5 +1,5 @@
-// offload: looking up and checking the linear cost table.
-#include "offload/linear_cost_table.h"
+// predict: looking up and checking the linear cost table.
+#include "predict/linear_cost_table.h"
 
 #include <algorithm>
 #include <cmath>

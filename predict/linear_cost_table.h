@@ -1,8 +1,8 @@
-// offload: a measured table of what one linear layer costs, by activation rows and input width,
+// predict: a measured table of what one linear layer costs, by activation rows and input width,
 // for hardware whose GEMM speed a roofline does not describe. On the CPU backend a decode-shape
 // linear runs Eigen's register-blocked kernel, whose speed per weight byte jumps with the row
 // count (4 and 8 rows are faster than 3 and 7) and with K; a profile measured there carries this
-// table and the cost model (offload/cost_model.h) looks linear layers up in it.
+// table and the cost model (predict/cost_model.h) looks linear layers up in it.
 //
 // Model, per cell (rows M, input width K, weights in memory or in the last-level cache):
 //   seconds = fixed_s + weight_bytes / bytes_per_s
@@ -39,7 +39,7 @@ struct LinearCostTable {
 
 // Throws a one-line Error naming `source` unless the axes are increasing and positive (rows from
 // 1) and every grid is k.size() x rows.size() with fixed_s >= 0 and bytes_per_s > 0. Profile
-// files carry the table as `linear_table` (offload/hardware_profile.cc reads and writes it).
+// files carry the table as `linear_table` (predict/hardware_profile.cc reads and writes it).
 void check_linear_cost_table(const LinearCostTable& table, const std::string& source);
 
 }  // namespace infinigen

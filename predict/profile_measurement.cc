@@ -1,5 +1,5 @@
-// offload: timing the CPU backend's ops and transfers into a hardware profile.
-#include "offload/profile_measurement.h"
+// predict: timing the CPU backend's ops and transfers into a hardware profile.
+#include "predict/profile_measurement.h"
 
 #include <algorithm>
 #include <atomic>
@@ -15,10 +15,11 @@
 
 #include "core/model_loader.h"
 #include "core/ops.h"
-#include "offload/cost_model.h"
-#include "offload/row_gather.h"
 #include "offload/int4_codec.h"
+#include "offload/row_gather.h"
 #include "offload/transfer_engine.h"
+#include "predict/cost_model.h"
+#include "predict/op_costs.h"
 #include "speculate/speculation.h"
 
 namespace infinigen {
@@ -53,7 +54,8 @@ Tensor random_tensor(const Shape& shape, DType dtype, uint64_t seed) {
 
 // Pinned host bytes freed on scope exit.
 struct Pinned {
-  explicit Pinned(size_t bytes) : data(static_cast<char*>(pinned_alloc(bytes, "a measurement buffer"))), size(bytes) {
+  explicit Pinned(size_t bytes)
+      : data(static_cast<char*>(pinned_alloc(bytes, "a measurement buffer"))), size(bytes) {
     std::memset(data, 1, bytes);
   }
   ~Pinned() { pinned_free(data); }
@@ -208,7 +210,7 @@ int copies_for(double set_bytes, double bytes) {
   return std::max(2, static_cast<int>(set_bytes / bytes));
 }
 
-// The linear cost table (offload/linear_cost_table.h): for each K and row count, ops::linear at
+// The linear cost table (predict/linear_cost_table.h): for each K and row count, ops::linear at
 // output widths 512 and `wide_n(K)` over weights rotating through `set_bytes`; the two times give
 // the cell's fixed part and its seconds per weight byte.
 LinearCostGrid measure_linear_grid(const LinearCostTable& axes, double set_bytes,

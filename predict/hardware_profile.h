@@ -1,11 +1,11 @@
-// offload: hardware profiles, the constants the cost model (offload/cost_model.h) turns a schedule
+// predict: hardware profiles, the constants the cost model (predict/cost_model.h) turns a schedule
 // into seconds with: compute rates of the device, the host <-> device link, the host's copy
 // threads. Bundled profiles live in configs/hardware/*.yaml (compiled into the binary); any other
 // YAML file with the same keys can be loaded by path.
 //
 // Every rate is a sustained one (what a long run of the op achieves), never a peak: the GPU
 // profiles take the vendor's peak times a stated achievable fraction, the CPU backend's profile
-// is measured on the machine by offload/profile_measurement.h. Each constant carries its source
+// is measured on the machine by predict/profile_measurement.h. Each constant carries its source
 // in `sources` (key = field name).
 #pragma once
 
@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "offload/linear_cost_table.h"
+#include "predict/linear_cost_table.h"
 
 namespace infinigen {
 
@@ -33,7 +33,7 @@ struct HardwareProfile {
   // takes its linear layers from linear_table's cache grid (measured on sets that size).
   double device_cache_bytes = 0;
   // Where present (the CPU backend), linear layers cost what this measured table says instead of
-  // the roofline (offload/linear_cost_table.h).
+  // the roofline (predict/linear_cost_table.h).
   LinearCostTable linear_table;
   double attention_flops = 0;          // prefill attention (QK^T, softmax, PV), FLOP/s
   double attention_bytes_per_s = 0;    // decode attention, KV bytes read per second

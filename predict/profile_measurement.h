@@ -1,4 +1,4 @@
-// offload: measures the CPU backend's hardware profile on this machine by timing the engine's own
+// predict: measures the CPU backend's hardware profile on this machine by timing the engine's own
 // ops (core/ops.h, the int4 codec, speculation) and transfer engine; `infinigen bench
 // --measure-profile OUT.yaml` writes the result with write_hardware_profile.
 #pragma once
@@ -6,7 +6,7 @@
 #include <functional>
 #include <string>
 
-#include "offload/hardware_profile.h"
+#include "predict/hardware_profile.h"
 
 namespace infinigen {
 

@@ -1,5 +1,5 @@
-// offload: loading, checking and writing hardware profiles (YAML).
-#include "offload/hardware_profile.h"
+// predict: loading, checking and writing hardware profiles (YAML).
+#include "predict/hardware_profile.h"
 
 #include <yaml-cpp/yaml.h>
 
@@ -228,7 +228,7 @@ std::string linear_table_yaml(const LinearCostTable& table) {
   if (table.empty()) return "";
   std::string out = cat(kLinearTableField,
                         ":  # s = fixed_s + weight bytes / bytes_per_s, per [k][rows]; see "
-                        "offload/linear_cost_table.h\n");
+                        "predict/linear_cost_table.h\n");
   out += "  rows: " + flow_list(table.rows) + "\n";
   out += "  k: " + flow_list(table.k) + "\n";
   for (const auto& [name, grid] :
@@ -315,7 +315,7 @@ HardwareProfile load_hardware_profile(const std::string& name_or_path) {
 
 std::string hardware_profile_yaml(const HardwareProfile& p) {
   std::string out =
-      "# Hardware profile for the cost model (offload/cost_model.h); see docs/cost-model.md.\n";
+      "# Hardware profile for the cost model (predict/cost_model.h); see docs/cost-model.md.\n";
   out += "name: " + quoted(p.name) + "\n";
   out += "description: " + quoted(p.description) + "\n";
   out += "backend: " + p.backend + "\n";

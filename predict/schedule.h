@@ -1,0 +1,92 @@
+// predict: the schedule of a request, op by op: each compute op with its FLOPs and bytes, each
+// transfer with its bytes, on the lane that runs it, and the ops each waits for (the events the
+// runtime waits on). The cost model (predict/cost_model.h) simulates it on a hardware profile.
+//
+// Lanes: compute (the host thread that runs the ops; on the CPU backend it is the emulated
+// device), load (H2D stream), store (D2H stream), and gather (host threads filling pinned staging
+// before a DMA; only on the cuda backend, where the design puts the gather in front of one copy).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/model_config.h"
+#include "offload/offload_options.h"
+
+namespace infinigen {
+
+// What a prediction is asked about.
+struct CostModelInput {
+  ModelConfig config;
+  int64_t batch = 1;
+  int64_t prompt_len = 1;  // every prompt this long (no left padding)
+  int64_t gen_len = 1;     // generated tokens per sequence, the prefill's one included
+  DType kv_dtype = DType::F16;
+  OffloadOptions options;  // policy, weights_gpu_percent, kv_block_tokens, speculation, h2o_budget
+  // Policy infinigen: per layer, the share of the pooled tokens a decode step loads (as a run
+  // measured it: tokens_fetched / tokens_stored). Resampled by relative depth when its length is
+  // not num_layers; dense layers always load everything.
+  std::vector<double> fetched_fraction;
+  // Policy infinigen, optional and exact: (sequence, head, token) rows loaded per decode step and
+  // layer (a run's LayerTraffic::tokens_fetched), steps 1..gen_len-1 in order. Overrides
+  // fetched_fraction where given.
+  std::vector<std::vector<uint64_t>> fetched_rows;
+};
+
+enum class Lane { Compute = 0, Load = 1, Store = 2, Gather = 3 };
+constexpr int kLanes = 4;
+const char* lane_name(Lane lane);
+
+// Which rates of the profile an op runs at (predict/hardware_profile.h).
+enum class OpClass {
+  Gemm,              // linear_table where the profile has one, else gemm_flops and
+                     // device_memory_bytes_per_s
+  AttentionPrefill,  // attention_flops, device_memory_bytes_per_s
+  AttentionDecode,   // attention_flops, attention_bytes_per_s
+  Elementwise,       // elementwise_bytes_per_s
+  Codec,             // kv_codec_bytes_per_s
+  Speculation,       // speculation_bytes_per_s
+  Scoring,           // scoring_flops
+  Transfer,          // the link (and the host copy on the CPU backend)
+  Gather,            // host threads gathering rows into pinned staging (cuda backend)
+};
+
+struct ScheduledOp {
+  Lane lane = Lane::Compute;
+  OpClass op_class = OpClass::Elementwise;
+  std::string name;
+  int64_t step = 0;    // 0 = prefill, then decode steps 1..gen_len-1
+  int64_t layer = -1;  // -1: not a layer's (embedding, LM head, sampling)
+  double flops = 0;
+  double device_bytes = 0;  // bytes the op moves through device memory
+  // GEMM y (M, N) = x (M, K) . w (N, K)^T: rows M, out_features N, in_features K, and the
+  // weights' bytes.
+  int64_t rows = 0;
+  int64_t out_features = 0;
+  int64_t in_features = 0;
+  double weight_bytes = 0;
+  uint64_t h2d_bytes = 0;  // transfers: bytes over the link (KV and weights)
+  uint64_t d2h_bytes = 0;
+  bool weights = false;  // a transfer of streamed weights (else KV)
+  // Host copy work of a transfer: contiguous bytes, scattered-row bytes and the number of chunks
+  // of its gather list (the CPU backend's transfer thread copies them all itself).
+  double copy_bytes = 0;
+  double row_bytes = 0;
+  int64_t chunks = 0;
+  std::vector<int32_t> deps;  // indices of ops that must finish first
+};
+
+struct Schedule {
+  std::vector<ScheduledOp> ops;
+  int64_t steps = 0;                 // prefill + decode steps
+  std::vector<int32_t> step_end;     // per step: the op whose end closes it (the sampling)
+  std::vector<int32_t> prefill_end;  // the prefill pass's last compute op (before the LM head)
+};
+
+// The runtime's schedule of a whole request: the prefill, then gen_len - 1 decode steps, each
+// with its own context length. Fails (one line) for configurations it does not model.
+Schedule run_schedule(const CostModelInput& input);
+
+}  // namespace infinigen
