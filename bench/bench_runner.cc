@@ -168,14 +168,14 @@ PointMetrics metrics_of(const PredictedRun& p) {
 // others the mean of the shares given for speculated layers (the input's first dense_layers
 // entries are the measured run's dense layers).
 double mean_fetched_fraction(const CostModelInput& model) {
-  if (!kv_policy(model.options.policy).selects_loads || model.fetched_fraction.empty()) {
+  if (!kv_policy(model.options.policy).selects_loads || model.fetched.fraction.empty()) {
     return 1.0;
   }
   const size_t dense = static_cast<size_t>(model.options.speculation.dense_layers);
   double sum = 0;
   size_t count = 0;
-  for (size_t l = dense; l < model.fetched_fraction.size(); ++l, ++count) {
-    sum += model.fetched_fraction[l];
+  for (size_t l = dense; l < model.fetched.fraction.size(); ++l, ++count) {
+    sum += model.fetched.fraction[l];
   }
   if (count == 0) return 1.0;
   const double layers = static_cast<double>(model.config.num_layers);
@@ -275,11 +275,11 @@ BenchReport run_experiment(const Experiment& experiment, const BenchOptions& opt
       model.options = in.options;
       if (kv_policy(in.options.policy).selects_loads) {
         if (options.fetched_fraction > 0) {
-          model.fetched_fraction.assign(static_cast<size_t>(scaled.config.num_layers),
+          model.fetched.fraction.assign(static_cast<size_t>(scaled.config.num_layers),
                                         options.fetched_fraction);
         } else if (result.measured) {
-          model.fetched_fraction = result.measured->layer_fetched_fraction;
-          model.fetched_rows = result.measured->fetched_rows;
+          model.fetched.fraction = result.measured->layer_fetched_fraction;
+          model.fetched.rows = result.measured->fetched_rows;
         } else {
           // The fetched share depends on the attention pattern and the context length, not on
           // the model's width: measure it on a narrow model with the point's lengths.
@@ -292,7 +292,7 @@ BenchReport run_experiment(const Experiment& experiment, const BenchOptions& opt
               run_inputs(small, narrow, options.fractions_scale, {}, options.seed);
           if (const std::string probe_status = plan_status(probe, options.device);
               probe_status == "ok") {
-            model.fetched_fraction = measure(probe, options.device, 1).layer_fetched_fraction;
+            model.fetched.fraction = measure(probe, options.device, 1).layer_fetched_fraction;
           } else {
             result.prediction_status =
                 cat("its fetched fractions could not be measured: ", probe_status);

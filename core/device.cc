@@ -13,6 +13,8 @@
 #include <string>
 #include <unordered_map>
 
+#include "core/trace.h"
+
 #ifdef INFINIGEN_CUDA
 #include "kernels/cuda/runtime.h"
 #endif
@@ -184,6 +186,7 @@ Device resolve_device(DeviceRequest request, bool cuda_runs_job, std::string* re
 }
 
 void* device_alloc(Device device, size_t bytes) {
+  if (dry_run()) return dry_address();
   if (device == Device::Cpu) {
     INFINIGEN_CHECK(bytes <= SIZE_MAX - kHostAlignment, "cannot allocate ", bytes, " bytes");
     const size_t rounded = (bytes + kHostAlignment - 1) / kHostAlignment * kHostAlignment;
@@ -204,6 +207,7 @@ void* device_alloc(Device device, size_t bytes) {
 }
 
 void device_free(Device device, void* pointer) {
+  if (pointer == dry_address()) return;
   if (device == Device::Cpu) {
     std::free(pointer);
     return;
@@ -214,7 +218,7 @@ void device_free(Device device, void* pointer) {
 }
 
 void device_copy(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes) {
-  if (bytes == 0) return;
+  if (bytes == 0 || dry_run()) return;
   if (dst_device == Device::Cpu && src_device == Device::Cpu) {
     std::memcpy(dst, src, bytes);
     return;
@@ -252,6 +256,7 @@ PinnedAllocationError::PinnedAllocationError(const std::string& message, size_t 
     : Error(message), requested_(requested), pinned_before_(pinned_before) {}
 
 void* pinned_alloc(size_t bytes, std::string_view purpose) {
+  if (dry_run()) return dry_address();
   // Zero-byte requests still return a distinct pointer, as device_alloc's callers expect.
   const size_t request = bytes == 0 ? 1 : bytes;
   INFINIGEN_CHECK(request <= std::numeric_limits<size_t>::max() - kHostAlignment,

@@ -49,6 +49,7 @@ Device resolve_device(DeviceRequest request, bool cuda_runs_job, std::string* re
                       std::string_view job = "this job");
 
 // Raw memory on a device. Allocation failures throw Error naming the device and the size.
+// In a dry run (core/trace.h) allocations return dry_address() and copies do nothing.
 void* device_alloc(Device device, size_t bytes);
 void device_free(Device device, void* pointer);
 // Synchronous copy between any two devices.

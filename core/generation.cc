@@ -7,6 +7,7 @@
 
 #include "core/error.h"
 #include "core/interrupt.h"
+#include "core/trace.h"
 
 namespace infinigen {
 namespace {
@@ -123,6 +124,7 @@ GenerationResult generate(Model& model, const GenerationRequest& request,
   return with_interrupt_context(
       [&] {
         auto start = std::chrono::steady_clock::now();
+        trace_step(0);
         result.last_logits = model.prefill(tokens, first_valid, cache);
         std::vector<int32_t> next = emit(0, result.last_logits);
         result.prefill_seconds = seconds_since(start);
@@ -131,6 +133,7 @@ GenerationResult generate(Model& model, const GenerationRequest& request,
 
         start = std::chrono::steady_clock::now();
         for (int64_t step = 1; step < request.gen_len; ++step) {
+          trace_step(step);
           result.last_logits = model.decode(next, cache);
           next = emit(step, result.last_logits);
           emitted = step + 1;

@@ -3,6 +3,7 @@
 #include "core/model.h"
 
 #include "core/models/opt.h"
+#include "core/trace.h"
 
 namespace infinigen {
 namespace {
@@ -33,6 +34,11 @@ Model::Model(ModelConfig config, ModelWeights weights, Device device,
   }
 }
 
+const TensorTable& Model::layer(int64_t l) {
+  trace_layer(l);
+  return layers_->layer(l);
+}
+
 Tensor Model::prefill(const std::vector<int32_t>& tokens, const std::vector<int32_t>& first_valid,
                       KvStore& cache, bool all_positions) {
   const int64_t B = cache.batch();
@@ -45,7 +51,9 @@ Tensor Model::prefill(const std::vector<int32_t>& tokens, const std::vector<int3
     INFINIGEN_CHECK(start >= 0 && start < n, "prefill: every sequence needs at least one token");
   }
   cache.set_first_valid(first_valid);
+  trace_layer(-1);
   const Tensor hidden = forward(tokens, n, cache);  // (B*n, D)
+  trace_layer(-1);
   if (all_positions) return lm_head(hidden).reshape({B, n, config_.vocab_size});
   // Only each sequence's last row feeds the next token.
   const int64_t D = hidden.dim(1);
@@ -61,7 +69,10 @@ Tensor Model::decode(const std::vector<int32_t>& tokens, KvStore& cache) {
   INFINIGEN_CHECK(cache.length() > 0, "decode needs a prefilled KV cache");
   INFINIGEN_CHECK(static_cast<int64_t>(tokens.size()) == cache.batch(), "decode: ", tokens.size(),
                   " tokens for a batch of ", cache.batch());
-  return lm_head(forward(tokens, 1, cache));
+  trace_layer(-1);
+  const Tensor hidden = forward(tokens, 1, cache);
+  trace_layer(-1);
+  return lm_head(hidden);
 }
 
 std::unique_ptr<Model> make_model(const ModelConfig& config, ModelWeights weights, Device device,

@@ -57,7 +57,8 @@ class Model {
   virtual Tensor lm_head(const Tensor& hidden) const = 0;
 
   const TensorTable& globals() const { return weights_.globals; }
-  const TensorTable& layer(int64_t l) { return layers_->layer(l); }
+  // Layer l's weights; ops from here on belong to layer l in a trace (core/trace.h).
+  const TensorTable& layer(int64_t l);
 
   ModelConfig config_;
   Device device_;

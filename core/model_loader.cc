@@ -10,6 +10,7 @@
 #include "core/generation_config.h"
 #include "core/safetensors.h"
 #include "core/synthetic_model.h"
+#include "core/trace.h"
 
 namespace infinigen {
 namespace {
@@ -101,6 +102,13 @@ ModelSource resolve_model(const std::string& spec, const ModelLoadOptions& optio
 }
 
 ModelWeights load_weights(const ModelSource& source, Device device) {
+  if (dry_run()) {  // shapes only: the tensors of the family's layout, as the loader keeps them
+    WeightsBuilder builder(source.config, device);
+    for (const TensorSpec& spec : weight_layout(source.config).all()) {
+      builder.add(spec.name, Tensor::empty(spec.shape, source.config.dtype));
+    }
+    return builder.finish();
+  }
   if (source.directory.empty()) {
     SyntheticModelOptions synthetic;
     synthetic.seed = source.seed;

@@ -49,7 +49,8 @@ std::string builtin_model_directory();
 // the built-in model; a preset name runs on synthetic weights. Throws a one-line Error for
 // anything else.
 ModelSource resolve_model(const std::string& spec, const ModelLoadOptions& options);
-// The weights of `source` on `device`, every tensor checked against the config.
+// The weights of `source` on `device`, every tensor checked against the config (in a dry run,
+// core/trace.h, tensors of the right shapes and types with no memory).
 ModelWeights load_weights(const ModelSource& source, Device device);
 // resolve_model + load_weights into a model with resident weights, after checking that they fit
 // in available memory.

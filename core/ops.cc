@@ -1,7 +1,11 @@
-// core: op dispatch. Each op checks shapes, then calls the kernel of its tensors' device:
-// kernels/cpu always, kernels/cuda when the CUDA backend is compiled in.
+// core: op dispatch. Each op checks shapes, records itself in the active trace (core/trace.h; a
+// dry run stops there), then calls the kernel of its tensors' device: kernels/cpu always,
+// kernels/cuda when the CUDA backend is compiled in.
 #include "core/ops.h"
 
+#include <algorithm>
+
+#include "core/trace.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/elementwise.h"
 #include "kernels/cpu/embedding.h"
@@ -122,6 +126,7 @@ void embed(const std::vector<int32_t>& tokens, const std::vector<int32_t>& posit
                       positions[i], " is outside the position table of ", positions_table.dim(0));
     }
   }
+  if (traced("embed", {n, D})) return;
   const void* position_rows = with_positions ? positions_table.raw() : nullptr;
   if (device == Device::Cuda) {
 #ifdef INFINIGEN_CUDA
@@ -145,6 +150,7 @@ void layer_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta, float 
   check_shape("layer_norm", gamma, {D});
   check_shape("layer_norm", beta, {D});
   check_shape("layer_norm", y, x.shape());
+  if (traced("layer_norm", {x.numel() / D, D})) return;
   if (device == Device::Cuda) {
 #ifdef INFINIGEN_CUDA
     check_cuda("layer_norm",
@@ -163,6 +169,7 @@ void linear(const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& y, boo
   check_shape("linear", w, {N, K});
   check_shape("linear", y, {M, N});
   if (bias.defined()) check_shape("linear", bias, {N});
+  if (traced("linear", {M, N, K}, w.dtype())) return;
   const float* bias_data = bias.defined() ? bias.data<float>() : nullptr;
   if (device == Device::Cuda) {
 #ifdef INFINIGEN_CUDA
@@ -178,6 +185,7 @@ void linear(const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& y, boo
 void add_inplace(Tensor& y, const Tensor& x) {
   const Device device = common_device("add", {&y, &x});
   check_shape("add", x, y.shape());
+  if (traced("add", {y.numel()})) return;
   if (device == Device::Cuda) {
 #ifdef INFINIGEN_CUDA
     check_cuda("add",
@@ -190,6 +198,7 @@ void add_inplace(Tensor& y, const Tensor& x) {
 
 void scale_inplace(Tensor& y, float factor) {
   const Device device = common_device("scale", {&y});
+  if (traced("scale", {y.numel()})) return;
   if (device == Device::Cuda) {
 #ifdef INFINIGEN_CUDA
     check_cuda("scale", gpu::scale_inplace(y.data<float>(), factor, y.numel(), kDefaultStream));
@@ -213,6 +222,7 @@ void attention_prefill(const Tensor& q, const Tensor& k, const Tensor& v, Tensor
   check_shape("attention_prefill", v, k.shape());
   INFINIGEN_CHECK(static_cast<int64_t>(first_valid.size()) == batch && n * batch == q.dim(0),
                   "attention_prefill: batch ", batch, " does not divide ", q.dim(0), " rows");
+  if (traced("attention_prefill", {batch, num_heads, n, d, kv_heads})) return;
   if (device == Device::Cuda) {
 #ifdef INFINIGEN_CUDA
     INFINIGEN_CHECK(d <= gpu::kMaxHeadDim, "attention_prefill: head size ", d,
@@ -242,6 +252,14 @@ void attention_decode(const Tensor& q, const Tensor& k_cache, const Tensor& v_ca
   INFINIGEN_CHECK(k_cache.dtype() == v_cache.dtype(), "attention_decode: K and V dtypes differ");
   INFINIGEN_CHECK(length <= capacity, "attention_decode: length ", length, " beyond capacity ",
                   capacity);
+  if (active_trace() != nullptr) {
+    // Rows attention reads, over the batch: each sequence's from its first valid one.
+    int64_t rows = 0;
+    for (int64_t b = 0; b < B && b < static_cast<int64_t>(first_valid.size()); ++b) {
+      rows += length - std::min<int64_t>(length, first_valid[static_cast<size_t>(b)]);
+    }
+    if (traced("attention_decode", {B, H, rows, d, kv_heads}, k_cache.dtype())) return;
+  }
   if (device == Device::Cuda) {
 #ifdef INFINIGEN_CUDA
     INFINIGEN_CHECK(d <= gpu::kMaxHeadDim, "attention_decode: head size ", d,
@@ -270,6 +288,7 @@ void cache_store(const Tensor& rows, Tensor& cache, int64_t offset) {
   check_shape("cache_store", rows, {B * n, H * d});
   INFINIGEN_CHECK(offset + n <= capacity, "KV cache overflow: ", offset + n, " tokens, capacity ",
                   capacity);
+  if (traced("cache_store", {B * n, H * d}, cache.dtype())) return;
   if (device == Device::Cuda) {
 #ifdef INFINIGEN_CUDA
     check_cuda("cache_store",

@@ -1,5 +1,11 @@
 // core: the ops of the transformer on Tensors. Each checks shapes and dtypes, then dispatches
 // on the tensors' device to kernels/cpu or kernels/cuda.
+//
+// In a trace (core/trace.h) each op records its name and sizes (and the dtype named):
+//   embed {rows, width}; layer_norm {rows, width}; linear {M, N, K} (weights' dtype);
+//   add {elements}; scale {elements}; attention_prefill {B, H, n, d, H_kv};
+//   attention_decode {B, H, KV rows read over the batch, d, H_kv} (KV dtype);
+//   cache_store {rows, width} (cache dtype).
 #pragma once
 
 #include <cstdint>

@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "core/error.h"
+#include "core/trace.h"
 
 namespace infinigen {
 namespace {
@@ -26,6 +27,7 @@ thread_local double t_waited_seconds = 0.0;
 }  // namespace
 
 void Event::wait() const {
+  if (Trace* trace = active_trace()) trace->host_waits(traced_op_);
   std::unique_lock lock(mutex_);
   done_.wait(lock, [this] { return ready_; });
   if (failure_) std::rethrow_exception(failure_);

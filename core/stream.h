@@ -12,6 +12,7 @@
 #pragma once
 
 #include <condition_variable>
+#include <cstdint>
 #include <deque>
 #include <exception>
 #include <functional>
@@ -36,6 +37,10 @@ class Event {
   void complete(std::exception_ptr failure = nullptr);
   // Seconds since the steady clock's epoch at completion (0 before); for statistics.
   double completed_at() const;
+  // The op of a trace (core/trace.h) whose end this event marks, or -1; waiting on the event
+  // from the thread that records the trace notes the dependency.
+  int32_t traced_op() const { return traced_op_; }
+  void set_traced_op(int32_t op) { traced_op_ = op; }
 
  private:
   mutable std::mutex mutex_;
@@ -43,6 +48,7 @@ class Event {
   bool ready_ = false;
   std::exception_ptr failure_;
   double completed_at_ = 0.0;
+  int32_t traced_op_ = -1;
 };
 
 using EventPtr = std::shared_ptr<Event>;

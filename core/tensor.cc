@@ -5,6 +5,8 @@
 #include <cstring>
 #include <sstream>
 
+#include "core/trace.h"
+
 namespace infinigen {
 namespace {
 
@@ -41,6 +43,7 @@ std::string shape_string(const Shape& shape) {
 }
 
 void fill_nan(Tensor& tensor) {
+  if (tensor.dry()) return;
   const size_t n = static_cast<size_t>(tensor.numel());
   switch (tensor.dtype()) {
     case DType::F32:
@@ -67,6 +70,11 @@ Tensor Tensor::empty(Shape shape, DType dtype, Device device) {
   t.shape_ = std::move(shape);
   t.dtype_ = dtype;
   t.device_ = device;
+  if (dry_run()) {
+    t.data_ = dry_address();
+    t.dry_ = true;
+    return t;
+  }
   const size_t bytes = t.nbytes();
   void* data = device_alloc(device, bytes == 0 ? 1 : bytes);
   t.storage_ = std::shared_ptr<void>(data, [device](void* p) { device_free(device, p); });
@@ -77,6 +85,7 @@ Tensor Tensor::empty(Shape shape, DType dtype, Device device) {
 
 Tensor Tensor::zeros(Shape shape, DType dtype, Device device) {
   Tensor t = empty(std::move(shape), dtype, device);
+  if (t.dry_) return t;
   if (device == Device::Cpu) {
     std::memset(t.data_, 0, t.nbytes());
   } else {
@@ -101,7 +110,7 @@ Tensor Tensor::from_floats(Shape shape, const std::vector<float>& values) {
   INFINIGEN_CHECK(shape_numel(shape) == static_cast<int64_t>(values.size()), "from_floats: shape ",
                   shape_string(shape), " does not hold ", values.size(), " values");
   Tensor t = empty(std::move(shape), DType::F32);
-  std::memcpy(t.data_, values.data(), values.size() * sizeof(float));
+  if (!t.dry_) std::memcpy(t.data_, values.data(), values.size() * sizeof(float));
   return t;
 }
 
@@ -133,6 +142,7 @@ Tensor Tensor::slice_rows(int64_t begin, int64_t end) const {
 
 Tensor Tensor::to(Device device) const {
   Tensor t = empty(shape_, dtype_, device);
+  if (dry_ || t.dry_) return t;
   device_copy(t.data_, device, data_, device_, nbytes());
   return t;
 }
@@ -141,6 +151,7 @@ Tensor Tensor::to_dtype(DType dtype) const {
   INFINIGEN_CHECK(device_ == Device::Cpu, "to_dtype needs a CPU tensor");
   if (dtype == dtype_) return clone();
   Tensor t = empty(shape_, dtype, Device::Cpu);
+  if (dry_ || t.dry_) return t;
   const size_t n = static_cast<size_t>(numel());
   if (dtype == DType::F32) {
     convert_to_f32(data_, dtype_, t.data<float>(), n);
@@ -170,6 +181,8 @@ std::vector<float> Tensor::to_floats() const {
 }
 
 void Tensor::check_type(DType requested) const {
+  INFINIGEN_CHECK(!dry_, "a dry run read the data of a tensor ", shape_string(shape_),
+                  " (nothing may compute in a dry run)");
   INFINIGEN_CHECK(requested == dtype_, "tensor of ", dtype_name(dtype_), " ", shape_string(shape_),
                   " accessed as ", dtype_name(requested));
 }

@@ -2,7 +2,9 @@
 //
 // A Tensor shares its storage: copies are cheap handles, `clone()` copies the bytes. Memory is
 // owned either by the tensor (allocated on its device) or by something else that outlives the
-// view (a memory-mapped checkpoint), kept alive through `owner`.
+// view (a memory-mapped checkpoint), kept alive through `owner`. In a dry run (core/trace.h) a
+// tensor has a shape and no memory: raw() is an address that faults when touched, data<T>() an
+// Error, and conversions and fills do nothing.
 #pragma once
 
 #include <cstdint>
@@ -40,6 +42,7 @@ class Tensor {
   static Tensor from_floats(Shape shape, const std::vector<float>& values);
 
   bool defined() const { return data_ != nullptr; }
+  bool dry() const { return dry_; }  // made in a dry run: no memory behind it
   const Shape& shape() const { return shape_; }
   int rank() const { return static_cast<int>(shape_.size()); }
   int64_t dim(int axis) const;
@@ -82,6 +85,7 @@ class Tensor {
   Shape shape_;
   DType dtype_ = DType::F32;
   Device device_ = Device::Cpu;
+  bool dry_ = false;
 };
 
 }  // namespace infinigen

@@ -8,6 +8,7 @@
 
 #include "core/ops.h"
 #include "core/saturating.h"
+#include "core/trace.h"
 #include "offload/kv_policy.h"
 #include "offload/memory_planner.h"
 
@@ -110,7 +111,7 @@ H2oKv::H2oKv(const ModelConfig& config, int64_t batch, int64_t capacity, DType k
       pinned_alloc(static_cast<size_t>(num_layers_ * 2 * batch * heads_ * slots_) * row_bytes_,
                    "the H2O KV pool"));
   const auto rows = static_cast<size_t>(num_layers_ * batch * heads_ * (slots_ + 1));
-  host_keys_.assign(rows * static_cast<size_t>(head_dim_), 0.0f);
+  if (!dry_run()) host_keys_.assign(rows * static_cast<size_t>(head_dim_), 0.0f);
   scores_.assign(rows, 0.0f);
   tokens_.assign(rows, -1);
 }
@@ -189,7 +190,7 @@ void H2oKv::issue_load(int64_t layer) {
   traffic.kv_h2d_bytes += bytes;
   stats_.current().h2d_bytes += bytes;
   // The pool must hold the previous step's token of this layer before it is read.
-  loaded_[l] = engine_.load(std::move(chunks), stored_[l]);
+  loaded_[l] = engine_.load(std::move(chunks), stored_[l], {"kv_load", layer});
 }
 
 void H2oKv::issue_store(int64_t layer, std::vector<CopyChunk> chunks, EventPtr after) {
@@ -198,7 +199,7 @@ void H2oKv::issue_store(int64_t layer, std::vector<CopyChunk> chunks, EventPtr a
   for (const CopyChunk& chunk : chunks) bytes += chunk.bytes;
   stats_.current().layers[l].kv_d2h_bytes += bytes;
   stats_.current().d2h_bytes += bytes;
-  stored_[l] = engine_.store(std::move(chunks), std::move(after));
+  stored_[l] = engine_.store(std::move(chunks), std::move(after), {"kv_store", layer});
   staging_read_[l % 2] = stored_[l];
 }
 
@@ -225,67 +226,71 @@ KvStore::View H2oKv::view(int64_t layer) {
 
 void H2oKv::prefill(int64_t layer, const Tensor& keys, const Tensor& values) {
   const int64_t n = pass_tokens(), B = batch(), H = heads_, d = head_dim_, width = H * d;
-  const Tensor q = on_host(queries_), k = on_host(keys), v = on_host(values);
-  const float* qd = q.data<float>();
-  const float* kd = k.data<float>();
-  const float* vd = v.data<float>();
   // Staged compact rows (B, H, slots + 1, d) fp32; rows nobody stores stay zero.
   Tensor staged_k = Tensor::zeros({B, H, slots_ + 1, d}, DType::F32);
   Tensor staged_v = Tensor::zeros({B, H, slots_ + 1, d}, DType::F32);
-  float* sk = staged_k.data<float>();
-  float* sv = staged_v.data<float>();
   const std::vector<int32_t>& fv = first_valid();
-
+  if (traced("h2o_prefill_scores", {B, H, n, d})) {
+    keep_newest_prompt_tokens(layer, n);  // a dry run: what zero scores keep
+  } else {
+    const Tensor q = on_host(queries_), k = on_host(keys), v = on_host(values);
+    const float* qd = q.data<float>();
+    const float* kd = k.data<float>();
+    const float* vd = v.data<float>();
+    float* sk = staged_k.data<float>();
+    float* sv = staged_v.data<float>();
 #pragma omp parallel for collapse(2) schedule(dynamic, 1)
-  for (int64_t b = 0; b < B; ++b) {
-    for (int64_t h = 0; h < H; ++h) {
-      const int64_t start = fv[static_cast<size_t>(b)], valid = n - start;
-      // (valid, d): the valid keys as the KV dtype stores them.
-      std::vector<float> rounded(static_cast<size_t>(valid * d));
-      for (int64_t j = 0; j < valid; ++j) {
-        const float* src = kd + (b * n + start + j) * width + h * d;
-        for (int64_t e = 0; e < d; ++e) rounded[static_cast<size_t>(j * d + e)] = round_kv(src[e]);
-      }
-      // Causal softmax of every valid query; each key sums the probability it received.
-      std::vector<float> score(static_cast<size_t>(valid), 0.0f);
-      std::vector<float> probs(static_cast<size_t>(valid));
-      for (int64_t i = 0; i < valid; ++i) {
-        const float* qi = qd + (b * n + start + i) * width + h * d;
-        for (int64_t j = 0; j <= i; ++j) {
-          probs[static_cast<size_t>(j)] = dot(qi, rounded.data() + j * d, d);
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t start = fv[static_cast<size_t>(b)], valid = n - start;
+        // (valid, d): the valid keys as the KV dtype stores them.
+        std::vector<float> rounded(static_cast<size_t>(valid * d));
+        for (int64_t j = 0; j < valid; ++j) {
+          const float* src = kd + (b * n + start + j) * width + h * d;
+          for (int64_t e = 0; e < d; ++e)
+            rounded[static_cast<size_t>(j * d + e)] = round_kv(src[e]);
         }
-        softmax_inplace(probs.data(), i + 1);
-        for (int64_t j = 0; j <= i; ++j)
-          score[static_cast<size_t>(j)] += probs[static_cast<size_t>(j)];
-      }
-      // Keep the recent window and the highest-scoring older tokens (ties keep the newer).
-      std::vector<int64_t> keep;
-      if (valid <= slots_) {
-        keep.resize(static_cast<size_t>(valid));
-        std::iota(keep.begin(), keep.end(), int64_t{0});
-      } else {
-        const int64_t older = valid - recent_;
-        std::vector<int64_t> order(static_cast<size_t>(older));
-        std::iota(order.begin(), order.end(), int64_t{0});
-        std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
-          const float sx = score[static_cast<size_t>(x)], sy = score[static_cast<size_t>(y)];
-          return sx != sy ? sx > sy : x > y;
-        });
-        keep.assign(order.begin(), order.begin() + (slots_ - recent_));
-        for (int64_t j = older; j < valid; ++j) keep.push_back(j);
-        std::sort(keep.begin(), keep.end());
-      }
-      const int64_t row0 = slots_ - static_cast<int64_t>(keep.size());
-      for (size_t r = 0; r < keep.size(); ++r) {
-        const int64_t j = keep[r], row = row0 + static_cast<int64_t>(r);
-        const size_t e = entry(layer, b, h, row);
-        const int64_t staged = ((b * H + h) * (slots_ + 1) + row) * d;
-        std::memcpy(sk + staged, kd + (b * n + start + j) * width + h * d, sizeof(float) * d);
-        std::memcpy(sv + staged, vd + (b * n + start + j) * width + h * d, sizeof(float) * d);
-        std::memcpy(&host_keys_[e * static_cast<size_t>(d)], rounded.data() + j * d,
-                    sizeof(float) * d);
-        scores_[e] = score[static_cast<size_t>(j)];
-        tokens_[e] = static_cast<int32_t>(start + j);
+        // Causal softmax of every valid query; each key sums the probability it received.
+        std::vector<float> score(static_cast<size_t>(valid), 0.0f);
+        std::vector<float> probs(static_cast<size_t>(valid));
+        for (int64_t i = 0; i < valid; ++i) {
+          const float* qi = qd + (b * n + start + i) * width + h * d;
+          for (int64_t j = 0; j <= i; ++j) {
+            probs[static_cast<size_t>(j)] = dot(qi, rounded.data() + j * d, d);
+          }
+          softmax_inplace(probs.data(), i + 1);
+          for (int64_t j = 0; j <= i; ++j)
+            score[static_cast<size_t>(j)] += probs[static_cast<size_t>(j)];
+        }
+        // Keep the recent window and the highest-scoring older tokens (ties keep the newer).
+        std::vector<int64_t> keep;
+        if (valid <= slots_) {
+          keep.resize(static_cast<size_t>(valid));
+          std::iota(keep.begin(), keep.end(), int64_t{0});
+        } else {
+          const int64_t older = valid - recent_;
+          std::vector<int64_t> order(static_cast<size_t>(older));
+          std::iota(order.begin(), order.end(), int64_t{0});
+          std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+            const float sx = score[static_cast<size_t>(x)], sy = score[static_cast<size_t>(y)];
+            return sx != sy ? sx > sy : x > y;
+          });
+          keep.assign(order.begin(), order.begin() + (slots_ - recent_));
+          for (int64_t j = older; j < valid; ++j) keep.push_back(j);
+          std::sort(keep.begin(), keep.end());
+        }
+        const int64_t row0 = slots_ - static_cast<int64_t>(keep.size());
+        for (size_t r = 0; r < keep.size(); ++r) {
+          const int64_t j = keep[r], row = row0 + static_cast<int64_t>(r);
+          const size_t e = entry(layer, b, h, row);
+          const int64_t staged = ((b * H + h) * (slots_ + 1) + row) * d;
+          std::memcpy(sk + staged, kd + (b * n + start + j) * width + h * d, sizeof(float) * d);
+          std::memcpy(sv + staged, vd + (b * n + start + j) * width + h * d, sizeof(float) * d);
+          std::memcpy(&host_keys_[e * static_cast<size_t>(d)], rounded.data() + j * d,
+                      sizeof(float) * d);
+          scores_[e] = score[static_cast<size_t>(j)];
+          tokens_[e] = static_cast<int32_t>(start + j);
+        }
       }
     }
   }
@@ -323,31 +328,42 @@ void H2oKv::decode(int64_t layer, const Tensor& keys, const Tensor& values) {
   staging_read_[p]->wait();
   ops::cache_store(keys, staging_keys_[p], slots_);
   ops::cache_store(values, staging_values_[p], slots_);
-  const Tensor q = on_host(queries_), k = on_host(keys);
-  const float* qd = q.data<float>();
-  const float* kd = k.data<float>();
   const auto token = static_cast<int32_t>(length());
-
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t b = 0; b < B; ++b) {
-    for (int64_t h = 0; h < H; ++h) {
-      const size_t fresh = entry(layer, b, h, slots_);
-      float* key = &host_keys_[fresh * static_cast<size_t>(d)];
-      const float* src = kd + b * width + h * d;
-      for (int64_t e = 0; e < d; ++e) key[e] = round_kv(src[e]);
-      tokens_[fresh] = token;
-      scores_[fresh] = 0.0f;
-      // The query's softmax over the kept entries and the new token, as attention computes it.
-      const int64_t row0 = slots_ - count_[static_cast<size_t>(b)], n = slots_ + 1 - row0;
-      const float* qi = qd + b * width + h * d;
-      std::vector<float> probs(static_cast<size_t>(n));
-      for (int64_t r = 0; r < n; ++r) {
-        probs[static_cast<size_t>(r)] =
-            dot(qi, &host_keys_[entry(layer, b, h, row0 + r) * static_cast<size_t>(d)], d);
+  int64_t scored = 0;  // (entry, query) pairs the scoring visits, for the trace
+  for (int32_t count : count_) scored += H * (count + 1);
+  if (traced("h2o_decode_scores", {B, H, scored / H, d})) {
+    // A dry run: the new token enters with no score, so victims are the oldest candidates.
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t h = 0; h < H; ++h) {
+        tokens_[entry(layer, b, h, slots_)] = token;
+        scores_[entry(layer, b, h, slots_)] = 0.0f;
       }
-      softmax_inplace(probs.data(), n);
-      for (int64_t r = 0; r < n; ++r)
-        scores_[entry(layer, b, h, row0 + r)] += probs[static_cast<size_t>(r)];
+    }
+  } else {
+    const Tensor q = on_host(queries_), k = on_host(keys);
+    const float* qd = q.data<float>();
+    const float* kd = k.data<float>();
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t h = 0; h < H; ++h) {
+        const size_t fresh = entry(layer, b, h, slots_);
+        float* key = &host_keys_[fresh * static_cast<size_t>(d)];
+        const float* src = kd + b * width + h * d;
+        for (int64_t e = 0; e < d; ++e) key[e] = round_kv(src[e]);
+        tokens_[fresh] = token;
+        scores_[fresh] = 0.0f;
+        // The query's softmax over the kept entries and the new token, as attention computes it.
+        const int64_t row0 = slots_ - count_[static_cast<size_t>(b)], n = slots_ + 1 - row0;
+        const float* qi = qd + b * width + h * d;
+        std::vector<float> probs(static_cast<size_t>(n));
+        for (int64_t r = 0; r < n; ++r) {
+          probs[static_cast<size_t>(r)] =
+              dot(qi, &host_keys_[entry(layer, b, h, row0 + r) * static_cast<size_t>(d)], d);
+        }
+        softmax_inplace(probs.data(), n);
+        for (int64_t r = 0; r < n; ++r)
+          scores_[entry(layer, b, h, row0 + r)] += probs[static_cast<size_t>(r)];
+      }
     }
   }
 
@@ -380,11 +396,27 @@ void H2oKv::decode(int64_t layer, const Tensor& keys, const Tensor& values) {
   issue_store(layer, std::move(chunks), loaded_[static_cast<size_t>(layer)]);
 }
 
+void H2oKv::keep_newest_prompt_tokens(int64_t layer, int64_t n) {
+  for (int64_t b = 0; b < batch(); ++b) {
+    const int64_t start = first_valid()[static_cast<size_t>(b)];
+    const int64_t kept = std::min(n - start, slots_);
+    for (int64_t h = 0; h < heads_; ++h) {
+      for (int64_t r = 0; r < kept; ++r) {
+        const size_t e = entry(layer, b, h, slots_ - kept + r);
+        tokens_[e] = static_cast<int32_t>(n - kept + r);
+        scores_[e] = 0.0f;
+      }
+    }
+  }
+}
+
 void H2oKv::move_entry(int64_t layer, int64_t b, int64_t h, int64_t from, int64_t to) {
   const size_t src = entry(layer, b, h, from), dst = entry(layer, b, h, to);
   const auto d = static_cast<size_t>(head_dim_);
-  std::copy_n(host_keys_.begin() + static_cast<std::ptrdiff_t>(src * d), d,
-              host_keys_.begin() + static_cast<std::ptrdiff_t>(dst * d));
+  if (!host_keys_.empty()) {  // none in a dry run
+    std::copy_n(host_keys_.begin() + static_cast<std::ptrdiff_t>(src * d), d,
+                host_keys_.begin() + static_cast<std::ptrdiff_t>(dst * d));
+  }
   scores_[dst] = scores_[src];
   tokens_[dst] = tokens_[src];
 }

@@ -97,6 +97,9 @@ class H2oKv : public PipelinedKv {
   void issue_load(int64_t layer) override;
   void prefill(int64_t layer, const Tensor& keys, const Tensor& values);
   void decode(int64_t layer, const Tensor& keys, const Tensor& values);
+  // A dry run's prefill (core/trace.h): the bookkeeping of keeping each sequence's newest prompt
+  // tokens, which is what equal (zero) scores keep.
+  void keep_newest_prompt_tokens(int64_t layer, int64_t n);
   // Moves the bookkeeping of row `from` of (layer, b, h) into row `to` (key copy, score, token).
   void move_entry(int64_t layer, int64_t b, int64_t h, int64_t from, int64_t to);
   // Enqueues `chunks` (device -> pool) as layer `layer`'s store after `after`, counting bytes;
@@ -117,6 +120,7 @@ class H2oKv : public PipelinedKv {
   // row `slots`). Host writes into the buffer wait for it.
   std::array<EventPtr, 2> staging_read_ = {completed_event(), completed_event()};
   std::vector<float> host_keys_;  // (L, B, H, slots + 1, d) fp32, rounded through the KV dtype
+                                  // (empty in a dry run)
   std::vector<float> scores_;     // (L, B, H, slots + 1) accumulated attention probability
   std::vector<int32_t> tokens_;   // (L, B, H, slots + 1) token index of each row
   std::vector<int32_t> count_;    // (B) entries kept per (layer, head) before this pass

@@ -5,6 +5,7 @@
 
 #include "core/ops.h"
 #include "core/saturating.h"
+#include "core/trace.h"
 #include "offload/kv_policy.h"
 #include "offload/memory_planner.h"
 #include "speculate/prompt_keep.h"
@@ -41,7 +42,8 @@ const KvPolicy& infinigen_kv_policy() {
         const OffloadOptions& o = a.options;
         return std::make_unique<InfinigenKv>(
             a.config, a.batch, a.capacity, a.kv_dtype, a.device, o.kv_block_tokens, a.engine,
-            a.stats, o.speculation, o.check_recall, KvPoolLimit{a.pool_positions, o.eviction});
+            a.stats, o.speculation, o.check_recall, KvPoolLimit{a.pool_positions, o.eviction},
+            a.replay);
       }};
   return policy;
 }
@@ -49,11 +51,12 @@ const KvPolicy& infinigen_kv_policy() {
 InfinigenKv::InfinigenKv(const ModelConfig& config, int64_t batch, int64_t capacity, DType kv_dtype,
                          Device device, int64_t block_tokens, TransferEngine& engine,
                          OffloadStats& stats, const SpeculationOptions& options, bool check_recall,
-                         const KvPoolLimit& limit)
+                         const KvPoolLimit& limit, const FetchReplay* replay)
     : OffloadedKv(config, batch, capacity, kv_dtype, device, block_tokens, engine, stats,
                   limit.positions > 0 ? std::min(limit.positions, capacity) : 0),
       options_(options),
       check_recall_(check_recall),
+      replay_(replay),
       head_dim_(config.head_dim()),
       heads_(config.num_heads),
       slots_(limit.positions > 0 ? std::min(limit.positions, capacity) : capacity),
@@ -65,6 +68,10 @@ InfinigenKv::InfinigenKv(const ModelConfig& config, int64_t batch, int64_t capac
   INFINIGEN_CHECK(slots_ >= 2, option("kv_pool_limit"), " leaves ", slots_,
                   " position per sequence and head; at least 2 are needed");
   options_.max_num_kv = options_.fetch_cap(capacity);
+  if (dry_run()) {
+    INFINIGEN_CHECK(replay_ != nullptr, "a dry run of infinigen has no fetched share to replay");
+    replay_->validate(config.num_layers);
+  }
   if (limited()) {
     position_tokens_.assign(static_cast<size_t>(config.num_layers),
                             std::vector<int32_t>(static_cast<size_t>(batch * heads_ * slots_), -1));
@@ -112,6 +119,7 @@ void InfinigenKv::append(int64_t layer, const Tensor& keys, const Tensor& values
   const size_t l = static_cast<size_t>(layer);
   const size_t p = l % 2;
   if (length() == 0) {
+    prompt_tokens_ = pass_tokens();
     if (limited()) {
       store_prompt_in_capped_pool(layer, keys, values);
     } else {
@@ -160,7 +168,8 @@ void InfinigenKv::append(int64_t layer, const Tensor& keys, const Tensor& values
   stats_.current().layers[l].kv_d2h_bytes += bytes;
   stats_.current().d2h_bytes += bytes;
   // A victim's old row may be among this step's loads of the layer: overwrite it after them.
-  stored_[l] = engine_.store(std::move(chunks), loaded_[l]);
+  stored_[l] = engine_.store(std::move(chunks), loaded_[l],
+                             {"kv_store", layer, TransferContent::KvRows});
   store_buffer_read_[p] = stored_[l];
   if (!dense(layer)) partial_[l].append(keys, 0, &positions);
 }
@@ -209,7 +218,8 @@ void InfinigenKv::store_prompt_in_capped_pool(int64_t layer, const Tensor& keys,
   const uint64_t bytes = total_bytes(chunks);
   stats_.current().layers[l].kv_d2h_bytes += bytes;
   stats_.current().d2h_bytes += bytes;
-  stored_[l] = engine_.store(std::move(chunks));
+  stored_[l] = engine_.store(std::move(chunks), nullptr,
+                             {"kv_store", layer, TransferContent::KvRows});
 }
 
 void InfinigenKv::count_dense_fetches(int64_t layer) {
@@ -288,8 +298,18 @@ PartialLayer::Selection InfinigenKv::select_all(int64_t layer) const {
 void InfinigenKv::select_and_load(int64_t layer, const Tensor& normed) {
   const size_t l = static_cast<size_t>(layer);
   PartialLayer::Selection& sel = selection_[l];
+  std::vector<int32_t> replay_take;
+  if (dry_run()) {
+    std::vector<int64_t> valid(static_cast<size_t>(batch()));
+    for (int64_t b = 0; b < batch(); ++b) {
+      valid[static_cast<size_t>(b)] = used_positions() - first_valid()[static_cast<size_t>(b)];
+    }
+    replay_take = replay_->take(length() - prompt_tokens_ + 1, layer, std::ssize(partial_),
+                                options_.dense_layers, heads_, length(), valid,
+                                options_.max_num_kv);
+  }
   sel = partial_[l].speculate(normed, used_positions(), first_valid(), options_,
-                              limited() ? &position_tokens_[l] : nullptr);
+                              limited() ? &position_tokens_[l] : nullptr, &replay_take);
   if (limited()) {  // each fetched entry counts for the eviction policy
     for (int64_t row = 0; row < batch() * heads_; ++row) {
       const int64_t take = sel.take[static_cast<size_t>(row / heads_)];
@@ -341,7 +361,8 @@ void InfinigenKv::load_selection(int64_t layer) {
   const uint64_t bytes = static_cast<uint64_t>(chunks.size() * row_bytes);
   traffic.kv_h2d_bytes += bytes;
   stats_.current().h2d_bytes += bytes;
-  loaded_[l] = engine_.load(std::move(chunks), stored_[l]);
+  loaded_[l] = engine_.load(std::move(chunks), stored_[l],
+                            {"kv_load", layer, TransferContent::KvRows});
 }
 
 KvStore::View InfinigenKv::view(int64_t layer) {

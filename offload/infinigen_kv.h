@@ -38,7 +38,8 @@ class InfinigenKv : public OffloadedKv {
  public:
   InfinigenKv(const ModelConfig& config, int64_t batch, int64_t capacity, DType kv_dtype,
               Device device, int64_t block_tokens, TransferEngine& engine, OffloadStats& stats,
-              const SpeculationOptions& options, bool check_recall, const KvPoolLimit& limit = {});
+              const SpeculationOptions& options, bool check_recall, const KvPoolLimit& limit = {},
+              const FetchReplay* replay = nullptr);
 
   void begin_layer(int64_t layer) override;
   void observe(int64_t layer, const AttentionInput& input) override;
@@ -77,6 +78,9 @@ class InfinigenKv : public OffloadedKv {
 
   SpeculationOptions options_;
   bool check_recall_;
+  const FetchReplay* replay_;    // what a dry run fetches (core/trace.h); null otherwise
+  int64_t prompt_tokens_ = 0;    // tokens per sequence of the prefill: decode step = length -
+                                 // prompt_tokens + 1
   int64_t head_dim_;
   int64_t heads_;
   int64_t slots_;                      // pool positions per (layer, sequence, head)

@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "core/saturating.h"
+#include "core/trace.h"
 #include "offload/int4_codec.h"
 #include "offload/kv_policy.h"
 #include "offload/memory_planner.h"
@@ -99,7 +100,7 @@ Int4Kv::Packed Int4Kv::host_layer(int64_t layer) const {
 void Int4Kv::issue_load(int64_t layer) {
   const size_t p = static_cast<size_t>(layer % 2);
   Packed dst = loaded_packed_[p];
-  if (debug_poison()) {  // rows that the load does not bring must never be read
+  if (debug_poison() && !dry_run()) {  // rows that the load does not bring must never be read
     const size_t layer_rows = row_index(2, 0, 0, 0, capacity());
     poison(dst.meta, layer_rows * meta_bytes_);
     fill_nan(staging_keys_[p]);
@@ -129,12 +130,13 @@ void Int4Kv::issue_load(int64_t layer) {
   stats_.current().h2d_bytes += bytes;
   // The pool must hold the previous step's token of this layer before it is read.
   loaded_[static_cast<size_t>(layer)] =
-      engine_.load(std::move(chunks), stored_[static_cast<size_t>(layer)]);
+      engine_.load(std::move(chunks), stored_[static_cast<size_t>(layer)], {"kv_load", layer});
 }
 
 void Int4Kv::quantize_rows(const Tensor& keys, const Tensor& values, int64_t n, Packed dst,
                            int64_t dst_rows) const {
   const int64_t d = head_dim_;
+  if (traced("int4_quantize", {2 * batch() * n * num_heads_, d})) return;
   for (int64_t kind = 0; kind < 2; ++kind) {
     const float* rows = (kind == 0 ? keys : values).data<float>();
     for (int64_t b = 0; b < batch(); ++b) {
@@ -169,12 +171,18 @@ void Int4Kv::issue_store(int64_t layer, Packed src, int64_t src_rows, int64_t n)
   const uint64_t bytes = total_bytes(chunks);
   stats_.current().layers[static_cast<size_t>(layer)].kv_d2h_bytes += bytes;
   stats_.current().d2h_bytes += bytes;
-  stored_[static_cast<size_t>(layer)] = engine_.store(std::move(chunks));
+  stored_[static_cast<size_t>(layer)] =
+      engine_.store(std::move(chunks), nullptr, {"kv_store", layer});
 }
 
 void Int4Kv::dequantize_into_staging(size_t p, Packed src, int64_t src_rows, int64_t t0, int64_t t1,
                                      int64_t row0) {
   const int64_t d = head_dim_;
+  int64_t rows = 0;  // rows decoded, K and V, for the trace
+  for (int64_t b = 0; b < batch(); ++b) {
+    rows += 2 * num_heads_ * (t1 - std::max(t0, first_valid()[static_cast<size_t>(b)] - row0 + t0));
+  }
+  if (traced("int4_dequantize", {rows, d})) return;
   for (int64_t kind = 0; kind < 2; ++kind) {
     f16* staging = (kind == 0 ? staging_keys_[p] : staging_values_[p]).data<f16>();
     for (int64_t b = 0; b < batch(); ++b) {

@@ -19,6 +19,7 @@
 #include "offload/offload_options.h"
 #include "offload/offload_stats.h"
 #include "offload/transfer_engine.h"
+#include "speculate/speculation.h"
 
 namespace infinigen {
 
@@ -42,6 +43,7 @@ struct KvStoreArgs {
   int64_t pool_positions = 0;  // positions per (layer, sequence, head) of a capped pool; 0 = all
   TransferEngine& engine;
   OffloadStats& stats;
+  const FetchReplay* replay = nullptr;  // a dry run's fetches (core/trace.h); null otherwise
 };
 
 struct KvPolicy {

@@ -93,7 +93,7 @@ void OffloadedKv::issue_load(int64_t layer) {
   stats_.current().h2d_bytes += bytes;
   // The pool must hold the previous step's token of this layer before it is read.
   loaded_[static_cast<size_t>(layer)] =
-      engine_.load(std::move(chunks), stored_[static_cast<size_t>(layer)]);
+      engine_.load(std::move(chunks), stored_[static_cast<size_t>(layer)], {"kv_load", layer});
 }
 
 void OffloadedKv::append(int64_t layer, const Tensor& keys, const Tensor& values) {
@@ -133,7 +133,8 @@ void OffloadedKv::issue_store(int64_t layer, const Tensor& keys, const Tensor& v
   const uint64_t bytes = total_bytes(chunks);
   stats_.current().layers[static_cast<size_t>(layer)].kv_d2h_bytes += bytes;
   stats_.current().d2h_bytes += bytes;
-  stored_[static_cast<size_t>(layer)] = engine_.store(std::move(chunks));
+  stored_[static_cast<size_t>(layer)] =
+      engine_.store(std::move(chunks), nullptr, {"kv_store", layer});
 }
 
 KvStore::View OffloadedKv::view(int64_t layer) {

@@ -29,7 +29,7 @@ void PipelinedKv::begin_layer(int64_t layer) {
 void PipelinedKv::end_pass(int64_t n_new) {
   if (length() == 0) {
     // The prefill's stores read the staging buffers that the first decode loads overwrite.
-    engine_.store_stream().synchronize();
+    engine_.synchronize_stores();
   }
   KvStore::end_pass(n_new);
   stats_.end_step(engine_.counters());

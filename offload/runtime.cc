@@ -82,7 +82,8 @@ namespace {
 // each batch and generates, filling `run`.
 void generate_offloaded(const ModelSource& source, const GenerationRequest& request,
                         const OffloadOptions& options, Device device, int64_t pool_positions,
-                        const ProgressCallback& progress, OffloadRun& run) {
+                        const FetchReplay* replay, const ProgressCallback& progress,
+                        OffloadRun& run) {
   const ModelConfig& config = source.config;
   // Weights: load to the host, then place (FlexGen's per-tensor rule).
   ModelWeights weights = with_interrupt_context([&] { return load_weights(source, Device::Cpu); },
@@ -101,7 +102,7 @@ void generate_offloaded(const ModelSource& source, const GenerationRequest& requ
   const KvPolicy& policy = kv_policy(options.policy);
   const KvStoreFactory make_store = [&](int64_t batch, int64_t capacity) {
     return policy.make_store({config, batch, capacity, request.kv_dtype, device, options,
-                              pool_positions, engine, run.stats});
+                              pool_positions, engine, run.stats, replay});
   };
   run.result = generate(*model, request, progress, make_store);
   engine.synchronize();
@@ -109,6 +110,25 @@ void generate_offloaded(const ModelSource& source, const GenerationRequest& requ
 }
 
 }  // namespace
+
+Trace dry_run_trace(const ModelConfig& config, const GenerationRequest& request,
+                    const OffloadOptions& options, Device device, const FetchReplay* replay) {
+  const int64_t longest = check_request(config, request);
+  const MemoryRequest memory =
+      offload_memory_request(config, static_cast<int64_t>(request.prompts.size()), longest,
+                             request.gen_len, request.kv_dtype, options);
+  Trace trace(/*dry=*/true);
+  {
+    TraceScope scope(trace);
+    ModelSource source;
+    source.config = config;
+    source.synthetic = true;
+    source.description = config.name + " (dry run)";
+    OffloadRun run;
+    generate_offloaded(source, request, options, device, memory.kv_pool_tokens, replay, {}, run);
+  }
+  return trace;
+}
 
 OffloadRun run_offloaded(const ModelSource& source, const GenerationRequest& request,
                          const OffloadOptions& options, Device device,
@@ -122,7 +142,8 @@ OffloadRun run_offloaded(const ModelSource& source, const GenerationRequest& req
   run.plan = plan_offloaded_run(memory, options, device);
 
   try {
-    generate_offloaded(source, request, options, device, memory.kv_pool_tokens, progress, run);
+    generate_offloaded(source, request, options, device, memory.kv_pool_tokens, nullptr, progress,
+                       run);
   } catch (const PinnedAllocationError& e) {
     fail(e.message(), "; ", plan_within_pinned(memory, options, device, e.pinned_before()));
   }

@@ -7,6 +7,7 @@
 
 #include "core/generation.h"
 #include "core/model_loader.h"
+#include "core/trace.h"
 #include "offload/memory_planner.h"
 #include "offload/offload_options.h"
 #include "offload/offload_stats.h"
@@ -42,6 +43,13 @@ MemoryPlan plan_offloaded_run(MemoryRequest memory, const OffloadOptions& option
 // its pinned capacity, which names a configuration that fits in it (or the resource short).
 std::string plan_within_pinned(MemoryRequest memory, const OffloadOptions& options, Device device,
                                size_t pinned);
+
+// The trace (core/trace.h) of `request` on `device` with `options`, run dry: nothing is computed,
+// copied or allocated, and no memory plan is checked (the caller plans against the hardware it
+// asks about). `replay` says what a policy that selects its loads (kv_policy(...).selects_loads)
+// fetches; it is required for one.
+Trace dry_run_trace(const ModelConfig& config, const GenerationRequest& request,
+                    const OffloadOptions& options, Device device, const FetchReplay* replay);
 
 // Plans memory for `request` (throws a one-line Error with a configuration that would fit when it
 // cannot), loads the weights with their placement, and generates.

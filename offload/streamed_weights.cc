@@ -2,7 +2,6 @@
 #include "offload/streamed_weights.h"
 
 #include <chrono>
-#include <cstring>
 
 namespace infinigen {
 
@@ -24,7 +23,7 @@ StreamedLayers::StreamedLayers(const ModelConfig& config, std::vector<TensorTabl
       if (host) {
         // Pinned host copy, the source of every load of this tensor.
         void* pinned = pinned_alloc(t.nbytes(), cat("weight ", names_[i], " of layer ", l));
-        std::memcpy(pinned, t.raw(), t.nbytes());
+        device_copy(pinned, Device::Cpu, t.raw(), Device::Cpu, t.nbytes());
         host_bytes_ += t.nbytes();
         t = Tensor::view(pinned, t.shape(), t.dtype(), Device::Cpu,
                          std::shared_ptr<void>(pinned, [](void* p) { pinned_free(p); }));
@@ -76,7 +75,7 @@ void StreamedLayers::issue_load(int64_t layer) {
   }
   stats_.current().layers[static_cast<size_t>(layer)].weight_h2d_bytes += bytes;
   stats_.current().h2d_bytes += bytes;
-  loaded_[p] = engine_.load(std::move(chunks));
+  loaded_[p] = engine_.load(std::move(chunks), nullptr, {"weights", layer, TransferContent::Weights});
 }
 
 const TensorTable& StreamedLayers::layer(int64_t layer) {

@@ -42,18 +42,31 @@ TransferEngine::TransferEngine(Device device, LinkEmulation link)
                   "link emulation: latency ", link.latency_us, " us is not a non-negative number");
   // Fail here rather than inside the first copy task, where it would surface only at the next
   // synchronize().
-  if (device == Device::Cuda && !cuda_compiled()) throw_cuda_not_compiled();
+  if (device == Device::Cuda && !cuda_compiled() && !dry_run()) throw_cuda_not_compiled();
 }
 
-EventPtr TransferEngine::load(std::vector<CopyChunk> chunks, EventPtr after) {
-  return enqueue(load_stream_, std::move(chunks), std::move(after), true);
+EventPtr TransferEngine::load(std::vector<CopyChunk> chunks, EventPtr after, TransferTag tag) {
+  return enqueue(load_stream_, std::move(chunks), std::move(after), true, tag);
 }
 
-EventPtr TransferEngine::store(std::vector<CopyChunk> chunks, EventPtr after) {
-  return enqueue(store_stream_, std::move(chunks), std::move(after), false);
+EventPtr TransferEngine::store(std::vector<CopyChunk> chunks, EventPtr after, TransferTag tag) {
+  return enqueue(store_stream_, std::move(chunks), std::move(after), false, tag);
+}
+
+void TransferEngine::trace_waits(bool loads, bool stores) const {
+  Trace* trace = active_trace();
+  if (trace == nullptr) return;
+  if (loads) trace->host_waits(last_traced_load_);
+  if (stores) trace->host_waits(last_traced_store_);
+}
+
+void TransferEngine::synchronize_stores() {
+  trace_waits(false, true);
+  store_stream_.synchronize();
 }
 
 void TransferEngine::synchronize() {
+  trace_waits(true, true);
   // Both streams are drained before a failure of either is reported, so no copy is still
   // running on a buffer the caller frees while handling the error.
   std::exception_ptr failure;
@@ -73,13 +86,29 @@ TransferCounters TransferEngine::counters() const {
 }
 
 EventPtr TransferEngine::enqueue(Stream& stream, std::vector<CopyChunk> chunks, EventPtr after,
-                                 bool to_device) {
+                                 bool to_device, const TransferTag& tag) {
   uint64_t bytes = 0;
   for (const CopyChunk& chunk : chunks) {
     INFINIGEN_CHECK(chunk.bytes == 0 || (chunk.dst != nullptr && chunk.src != nullptr),
                     "transfer on stream '", stream.name(), "': a chunk of ", chunk.bytes,
                     " bytes has a null pointer");
     bytes += chunk.bytes;
+  }
+  int32_t traced_op = -1;
+  if (Trace* trace = active_trace()) {
+    traced_op = trace->transfer(to_device ? TracedKind::Load : TracedKind::Store, tag.name,
+                                tag.layer, bytes, static_cast<int64_t>(chunks.size()), tag.content,
+                                after ? after->traced_op() : -1);
+    (to_device ? last_traced_load_ : last_traced_store_) = traced_op;
+    if (trace->dry()) {
+      std::lock_guard lock(counters_mutex_);
+      (to_device ? counters_.h2d_bytes : counters_.d2h_bytes) += bytes;
+      (to_device ? counters_.h2d_transfers : counters_.d2h_transfers) += 1;
+      auto done = std::make_shared<Event>();
+      done->complete();
+      done->set_traced_op(traced_op);
+      return done;
+    }
   }
   if (after) stream.wait(std::move(after));
   const Device dst_device = to_device ? device_ : Device::Cpu;
@@ -116,7 +145,9 @@ EventPtr TransferEngine::enqueue(Stream& stream, std::vector<CopyChunk> chunks, 
       counters_.d2h_busy_seconds += seconds;
     }
   });
-  return stream.record();
+  EventPtr done = stream.record();
+  done->set_traced_op(traced_op);
+  return done;
 }
 
 }  // namespace infinigen

@@ -1,6 +1,9 @@
 // predict: the schedule of a request, op by op: each compute op with its FLOPs and bytes, each
 // transfer with its bytes, on the lane that runs it, and the ops each waits for (the events the
-// runtime waits on). The cost model (predict/cost_model.h) simulates it on a hardware profile.
+// runtime waits on). It is the runtime's own trace of the request (core/trace.h), recorded by a
+// dry run of the real forward pass and KV policy and priced op by op (predict/op_costs.h), so
+// there is one description of a decode step. The cost model (predict/cost_model.h) simulates it
+// on a hardware profile.
 //
 // Lanes: compute (the host thread that runs the ops; on the CPU backend it is the emulated
 // device), load (H2D stream), store (D2H stream), and gather (host threads filling pinned staging
@@ -13,7 +16,9 @@
 
 #include "core/dtype.h"
 #include "core/model_config.h"
+#include "core/trace.h"
 #include "offload/offload_options.h"
+#include "predict/op_costs.h"
 
 namespace infinigen {
 
@@ -25,33 +30,14 @@ struct CostModelInput {
   int64_t gen_len = 1;     // generated tokens per sequence, the prefill's one included
   DType kv_dtype = DType::F16;
   OffloadOptions options;  // policy, weights_gpu_percent, kv_block_tokens, speculation, h2o_budget
-  // Policy infinigen: per layer, the share of the pooled tokens a decode step loads (as a run
-  // measured it: tokens_fetched / tokens_stored). Resampled by relative depth when its length is
-  // not num_layers; dense layers always load everything.
-  std::vector<double> fetched_fraction;
-  // Policy infinigen, optional and exact: (sequence, head, token) rows loaded per decode step and
-  // layer (a run's LayerTraffic::tokens_fetched), steps 1..gen_len-1 in order. Overrides
-  // fetched_fraction where given.
-  std::vector<std::vector<uint64_t>> fetched_rows;
+  // For a policy that selects its loads (infinigen): what a measured run fetched, per layer
+  // (fraction) or per step and layer (rows). Dense layers always load everything.
+  FetchReplay fetched;
 };
 
 enum class Lane { Compute = 0, Load = 1, Store = 2, Gather = 3 };
 constexpr int kLanes = 4;
 const char* lane_name(Lane lane);
-
-// Which rates of the profile an op runs at (predict/hardware_profile.h).
-enum class OpClass {
-  Gemm,              // linear_table where the profile has one, else gemm_flops and
-                     // device_memory_bytes_per_s
-  AttentionPrefill,  // attention_flops, device_memory_bytes_per_s
-  AttentionDecode,   // attention_flops, attention_bytes_per_s
-  Elementwise,       // elementwise_bytes_per_s
-  Codec,             // kv_codec_bytes_per_s
-  Speculation,       // speculation_bytes_per_s
-  Scoring,           // scoring_flops
-  Transfer,          // the link (and the host copy on the CPU backend)
-  Gather,            // host threads gathering rows into pinned staging (cuda backend)
-};
 
 struct ScheduledOp {
   Lane lane = Lane::Compute;
@@ -85,8 +71,10 @@ struct Schedule {
   std::vector<int32_t> prefill_end;  // the prefill pass's last compute op (before the LM head)
 };
 
-// The runtime's schedule of a whole request: the prefill, then gen_len - 1 decode steps, each
-// with its own context length. Fails (one line) for configurations it does not model.
+// The schedule of a trace: its ops priced, on their lanes, with their dependencies.
+Schedule schedule_from_trace(const Trace& trace);
+// The runtime's schedule of a whole request: the trace of a dry run of it (the prefill, then
+// gen_len - 1 decode steps). Fails (one line) for configurations it does not model.
 Schedule run_schedule(const CostModelInput& input);
 
 }  // namespace infinigen

@@ -6,6 +6,7 @@
 #include <numeric>
 
 #include "core/ops.h"
+#include "core/trace.h"
 
 namespace infinigen {
 
@@ -27,6 +28,61 @@ int64_t SpeculationOptions::fetch_cap(int64_t capacity) const {
   return max_num_kv > 0 ? max_num_kv : std::max<int64_t>(1, capacity / 5);
 }
 
+void FetchReplay::validate(int64_t num_layers) const {
+  INFINIGEN_CHECK(!fraction.empty() || !rows.empty(),
+                  "a dry run of infinigen needs the share of tokens it fetches per layer (a "
+                  "measured run's), as nothing is speculated without computing");
+  for (double f : fraction) {
+    INFINIGEN_CHECK(f >= 0 && f <= 1, "fetched share ", f, " is not in [0, 1]");
+  }
+  for (const std::vector<uint64_t>& step : rows) {
+    INFINIGEN_CHECK(static_cast<int64_t>(step.size()) == num_layers, "fetched rows for ",
+                    step.size(), " layers per step, the model has ", num_layers);
+  }
+}
+
+std::vector<int32_t> FetchReplay::take(int64_t step, int64_t layer, int64_t num_layers,
+                                       int64_t dense_layers, int64_t heads, int64_t stored,
+                                       const std::vector<int64_t>& valid, int64_t cap) const {
+  const int64_t B = static_cast<int64_t>(valid.size());
+  std::vector<int32_t> take(static_cast<size_t>(B));
+  const size_t s = static_cast<size_t>(step - 1);
+  if (s < rows.size()) {
+    // The measured rows over the sequences: per head, an even split with the remainder first.
+    const int64_t per_head = static_cast<int64_t>(rows[s][static_cast<size_t>(layer)]) / heads;
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t share = per_head / B + (b < per_head % B ? 1 : 0);
+      take[static_cast<size_t>(b)] =
+          static_cast<int32_t>(std::min(share, valid[static_cast<size_t>(b)]));
+    }
+    return take;
+  }
+  double share = 0;
+  if (static_cast<int64_t>(fraction.size()) == num_layers) {
+    share = fraction[static_cast<size_t>(layer)];
+  } else {
+    // Relative depth among the speculated layers: the measured model's first dense_layers
+    // entries are its dense layers (everything loaded), which say nothing about how much a
+    // speculated layer fetches.
+    const int64_t measured_dense =
+        std::min<int64_t>(dense_layers, static_cast<int64_t>(fraction.size()) - 1);
+    const int64_t measured = static_cast<int64_t>(fraction.size()) - measured_dense;
+    const double depth = (static_cast<double>(layer - dense_layers) + 0.5) /
+                         static_cast<double>(num_layers - dense_layers);
+    const int64_t at = std::min<int64_t>(
+        measured - 1, static_cast<int64_t>(depth * static_cast<double>(measured)));
+    share = fraction[static_cast<size_t>(measured_dense + at)];
+  }
+  const int64_t per_head =
+      std::clamp<int64_t>(static_cast<int64_t>(std::floor(share * static_cast<double>(stored))), 1,
+                          std::max<int64_t>(1, std::min(cap, stored)));
+  for (int64_t b = 0; b < B; ++b) {
+    take[static_cast<size_t>(b)] =
+        static_cast<int32_t>(std::min(per_head, valid[static_cast<size_t>(b)]));
+  }
+  return take;
+}
+
 int64_t partial_columns(double ratio, int64_t head_dim) {
   return std::max<int64_t>(1,
                            static_cast<int64_t>(std::floor(ratio * static_cast<double>(head_dim))));
@@ -45,6 +101,15 @@ void PartialLayer::build(const Tensor& queries, const Tensor& keys, const Tensor
   head_dim_ = D / num_heads;
   capacity_ = capacity;
   r_ = r;
+  if (traced("partial_build", {batch_, heads_, queries.dim(0) / batch_, r_, D}, key_dtype_)) {
+    columns_.assign(static_cast<size_t>(heads_ * r_), 0);
+    for (int64_t h = 0; h < heads_; ++h) {
+      std::iota(columns_.begin() + h * r_, columns_.begin() + (h + 1) * r_, 0);
+    }
+    weight_ = Tensor::empty({heads_ * r_, D}, DType::F32);
+    bias_ = Tensor::empty({heads_ * r_}, DType::F32);
+    return;  // a dry run keeps no partial keys
+  }
   const float* q = queries.data<float>();
   const float* k = keys.data<float>();
 
@@ -109,6 +174,7 @@ void PartialLayer::build(const Tensor& queries, const Tensor& keys, const Tensor
 
 void PartialLayer::append(const Tensor& keys, int64_t position,
                           const std::vector<int32_t>* positions) {
+  if (traced("partial_append", {batch_, heads_, r_}, key_dtype_)) return;
   const float* k = keys.data<float>();
   const int64_t D = heads_ * head_dim_;
   std::vector<float> row(static_cast<size_t>(r_));
@@ -136,8 +202,50 @@ std::vector<float> PartialLayer::partial_key(int64_t b, int64_t h, int64_t posit
 PartialLayer::Selection PartialLayer::speculate(const Tensor& x, int64_t used,
                                                 const std::vector<int32_t>& first_valid,
                                                 const SpeculationOptions& options,
-                                                const std::vector<int32_t>* position_tokens) const {
-  return select(estimate_logits(x, used, first_valid, position_tokens), used, options);
+                                                const std::vector<int32_t>* position_tokens,
+                                                const std::vector<int32_t>* replay_take) const {
+  std::vector<float> logits = estimate_logits(x, used, first_valid, position_tokens);
+  if (dry_run()) {
+    INFINIGEN_CHECK(replay_take != nullptr, "a dry run of infinigen has no fetched share to replay");
+    return replayed(*replay_take, used, first_valid, position_tokens);
+  }
+  return select(logits, used, options);
+}
+
+PartialLayer::Selection PartialLayer::replayed(const std::vector<int32_t>& take, int64_t used,
+                                               const std::vector<int32_t>& first_valid,
+                                               const std::vector<int32_t>* position_tokens) const {
+  Selection sel;
+  sel.take.resize(static_cast<size_t>(batch_));
+  std::vector<std::vector<int32_t>> valid(static_cast<size_t>(batch_ * heads_));
+  for (int64_t row = 0; row < batch_ * heads_; ++row) {
+    const int64_t b = row / heads_;
+    for (int64_t p = 0; p < used; ++p) {
+      const int64_t token =
+          position_tokens ? (*position_tokens)[static_cast<size_t>(row * capacity_ + p)] : p;
+      if (token >= first_valid[static_cast<size_t>(b)]) {
+        valid[static_cast<size_t>(row)].push_back(static_cast<int32_t>(p));
+      }
+    }
+  }
+  for (int64_t b = 0; b < batch_; ++b) {
+    int64_t fewest = used;
+    for (int64_t h = 0; h < heads_; ++h) {
+      fewest = std::min<int64_t>(fewest, std::ssize(valid[static_cast<size_t>(b * heads_ + h)]));
+    }
+    sel.take[static_cast<size_t>(b)] =
+        static_cast<int32_t>(std::min<int64_t>(take[static_cast<size_t>(b)], fewest));
+    sel.fetch = std::max<int64_t>(sel.fetch, sel.take[static_cast<size_t>(b)]);
+    sel.mean_count += static_cast<double>(sel.take[static_cast<size_t>(b)]) /
+                      static_cast<double>(batch_);
+  }
+  sel.fetch = std::max<int64_t>(sel.fetch, 1);
+  sel.tokens.assign(static_cast<size_t>(batch_ * heads_ * sel.fetch), 0);
+  for (int64_t row = 0; row < batch_ * heads_; ++row) {
+    std::copy_n(valid[static_cast<size_t>(row)].begin(), sel.take[static_cast<size_t>(row / heads_)],
+                sel.tokens.begin() + row * sel.fetch);
+  }
+  return sel;
 }
 
 std::vector<float> PartialLayer::estimate_logits(
@@ -150,6 +258,7 @@ std::vector<float> PartialLayer::estimate_logits(
   // Partial queries (B, H * r), scaled like the real ones.
   Tensor pq = Tensor::empty({batch_, heads_ * r_}, DType::F32);
   ops::linear(x, weight_, bias_, pq);
+  if (traced("speculate", {batch_, heads_, used, r_}, key_dtype_)) return {};
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim_));
   std::vector<float> logits(static_cast<size_t>(batch_ * heads_ * used));
 #pragma omp parallel for collapse(2) schedule(static)

@@ -43,10 +43,35 @@ struct SpeculationOptions {
   int64_t fetch_cap(int64_t capacity) const;
 };
 
+// What a dry run (core/trace.h) of InfiniGen fetches: nothing is computed there, so nothing can be
+// speculated, and each speculated layer fetches what a measured run did.
+struct FetchReplay {
+  // Per layer of the measured model, the share of the stored tokens a decode step fetched (a
+  // run's tokens_fetched / tokens_stored). Resampled by relative depth among the speculated
+  // layers when the model replayed has another number of layers.
+  std::vector<double> fraction;
+  // Optional and exact: per decode step (1, 2, ...) and layer, the (sequence, head, token) rows
+  // a run fetched. Overrides `fraction` where given.
+  std::vector<std::vector<uint64_t>> rows;
+
+  // One-line Error when a share is outside [0, 1], a step of `rows` has not `num_layers`
+  // entries, or there is nothing to replay.
+  void validate(int64_t num_layers) const;
+  // Tokens each sequence fetches per head at decode step `step` of speculated layer `layer` (of
+  // `num_layers`, the first `dense_layers` dense), with `stored` tokens per sequence and
+  // valid[b] of them valid in sequence b, at most `cap`: the measured share of `stored` (at
+  // least 1), or the measured rows spread evenly over the sequences.
+  std::vector<int32_t> take(int64_t step, int64_t layer, int64_t num_layers, int64_t dense_layers,
+                            int64_t heads, int64_t stored, const std::vector<int64_t>& valid,
+                            int64_t cap) const;
+};
+
 // The number of partial key columns per head, r = max(1, floor(ratio * head_dim)).
 int64_t partial_columns(double ratio, int64_t head_dim);
 
-// One layer's speculation state, on the CPU backend: (H, r) column indices, the partial query
+// One layer's speculation state, on the CPU backend (in a trace its host work records itself as
+// partial_build {B, H, tokens, r, D}, speculate {B, H, positions, r} (the partial key dtype) and
+// partial_append {B, H, r}): (H, r) column indices, the partial query
 // weights (H * r, D) and bias (H * r) in fp32, and the partial key cache (B, H, capacity, r) in
 // fp32 or fp16 (SpeculationOptions::partial_key_dtype; fp16 halves its memory, as the reference
 // code keeps it in the KV's type, at the cost of rounding the estimated logits).
@@ -78,12 +103,16 @@ class PartialLayer {
   // previous layer, with options.alpha, options.max_num_kv (> 0: the resolved cap) and
   // options.fetch_rule. Position p of (b, h) holds token p, or position_tokens[(b * H + h) *
   // capacity + p] when given (-1: empty); it counts when that token is not padding
-  // (>= first_valid[b]). Selected positions are returned in ascending order.
+  // (>= first_valid[b]). Selected positions are returned in ascending order. In a dry run
+  // (core/trace.h) nothing is estimated: each sequence b takes its first replay_take[b] valid
+  // positions (FetchReplay).
   Selection speculate(const Tensor& x, int64_t used, const std::vector<int32_t>& first_valid,
                       const SpeculationOptions& options,
-                      const std::vector<int32_t>* position_tokens = nullptr) const;
+                      const std::vector<int32_t>* position_tokens = nullptr,
+                      const std::vector<int32_t>* replay_take = nullptr) const;
   // speculate()'s two halves. The estimated attention logits (B, H, used) of positions
-  // [0, used), scaled by 1/sqrt(d); -inf where a position holds padding or nothing.
+  // [0, used), scaled by 1/sqrt(d); -inf where a position holds padding or nothing (empty in a
+  // dry run).
   std::vector<float> estimate_logits(const Tensor& x, int64_t used,
                                      const std::vector<int32_t>& first_valid,
                                      const std::vector<int32_t>* position_tokens = nullptr) const;
@@ -109,6 +138,10 @@ class PartialLayer {
     return static_cast<size_t>(((b * heads_ + h) * capacity_ + p) * r_) * dtype_size(key_dtype_);
   }
   void write_key(size_t offset, const float* values);
+  // A dry run's selection: sequence b takes its first take[b] valid positions.
+  Selection replayed(const std::vector<int32_t>& take, int64_t used,
+                     const std::vector<int32_t>& first_valid,
+                     const std::vector<int32_t>* position_tokens) const;
 };
 
 }  // namespace infinigen

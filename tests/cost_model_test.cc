@@ -59,9 +59,9 @@ class CostModelSchedule : public ::testing::Test {
     CostModelInput in = input(options);
     const auto& steps = run.stats.steps();
     for (size_t s = 1; s < steps.size(); ++s) {
-      in.fetched_rows.emplace_back();
+      in.fetched.rows.emplace_back();
       for (const LayerTraffic& layer : steps[s].layers) {
-        in.fetched_rows.back().push_back(layer.tokens_fetched);
+        in.fetched.rows.back().push_back(layer.tokens_fetched);
       }
     }
     const Schedule schedule = run_schedule(in);
@@ -145,7 +145,7 @@ CostModelInput opt_13b(const std::string& policy) {
   in.prompt_len = 512;
   in.gen_len = 8;
   in.options.policy = policy;
-  in.fetched_fraction = {1.0, 1.0, 0.08, 0.1, 0.12};
+  in.fetched.fraction = {1.0, 1.0, 0.08, 0.1, 0.12};
   return in;
 }
 
@@ -243,8 +243,8 @@ TEST(CostModelSimulator, APlanThatDoesNotFitIsReportedNotTimed) {
 
 TEST(CostModelSimulator, InfinigenNeedsAMeasuredFetchShare) {
   CostModelInput in = opt_13b("infinigen");
-  in.fetched_fraction.clear();
-  testing_util::expect_error([&] { run_schedule(in); }, {"infinigen", "fetched_fraction"});
+  in.fetched.fraction.clear();
+  testing_util::expect_error([&] { run_schedule(in); }, {"infinigen", "share of tokens it fetches"});
 }
 
 }  // namespace

@@ -1,0 +1,133 @@
+// tests: traces (core/trace.h). A dry run records the same ops and transfers, in the same order
+// and with the same dependencies, as the real run it stands for, and touches no memory at the
+// paper's sizes.
+#include "core/trace.h"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <unistd.h>
+
+#include "core/model_loader.h"
+#include "offload/runtime.h"
+#include "speculate/speculation.h"
+
+namespace infinigen {
+namespace {
+
+std::string describe(const TracedOp& op) {
+  std::ostringstream s;
+  s << op.name << " kind " << static_cast<int>(op.kind) << " step " << op.step << " layer "
+    << op.layer << " sizes";
+  for (int64_t v : op.sizes) s << " " << v;
+  s << " dtype " << dtype_name(op.dtype) << " bytes " << op.bytes << " chunks " << op.chunks
+    << " content " << static_cast<int>(op.content) << " deps";
+  for (int32_t d : op.deps) s << " " << d;
+  return s.str();
+}
+
+class DryTrace : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    source_ = resolve_model("opt-tiny", {});
+    source_.config.num_layers = 4;  // infinigen: two dense layers, two speculated
+    request_.prompts = {{2, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20},
+                        {2, 500, 600, 700, 800, 900, 1000, 1100, 1200, 1300, 1400, 1500}};
+    request_.gen_len = 6;
+    request_.sampling.temperature = 0;
+  }
+
+  // The trace of a real run of `options`.
+  Trace wet(const OffloadOptions& options) const {
+    Trace trace(/*dry=*/false);
+    TraceScope scope(trace);
+    run_offloaded(source_, request_, options, Device::Cpu);
+    return trace;
+  }
+
+  void expect_same_trace(const OffloadOptions& options, const FetchReplay* replay = nullptr) {
+    const Trace real = wet(options);
+    const Trace dry = dry_run_trace(source_.config, request_, options, Device::Cpu, replay);
+    ASSERT_FALSE(real.ops().empty());
+    ASSERT_EQ(real.ops().size(), dry.ops().size()) << options.policy;
+    for (size_t i = 0; i < real.ops().size(); ++i) {
+      ASSERT_EQ(describe(real.ops()[i]), describe(dry.ops()[i]))
+          << options.policy << ", op " << i;
+    }
+  }
+
+  ModelSource source_;
+  GenerationRequest request_;
+};
+
+TEST_F(DryTrace, RecordsWhatTheRealRunDoes) {
+  for (const char* policy : {"gpu", "full", "int4", "h2o"}) {
+    OffloadOptions options;
+    options.policy = policy;
+    expect_same_trace(options);
+  }
+}
+
+TEST_F(DryTrace, RecordsStreamedWeights) {
+  OffloadOptions options;
+  options.policy = "full";
+  options.weights_gpu_percent = 50;
+  expect_same_trace(options);
+}
+
+TEST_F(DryTrace, InfinigenReplayingEverythingRecordsWhatSelectingEverythingDoes) {
+  OffloadOptions options;
+  options.policy = "infinigen";
+  options.speculation.alpha = 1e9;
+  options.speculation.max_num_kv = 1 << 20;
+  FetchReplay everything;
+  everything.fraction.assign(static_cast<size_t>(source_.config.num_layers), 1.0);
+  expect_same_trace(options, &everything);
+}
+
+TEST_F(DryTrace, InfinigenWithoutAReplayIsRefused) {
+  OffloadOptions options;
+  options.policy = "infinigen";
+  EXPECT_THROW(dry_run_trace(source_.config, request_, options, Device::Cpu, nullptr), Error);
+}
+
+// Resident memory of this process now, in MiB.
+double resident_mib() {
+  std::ifstream statm("/proc/self/statm");
+  long pages_total = 0, pages_resident = 0;
+  statm >> pages_total >> pages_resident;
+  return static_cast<double>(pages_resident) * static_cast<double>(sysconf(_SC_PAGESIZE)) /
+         (1024.0 * 1024.0);
+}
+
+TEST(DryTraceAtScale, OptThirteenBAtTheFigureFourteenPointNeedsNoMemory) {
+  // 26 GB of weights and 30 GB of KV if anything were allocated.
+  const ModelSource source = resolve_model("opt-13b", {});
+  GenerationRequest request;
+  std::vector<int32_t> prompt(1920, 5);
+  prompt[0] = source.config.bos_token_id;
+  request.prompts.assign(20, prompt);
+  request.gen_len = 4;
+  request.sampling.temperature = 0;
+  for (const char* policy : {"full", "infinigen"}) {
+    OffloadOptions options;
+    options.policy = policy;
+    FetchReplay replay;
+    replay.fraction = {1.0, 1.0, 0.1};
+    const double before = resident_mib();
+    const Trace trace = dry_run_trace(source.config, request, options, Device::Cpu, &replay);
+    EXPECT_LT(resident_mib() - before, 512.0) << policy;
+    // Per layer and step at least the four projections and two FFN linears.
+    int64_t linears = 0;
+    for (const TracedOp& op : trace.ops()) {
+      linears += std::string(op.name) == "linear" ? 1 : 0;
+    }
+    EXPECT_GE(linears, 6 * source.config.num_layers * request.gen_len) << policy;
+  }
+}
+
+}  // namespace
+}  // namespace infinigen
