@@ -55,7 +55,7 @@ PerplexityResult measure_perplexity(const ModelSource& model,
   options.validate(config.max_positions);
   const int64_t prefill = options.prefill, decode = options.decode_length(config.max_positions);
   INFINIGEN_CHECK(!windows.empty(), "no evaluation window to score");
-  const int64_t L = config.num_layers, H = config.num_heads;
+  const int64_t L = config.num_layers, H = config.kv_heads();
   const int64_t dense = std::min<int64_t>(offload.speculation.dense_layers, L);
 
   PerplexityResult result;

@@ -18,13 +18,22 @@ namespace infinigen {
 
 // What a layer's attention computes from, before it runs: the input of its Q/K/V projections
 // (B * n_new, D) (the normalised hidden state in a pre-norm model), its queries (B * n_new, H * d,
-// already scaled by 1/sqrt(d)), and the query projection that made them, weight (H * d, D) in
-// HF layout and bias (H * d; undefined when the model has none).
+// rotated when the model is rotary, then scaled by 1/sqrt(d)), and the query projection that
+// made them, weight (H * d, D) in HF layout and bias (H * d; undefined when the model has none).
+// A rotary model also gives its rotation: the frequencies (d / 2, fp32, on the model's device;
+// undefined otherwise, core/rope.h) and each new row's position (B * n_new), so that a query
+// projected again from `x` can be rotated the same way, and InfiniGen's skew of the layer when
+// the checkpoint has one beside it ((H_kv, d, d) fp32; undefined otherwise: OPT folds it into
+// W_q and W_k, core/weights.h). Every tensor referred to stays valid until the layer's append
+// returns.
 struct AttentionInput {
   const Tensor& x;
   const Tensor& queries;
   const Tensor& q_weight;
   const Tensor& q_bias;
+  const Tensor& rope_inv_freq;
+  const std::vector<int32_t>& positions;
+  const Tensor& skew;
 };
 
 class KvStore {
@@ -42,7 +51,7 @@ class KvStore {
   const std::vector<int32_t>& first_valid() const { return first_valid_; }
   void set_first_valid(std::vector<int32_t> first_valid);
 
-  // Keys and values a decode step's attention reads for one layer: (B, H, capacity, d) each,
+  // Keys and values a decode step's attention reads for one layer: (B, H_kv, capacity, d) each,
   // rows [first_valid[b], length) valid, the token appended in this pass included.
   struct View {
     const Tensor* keys;
@@ -60,8 +69,8 @@ class KvStore {
 
   virtual void begin_pass(int64_t n_new);
   virtual void begin_layer(int64_t layer) { (void)layer; }
-  // New keys and values of `layer`: rows (B * n_new, H * d) fp32 on the model's device, for
-  // tokens [length(), length() + n_new) of every sequence.
+  // New keys and values of `layer`: rows (B * n_new, H_kv * d) fp32 on the model's device (keys
+  // rotated in a rotary model), for tokens [length(), length() + n_new) of every sequence.
   virtual void append(int64_t layer, const Tensor& keys, const Tensor& values) = 0;
   virtual View view(int64_t layer) = 0;
   virtual void end_pass(int64_t n_new);
@@ -86,8 +95,8 @@ class KvCache : public KvStore {
 
  private:
   DType dtype_;
-  std::vector<Tensor> keys_;    // per layer: (B, H, capacity, d)
-  std::vector<Tensor> values_;  // per layer: (B, H, capacity, d)
+  std::vector<Tensor> keys_;    // per layer: (B, H_kv, capacity, d)
+  std::vector<Tensor> values_;  // per layer: (B, H_kv, capacity, d)
 };
 
 }  // namespace infinigen

@@ -2,6 +2,7 @@
 // family dispatch.
 #include "core/model.h"
 
+#include "core/models/llama.h"
 #include "core/models/opt.h"
 #include "core/trace.h"
 
@@ -32,6 +33,11 @@ Model::Model(ModelConfig config, ModelWeights weights, Device device,
                     config_.num_layers, " layers");
     layers_ = std::make_unique<ResidentLayers>(weights_.layers);
   }
+}
+
+const Tensor& Model::attention_skew(int64_t l) const {
+  static const Tensor none;
+  return weights_.attention_skew.empty() ? none : weights_.attention_skew[static_cast<size_t>(l)];
 }
 
 const TensorTable& Model::layer(int64_t l) {
@@ -79,6 +85,9 @@ std::unique_ptr<Model> make_model(const ModelConfig& config, ModelWeights weight
                                   std::unique_ptr<LayerWeightSource> layers) {
   if (config.family == "opt") {
     return std::make_unique<OptModel>(config, std::move(weights), device, std::move(layers));
+  }
+  if (config.family == "llama") {
+    return std::make_unique<LlamaModel>(config, std::move(weights), device, std::move(layers));
   }
   fail(config.name, ": no model for family '", config.family, "'");
 }

@@ -57,6 +57,8 @@ class Model {
   virtual Tensor lm_head(const Tensor& hidden) const = 0;
 
   const TensorTable& globals() const { return weights_.globals; }
+  // Layer l's InfiniGen skew kept beside the checkpoint (core/weights.h), or an undefined tensor.
+  const Tensor& attention_skew(int64_t l) const;
   // Layer l's weights; ops from here on belong to layer l in a trace (core/trace.h).
   const TensorTable& layer(int64_t l);
 

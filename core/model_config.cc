@@ -7,7 +7,10 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "core/config_keys.h"
 #include "core/error.h"
+#include "core/models/llama.h"
+#include "core/models/opt.h"
 #include "core/resources.h"
 #include "core/weights.h"
 
@@ -15,42 +18,6 @@ namespace infinigen {
 namespace {
 
 using nlohmann::json;
-
-int64_t positive_int(const json& j, const char* key, const std::string& source) {
-  INFINIGEN_CHECK(j.contains(key), source, ": missing '", key, "'");
-  const json& v = j.at(key);
-  INFINIGEN_CHECK(v.is_number_integer() && v.get<int64_t>() > 0, source, ": '", key,
-                  "' must be a positive integer, got ", v.dump());
-  return v.get<int64_t>();
-}
-
-int32_t token_id(const json& j, const char* key, int32_t fallback, const std::string& source) {
-  if (!j.contains(key) || j.at(key).is_null()) return fallback;
-  const json& v = j.at(key);
-  INFINIGEN_CHECK(v.is_number_integer() && v.get<int64_t>() >= 0, source, ": '", key,
-                  "' must be a non-negative integer, got ", v.dump());
-  return static_cast<int32_t>(v.get<int64_t>());
-}
-
-bool flag(const json& j, const char* key, bool fallback, const std::string& source) {
-  if (!j.contains(key) || j.at(key).is_null()) return fallback;
-  INFINIGEN_CHECK(j.at(key).is_boolean(), source, ": '", key, "' must be true or false, got ",
-                  j.at(key).dump());
-  return j.at(key).get<bool>();
-}
-
-// A key that must have `expected` for this engine to compute the model correctly.
-template <typename T>
-void require(const json& j, const char* key, const T& expected, const std::string& source,
-             const char* why) {
-  if (!j.contains(key) || j.at(key).is_null()) return;
-  bool matches = false;
-  try {
-    matches = j.at(key).get<T>() == expected;
-  } catch (const json::exception&) {
-  }
-  INFINIGEN_CHECK(matches, source, ": unsupported ", key, " = ", j.at(key).dump(), " (", why, ")");
-}
 
 // Converts a YAML node (maps, sequences, scalars) into JSON with typed scalars.
 json yaml_to_json(const YAML::Node& node) {
@@ -103,41 +70,22 @@ size_t ModelConfig::kv_bytes_per_token(DType kv_dtype) const {
 
 ModelConfig config_from_json(const json& j, const std::string& source) {
   INFINIGEN_CHECK(j.is_object(), source, ": expected a JSON object");
-  if (j.contains("model_type")) {
-    INFINIGEN_CHECK(j.at("model_type") == "opt", source, ": unsupported model_type ",
-                    j.at("model_type").dump(), " (this engine runs OPT models)");
-  }
+  const std::string type = config_keys::text(j, "model_type", "opt", source);
   ModelConfig c;
+  if (type == "opt") {
+    c = opt_config_from_json(j, source);
+  } else if (is_llama_model_type(type)) {
+    c = llama_config_from_json(j, source);
+  } else {
+    fail(source, ": unsupported model_type \"", type,
+         "\" (this engine runs opt, llama, mistral and qwen2 models)");
+  }
   c.name = source;
-  c.hidden_size = positive_int(j, "hidden_size", source);
-  c.num_layers = positive_int(j, "num_hidden_layers", source);
-  c.num_heads = positive_int(j, "num_attention_heads", source);
-  c.ffn_dim = positive_int(j, "ffn_dim", source);
-  c.vocab_size = positive_int(j, "vocab_size", source);
-  c.max_positions = positive_int(j, "max_position_embeddings", source);
-  INFINIGEN_CHECK(c.hidden_size % c.num_heads == 0, source, ": hidden_size ", c.hidden_size,
-                  " is not divisible by num_attention_heads ", c.num_heads);
-  c.pad_token_id = token_id(j, "pad_token_id", 1, source);
-  c.bos_token_id = token_id(j, "bos_token_id", 2, source);
-  c.eos_token_id = token_id(j, "eos_token_id", 2, source);
+  c.model_type = type;
   for (int32_t id : {c.pad_token_id, c.bos_token_id, c.eos_token_id}) {
     INFINIGEN_CHECK(id < c.vocab_size, source, ": special token id ", id,
                     " is outside the vocabulary of ", c.vocab_size);
   }
-  // Kept only when it differs from the width (so that code resizing a model, such as bench's
-  // --scale, keeps an unprojected model unprojected).
-  if (j.contains("word_embed_proj_dim") && !j.at("word_embed_proj_dim").is_null()) {
-    const int64_t embed = positive_int(j, "word_embed_proj_dim", source);
-    c.word_embed_dim = embed == c.hidden_size ? 0 : embed;
-  }
-  c.pre_norm = flag(j, "do_layer_norm_before", true, source);
-  // transformers builds the final LayerNorm only for pre-LayerNorm models.
-  c.final_norm = c.pre_norm && !flag(j, "_remove_final_layer_norm", false, source);
-  require(j, "activation_function", std::string("relu"), source, "OPT uses ReLU");
-  require(j, "enable_bias", true, source, "linear layers without bias are not supported");
-  require(j, "layer_norm_elementwise_affine", true, source,
-          "LayerNorm without weight and bias is not supported");
-  require(j, "tie_word_embeddings", true, source, "the LM head must be tied to the embedding");
   for (const char* key : {"torch_dtype", "dtype"}) {
     if (j.contains(key) && j.at(key).is_string()) {
       c.dtype = parse_float_dtype(j.at(key).get<std::string>());
@@ -187,34 +135,15 @@ ModelConfig load_preset(const std::string& name) {
 }
 
 json config_to_hf_json(const ModelConfig& c) {
-  std::string dtype = c.dtype == DType::F32    ? "float32"
-                      : c.dtype == DType::BF16 ? "bfloat16"
-                                               : "float16";
-  return json{{"architectures", {"OPTForCausalLM"}},
-              {"model_type", "opt"},
-              {"hidden_size", c.hidden_size},
-              {"num_hidden_layers", c.num_layers},
-              {"num_attention_heads", c.num_heads},
-              {"ffn_dim", c.ffn_dim},
-              {"vocab_size", c.vocab_size},
-              {"max_position_embeddings", c.max_positions},
-              {"word_embed_proj_dim", c.embed_dim()},
-              {"do_layer_norm_before", c.pre_norm},
-              {"activation_function", "relu"},
-              {"enable_bias", true},
-              {"layer_norm_elementwise_affine", true},
-              {"_remove_final_layer_norm", c.pre_norm && !c.final_norm},
-              {"tie_word_embeddings", true},
-              {"pad_token_id", c.pad_token_id},
-              {"bos_token_id", c.bos_token_id},
-              {"eos_token_id", c.eos_token_id},
-              {"dropout", 0.0},
-              {"attention_dropout", 0.0},
-              {"activation_dropout", 0.0},
-              {"layerdrop", 0.0},
-              {"init_std", 0.02},
-              {"use_cache", true},
-              {"torch_dtype", dtype}};
+  json j = c.family == "opt" ? opt_config_to_json(c) : llama_config_to_json(c);
+  j["vocab_size"] = c.vocab_size;
+  j["pad_token_id"] = c.pad_token_id;
+  j["bos_token_id"] = c.bos_token_id;
+  j["eos_token_id"] = c.eos_token_id;
+  j["torch_dtype"] = c.dtype == DType::F32    ? "float32"
+                     : c.dtype == DType::BF16 ? "bfloat16"
+                                              : "float16";
+  return j;
 }
 
 }  // namespace infinigen

@@ -11,6 +11,8 @@
 #include "kernels/cpu/embedding.h"
 #include "kernels/cpu/layer_norm.h"
 #include "kernels/cpu/linear.h"
+#include "kernels/cpu/rms_norm.h"
+#include "kernels/cpu/rope.h"
 
 #ifdef INFINIGEN_CUDA
 #include "kernels/cuda/attention.h"
@@ -18,6 +20,8 @@
 #include "kernels/cuda/embedding.h"
 #include "kernels/cuda/layer_norm.h"
 #include "kernels/cuda/linear.h"
+#include "kernels/cuda/rms_norm.h"
+#include "kernels/cuda/rope.h"
 #include "kernels/cuda/status.h"
 #endif
 
@@ -161,6 +165,56 @@ void layer_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta, float 
   }
   cpu::layer_norm(x.data<float>(), gamma.data<float>(), beta.data<float>(), y.data<float>(),
                   x.numel() / D, D, eps);
+}
+
+void rms_norm(const Tensor& x, const Tensor& gamma, float eps, Tensor& y) {
+  const Device device = common_device("rms_norm", {&x, &gamma, &y});
+  const int64_t D = x.dim(-1);
+  check_shape("rms_norm", gamma, {D});
+  check_shape("rms_norm", y, x.shape());
+  if (traced("rms_norm", {x.numel() / D, D})) return;
+  if (device == Device::Cuda) {
+#ifdef INFINIGEN_CUDA
+    check_cuda("rms_norm", gpu::rms_norm(x.data<float>(), gamma.data<float>(), y.data<float>(),
+                                         x.numel() / D, D, eps, kDefaultStream));
+#endif
+    return;
+  }
+  cpu::rms_norm(x.data<float>(), gamma.data<float>(), y.data<float>(), x.numel() / D, D, eps);
+}
+
+void rope(Tensor& x, const std::vector<int32_t>& positions, const Tensor& inv_freq) {
+  const Device device = common_device("rope", {&x, &inv_freq});
+  const int64_t rows = x.dim(0), width = x.dim(1), half = inv_freq.numel();
+  INFINIGEN_CHECK(inv_freq.dtype() == DType::F32 && half > 0 && width % (2 * half) == 0,
+                  "rope: ", inv_freq.numel(), " frequencies do not divide rows of width ", width);
+  INFINIGEN_CHECK(static_cast<int64_t>(positions.size()) == rows, "rope: ", positions.size(),
+                  " positions for ", rows, " rows");
+  if (traced("rope", {rows, width})) return;
+  const int64_t head_dim = 2 * half, heads = width / head_dim;
+  if (device == Device::Cuda) {
+#ifdef INFINIGEN_CUDA
+    const Tensor positions_d = indices_on_cuda(positions);
+    check_cuda("rope", gpu::rope(x.data<float>(), positions_d.data<int32_t>(),
+                                 inv_freq.data<float>(), rows, heads, head_dim, kDefaultStream));
+#endif
+    return;
+  }
+  cpu::rope(x.data<float>(), positions.data(), inv_freq.data<float>(), rows, heads, head_dim);
+}
+
+void silu_mul(Tensor& gate, const Tensor& up) {
+  const Device device = common_device("silu_mul", {&gate, &up});
+  check_shape("silu_mul", up, gate.shape());
+  if (traced("silu_mul", {gate.numel()})) return;
+  if (device == Device::Cuda) {
+#ifdef INFINIGEN_CUDA
+    check_cuda("silu_mul",
+               gpu::silu_mul(gate.data<float>(), up.data<float>(), gate.numel(), kDefaultStream));
+#endif
+    return;
+  }
+  cpu::silu_mul(gate.data<float>(), up.data<float>(), gate.numel());
 }
 
 void linear(const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& y, bool relu) {

@@ -5,7 +5,8 @@
 //   embed {rows, width}; layer_norm {rows, width}; linear {M, N, K} (weights' dtype);
 //   add {elements}; scale {elements}; attention_prefill {B, H, n, d, H_kv};
 //   attention_decode {B, H, KV rows read over the batch, d, H_kv} (KV dtype);
-//   cache_store {rows, width} (cache dtype).
+//   cache_store {rows, width} (cache dtype); rms_norm {rows, width}; rope {rows, width};
+//   silu_mul {elements}.
 #pragma once
 
 #include <cstdint>
@@ -25,6 +26,17 @@ void embed(const std::vector<int32_t>& tokens, const std::vector<int32_t>& posit
 
 // y (rows, D) = LayerNorm(x) * gamma + beta; y may be x.
 void layer_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps, Tensor& y);
+
+// y (rows, D) = x / sqrt(mean(x^2) + eps) * gamma (RMSNorm); y may be x.
+void rms_norm(const Tensor& x, const Tensor& gamma, float eps, Tensor& y);
+
+// Rotary position embedding of x (rows, heads * d), in place: in each head, channel pairs
+// (i, i + d/2) rotated by positions[row] * inv_freq[i]; inv_freq (d/2) fp32 on x's device
+// (core/rope.h).
+void rope(Tensor& x, const std::vector<int32_t>& positions, const Tensor& inv_freq);
+
+// gate = silu(gate) * up (same shape): SwiGLU's product.
+void silu_mul(Tensor& gate, const Tensor& up);
 
 // y (M, N) = x (M, K) . w (N, K)^T + bias (N) [then ReLU]; bias may be undefined.
 void linear(const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& y, bool relu = false);

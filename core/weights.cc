@@ -2,6 +2,7 @@
 #include "core/weights.h"
 
 #include "core/interrupt.h"
+#include "core/models/llama.h"
 #include "core/models/opt.h"
 
 namespace infinigen {
@@ -22,6 +23,7 @@ std::vector<TensorSpec> WeightLayout::all() const {
 
 WeightLayout weight_layout(const ModelConfig& config) {
   if (config.family == "opt") return opt_weight_layout(config);
+  if (config.family == "llama") return llama_weight_layout(config);
   fail(config.name, ": no weight layout for model family '", config.family, "'");
 }
 

@@ -60,6 +60,9 @@ class TensorTable {
 struct ModelWeights {
   TensorTable globals;              // `first` and `last` tensors, by full name
   std::vector<TensorTable> layers;  // per layer, by name within the layer
+  // InfiniGen's skew of a rotary model, kept beside its checkpoint (speculate/skew.h): per layer
+  // (H_kv, d, d) fp32 on the model's device; empty when there is none.
+  std::vector<Tensor> attention_skew;
 };
 
 // Collects a model's tensors given by full checkpoint name (from a checkpoint or a generator),

@@ -92,7 +92,8 @@ int64_t h2o_slots(double budget, int64_t capacity) {
 H2oKv::H2oKv(const ModelConfig& config, int64_t batch, int64_t capacity, DType kv_dtype,
              Device device, double budget, TransferEngine& engine, OffloadStats& stats)
     : PipelinedKv(batch, capacity, config.num_layers, engine, stats),
-      heads_(config.num_heads),
+      heads_(config.kv_heads()),
+      group_(config.num_heads / config.kv_heads()),
       head_dim_(config.head_dim()),
       kv_dtype_(kv_dtype),
       device_(device),
@@ -226,11 +227,12 @@ KvStore::View H2oKv::view(int64_t layer) {
 
 void H2oKv::prefill(int64_t layer, const Tensor& keys, const Tensor& values) {
   const int64_t n = pass_tokens(), B = batch(), H = heads_, d = head_dim_, width = H * d;
-  // Staged compact rows (B, H, slots + 1, d) fp32; rows nobody stores stay zero.
+  const int64_t q_width = width * group_;
+  // Staged compact rows (B, H_kv, slots + 1, d) fp32; rows nobody stores stay zero.
   Tensor staged_k = Tensor::zeros({B, H, slots_ + 1, d}, DType::F32);
   Tensor staged_v = Tensor::zeros({B, H, slots_ + 1, d}, DType::F32);
   const std::vector<int32_t>& fv = first_valid();
-  if (traced("h2o_prefill_scores", {B, H, n, d})) {
+  if (traced("h2o_prefill_scores", {B, H * group_, n, d})) {
     keep_newest_prompt_tokens(layer, n);  // a dry run: what zero scores keep
   } else {
     const Tensor q = on_host(queries_), k = on_host(keys), v = on_host(values);
@@ -250,17 +252,20 @@ void H2oKv::prefill(int64_t layer, const Tensor& keys, const Tensor& values) {
           for (int64_t e = 0; e < d; ++e)
             rounded[static_cast<size_t>(j * d + e)] = round_kv(src[e]);
         }
-        // Causal softmax of every valid query; each key sums the probability it received.
+        // Causal softmax of every valid query of the group's heads; each key sums the
+        // probability it received.
         std::vector<float> score(static_cast<size_t>(valid), 0.0f);
         std::vector<float> probs(static_cast<size_t>(valid));
-        for (int64_t i = 0; i < valid; ++i) {
-          const float* qi = qd + (b * n + start + i) * width + h * d;
-          for (int64_t j = 0; j <= i; ++j) {
-            probs[static_cast<size_t>(j)] = dot(qi, rounded.data() + j * d, d);
+        for (int64_t head = h * group_; head < (h + 1) * group_; ++head) {
+          for (int64_t i = 0; i < valid; ++i) {
+            const float* qi = qd + (b * n + start + i) * q_width + head * d;
+            for (int64_t j = 0; j <= i; ++j) {
+              probs[static_cast<size_t>(j)] = dot(qi, rounded.data() + j * d, d);
+            }
+            softmax_inplace(probs.data(), i + 1);
+            for (int64_t j = 0; j <= i; ++j)
+              score[static_cast<size_t>(j)] += probs[static_cast<size_t>(j)];
           }
-          softmax_inplace(probs.data(), i + 1);
-          for (int64_t j = 0; j <= i; ++j)
-            score[static_cast<size_t>(j)] += probs[static_cast<size_t>(j)];
         }
         // Keep the recent window and the highest-scoring older tokens (ties keep the newer).
         std::vector<int64_t> keep;
@@ -330,8 +335,8 @@ void H2oKv::decode(int64_t layer, const Tensor& keys, const Tensor& values) {
   ops::cache_store(values, staging_values_[p], slots_);
   const auto token = static_cast<int32_t>(length());
   int64_t scored = 0;  // (entry, query) pairs the scoring visits, for the trace
-  for (int32_t count : count_) scored += H * (count + 1);
-  if (traced("h2o_decode_scores", {B, H, scored / H, d})) {
+  for (int32_t count : count_) scored += H * group_ * (count + 1);
+  if (traced("h2o_decode_scores", {B, H * group_, scored / (H * group_), d})) {
     // A dry run: the new token enters with no score, so victims are the oldest candidates.
     for (int64_t b = 0; b < B; ++b) {
       for (int64_t h = 0; h < H; ++h) {
@@ -352,17 +357,20 @@ void H2oKv::decode(int64_t layer, const Tensor& keys, const Tensor& values) {
         for (int64_t e = 0; e < d; ++e) key[e] = round_kv(src[e]);
         tokens_[fresh] = token;
         scores_[fresh] = 0.0f;
-        // The query's softmax over the kept entries and the new token, as attention computes it.
+        // Each query head's softmax over the kept entries and the new token, as attention
+        // computes it.
         const int64_t row0 = slots_ - count_[static_cast<size_t>(b)], n = slots_ + 1 - row0;
-        const float* qi = qd + b * width + h * d;
         std::vector<float> probs(static_cast<size_t>(n));
-        for (int64_t r = 0; r < n; ++r) {
-          probs[static_cast<size_t>(r)] =
-              dot(qi, &host_keys_[entry(layer, b, h, row0 + r) * static_cast<size_t>(d)], d);
+        for (int64_t head = h * group_; head < (h + 1) * group_; ++head) {
+          const float* qi = qd + (b * H * group_ + head) * d;
+          for (int64_t r = 0; r < n; ++r) {
+            probs[static_cast<size_t>(r)] =
+                dot(qi, &host_keys_[entry(layer, b, h, row0 + r) * static_cast<size_t>(d)], d);
+          }
+          softmax_inplace(probs.data(), n);
+          for (int64_t r = 0; r < n; ++r)
+            scores_[entry(layer, b, h, row0 + r)] += probs[static_cast<size_t>(r)];
         }
-        softmax_inplace(probs.data(), n);
-        for (int64_t r = 0; r < n; ++r)
-          scores_[entry(layer, b, h, row0 + r)] += probs[static_cast<size_t>(r)];
       }
     }
   }

@@ -107,7 +107,8 @@ class H2oKv : public PipelinedKv {
   void issue_store(int64_t layer, std::vector<CopyChunk> chunks, EventPtr after);
   float round_kv(float value) const;  // `value` as the KV dtype stores it
 
-  int64_t heads_;
+  int64_t heads_;  // H_kv: the pool's heads (each scored by its group's query heads)
+  int64_t group_;  // H / H_kv
   int64_t head_dim_;
   DType kv_dtype_;
   Device device_;

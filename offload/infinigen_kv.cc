@@ -25,25 +25,32 @@ const KvPolicy& infinigen_kv_policy() {
       [](Device device) { return device == Device::Cpu; },
       [](const MemoryRequest& r) -> KvMemory {
         // A staging as `full`'s and the pool (capped or not), plus per layer the partial key
-        // cache (B, H, tokens, r) and the partial query weights and bias (H, r, D + 1) in fp32.
+        // cache (B, H_kv, tokens, r) and the partial query weights (H, rows, D) in the weights'
+        // dtype with an fp32 bias: r rows per head, or at most d with a rotation (the rotary
+        // pairs of the columns, or every row under a skew) and the skew (H_kv, d, d) fp32.
         const ModelConfig& c = r.config;
         const int64_t tokens = request_positions(r);
         const int64_t pooled = r.kv_pool_tokens > 0 ? std::min(r.kv_pool_tokens, tokens) : tokens;
         const SpeculationOptions& s = r.options.speculation;
         const int64_t rp = partial_columns(s.partial_ratio, c.head_dim());
+        const int64_t d = c.head_dim(), rows = c.rope.enabled() ? d : rp;
         const auto key_size = static_cast<int64_t>(dtype_size(s.partial_key_dtype));
-        return {saturating_sum(
-                    {kv_staging_bytes(r, tokens),
-                     saturating_product({c.num_layers, r.batch, c.num_heads, tokens, rp, key_size}),
-                     saturating_product({c.num_layers, c.num_heads, rp, c.hidden_size + 1, 4})}),
-                kv_pool_bytes(r, pooled)};
+        const auto weight_size = static_cast<int64_t>(dtype_size(c.dtype));
+        return {
+            saturating_sum(
+                {kv_staging_bytes(r, tokens),
+                 saturating_product({c.num_layers, r.batch, c.kv_heads(), tokens, rp, key_size}),
+                 saturating_product({c.num_layers, c.num_heads, rows, c.hidden_size, weight_size}),
+                 saturating_product({c.num_layers, c.num_heads, rows, 4}),
+                 c.rope.enabled() ? saturating_product({c.num_layers, c.kv_heads(), d, d, 4}) : 0}),
+            kv_pool_bytes(r, pooled)};
       },
       [](const KvStoreArgs& a) -> std::unique_ptr<KvStore> {
         const OffloadOptions& o = a.options;
-        return std::make_unique<InfinigenKv>(
-            a.config, a.batch, a.capacity, a.kv_dtype, a.device, o.kv_block_tokens, a.engine,
-            a.stats, o.speculation, o.check_recall, KvPoolLimit{a.pool_positions, o.eviction},
-            a.replay);
+        return std::make_unique<InfinigenKv>(a.config, a.batch, a.capacity, a.kv_dtype, a.device,
+                                             o.kv_block_tokens, a.engine, a.stats, o.speculation,
+                                             o.check_recall,
+                                             KvPoolLimit{a.pool_positions, o.eviction}, a.replay);
       }};
   return policy;
 }
@@ -59,6 +66,8 @@ InfinigenKv::InfinigenKv(const ModelConfig& config, int64_t batch, int64_t capac
       replay_(replay),
       head_dim_(config.head_dim()),
       heads_(config.num_heads),
+      kv_heads_(config.kv_heads()),
+      group_(config.num_heads / config.kv_heads()),
       slots_(limit.positions > 0 ? std::min(limit.positions, capacity) : capacity),
       partial_(static_cast<size_t>(config.num_layers)),
       selection_(static_cast<size_t>(config.num_layers)) {
@@ -73,10 +82,11 @@ InfinigenKv::InfinigenKv(const ModelConfig& config, int64_t batch, int64_t capac
     replay_->validate(config.num_layers);
   }
   if (limited()) {
-    position_tokens_.assign(static_cast<size_t>(config.num_layers),
-                            std::vector<int32_t>(static_cast<size_t>(batch * heads_ * slots_), -1));
+    position_tokens_.assign(
+        static_cast<size_t>(config.num_layers),
+        std::vector<int32_t>(static_cast<size_t>(batch * kv_heads_ * slots_), -1));
     for (int64_t l = 0; l < config.num_layers; ++l) {
-      eviction_.emplace_back(limit.eviction, batch * heads_, slots_);
+      eviction_.emplace_back(limit.eviction, batch * kv_heads_, slots_);
     }
   }
 }
@@ -84,7 +94,7 @@ InfinigenKv::InfinigenKv(const ModelConfig& config, int64_t batch, int64_t capac
 int32_t InfinigenKv::token_at(int64_t layer, int64_t b, int64_t h, int64_t position) const {
   if (!limited()) return static_cast<int32_t>(position);
   return position_tokens_[static_cast<size_t>(layer)]
-                         [static_cast<size_t>((b * heads_ + h) * slots_ + position)];
+                         [static_cast<size_t>((b * kv_heads_ + h) * slots_ + position)];
 }
 
 void InfinigenKv::begin_layer(int64_t layer) {
@@ -103,15 +113,14 @@ void InfinigenKv::issue_load(int64_t layer) {
 
 void InfinigenKv::observe(int64_t layer, const AttentionInput& input) {
   if (length() == 0) {
-    prefill_queries_ = &input.queries;
-    prefill_q_weight_ = &input.q_weight;
-    prefill_q_bias_ = &input.q_bias;
+    prefill_input_.reset();
+    prefill_input_.emplace(input);
     return;
   }
   if (check_recall_ || limited()) decode_queries_ = input.queries;
   // Speculate the next layer's attention from this layer's input, and start its load.
   if (layer + 1 < static_cast<int64_t>(partial_.size()) && !dense(layer + 1)) {
-    select_and_load(layer + 1, input.x);
+    select_and_load(layer + 1, input.x, input.positions);
   }
 }
 
@@ -126,13 +135,11 @@ void InfinigenKv::append(int64_t layer, const Tensor& keys, const Tensor& values
       OffloadedKv::append(layer, keys, values);
     }
     if (dense(layer)) return;
-    // The partial columns come from the real queries, before the 1/sqrt(d) scaling.
-    Tensor queries = prefill_queries_->clone();
-    ops::scale_inplace(queries, std::sqrt(static_cast<float>(head_dim_)));
+    const AttentionInput& in = *prefill_input_;
     const int64_t r = partial_columns(options_.partial_ratio, head_dim_);
-    partial_[l].build(queries, keys, *prefill_q_weight_, *prefill_q_bias_, first_valid(), heads_,
-                      slots_, r, options_.index_rule, limited() ? &position_tokens_[l] : nullptr,
-                      options_.partial_key_dtype);
+    partial_[l].build({in.queries, keys, in.q_weight, in.q_bias, in.rope_inv_freq, in.skew},
+                      first_valid(), heads_, kv_heads_, slots_, r, options_.index_rule,
+                      limited() ? &position_tokens_[l] : nullptr, options_.partial_key_dtype);
     return;
   }
   if (!compact(layer)) {
@@ -155,9 +162,9 @@ void InfinigenKv::append(int64_t layer, const Tensor& keys, const Tensor& values
   const size_t row_bytes = static_cast<size_t>(head_dim_) * dtype_size(store_keys_[p].dtype());
   std::vector<CopyChunk> chunks;
   for (int64_t b = 0; b < batch(); ++b) {
-    for (int64_t h = 0; h < heads_; ++h) {
-      const int64_t at = positions[static_cast<size_t>(b * heads_ + h)];
-      const size_t src = static_cast<size_t>(b * heads_ + h) * row_bytes;
+    for (int64_t h = 0; h < kv_heads_; ++h) {
+      const int64_t at = positions[static_cast<size_t>(b * kv_heads_ + h)];
+      const size_t src = static_cast<size_t>(b * kv_heads_ + h) * row_bytes;
       chunks.push_back({pool_.row(layer, KvKind::Key, b, h, at),
                         static_cast<const char*>(store_keys_[p].raw()) + src, row_bytes});
       chunks.push_back({pool_.row(layer, KvKind::Value, b, h, at),
@@ -168,8 +175,8 @@ void InfinigenKv::append(int64_t layer, const Tensor& keys, const Tensor& values
   stats_.current().layers[l].kv_d2h_bytes += bytes;
   stats_.current().d2h_bytes += bytes;
   // A victim's old row may be among this step's loads of the layer: overwrite it after them.
-  stored_[l] = engine_.store(std::move(chunks), loaded_[l],
-                             {"kv_store", layer, TransferContent::KvRows});
+  stored_[l] =
+      engine_.store(std::move(chunks), loaded_[l], {"kv_store", layer, TransferContent::KvRows});
   store_buffer_read_[p] = stored_[l];
   if (!dense(layer)) partial_[l].append(keys, 0, &positions);
 }
@@ -177,23 +184,25 @@ void InfinigenKv::append(int64_t layer, const Tensor& keys, const Tensor& values
 void InfinigenKv::store_prompt_in_capped_pool(int64_t layer, const Tensor& keys,
                                               const Tensor& values) {
   const size_t l = static_cast<size_t>(layer), p = l % 2;
-  const int64_t n = pass_tokens(), B = batch(), H = heads_, d = head_dim_, D = H * d;
+  const int64_t n = pass_tokens(), B = batch(), H = kv_heads_, d = head_dim_, KV = H * d;
+  const int64_t Q = heads_ * d;
   // The prompt's rows go through staging[p], which the store of layer - 2 last read.
   if (layer >= 2) stored_[l - 2]->wait();
   ops::cache_store(keys, staging_keys_[p], 0);
   ops::cache_store(values, staging_values_[p], 0);
 
   // Which tokens each (sequence, head) keeps: the eviction policy's choice from the prompt's
-  // attention (speculate/prompt_keep.h), and the history they start decoding with.
-  const float* q = prefill_queries_->data<float>();  // (B * n, D), scaled
-  const float* k = keys.data<float>();               // (B * n, D)
+  // attention (speculate/prompt_keep.h; the query heads of a KV head's group together), and
+  // the history they start decoding with.
+  const float* q = prefill_input_->queries.data<float>();  // (B * n, H * d), scaled
+  const float* k = keys.data<float>();                     // (B * n, H_kv * d)
   std::vector<PromptKeep> keep(static_cast<size_t>(B * H));
 #pragma omp parallel for schedule(dynamic)
   for (int64_t row = 0; row < B * H; ++row) {
-    const int64_t b = row / H, h = row % H;
+    const int64_t b = row / H, g = row % H;
     keep[static_cast<size_t>(row)] = keep_prompt_tokens(
-        q + b * n * D + h * d, k + b * n * D + h * d, D, first_valid()[static_cast<size_t>(b)], n,
-        d, slots_, options_.alpha, eviction_[l].policy());
+        q + b * n * Q + g * group_ * d, Q, group_, k + b * n * KV + g * d, KV,
+        first_valid()[static_cast<size_t>(b)], n, d, slots_, options_.alpha, eviction_[l].policy());
   }
 
   pool_.reserve(std::min(n, slots_));
@@ -218,37 +227,45 @@ void InfinigenKv::store_prompt_in_capped_pool(int64_t layer, const Tensor& keys,
   const uint64_t bytes = total_bytes(chunks);
   stats_.current().layers[l].kv_d2h_bytes += bytes;
   stats_.current().d2h_bytes += bytes;
-  stored_[l] = engine_.store(std::move(chunks), nullptr,
-                             {"kv_store", layer, TransferContent::KvRows});
+  stored_[l] =
+      engine_.store(std::move(chunks), nullptr, {"kv_store", layer, TransferContent::KvRows});
 }
 
 void InfinigenKv::count_dense_fetches(int64_t layer) {
   const size_t l = static_cast<size_t>(layer), p = l % 2;
   const PartialLayer::Selection& sel = selection_[l];
   const Tensor& staged = staging_keys_[p];
-  const int64_t H = heads_, d = head_dim_, cap = staged.dim(2);
+  const int64_t H = kv_heads_, d = head_dim_, cap = staged.dim(2);
   const size_t row_bytes = static_cast<size_t>(d) * dtype_size(staged.dtype());
-  const float* q = decode_queries_.data<float>();  // (B, H * d), scaled
+  const float* q = decode_queries_.data<float>();  // (B, H * d) query heads, scaled
   std::vector<float> key(static_cast<size_t>(d)), logits;
+  std::vector<char> fetched;
   for (int64_t row = 0; row < batch() * H; ++row) {
     const int64_t take = sel.take[static_cast<size_t>(row / H)];
-    const float* query = q + row * d;
-    // Staged rows [fetch - take, fetch) hold the selected positions, row fetch the new token.
-    logits.assign(static_cast<size_t>(take + 1), 0.0f);
-    for (int64_t j = 0; j <= take; ++j) {
-      const size_t staged_row = static_cast<size_t>(row * cap + sel.fetch - take + j);
-      convert_to_f32(static_cast<const char*>(staged.raw()) + staged_row * row_bytes,
-                     staged.dtype(), key.data(), key.size());
-      float dot = 0.0f;
-      for (int64_t c = 0; c < d; ++c) dot += query[c] * key[c];
-      logits[static_cast<size_t>(j)] = dot;
+    // A position counts as fetched when one query head of the group attends within alpha of its
+    // own top. Staged rows [fetch - take, fetch) hold the selected positions, row fetch the new
+    // token.
+    fetched.assign(static_cast<size_t>(take), 0);
+    for (int64_t head = row * group_; head < (row + 1) * group_; ++head) {
+      const float* query = q + head * d;
+      logits.assign(static_cast<size_t>(take + 1), 0.0f);
+      for (int64_t j = 0; j <= take; ++j) {
+        const size_t staged_row = static_cast<size_t>(row * cap + sel.fetch - take + j);
+        convert_to_f32(static_cast<const char*>(staged.raw()) + staged_row * row_bytes,
+                       staged.dtype(), key.data(), key.size());
+        float dot = 0.0f;
+        for (int64_t c = 0; c < d; ++c) dot += query[c] * key[c];
+        logits[static_cast<size_t>(j)] = dot;
+      }
+      const float top = *std::max_element(logits.begin(), logits.end());
+      for (int64_t j = 0; j < take; ++j) {
+        if (logits[static_cast<size_t>(j)] > top - options_.alpha)
+          fetched[static_cast<size_t>(j)] = 1;
+      }
     }
-    const float top = *std::max_element(logits.begin(), logits.end());
     const int32_t* positions = sel.tokens.data() + row * sel.fetch;
     for (int64_t j = 0; j < take; ++j) {
-      if (logits[static_cast<size_t>(j)] > top - options_.alpha) {
-        eviction_[l].on_fetch(row, positions[j], length());
-      }
+      if (fetched[static_cast<size_t>(j)]) eviction_[l].on_fetch(row, positions[j], length());
     }
   }
 }
@@ -257,8 +274,8 @@ std::vector<int32_t> InfinigenKv::place_new_token(int64_t layer) {
   const size_t l = static_cast<size_t>(layer);
   const int64_t t = length();
   if (t < slots_) pool_.reserve(t + 1);
-  std::vector<int32_t> positions(static_cast<size_t>(batch() * heads_));
-  for (int64_t row = 0; row < batch() * heads_; ++row) {
+  std::vector<int32_t> positions(static_cast<size_t>(batch() * kv_heads_));
+  for (int64_t row = 0; row < batch() * kv_heads_; ++row) {
     const int64_t at =
         eviction_[l].full(row) ? eviction_[l].victim(row, t) : eviction_[l].size(row);
     positions[static_cast<size_t>(row)] = static_cast<int32_t>(at);
@@ -272,30 +289,31 @@ PartialLayer::Selection InfinigenKv::select_all(int64_t layer) const {
   PartialLayer::Selection sel;
   const int64_t used = used_positions(), B = batch();
   sel.take.assign(static_cast<size_t>(B), 0);
-  std::vector<std::vector<int32_t>> rows(static_cast<size_t>(B * heads_));
+  std::vector<std::vector<int32_t>> rows(static_cast<size_t>(B * kv_heads_));
   for (int64_t b = 0; b < B; ++b) {
-    for (int64_t h = 0; h < heads_; ++h) {
+    for (int64_t h = 0; h < kv_heads_; ++h) {
       for (int64_t p = 0; p < used; ++p) {
         if (token_at(layer, b, h, p) >= first_valid()[static_cast<size_t>(b)]) {
-          rows[static_cast<size_t>(b * heads_ + h)].push_back(static_cast<int32_t>(p));
+          rows[static_cast<size_t>(b * kv_heads_ + h)].push_back(static_cast<int32_t>(p));
         }
       }
-      const int32_t n = static_cast<int32_t>(rows[static_cast<size_t>(b * heads_ + h)].size());
+      const int32_t n = static_cast<int32_t>(rows[static_cast<size_t>(b * kv_heads_ + h)].size());
       sel.take[static_cast<size_t>(b)] = h == 0 ? n : std::min(sel.take[static_cast<size_t>(b)], n);
     }
     sel.fetch = std::max<int64_t>(sel.fetch, sel.take[static_cast<size_t>(b)]);
   }
   sel.fetch = std::max<int64_t>(sel.fetch, 1);
-  sel.tokens.assign(static_cast<size_t>(B * heads_ * sel.fetch), 0);
-  for (int64_t row = 0; row < B * heads_; ++row) {
-    const int64_t take = sel.take[static_cast<size_t>(row / heads_)];
+  sel.tokens.assign(static_cast<size_t>(B * kv_heads_ * sel.fetch), 0);
+  for (int64_t row = 0; row < B * kv_heads_; ++row) {
+    const int64_t take = sel.take[static_cast<size_t>(row / kv_heads_)];
     std::copy_n(rows[static_cast<size_t>(row)].begin(), take, sel.tokens.begin() + row * sel.fetch);
   }
   sel.mean_count = static_cast<double>(sel.fetch);
   return sel;
 }
 
-void InfinigenKv::select_and_load(int64_t layer, const Tensor& normed) {
+void InfinigenKv::select_and_load(int64_t layer, const Tensor& x,
+                                  const std::vector<int32_t>& positions) {
   const size_t l = static_cast<size_t>(layer);
   PartialLayer::Selection& sel = selection_[l];
   std::vector<int32_t> replay_take;
@@ -304,15 +322,15 @@ void InfinigenKv::select_and_load(int64_t layer, const Tensor& normed) {
     for (int64_t b = 0; b < batch(); ++b) {
       valid[static_cast<size_t>(b)] = used_positions() - first_valid()[static_cast<size_t>(b)];
     }
-    replay_take = replay_->take(length() - prompt_tokens_ + 1, layer, std::ssize(partial_),
-                                options_.dense_layers, heads_, length(), valid,
-                                options_.max_num_kv);
+    replay_take =
+        replay_->take(length() - prompt_tokens_ + 1, layer, std::ssize(partial_),
+                      options_.dense_layers, kv_heads_, length(), valid, options_.max_num_kv);
   }
-  sel = partial_[l].speculate(normed, used_positions(), first_valid(), options_,
+  sel = partial_[l].speculate(x, positions, used_positions(), first_valid(), options_,
                               limited() ? &position_tokens_[l] : nullptr, &replay_take);
   if (limited()) {  // each fetched entry counts for the eviction policy
-    for (int64_t row = 0; row < batch() * heads_; ++row) {
-      const int64_t take = sel.take[static_cast<size_t>(row / heads_)];
+    for (int64_t row = 0; row < batch() * kv_heads_; ++row) {
+      const int64_t take = sel.take[static_cast<size_t>(row / kv_heads_)];
       for (int64_t j = 0; j < take; ++j) {
         eviction_[l].on_fetch(row, sel.tokens[static_cast<size_t>(row * sel.fetch + j)], length());
       }
@@ -330,7 +348,7 @@ void InfinigenKv::load_selection(int64_t layer) {
     fill_nan(keys);
     fill_nan(values);
   }
-  const int64_t B = batch(), H = heads_, cap = keys.dim(2);
+  const int64_t B = batch(), H = kv_heads_, cap = keys.dim(2);
   const size_t row_bytes = static_cast<size_t>(head_dim_) * dtype_size(keys.dtype());
   std::vector<CopyChunk> chunks;
   chunks.reserve(static_cast<size_t>(2 * B * H * sel.fetch));
@@ -361,8 +379,8 @@ void InfinigenKv::load_selection(int64_t layer) {
   const uint64_t bytes = static_cast<uint64_t>(chunks.size() * row_bytes);
   traffic.kv_h2d_bytes += bytes;
   stats_.current().h2d_bytes += bytes;
-  loaded_[l] = engine_.load(std::move(chunks), stored_[l],
-                            {"kv_load", layer, TransferContent::KvRows});
+  loaded_[l] =
+      engine_.load(std::move(chunks), stored_[l], {"kv_load", layer, TransferContent::KvRows});
 }
 
 KvStore::View InfinigenKv::view(int64_t layer) {
@@ -386,43 +404,47 @@ double InfinigenKv::measure_recall(int64_t layer) const {
   stored_[l]->wait();  // the pool holds every earlier entry of this layer
   const PartialLayer::Selection& sel = selection_[l];
   const Tensor& staged = staging_keys_[p];
-  const int64_t B = batch(), H = heads_, d = head_dim_, cap = staged.dim(2);
-  const float* q = decode_queries_.data<float>();  // (B, H * d), scaled
+  const int64_t B = batch(), H = kv_heads_, d = head_dim_, cap = staged.dim(2);
+  const float* q = decode_queries_.data<float>();  // (B, heads * d), scaled
   std::vector<float> key(static_cast<size_t>(d));
   double total_recall = 0.0;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t take = sel.take[static_cast<size_t>(b)];
-    for (int64_t h = 0; h < H; ++h) {
-      const float* query = q + (b * H + h) * d;
-      const auto logit = [&](const void* row) {
-        convert_to_f32(row, staged.dtype(), key.data(), key.size());
-        double dot = 0.0;
-        for (int64_t c = 0; c < d; ++c) dot += static_cast<double>(query[c]) * key[c];
-        return dot;
-      };
-      // Over the pool's valid entries (every earlier token, or what a capped pool still holds),
-      // the current token (row n' of the staging buffer) included.
-      std::vector<double> logits(static_cast<size_t>(used_positions()), -INFINITY);
-      for (int64_t pos = 0; pos < used_positions(); ++pos) {
-        const int32_t token = token_at(layer, b, h, pos);
-        // The current token, already placed in a capped pool, is counted below.
-        if (token >= first_valid()[static_cast<size_t>(b)] && token < length()) {
-          logits[static_cast<size_t>(pos)] = logit(pool_.row(layer, KvKind::Key, b, h, pos));
+    for (int64_t g = 0; g < H; ++g) {
+      // Per query head of the group: the share of its attention weight that the staged rows of
+      // its KV head carry.
+      for (int64_t head = g * group_; head < (g + 1) * group_; ++head) {
+        const float* query = q + (b * heads_ + head) * d;
+        const auto logit = [&](const void* row) {
+          convert_to_f32(row, staged.dtype(), key.data(), key.size());
+          double dot = 0.0;
+          for (int64_t c = 0; c < d; ++c) dot += static_cast<double>(query[c]) * key[c];
+          return dot;
+        };
+        // Over the pool's valid entries (every earlier token, or what a capped pool still
+        // holds), the current token (row n' of the staging buffer) included.
+        std::vector<double> logits(static_cast<size_t>(used_positions()), -INFINITY);
+        for (int64_t pos = 0; pos < used_positions(); ++pos) {
+          const int32_t token = token_at(layer, b, g, pos);
+          // The current token, already placed in a capped pool, is counted below.
+          if (token >= first_valid()[static_cast<size_t>(b)] && token < length()) {
+            logits[static_cast<size_t>(pos)] = logit(pool_.row(layer, KvKind::Key, b, g, pos));
+          }
         }
+        const size_t current_row = static_cast<size_t>((b * H + g) * cap + sel.fetch);
+        const double current = logit(static_cast<const char*>(staged.raw()) +
+                                     current_row * d * dtype_size(staged.dtype()));
+        double top = current;
+        for (double v : logits) top = std::max(top, v);
+        double all = std::exp(current - top), kept = all;
+        for (double v : logits) all += std::exp(v - top);
+        const int32_t* positions = sel.tokens.data() + (b * H + g) * sel.fetch;
+        for (int64_t j = 0; j < take; ++j) kept += std::exp(logits[positions[j]] - top);
+        total_recall += kept / all;
       }
-      const size_t current_row = static_cast<size_t>((b * H + h) * cap + sel.fetch);
-      const double current = logit(static_cast<const char*>(staged.raw()) +
-                                   current_row * d * dtype_size(staged.dtype()));
-      double top = current;
-      for (double v : logits) top = std::max(top, v);
-      double all = std::exp(current - top), kept = all;
-      for (double v : logits) all += std::exp(v - top);
-      const int32_t* positions = sel.tokens.data() + (b * H + h) * sel.fetch;
-      for (int64_t j = 0; j < take; ++j) kept += std::exp(logits[positions[j]] - top);
-      total_recall += kept / all;
     }
   }
-  return total_recall / static_cast<double>(B * H);
+  return total_recall / static_cast<double>(B * heads_);
 }
 
 }  // namespace infinigen

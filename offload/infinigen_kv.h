@@ -60,7 +60,9 @@ class InfinigenKv : public OffloadedKv {
   int64_t used_positions() const { return std::min(length(), slots_); }
   // Compact views are used by speculated layers, and by every layer under a pool limit.
   bool compact(int64_t layer) const { return limited() || !dense(layer); }
-  void select_and_load(int64_t layer, const Tensor& normed);
+  // Speculates layer `layer` from the previous layer's attention input `x` (B, D), the new
+  // tokens at rotary positions `positions` (B), and enqueues the load of what it selects.
+  void select_and_load(int64_t layer, const Tensor& x, const std::vector<int32_t>& positions);
   // Every valid position (dense layers under a pool limit).
   PartialLayer::Selection select_all(int64_t layer) const;
   void load_selection(int64_t layer);
@@ -78,22 +80,23 @@ class InfinigenKv : public OffloadedKv {
 
   SpeculationOptions options_;
   bool check_recall_;
-  const FetchReplay* replay_;    // what a dry run fetches (core/trace.h); null otherwise
-  int64_t prompt_tokens_ = 0;    // tokens per sequence of the prefill: decode step = length -
-                                 // prompt_tokens + 1
+  const FetchReplay* replay_;  // what a dry run fetches (core/trace.h); null otherwise
+  int64_t prompt_tokens_ = 0;  // tokens per sequence of the prefill: decode step = length -
+                               // prompt_tokens + 1
   int64_t head_dim_;
-  int64_t heads_;
-  int64_t slots_;                      // pool positions per (layer, sequence, head)
+  int64_t heads_;     // H: query heads
+  int64_t kv_heads_;  // H_kv: heads of the pool, the selection and the eviction rows
+  int64_t group_;     // H / H_kv query heads per KV head
+  int64_t slots_;     // pool positions per (layer, sequence, KV head)
   std::vector<PartialLayer> partial_;  // per layer (unused for dense layers)
-  // Between observe and append at prefill: the layer's scaled queries and query projection.
-  const Tensor* prefill_queries_ = nullptr;
-  const Tensor* prefill_q_weight_ = nullptr;
-  const Tensor* prefill_q_bias_ = nullptr;
+  // Between observe and append at prefill: the layer's attention input (its scaled queries,
+  // query projection, rotation and skew).
+  std::optional<AttentionInput> prefill_input_;
   Tensor decode_queries_;  // (B, H * d) of the current layer: recall, dense counters
   std::vector<PartialLayer::Selection> selection_;  // per layer: this step's selection
   std::vector<int32_t> compact_first_valid_;        // (B): left padding of the staged rows
-  // Under a pool limit: per layer, the token at each position ((B, H, S), -1 empty), and the
-  // eviction bookkeeping of the layer's B * H rows.
+  // Under a pool limit: per layer, the token at each position ((B, H_kv, S), -1 empty), and the
+  // eviction bookkeeping of the layer's B * H_kv rows.
   std::vector<std::vector<int32_t>> position_tokens_;
   std::vector<EvictionTable> eviction_;
 };

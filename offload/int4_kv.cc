@@ -49,7 +49,7 @@ void poison(void* pointer, size_t bytes) {
 Int4Kv::Int4Kv(const ModelConfig& config, int64_t batch, int64_t capacity, Device device,
                TransferEngine& engine, OffloadStats& stats)
     : PipelinedKv(batch, capacity, config.num_layers, engine, stats),
-      num_heads_(config.num_heads),
+      num_heads_(config.kv_heads()),
       head_dim_(config.head_dim()),
       code_bytes_(int4_code_bytes(config.head_dim())),
       meta_bytes_(int4_meta_bytes(config.head_dim())),

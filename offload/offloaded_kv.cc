@@ -52,10 +52,10 @@ OffloadedKv::OffloadedKv(const ModelConfig& config, int64_t batch, int64_t capac
                          Device device, int64_t block_tokens, TransferEngine& engine,
                          OffloadStats& stats, int64_t pool_tokens)
     : PipelinedKv(batch, capacity, config.num_layers, engine, stats),
-      pool_({config.num_layers, batch, config.num_heads, config.head_dim(),
+      pool_({config.num_layers, batch, config.kv_heads(), config.head_dim(),
              pool_tokens > 0 ? pool_tokens : capacity, block_tokens, kv_dtype}) {
-  const Shape staging = {batch, config.num_heads, capacity, config.head_dim()};
-  const Shape store = {batch, config.num_heads, 1, config.head_dim()};
+  const Shape staging = {batch, config.kv_heads(), capacity, config.head_dim()};
+  const Shape store = {batch, config.kv_heads(), 1, config.head_dim()};
   for (int p = 0; p < 2; ++p) {
     staging_keys_[p] = Tensor::empty(staging, kv_dtype, device);
     staging_values_[p] = Tensor::empty(staging, kv_dtype, device);

@@ -11,16 +11,24 @@
 namespace infinigen {
 namespace {
 
-double f(int64_t v) { return static_cast<double>(v); }
+double f(int64_t v) {
+  return static_cast<double>(v);
+}
 
-OpWork elementwise(double bytes) { return {OpClass::Elementwise, 0, bytes, 0, 0, 0, 0}; }
+OpWork elementwise(double bytes) {
+  return {OpClass::Elementwise, 0, bytes, 0, 0, 0, 0};
+}
 
 // Each op's work from its sizes `s` and element type size `e` (core/trace.h: what each records).
 using Pricing = std::function<OpWork(const std::array<int64_t, 5>& s, double e, DType dtype)>;
 const std::pair<std::string_view, Pricing> kPrices[] = {
     // core/ops.h
     {"embed", [](auto& s, double, DType) { return elementwise(12 * f(s[0] * s[1])); }},
-    {"layer_norm", [](auto& s, double, DType) { return elementwise(layer_norm_bytes(s[0], s[1])); }},
+    {"layer_norm",
+     [](auto& s, double, DType) { return elementwise(layer_norm_bytes(s[0], s[1])); }},
+    {"rms_norm", [](auto& s, double, DType) { return elementwise(layer_norm_bytes(s[0], s[1])); }},
+    {"rope", [](auto& s, double, DType) { return elementwise(8 * f(s[0] * s[1])); }},
+    {"silu_mul", [](auto& s, double, DType) { return elementwise(12 * f(s[0])); }},
     {"add", [](auto& s, double, DType) { return elementwise(12 * f(s[0])); }},
     {"scale", [](auto& s, double, DType) { return elementwise(8 * f(s[0])); }},
     {"cache_store",  // fp32 rows in, rows of the cache's type out
@@ -28,31 +36,48 @@ const std::pair<std::string_view, Pricing> kPrices[] = {
     {"linear",
      [](auto& s, double, DType dtype) {
        const size_t w = dtype_size(dtype);
-       return OpWork{OpClass::Gemm, linear_flops(s[0], s[1], s[2]),
-                     linear_bytes(s[0], s[1], s[2], w), s[0], s[1], s[2], f(s[1] * s[2]) * f(w)};
+       return OpWork{OpClass::Gemm,
+                     linear_flops(s[0], s[1], s[2]),
+                     linear_bytes(s[0], s[1], s[2], w),
+                     s[0],
+                     s[1],
+                     s[2],
+                     f(s[1] * s[2]) * f(w)};
      }},
     {"attention_prefill",  // q, k, v and the output, fp32
      [](auto& s, double, DType) {
-       return OpWork{OpClass::AttentionPrefill, attention_prefill_flops(s[0], s[1], s[2], s[3]),
-                     16 * f(s[0] * s[2] * s[1] * s[3]), 0, 0, 0, 0};
+       return OpWork{OpClass::AttentionPrefill,
+                     attention_prefill_flops(s[0], s[1], s[2], s[3]),
+                     16 * f(s[0] * s[2] * s[1] * s[3]),
+                     0,
+                     0,
+                     0,
+                     0};
      }},
     {"attention_decode",  // s[2]: KV rows read over the batch; K and V of H_kv heads
      [](auto& s, double e, DType) {
-       return OpWork{OpClass::AttentionDecode, 4 * f(s[1] * s[2] * s[3]),
-                     2 * f(s[4] * s[2] * s[3]) * e, 0, 0, 0, 0};
+       return OpWork{OpClass::AttentionDecode,
+                     4 * f(s[1] * s[2] * s[3]),
+                     2 * f(s[4] * s[2] * s[3]) * e,
+                     0,
+                     0,
+                     0,
+                     0};
      }},
     {"sample", [](auto& s, double, DType) { return elementwise(4 * f(s[0] * s[1])); }},
     // speculate/speculation.h: partial columns, weights and key cache from the prompt
     {"partial_build",
      [](auto& s, double, DType) {
        const double rows = f(s[0] * s[2]);
-       return elementwise(8 * rows * f(s[4]) + 4 * rows * f(s[1] * s[3]) + 4 * f(s[1] * s[3] * s[4]));
+       return elementwise(8 * rows * f(s[4]) + 4 * rows * f(s[1] * s[3]) +
+                          4 * f(s[1] * s[3] * s[4]));
      }},
     {"speculate",  // the estimated logits over every stored position's partial key, and top-k
      [](auto& s, double e, DType) {
        return OpWork{OpClass::Speculation, 0, e * f(s[0] * s[1] * s[2] * s[3]), 0, 0, 0, 0};
      }},
-    {"partial_append", [](auto& s, double, DType) { return elementwise(8 * f(s[0] * s[1] * s[2])); }},
+    {"partial_append",
+     [](auto& s, double, DType) { return elementwise(8 * f(s[0] * s[1] * s[2])); }},
     // offload/h2o_kv.h: a d-long dot and an exp per (query, key) pair scored
     {"h2o_prefill_scores",
      [](auto& s, double, DType) {
@@ -65,9 +90,13 @@ const std::pair<std::string_view, Pricing> kPrices[] = {
      }},
     // offload/int4_kv.h: rows of d values through the codec
     {"int4_quantize",
-     [](auto& s, double, DType) { return OpWork{OpClass::Codec, 0, 2 * f(s[0] * s[1]), 0, 0, 0, 0}; }},
+     [](auto& s, double, DType) {
+       return OpWork{OpClass::Codec, 0, 2 * f(s[0] * s[1]), 0, 0, 0, 0};
+     }},
     {"int4_dequantize",
-     [](auto& s, double, DType) { return OpWork{OpClass::Codec, 0, 2 * f(s[0] * s[1]), 0, 0, 0, 0}; }},
+     [](auto& s, double, DType) {
+       return OpWork{OpClass::Codec, 0, 2 * f(s[0] * s[1]), 0, 0, 0, 0};
+     }},
 };
 
 }  // namespace

@@ -455,13 +455,14 @@ HardwareProfile measure_cpu_backend_profile(const std::function<void(const std::
     options.max_num_kv = options.fetch_cap(n);
     const int copies = copies_for(memory_set, 4.0 * static_cast<double>(B * H * n * r));
     std::vector<PartialLayer> layers(static_cast<size_t>(copies));
+    const Tensor none;
     for (PartialLayer& layer : layers) {
-      layer.build(q, k, wq, bq, first_valid, H, n, r, PartialIndexRule::QK);
+      layer.build({q, k, wq, bq, none, none}, first_valid, H, H, n, r, PartialIndexRule::QK);
     }
     size_t next = 0;
     const double t = median_seconds(
         [&] {
-          (void)layers[next].speculate(x, n, first_valid, options);
+          (void)layers[next].speculate(x, {}, n, first_valid, options);
           next = (next + 1) % layers.size();
         },
         effort.reps(4 * copies + 1), copies);

@@ -9,34 +9,45 @@
 
 namespace infinigen {
 
-PromptKeep keep_prompt_tokens(const float* queries, const float* keys, int64_t stride,
-                              int64_t first, int64_t n, int64_t d, int64_t capacity, double alpha,
-                              EvictionPolicy policy) {
-  INFINIGEN_CHECK(first >= 0 && first <= n && capacity >= 1 && d >= 1 && stride >= d,
+PromptKeep keep_prompt_tokens(const float* queries, int64_t q_stride, int64_t group,
+                              const float* keys, int64_t k_stride, int64_t first, int64_t n,
+                              int64_t d, int64_t capacity, double alpha, EvictionPolicy policy) {
+  INFINIGEN_CHECK(first >= 0 && first <= n && capacity >= 1 && d >= 1 && group >= 1 &&
+                      q_stride >= group * d && k_stride >= d,
                   "keep_prompt_tokens: bad shape");
   const int64_t v = n - first;
   using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   using Rows = Eigen::Map<const RowMatrix, 0, Eigen::OuterStride<>>;
-  const Rows q(queries + first * stride, v, d, Eigen::OuterStride<>(stride));
-  const Rows k(keys + first * stride, v, d, Eigen::OuterStride<>(stride));
+  const Rows k(keys + first * k_stride, v, d, Eigen::OuterStride<>(k_stride));
 
-  // Fetch counts and last fetches, a block of query rows at a time (logits (rows, v)).
+  // Fetch counts and last fetches, a block of query rows at a time (logits (rows, v)); a
+  // position's fetches are the union over the group's heads.
   std::vector<int64_t> fetches(static_cast<size_t>(v), 0), last(static_cast<size_t>(v), -1);
   constexpr int64_t kBlock = 256;
   RowMatrix logits;
+  std::vector<char> fetched;
   for (int64_t i0 = 0; i0 < v; i0 += kBlock) {
     const int64_t rows = std::min(kBlock, v - i0);
     const int64_t cols = i0 + rows;  // row i sees tokens [0, i]
-    logits.noalias() = q.middleRows(i0, rows) * k.topRows(cols).transpose();
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t i = i0 + r;
-      const float* row = logits.data() + r * cols;
-      const float top = *std::max_element(row, row + i + 1);
-      for (int64_t t = 0; t <= i; ++t) {
-        if (row[t] > top - alpha) {
-          ++fetches[static_cast<size_t>(t)];
-          last[static_cast<size_t>(t)] = first + i;
+    fetched.assign(static_cast<size_t>(rows * cols), 0);
+    for (int64_t j = 0; j < group; ++j) {
+      const Rows q(queries + j * d + (first + i0) * q_stride, rows, d,
+                   Eigen::OuterStride<>(q_stride));
+      logits.noalias() = q * k.topRows(cols).transpose();
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t i = i0 + r;
+        const float* row = logits.data() + r * cols;
+        const float top = *std::max_element(row, row + i + 1);
+        for (int64_t t = 0; t <= i; ++t) {
+          if (row[t] > top - alpha) fetched[static_cast<size_t>(r * cols + t)] = 1;
         }
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t t = 0; t <= i0 + r; ++t) {
+        if (!fetched[static_cast<size_t>(r * cols + t)]) continue;
+        ++fetches[static_cast<size_t>(t)];
+        last[static_cast<size_t>(t)] = first + i0 + r;
       }
     }
   }

@@ -29,11 +29,13 @@ struct PromptKeep {
   std::vector<int64_t> last_fetch;  // per kept token: the latest of them (-1: none)
 };
 
-// One (sequence, head) of a prompt of n positions whose valid tokens are [first, n): its scaled
-// queries and keys, rows of d floats at `stride` floats apart (e.g. a head's columns of a
-// (n, H * d) matrix). Keeps at most `capacity` tokens.
-PromptKeep keep_prompt_tokens(const float* queries, const float* keys, int64_t stride,
-                              int64_t first, int64_t n, int64_t d, int64_t capacity, double alpha,
-                              EvictionPolicy policy);
+// One (sequence, KV head) of a prompt of n positions whose valid tokens are [first, n): the scaled
+// queries of the `group` query heads that share its keys (head j's rows of d floats start at
+// queries + j * d, rows q_stride floats apart, e.g. a group's columns of a (n, H * d) matrix) and
+// its keys (rows k_stride apart). Position i fetches a token when one head of the group attends
+// to it within alpha of that head's maximum. Keeps at most `capacity` tokens.
+PromptKeep keep_prompt_tokens(const float* queries, int64_t q_stride, int64_t group,
+                              const float* keys, int64_t k_stride, int64_t first, int64_t n,
+                              int64_t d, int64_t capacity, double alpha, EvictionPolicy policy);
 
 }  // namespace infinigen

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 
 #include "core/ops.h"
@@ -88,64 +89,135 @@ int64_t partial_columns(double ratio, int64_t head_dim) {
                            static_cast<int64_t>(std::floor(ratio * static_cast<double>(head_dim))));
 }
 
-void PartialLayer::build(const Tensor& queries, const Tensor& keys, const Tensor& q_weight,
-                         const Tensor& q_bias, const std::vector<int32_t>& first_valid,
-                         int64_t num_heads, int64_t capacity, int64_t r, PartialIndexRule rule,
-                         const std::vector<int32_t>* position_tokens, DType key_dtype) {
+void PartialLayer::build(const PartialSource& source, const std::vector<int32_t>& first_valid,
+                         int64_t num_heads, int64_t num_kv_heads, int64_t capacity, int64_t r,
+                         PartialIndexRule rule, const std::vector<int32_t>* position_tokens,
+                         DType key_dtype) {
   INFINIGEN_CHECK(key_dtype == DType::F32 || key_dtype == DType::F16, option("partial_key_dtype"),
                   " must be f32 or f16, got ", dtype_name(key_dtype));
+  INFINIGEN_CHECK(num_kv_heads >= 1 && num_heads % num_kv_heads == 0, "speculation: ", num_kv_heads,
+                  " KV heads do not divide ", num_heads, " heads");
   key_dtype_ = key_dtype;
   batch_ = static_cast<int64_t>(first_valid.size());
   heads_ = num_heads;
-  const int64_t D = queries.dim(1), n = queries.dim(0) / batch_;
-  head_dim_ = D / num_heads;
+  kv_heads_ = num_kv_heads;
+  group_ = num_heads / num_kv_heads;
+  const int64_t Q = source.queries.dim(1), n = source.queries.dim(0) / batch_;
+  const int64_t D = source.q_weight.dim(1);
+  head_dim_ = Q / num_heads;
+  const int64_t d = head_dim_, KV = kv_heads_ * d;
   capacity_ = capacity;
   r_ = r;
-  if (traced("partial_build", {batch_, heads_, queries.dim(0) / batch_, r_, D}, key_dtype_)) {
-    columns_.assign(static_cast<size_t>(heads_ * r_), 0);
-    for (int64_t h = 0; h < heads_; ++h) {
-      std::iota(columns_.begin() + h * r_, columns_.begin() + (h + 1) * r_, 0);
+  INFINIGEN_CHECK(source.keys.dim(1) == KV && source.q_weight.dim(0) == Q, "speculation: keys (",
+                  source.keys.dim(1), " wide) or query weights (", source.q_weight.dim(0),
+                  " rows) do not match ", num_heads, " heads and ", num_kv_heads, " KV heads of ",
+                  d);
+  const bool rotary = source.rope_inv_freq.defined(), skewed = source.skew.defined();
+  INFINIGEN_CHECK(!skewed || rotary,
+                  "speculation: a skew beside the weights is for rotary models "
+                  "only (elsewhere it is folded into W_q and W_k)");
+  INFINIGEN_CHECK(!rotary || 2 * source.rope_inv_freq.numel() == d,
+                  "speculation: ", source.rope_inv_freq.numel(),
+                  " rotary frequencies for a head of ", d);
+  INFINIGEN_CHECK(!skewed || source.skew.shape() == Shape({kv_heads_, d, d}),
+                  "speculation: skew of shape ", shape_string(source.skew.shape()), ", expected ",
+                  shape_string({kv_heads_, d, d}));
+  // Values are read only when computing (a dry run's tensors have no memory).
+  inv_freq_.assign(rotary ? static_cast<size_t>(d / 2) : 0, 0.0f);
+  skew_.assign(skewed ? static_cast<size_t>(kv_heads_ * d * d) : 0, 0.0f);
+  if (!dry_run()) {
+    if (rotary) {
+      const Tensor freq = source.rope_inv_freq.to(Device::Cpu);
+      std::copy_n(freq.data<float>(), inv_freq_.size(), inv_freq_.begin());
     }
-    weight_ = Tensor::empty({heads_ * r_, D}, DType::F32);
-    bias_ = Tensor::empty({heads_ * r_}, DType::F32);
-    return;  // a dry run keeps no partial keys
+    if (skewed) {
+      const Tensor a = source.skew.to(Device::Cpu).to_dtype(DType::F32);
+      std::copy_n(a.data<float>(), skew_.size(), skew_.begin());
+    }
   }
-  const float* q = queries.data<float>();
-  const float* k = keys.data<float>();
 
-  // Column scores per head over every valid prompt token of every sequence.
-  std::vector<double> score(static_cast<size_t>(D), 0.0);
-  for (int64_t b = 0; b < batch_; ++b) {
-    for (int64_t t = first_valid[static_cast<size_t>(b)]; t < n; ++t) {
-      const float* qrow = q + (b * n + t) * D;
-      const float* krow = k + (b * n + t) * D;
-      for (int64_t c = 0; c < D; ++c) {
-        score[static_cast<size_t>(c)] += std::fabs(qrow[c]);
-        if (rule == PartialIndexRule::QK) score[static_cast<size_t>(c)] += std::fabs(krow[c]);
+  columns_.assign(static_cast<size_t>(kv_heads_ * r_), 0);
+  needed_.assign(static_cast<size_t>(kv_heads_), {});
+  if (traced("partial_build", {batch_, kv_heads_, n, r_, D}, key_dtype_)) {
+    for (int64_t g = 0; g < kv_heads_; ++g) {
+      std::iota(columns_.begin() + g * r_, columns_.begin() + (g + 1) * r_, 0);
+    }
+  } else {
+    // Column scores per KV head over every valid prompt token of every sequence: |Q~| of the
+    // group's query heads (+ |K~|), in the skewed space.
+    const float* q = source.queries.data<float>();
+    const float* k = source.keys.data<float>();
+    std::vector<double> score(static_cast<size_t>(KV), 0.0);
+    std::vector<float> skewed_row(static_cast<size_t>(d));
+    const auto add = [&](const float* row, int64_t g) {
+      const float* v = row;
+      if (skewed) {
+        const float* a = skew_.data() + g * d * d;
+        for (int64_t c = 0; c < d; ++c) {
+          float sum = 0.0f;
+          for (int64_t i = 0; i < d; ++i) sum += row[i] * a[i * d + c];
+          skewed_row[static_cast<size_t>(c)] = sum;
+        }
+        v = skewed_row.data();
+      }
+      for (int64_t c = 0; c < d; ++c) score[static_cast<size_t>(g * d + c)] += std::fabs(v[c]);
+    };
+    for (int64_t b = 0; b < batch_; ++b) {
+      for (int64_t t = first_valid[static_cast<size_t>(b)]; t < n; ++t) {
+        for (int64_t h = 0; h < heads_; ++h) add(q + (b * n + t) * Q + h * d, h / group_);
+        if (rule == PartialIndexRule::QK) {
+          for (int64_t g = 0; g < kv_heads_; ++g) add(k + (b * n + t) * KV + g * d, g);
+        }
       }
     }
-  }
-  columns_.assign(static_cast<size_t>(heads_ * r_), 0);
-  for (int64_t h = 0; h < heads_; ++h) {
-    std::vector<int32_t> order(static_cast<size_t>(head_dim_));
-    std::iota(order.begin(), order.end(), 0);
-    const double* head_score = score.data() + h * head_dim_;
-    std::stable_sort(order.begin(), order.end(),
-                     [&](int32_t a, int32_t c) { return head_score[a] > head_score[c]; });
-    std::sort(order.begin(), order.begin() + r_);
-    std::copy(order.begin(), order.begin() + r_, columns_.begin() + h * r_);
+    for (int64_t g = 0; g < kv_heads_; ++g) {
+      std::vector<int32_t> order(static_cast<size_t>(d));
+      std::iota(order.begin(), order.end(), 0);
+      const double* head_score = score.data() + g * d;
+      std::stable_sort(order.begin(), order.end(),
+                       [&](int32_t a, int32_t c) { return head_score[a] > head_score[c]; });
+      std::sort(order.begin(), order.begin() + r_);
+      std::copy(order.begin(), order.begin() + r_, columns_.begin() + g * r_);
+    }
   }
 
-  // Partial query weights: the chosen rows of W_q (HF layout: rows are output features).
-  const Tensor w = q_weight.to_dtype(DType::F32);
-  const Tensor bq = q_bias.to_dtype(DType::F32);
-  weight_ = Tensor::empty({heads_ * r_, D}, DType::F32);
-  bias_ = Tensor::empty({heads_ * r_}, DType::F32);
+  // The query dimensions each KV head's partial queries depend on: every one under a skew, else
+  // its columns, with their rotary pairs (c, c +- d/2) when rotated.
+  for (int64_t g = 0; g < kv_heads_; ++g) {
+    std::vector<char> used(static_cast<size_t>(d), skewed ? 1 : 0);
+    for (int64_t j = 0; j < r_ && !skewed; ++j) {
+      const int32_t c = columns_[static_cast<size_t>(g * r_ + j)];
+      used[static_cast<size_t>(c)] = 1;
+      if (rotary) used[static_cast<size_t>((c + d / 2) % d)] = 1;
+    }
+    for (int32_t c = 0; c < d; ++c) {
+      if (used[static_cast<size_t>(c)]) needed_[static_cast<size_t>(g)].push_back(c);
+    }
+  }
+  head_rows_.assign(static_cast<size_t>(heads_ + 1), 0);
   for (int64_t h = 0; h < heads_; ++h) {
-    for (int64_t j = 0; j < r_; ++j) {
-      const int64_t row = h * head_dim_ + columns_[static_cast<size_t>(h * r_ + j)];
-      std::copy_n(w.data<float>() + row * D, D, weight_.data<float>() + (h * r_ + j) * D);
-      bias_.data<float>()[h * r_ + j] = bq.data<float>()[row];
+    head_rows_[static_cast<size_t>(h + 1)] =
+        head_rows_[static_cast<size_t>(h)] + std::ssize(needed_[static_cast<size_t>(h / group_)]);
+  }
+  // Partial query weights: the needed rows of W_q (HF layout: rows are output features), in its
+  // own dtype, and their biases.
+  const int64_t rows = head_rows_.back();
+  weight_ = Tensor::empty({rows, D}, source.q_weight.dtype());
+  bias_ = Tensor::empty({rows}, DType::F32);
+  if (dry_run()) return;  // a dry run keeps no partial keys
+  const Tensor w = source.q_weight.to(Device::Cpu);
+  const Tensor bq =
+      source.q_bias.defined() ? source.q_bias.to(Device::Cpu).to_dtype(DType::F32) : Tensor();
+  const size_t row_bytes = static_cast<size_t>(D) * dtype_size(w.dtype());
+  for (int64_t h = 0; h < heads_; ++h) {
+    const std::vector<int32_t>& dims = needed_[static_cast<size_t>(h / group_)];
+    for (size_t j = 0; j < dims.size(); ++j) {
+      const int64_t src = h * d + dims[j];
+      const int64_t dst = head_rows_[static_cast<size_t>(h)] + static_cast<int64_t>(j);
+      std::memcpy(static_cast<char*>(weight_.raw()) + static_cast<size_t>(dst) * row_bytes,
+                  static_cast<const char*>(w.raw()) + static_cast<size_t>(src) * row_bytes,
+                  row_bytes);
+      bias_.data<float>()[dst] = bq.defined() ? bq.data<float>()[src] : 0.0f;
     }
   }
 
@@ -153,38 +225,57 @@ void PartialLayer::build(const Tensor& queries, const Tensor& keys, const Tensor
   // its own token; speculation skips it).
   INFINIGEN_CHECK(position_tokens || n <= capacity_, "partial key cache of ", capacity_,
                   " positions cannot hold ", n, " tokens");
-  keys_.assign(static_cast<size_t>(batch_ * heads_ * capacity_ * r_) * dtype_size(key_dtype_), 0);
-  std::vector<float> row(static_cast<size_t>(r_));
+  keys_.assign(static_cast<size_t>(batch_ * kv_heads_ * capacity_ * r_) * dtype_size(key_dtype_),
+               0);
+  const float* k = source.keys.data<float>();
+#pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < batch_; ++b) {
-    for (int64_t h = 0; h < heads_; ++h) {
+    for (int64_t g = 0; g < kv_heads_; ++g) {
+      std::vector<float> row(static_cast<size_t>(r_));
       for (int64_t p = 0; p < (position_tokens ? capacity_ : n); ++p) {
         const int64_t t =
             position_tokens
-                ? (*position_tokens)[static_cast<size_t>((b * heads_ + h) * capacity_ + p)]
+                ? (*position_tokens)[static_cast<size_t>((b * kv_heads_ + g) * capacity_ + p)]
                 : p;
         if (t < 0) continue;
         INFINIGEN_CHECK(t < n, "partial key cache: token ", t, " of a prompt of ", n);
-        const float* krow = k + (b * n + t) * D + h * head_dim_;
-        for (int64_t j = 0; j < r_; ++j) row[j] = krow[columns_[h * r_ + j]];
-        write_key(key_offset(b, h, p), row.data());
+        partial_of(k + (b * n + t) * KV + g * d, g, row.data());
+        write_key(key_offset(b, g, p), row.data());
       }
     }
   }
 }
 
+void PartialLayer::partial_of(const float* key, int64_t g, float* out) const {
+  const int32_t* cols = columns_.data() + g * r_;
+  if (skew_.empty()) {
+    for (int64_t j = 0; j < r_; ++j) out[j] = key[cols[j]];
+    return;
+  }
+  const int64_t d = head_dim_;
+  const float* a = skew_.data() + g * d * d;
+  for (int64_t j = 0; j < r_; ++j) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < d; ++i) sum += key[i] * a[i * d + cols[j]];
+    out[j] = sum;
+  }
+}
+
 void PartialLayer::append(const Tensor& keys, int64_t position,
                           const std::vector<int32_t>* positions) {
-  if (traced("partial_append", {batch_, heads_, r_}, key_dtype_)) return;
-  const float* k = keys.data<float>();
-  const int64_t D = heads_ * head_dim_;
+  if (traced("partial_append", {batch_, kv_heads_, r_}, key_dtype_)) return;
+  const Tensor host = keys.to(Device::Cpu);
+  const float* k = host.data<float>();
+  const int64_t KV = kv_heads_ * head_dim_;
   std::vector<float> row(static_cast<size_t>(r_));
   for (int64_t b = 0; b < batch_; ++b) {
-    for (int64_t h = 0; h < heads_; ++h) {
-      const int64_t at = positions ? (*positions)[static_cast<size_t>(b * heads_ + h)] : position;
+    for (int64_t g = 0; g < kv_heads_; ++g) {
+      const int64_t at =
+          positions ? (*positions)[static_cast<size_t>(b * kv_heads_ + g)] : position;
       INFINIGEN_CHECK(at >= 0 && at < capacity_, "partial key cache position ", at, " outside its ",
                       capacity_, " positions");
-      for (int64_t j = 0; j < r_; ++j) row[j] = k[b * D + h * head_dim_ + columns_[h * r_ + j]];
-      write_key(key_offset(b, h, at), row.data());
+      partial_of(k + b * KV + g * head_dim_, g, row.data());
+      write_key(key_offset(b, g, at), row.data());
     }
   }
 }
@@ -193,20 +284,92 @@ void PartialLayer::write_key(size_t offset, const float* values) {
   convert_from_f32(values, keys_.data() + offset, key_dtype_, static_cast<size_t>(r_));
 }
 
-std::vector<float> PartialLayer::partial_key(int64_t b, int64_t h, int64_t position) const {
+std::vector<float> PartialLayer::partial_key(int64_t b, int64_t g, int64_t position) const {
   std::vector<float> key(static_cast<size_t>(r_));
-  convert_to_f32(keys_.data() + key_offset(b, h, position), key_dtype_, key.data(), key.size());
+  convert_to_f32(keys_.data() + key_offset(b, g, position), key_dtype_, key.data(), key.size());
   return key;
 }
 
-PartialLayer::Selection PartialLayer::speculate(const Tensor& x, int64_t used,
-                                                const std::vector<int32_t>& first_valid,
-                                                const SpeculationOptions& options,
-                                                const std::vector<int32_t>* position_tokens,
-                                                const std::vector<int32_t>* replay_take) const {
-  std::vector<float> logits = estimate_logits(x, used, first_valid, position_tokens);
+void PartialLayer::partial_query(const float* rows, int64_t h, int32_t rope_position,
+                                 float* out) const {
+  const int64_t d = head_dim_, g = h / group_;
+  const std::vector<int32_t>& dims = needed_[static_cast<size_t>(g)];
+  // The head's query with only its needed dimensions (zero elsewhere)...
+  std::vector<float> q(static_cast<size_t>(d), 0.0f);
+  for (size_t j = 0; j < dims.size(); ++j) q[static_cast<size_t>(dims[j])] = rows[j];
+  // ... rotated as the model rotates it (pairs of needed dimensions are complete) ...
+  if (!inv_freq_.empty()) {
+    const int64_t half = d / 2;
+    for (int64_t i = 0; i < half; ++i) {
+      const float angle = static_cast<float>(rope_position) * inv_freq_[static_cast<size_t>(i)];
+      const float c = std::cos(angle), s = std::sin(angle);
+      const float x1 = q[static_cast<size_t>(i)], x2 = q[static_cast<size_t>(i + half)];
+      q[static_cast<size_t>(i)] = x1 * c - x2 * s;
+      q[static_cast<size_t>(i + half)] = x2 * c + x1 * s;
+    }
+  }
+  // ... then its partial columns, scaled like the real queries.
+  partial_of(q.data(), g, out);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  for (int64_t j = 0; j < r_; ++j) out[j] *= scale;
+}
+
+std::vector<float> PartialLayer::estimate_logits(
+    const Tensor& x, const std::vector<int32_t>& rope_positions, int64_t used,
+    const std::vector<int32_t>& first_valid, const std::vector<int32_t>* position_tokens) const {
+  INFINIGEN_CHECK(x.dim(0) == batch_ && static_cast<int64_t>(first_valid.size()) == batch_ &&
+                      used >= 0 && used <= capacity_,
+                  "speculation over ", used, " positions of a batch of ", x.dim(0),
+                  " does not fit a partial key cache of ", batch_, " x ", capacity_);
+  INFINIGEN_CHECK(inv_freq_.empty() || std::ssize(rope_positions) == batch_,
+                  "speculation of a rotary model needs the position of every sequence's token");
+  // The needed rows of every head's query (B, head_rows_[H]).
+  const int64_t M = head_rows_.back();
+  Tensor rows = Tensor::empty({batch_, M}, DType::F32, x.device());
+  ops::linear(x, weight_.device() == x.device() ? weight_ : weight_.to(x.device()), bias_, rows);
+  if (traced("speculate", {batch_, kv_heads_, used, r_, heads_}, key_dtype_)) return {};
+  const Tensor host_rows = rows.to(Device::Cpu);
+  std::vector<float> logits(static_cast<size_t>(batch_ * kv_heads_ * used), -INFINITY);
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t b = 0; b < batch_; ++b) {
+    for (int64_t g = 0; g < kv_heads_; ++g) {
+      std::vector<float> query(static_cast<size_t>(r_));
+      std::vector<float> widened(key_dtype_ == DType::F32 ? 0 : static_cast<size_t>(r_));
+      float* s = logits.data() + (b * kv_heads_ + g) * used;
+      for (int64_t h = g * group_; h < (g + 1) * group_; ++h) {
+        partial_query(host_rows.data<float>() + b * M + head_rows_[static_cast<size_t>(h)], h,
+                      inv_freq_.empty() ? 0 : rope_positions[static_cast<size_t>(b)], query.data());
+        for (int64_t p = 0; p < used; ++p) {
+          const int64_t token =
+              position_tokens
+                  ? (*position_tokens)[static_cast<size_t>((b * kv_heads_ + g) * capacity_ + p)]
+                  : p;
+          if (token < first_valid[static_cast<size_t>(b)]) continue;  // -inf: padding or empty
+          const char* stored = keys_.data() + key_offset(b, g, p);
+          const float* key = reinterpret_cast<const float*>(stored);
+          if (key_dtype_ != DType::F32) {
+            convert_to_f32(stored, key_dtype_, widened.data(), widened.size());
+            key = widened.data();
+          }
+          float dot = 0.0f;
+          for (int64_t j = 0; j < r_; ++j) dot += query[static_cast<size_t>(j)] * key[j];
+          s[p] = std::max(s[p], dot);
+        }
+      }
+    }
+  }
+  return logits;
+}
+
+PartialLayer::Selection PartialLayer::speculate(
+    const Tensor& x, const std::vector<int32_t>& rope_positions, int64_t used,
+    const std::vector<int32_t>& first_valid, const SpeculationOptions& options,
+    const std::vector<int32_t>* position_tokens, const std::vector<int32_t>* replay_take) const {
+  std::vector<float> logits =
+      estimate_logits(x, rope_positions, used, first_valid, position_tokens);
   if (dry_run()) {
-    INFINIGEN_CHECK(replay_take != nullptr, "a dry run of infinigen has no fetched share to replay");
+    INFINIGEN_CHECK(replay_take != nullptr,
+                    "a dry run of infinigen has no fetched share to replay");
     return replayed(*replay_take, used, first_valid, position_tokens);
   }
   return select(logits, used, options);
@@ -215,11 +378,12 @@ PartialLayer::Selection PartialLayer::speculate(const Tensor& x, int64_t used,
 PartialLayer::Selection PartialLayer::replayed(const std::vector<int32_t>& take, int64_t used,
                                                const std::vector<int32_t>& first_valid,
                                                const std::vector<int32_t>* position_tokens) const {
+  const int64_t H = kv_heads_;
   Selection sel;
   sel.take.resize(static_cast<size_t>(batch_));
-  std::vector<std::vector<int32_t>> valid(static_cast<size_t>(batch_ * heads_));
-  for (int64_t row = 0; row < batch_ * heads_; ++row) {
-    const int64_t b = row / heads_;
+  std::vector<std::vector<int32_t>> valid(static_cast<size_t>(batch_ * H));
+  for (int64_t row = 0; row < batch_ * H; ++row) {
+    const int64_t b = row / H;
     for (int64_t p = 0; p < used; ++p) {
       const int64_t token =
           position_tokens ? (*position_tokens)[static_cast<size_t>(row * capacity_ + p)] : p;
@@ -230,71 +394,28 @@ PartialLayer::Selection PartialLayer::replayed(const std::vector<int32_t>& take,
   }
   for (int64_t b = 0; b < batch_; ++b) {
     int64_t fewest = used;
-    for (int64_t h = 0; h < heads_; ++h) {
-      fewest = std::min<int64_t>(fewest, std::ssize(valid[static_cast<size_t>(b * heads_ + h)]));
+    for (int64_t g = 0; g < H; ++g) {
+      fewest = std::min<int64_t>(fewest, std::ssize(valid[static_cast<size_t>(b * H + g)]));
     }
     sel.take[static_cast<size_t>(b)] =
         static_cast<int32_t>(std::min<int64_t>(take[static_cast<size_t>(b)], fewest));
     sel.fetch = std::max<int64_t>(sel.fetch, sel.take[static_cast<size_t>(b)]);
-    sel.mean_count += static_cast<double>(sel.take[static_cast<size_t>(b)]) /
-                      static_cast<double>(batch_);
+    sel.mean_count +=
+        static_cast<double>(sel.take[static_cast<size_t>(b)]) / static_cast<double>(batch_);
   }
   sel.fetch = std::max<int64_t>(sel.fetch, 1);
-  sel.tokens.assign(static_cast<size_t>(batch_ * heads_ * sel.fetch), 0);
-  for (int64_t row = 0; row < batch_ * heads_; ++row) {
-    std::copy_n(valid[static_cast<size_t>(row)].begin(), sel.take[static_cast<size_t>(row / heads_)],
+  sel.tokens.assign(static_cast<size_t>(batch_ * H * sel.fetch), 0);
+  for (int64_t row = 0; row < batch_ * H; ++row) {
+    std::copy_n(valid[static_cast<size_t>(row)].begin(), sel.take[static_cast<size_t>(row / H)],
                 sel.tokens.begin() + row * sel.fetch);
   }
   return sel;
 }
 
-std::vector<float> PartialLayer::estimate_logits(
-    const Tensor& x, int64_t used, const std::vector<int32_t>& first_valid,
-    const std::vector<int32_t>* position_tokens) const {
-  INFINIGEN_CHECK(x.dim(0) == batch_ && static_cast<int64_t>(first_valid.size()) == batch_ &&
-                      used >= 0 && used <= capacity_,
-                  "speculation over ", used, " positions of a batch of ", x.dim(0),
-                  " does not fit a partial key cache of ", batch_, " x ", capacity_);
-  // Partial queries (B, H * r), scaled like the real ones.
-  Tensor pq = Tensor::empty({batch_, heads_ * r_}, DType::F32);
-  ops::linear(x, weight_, bias_, pq);
-  if (traced("speculate", {batch_, heads_, used, r_}, key_dtype_)) return {};
-  const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim_));
-  std::vector<float> logits(static_cast<size_t>(batch_ * heads_ * used));
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t b = 0; b < batch_; ++b) {
-    for (int64_t h = 0; h < heads_; ++h) {
-      const float* query = pq.data<float>() + (b * heads_ + h) * r_;
-      float* s = logits.data() + (b * heads_ + h) * used;
-      std::vector<float> widened(key_dtype_ == DType::F32 ? 0 : static_cast<size_t>(r_));
-      for (int64_t p = 0; p < used; ++p) {
-        const int64_t token =
-            position_tokens
-                ? (*position_tokens)[static_cast<size_t>((b * heads_ + h) * capacity_ + p)]
-                : p;
-        if (token < first_valid[static_cast<size_t>(b)]) {
-          s[p] = -INFINITY;
-          continue;
-        }
-        const char* stored = keys_.data() + key_offset(b, h, p);
-        const float* key = reinterpret_cast<const float*>(stored);
-        if (key_dtype_ != DType::F32) {
-          convert_to_f32(stored, key_dtype_, widened.data(), widened.size());
-          key = widened.data();
-        }
-        float dot = 0.0f;
-        for (int64_t j = 0; j < r_; ++j) dot += query[j] * key[j];
-        s[p] = dot * scale;
-      }
-    }
-  }
-  return logits;
-}
-
 PartialLayer::Selection PartialLayer::select(const std::vector<float>& logits, int64_t used,
                                              const SpeculationOptions& options) const {
   INFINIGEN_CHECK(options.max_num_kv >= 1, "speculation needs a resolved max_num_kv");
-  const int64_t rows = batch_ * heads_;
+  const int64_t rows = batch_ * kv_heads_;
   // Per row: the alpha count and the valid positions.
   std::vector<int64_t> counts(static_cast<size_t>(rows)), valid(static_cast<size_t>(rows));
 #pragma omp parallel for schedule(static)
@@ -325,11 +446,11 @@ PartialLayer::Selection PartialLayer::select(const std::vector<float>& logits, i
   sel.take.resize(static_cast<size_t>(batch_));
   for (int64_t b = 0; b < batch_; ++b) {
     const int64_t wanted =
-        options.fetch_rule == FetchRule::Batch ? batch_fetch : fetch_size(b * heads_, heads_);
+        options.fetch_rule == FetchRule::Batch ? batch_fetch : fetch_size(b * kv_heads_, kv_heads_);
     // Rows of one sequence hold the same number of valid positions (padding is stored, and
-    // evicted, alike in every head); the minimum guards the staging layout all the same.
+    // evicted, alike in every KV head); the minimum guards the staging layout all the same.
     const int64_t fewest =
-        *std::min_element(valid.begin() + b * heads_, valid.begin() + (b + 1) * heads_);
+        *std::min_element(valid.begin() + b * kv_heads_, valid.begin() + (b + 1) * kv_heads_);
     sel.take[static_cast<size_t>(b)] = static_cast<int32_t>(std::min(wanted, fewest));
     sel.fetch = std::max<int64_t>(sel.fetch, sel.take[static_cast<size_t>(b)]);
   }
@@ -337,7 +458,7 @@ PartialLayer::Selection PartialLayer::select(const std::vector<float>& logits, i
   sel.tokens.assign(static_cast<size_t>(rows * sel.fetch), 0);
 #pragma omp parallel for schedule(static)
   for (int64_t row = 0; row < rows; ++row) {
-    const int64_t take = sel.take[static_cast<size_t>(row / heads_)];
+    const int64_t take = sel.take[static_cast<size_t>(row / kv_heads_)];
     if (take == 0) continue;
     const float* s = logits.data() + row * used;
     std::vector<int32_t> order;

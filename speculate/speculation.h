@@ -69,75 +69,110 @@ struct FetchReplay {
 // The number of partial key columns per head, r = max(1, floor(ratio * head_dim)).
 int64_t partial_columns(double ratio, int64_t head_dim);
 
-// One layer's speculation state, on the CPU backend (in a trace its host work records itself as
-// partial_build {B, H, tokens, r, D}, speculate {B, H, positions, r} (the partial key dtype) and
-// partial_append {B, H, r}): (H, r) column indices, the partial query
-// weights (H * r, D) and bias (H * r) in fp32, and the partial key cache (B, H, capacity, r) in
-// fp32 or fp16 (SpeculationOptions::partial_key_dtype; fp16 halves its memory, as the reference
-// code keeps it in the KV's type, at the cost of rounding the estimated logits).
+// What a layer's speculation state is built from at prefill: the layer's attention input
+// (core/kv_cache.h) and its new keys.
+struct PartialSource {
+  const Tensor& queries;        // (B * n, H * d) fp32, as attention uses them (rotated, scaled)
+  const Tensor& keys;           // (B * n, H_kv * d) fp32 (rotated)
+  const Tensor& q_weight;       // (H * d, D), HF layout, any float dtype
+  const Tensor& q_bias;         // (H * d), or undefined
+  const Tensor& rope_inv_freq;  // (d / 2) fp32: the model's rotary frequencies; undefined: none
+  // (H_kv, d, d) fp32: per KV head, the orthogonal skew A (columns by singular value) applied
+  // after the rotation, Q~ = Q A, K~ = K A (speculate/skew.h); undefined: none, or folded into
+  // the weights (OPT).
+  const Tensor& skew;
+};
+
+// One layer's speculation state, on the CPU backend. Per KV head g (shared by the H / H_kv query
+// heads of its group): r partial columns S_g of the skewed space, chosen from the group's queries
+// and its keys; the partial key cache K~[:, S_g] (B, H_kv, capacity, r) in fp32 or fp16
+// (SpeculationOptions::partial_key_dtype; fp16 halves its memory, as the reference code keeps it
+// in the KV's type, at the cost of rounding the estimated logits); and the partial query weights:
+// the rows of W_q that the partial query of each head needs, in W_q's dtype (lossless): the rows
+// S_g (no rotation, no skew: OPT), S_g and their rotary pairs (rotary, no skew), or all d rows
+// (skewed: every output of a head feeds every skewed column).
+//
+// Speculation of a query head h from the previous layer's attention input x: its needed rows of
+// x W_q^T + b, rotated at the new token's position, skewed, the columns S_g, scaled by 1/sqrt(d),
+// dotted with every stored partial key of its KV head. The group's query heads are combined by
+// the maximum of their estimated logits: a token that one head of the group would attend to is
+// fetched for the group (its K and V rows are shared). In a trace its host work records itself as
+// partial_build {B, H_kv, tokens, r, D}, speculate {B, H_kv, positions, r, H} (the partial key
+// dtype) and partial_append {B, H_kv, r}.
 class PartialLayer {
  public:
   PartialLayer() = default;
 
-  // From the prefill's queries (unscaled, (B * n, H * d)), keys (B * n, H * d) and the layer's
-  // query projection (D, D) + bias (D): columns, partial weights, and the partial keys of a cache
-  // of `capacity` positions: position p of (b, h) holds token p (n <= capacity), or token
-  // position_tokens[(b * H + h) * capacity + p] when given (-1: empty; a capped pool).
-  void build(const Tensor& queries, const Tensor& keys, const Tensor& q_weight,
-             const Tensor& q_bias, const std::vector<int32_t>& first_valid, int64_t num_heads,
-             int64_t capacity, int64_t r, PartialIndexRule rule,
-             const std::vector<int32_t>* position_tokens = nullptr, DType key_dtype = DType::F32);
-  // Writes the partial keys of one new token per sequence, keys (B, H * d), at `position` of
-  // every (sequence, head), or at positions[b * H + h] when given (a pool with a memory limit
-  // overwrites a different victim in each row).
+  // Columns, partial weights and the partial keys of a cache of `capacity` positions: position p
+  // of (b, g) holds token p (n <= capacity), or token position_tokens[(b * H_kv + g) * capacity
+  // + p] when given (-1: empty; a capped pool).
+  void build(const PartialSource& source, const std::vector<int32_t>& first_valid,
+             int64_t num_heads, int64_t num_kv_heads, int64_t capacity, int64_t r,
+             PartialIndexRule rule, const std::vector<int32_t>* position_tokens = nullptr,
+             DType key_dtype = DType::F32);
+  // Writes the partial keys of one new token per sequence, keys (B, H_kv * d) (rotated), at
+  // `position` of every (sequence, KV head), or at positions[b * H_kv + g] when given (a pool
+  // with a memory limit overwrites a different victim in each row).
   void append(const Tensor& keys, int64_t position,
               const std::vector<int32_t>* positions = nullptr);
 
   struct Selection {
-    int64_t fetch = 0;            // rows per (sequence, head) of the staging: max over take
+    int64_t fetch = 0;            // rows per (sequence, KV head) of the staging: max over take
     std::vector<int32_t> take;    // (B): tokens taken per sequence, min(its n', valid tokens)
-    std::vector<int32_t> tokens;  // (B, H, fetch): the first take[b] ascending, rest unused
-    double mean_count = 0.0;      // mean over all B * H rows of the alpha count
+    std::vector<int32_t> tokens;  // (B, H_kv, fetch): the first take[b] ascending, rest unused
+    double mean_count = 0.0;      // mean over all B * H_kv rows of the alpha count
   };
-  // Speculates attention over positions [0, used) from x (B, D), the LayerNorm output of the
-  // previous layer, with options.alpha, options.max_num_kv (> 0: the resolved cap) and
-  // options.fetch_rule. Position p of (b, h) holds token p, or position_tokens[(b * H + h) *
+  // Speculates attention over positions [0, used) from x (B, D), the attention input of the
+  // previous layer, with the new token of sequence b at rotary position rope_positions[b]
+  // (unused without rotation), options.alpha, options.max_num_kv (> 0: the resolved cap) and
+  // options.fetch_rule. Position p of (b, g) holds token p, or position_tokens[(b * H_kv + g) *
   // capacity + p] when given (-1: empty); it counts when that token is not padding
   // (>= first_valid[b]). Selected positions are returned in ascending order. In a dry run
   // (core/trace.h) nothing is estimated: each sequence b takes its first replay_take[b] valid
   // positions (FetchReplay).
-  Selection speculate(const Tensor& x, int64_t used, const std::vector<int32_t>& first_valid,
-                      const SpeculationOptions& options,
+  Selection speculate(const Tensor& x, const std::vector<int32_t>& rope_positions, int64_t used,
+                      const std::vector<int32_t>& first_valid, const SpeculationOptions& options,
                       const std::vector<int32_t>* position_tokens = nullptr,
                       const std::vector<int32_t>* replay_take = nullptr) const;
-  // speculate()'s two halves. The estimated attention logits (B, H, used) of positions
-  // [0, used), scaled by 1/sqrt(d); -inf where a position holds padding or nothing (empty in a
-  // dry run).
-  std::vector<float> estimate_logits(const Tensor& x, int64_t used,
-                                     const std::vector<int32_t>& first_valid,
+  // speculate()'s two halves. The estimated attention logits (B, H_kv, used) of positions
+  // [0, used), scaled by 1/sqrt(d), the maximum over each group's query heads; -inf where a
+  // position holds padding or nothing (empty in a dry run).
+  std::vector<float> estimate_logits(const Tensor& x, const std::vector<int32_t>& rope_positions,
+                                     int64_t used, const std::vector<int32_t>& first_valid,
                                      const std::vector<int32_t>* position_tokens = nullptr) const;
-  // The alpha counts, n' and the top-n' positions of each row of `logits` (B, H, used).
+  // The alpha counts, n' and the top-n' positions of each row of `logits` (B, H_kv, used).
   Selection select(const std::vector<float>& logits, int64_t used,
                    const SpeculationOptions& options) const;
 
   int64_t r() const { return r_; }
-  // The r partial key columns stored at `position` of (b, h), widened to fp32.
-  std::vector<float> partial_key(int64_t b, int64_t h, int64_t position) const;
+  // The r partial key columns stored at `position` of (b, g), widened to fp32.
+  std::vector<float> partial_key(int64_t b, int64_t g, int64_t position) const;
+  // (H_kv, r): the partial columns of each KV head, ascending (in the skewed space when skewed).
   const std::vector<int32_t>& columns() const { return columns_; }
+  // The partial key of a full key row (d) of KV head g: its skewed partial columns.
+  void partial_of(const float* key, int64_t g, float* out) const;
 
  private:
-  int64_t batch_ = 0, heads_ = 0, head_dim_ = 0, capacity_ = 0, r_ = 0;
-  std::vector<int32_t> columns_;  // (H, r), ascending within a head
-  Tensor weight_;                 // (H * r, D) fp32
-  Tensor bias_;                   // (H * r) fp32
+  int64_t batch_ = 0, heads_ = 0, kv_heads_ = 0, group_ = 1, head_dim_ = 0, capacity_ = 0, r_ = 0;
+  std::vector<int32_t> columns_;  // (H_kv, r), ascending within a KV head
+  std::vector<float> skew_;       // (H_kv, d, d) row-major A per KV head; empty: no skew
+  std::vector<float> inv_freq_;   // (d / 2) rotary frequencies; empty: no rotation
+  // Per KV head, the query dimensions its heads' partial queries need (ascending), and the
+  // offset of head h's rows in weight_ (H + 1 entries).
+  std::vector<std::vector<int32_t>> needed_;
+  std::vector<int64_t> head_rows_;
+  Tensor weight_;  // (head_rows_[H], D) in W_q's dtype: the needed rows, head by head
+  Tensor bias_;    // (head_rows_[H]) fp32
   DType key_dtype_ = DType::F32;
-  std::vector<char> keys_;  // (B, H, capacity, r) in key_dtype_
+  std::vector<char> keys_;  // (B, H_kv, capacity, r) in key_dtype_
 
-  // Offset in keys_ of position p of (b, h); writes r fp32 values there in key_dtype_.
-  size_t key_offset(int64_t b, int64_t h, int64_t p) const {
-    return static_cast<size_t>(((b * heads_ + h) * capacity_ + p) * r_) * dtype_size(key_dtype_);
+  // Offset in keys_ of position p of (b, g); writes r fp32 values there in key_dtype_.
+  size_t key_offset(int64_t b, int64_t g, int64_t p) const {
+    return static_cast<size_t>(((b * kv_heads_ + g) * capacity_ + p) * r_) * dtype_size(key_dtype_);
   }
   void write_key(size_t offset, const float* values);
+  // The partial query (r, scaled) of head h of sequence b from its needed rows `rows`.
+  void partial_query(const float* rows, int64_t h, int32_t rope_position, float* out) const;
   // A dry run's selection: sequence b takes its first take[b] valid positions.
   Selection replayed(const std::vector<int32_t>& take, int64_t used,
                      const std::vector<int32_t>& first_valid,

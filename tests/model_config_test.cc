@@ -82,9 +82,9 @@ TEST(ModelConfig, UnsupportedVariantsAreRefusedByName) {
   json gelu = opt_125m_json();
   gelu["activation_function"] = "gelu";
   EXPECT_NE(error_of(gelu).find("activation_function"), std::string::npos);
-  json llama = opt_125m_json();
-  llama["model_type"] = "llama";
-  EXPECT_NE(error_of(llama).find("model_type"), std::string::npos);
+  json neox = opt_125m_json();
+  neox["model_type"] = "gpt_neox";
+  EXPECT_NE(error_of(neox).find("model_type"), std::string::npos);
 }
 
 TEST(ModelConfig, BadValuesNameTheKey) {

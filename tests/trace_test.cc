@@ -4,12 +4,12 @@
 #include "core/trace.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <fstream>
 #include <sstream>
 #include <string>
-#include <unistd.h>
 
 #include "core/model_loader.h"
 #include "offload/runtime.h"
@@ -54,8 +54,7 @@ class DryTrace : public ::testing::Test {
     ASSERT_FALSE(real.ops().empty());
     ASSERT_EQ(real.ops().size(), dry.ops().size()) << options.policy;
     for (size_t i = 0; i < real.ops().size(); ++i) {
-      ASSERT_EQ(describe(real.ops()[i]), describe(dry.ops()[i]))
-          << options.policy << ", op " << i;
+      ASSERT_EQ(describe(real.ops()[i]), describe(dry.ops()[i])) << options.policy << ", op " << i;
     }
   }
 

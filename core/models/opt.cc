@@ -2,7 +2,9 @@
 #include "core/models/opt.h"
 
 #include <cmath>
+#include <nlohmann/json.hpp>
 
+#include "core/config_keys.h"
 #include "core/interrupt.h"
 #include "core/ops.h"
 
@@ -16,6 +18,61 @@ std::string global(const char* name) {
 }
 
 }  // namespace
+
+ModelConfig opt_config_from_json(const nlohmann::json& j, const std::string& source) {
+  using namespace config_keys;
+  ModelConfig c;
+  c.family = "opt";
+  c.hidden_size = positive_int(j, "hidden_size", source);
+  c.num_layers = positive_int(j, "num_hidden_layers", source);
+  c.num_heads = positive_int(j, "num_attention_heads", source);
+  c.ffn_dim = positive_int(j, "ffn_dim", source);
+  c.vocab_size = positive_int(j, "vocab_size", source);
+  c.max_positions = positive_int(j, "max_position_embeddings", source);
+  INFINIGEN_CHECK(c.hidden_size % c.num_heads == 0, source, ": hidden_size ", c.hidden_size,
+                  " is not divisible by num_attention_heads ", c.num_heads);
+  c.pad_token_id = token_id(j, "pad_token_id", 1, source);
+  c.bos_token_id = token_id(j, "bos_token_id", 2, source);
+  c.eos_token_id = token_id(j, "eos_token_id", 2, source);
+  // Kept only when it differs from the width (so that code resizing a model, such as bench's
+  // --scale, keeps an unprojected model unprojected).
+  if (j.contains("word_embed_proj_dim") && !j.at("word_embed_proj_dim").is_null()) {
+    const int64_t embed = positive_int(j, "word_embed_proj_dim", source);
+    c.word_embed_dim = embed == c.hidden_size ? 0 : embed;
+  }
+  c.pre_norm = flag(j, "do_layer_norm_before", true, source);
+  // transformers builds the final LayerNorm only for pre-LayerNorm models.
+  c.final_norm = c.pre_norm && !flag(j, "_remove_final_layer_norm", false, source);
+  require(j, "activation_function", std::string("relu"), source, "OPT uses ReLU");
+  require(j, "enable_bias", true, source, "linear layers without bias are not supported");
+  require(j, "layer_norm_elementwise_affine", true, source,
+          "LayerNorm without weight and bias is not supported");
+  require(j, "tie_word_embeddings", true, source, "the LM head must be tied to the embedding");
+  return c;
+}
+
+nlohmann::json opt_config_to_json(const ModelConfig& c) {
+  return {{"architectures", {"OPTForCausalLM"}},
+          {"model_type", "opt"},
+          {"hidden_size", c.hidden_size},
+          {"num_hidden_layers", c.num_layers},
+          {"num_attention_heads", c.num_heads},
+          {"ffn_dim", c.ffn_dim},
+          {"max_position_embeddings", c.max_positions},
+          {"word_embed_proj_dim", c.embed_dim()},
+          {"do_layer_norm_before", c.pre_norm},
+          {"activation_function", "relu"},
+          {"enable_bias", true},
+          {"layer_norm_elementwise_affine", true},
+          {"_remove_final_layer_norm", c.pre_norm && !c.final_norm},
+          {"tie_word_embeddings", true},
+          {"dropout", 0.0},
+          {"attention_dropout", 0.0},
+          {"activation_dropout", 0.0},
+          {"layerdrop", 0.0},
+          {"init_std", 0.02},
+          {"use_cache", true}};
+}
 
 WeightLayout opt_weight_layout(const ModelConfig& c) {
   const int64_t D = c.hidden_size, F = c.ffn_dim, E = c.embed_dim();
@@ -74,6 +131,7 @@ Tensor OptModel::forward(const std::vector<int32_t>& tokens, int64_t n, KvStore&
   Tensor attn = Tensor::empty({rows, D}, DType::F32, device_);
   Tensor ffn = Tensor::empty({rows, c.ffn_dim}, DType::F32, device_);
   const float q_scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim()));
+  const Tensor none;  // OPT has no rotation, and folds InfiniGen's skew into its weights
 
   const TensorTable& g = globals();
   if (c.embed_dim() == D) {
@@ -96,7 +154,7 @@ Tensor OptModel::forward(const std::vector<int32_t>& tokens, int64_t n, KvStore&
     // Self-attention block: h += out_proj(attention(LN(h))) (pre), h = LN(h + ...) (post).
     if (pre) {
       ops::layer_norm(h, w.get("self_attn_layer_norm.weight"), w.get("self_attn_layer_norm.bias"),
-                      c.layer_norm_eps, x);
+                      c.norm_eps, x);
     }
     const Tensor& in = pre ? x : h;
     const Tensor& wq = w.get("self_attn.q_proj.weight");
@@ -105,7 +163,7 @@ Tensor OptModel::forward(const std::vector<int32_t>& tokens, int64_t n, KvStore&
     ops::scale_inplace(q, q_scale);
     ops::linear(in, w.get("self_attn.k_proj.weight"), w.get("self_attn.k_proj.bias"), k);
     ops::linear(in, w.get("self_attn.v_proj.weight"), w.get("self_attn.v_proj.bias"), v);
-    cache.observe(l, {in, q, wq, bq});
+    cache.observe(l, {in, q, wq, bq, none, positions, none});
     cache.append(l, k, v);
     if (past == 0) {
       ops::attention_prefill(q, k, v, attn, B, c.num_heads, first_valid);
@@ -118,20 +176,20 @@ Tensor OptModel::forward(const std::vector<int32_t>& tokens, int64_t n, KvStore&
     ops::add_inplace(h, x);
     if (!pre) {
       ops::layer_norm(h, w.get("self_attn_layer_norm.weight"), w.get("self_attn_layer_norm.bias"),
-                      c.layer_norm_eps, h);
+                      c.norm_eps, h);
     }
     check_interrupt();  // also between the halves of a layer: each takes seconds in a long prefill
     // Feed-forward block: h += fc2(relu(fc1(LN(h)))) (pre), h = LN(h + ...) (post).
     if (pre) {
       ops::layer_norm(h, w.get("final_layer_norm.weight"), w.get("final_layer_norm.bias"),
-                      c.layer_norm_eps, x);
+                      c.norm_eps, x);
     }
     ops::linear(pre ? x : h, w.get("fc1.weight"), w.get("fc1.bias"), ffn, /*relu=*/true);
     ops::linear(ffn, w.get("fc2.weight"), w.get("fc2.bias"), x);
     ops::add_inplace(h, x);
     if (!pre) {
       ops::layer_norm(h, w.get("final_layer_norm.weight"), w.get("final_layer_norm.bias"),
-                      c.layer_norm_eps, h);
+                      c.norm_eps, h);
     }
   }
   cache.end_pass(n);
@@ -144,7 +202,7 @@ Tensor OptModel::lm_head(const Tensor& hidden) const {
   if (config_.final_norm) {
     out = Tensor::empty(hidden.shape(), DType::F32, device_);
     ops::layer_norm(hidden, g.get(global("final_layer_norm.weight")),
-                    g.get(global("final_layer_norm.bias")), config_.layer_norm_eps, out);
+                    g.get(global("final_layer_norm.bias")), config_.norm_eps, out);
   }
   if (config_.embed_dim() != config_.hidden_size) {
     Tensor projected = Tensor::empty({hidden.dim(0), config_.embed_dim()}, DType::F32, device_);

@@ -5,6 +5,8 @@
 #pragma once
 
 #include <memory>
+#include <nlohmann/json_fwd.hpp>
+#include <string>
 
 #include "core/model.h"
 
@@ -13,6 +15,13 @@ namespace infinigen {
 // OPT's learned position table is offset by 2: rows 0 and 1 are never used by real tokens, and
 // left padding reads row 1.
 inline constexpr int64_t kOptPositionOffset = 2;
+
+// OPT's config.json keys (model_type "opt"): variants this engine would compute wrong
+// (activations other than ReLU, no biases, LayerNorm without parameters, an untied LM head) are
+// refused naming the key.
+ModelConfig opt_config_from_json(const nlohmann::json& json, const std::string& source);
+// The keys of an OPTForCausalLM config.json (the common ones are added by config_to_hf_json).
+nlohmann::json opt_config_to_json(const ModelConfig& config);
 
 // Tensor names and shapes of an OPT checkpoint ("model.decoder." names; lm_head is tied).
 WeightLayout opt_weight_layout(const ModelConfig& config);

@@ -64,6 +64,19 @@ __device__ __forceinline__ float warp_max(float value) {
   return value;
 }
 
+// Sum of `value` over the block (blockDim.x a multiple of the warp size); every thread gets the
+// result. `partials` holds one value per warp. The leading barrier lets a previous call's
+// readers finish before it is overwritten.
+__device__ __forceinline__ float block_sum(float value, float* partials) {
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int warps = blockDim.x / kWarpSize;
+  value = warp_sum(value);
+  __syncthreads();
+  if (lane == 0) partials[warp] = value;
+  __syncthreads();
+  return warp_sum(lane < warps ? partials[lane] : 0.0f);
+}
+
 // Calls `f(type_tag)` with a value of the C++ type stored for `element`: one switch instead of
 // one per kernel launch site.
 template <typename F>

@@ -19,6 +19,12 @@ __global__ void scale_kernel(float* y, float factor, int64_t n) {
     y[i] *= factor;
 }
 
+__global__ void silu_mul_kernel(float* gate, const float* up, int64_t n) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
+    gate[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+}
+
 }  // namespace
 
 int add_inplace(float* y, const float* x, int64_t n, void* stream) {
@@ -32,6 +38,13 @@ int scale_inplace(float* y, float factor, int64_t n, void* stream) {
   if (n <= 0) return cudaSuccess;
   scale_kernel<<<detail::grid_stride_blocks(n, kThreads), kThreads, 0, detail::as_stream(stream)>>>(
       y, factor, n);
+  return cudaGetLastError();
+}
+
+int silu_mul(float* gate, const float* up, int64_t n, void* stream) {
+  if (n <= 0) return cudaSuccess;
+  silu_mul_kernel<<<detail::grid_stride_blocks(n, kThreads), kThreads, 0,
+                    detail::as_stream(stream)>>>(gate, up, n);
   return cudaGetLastError();
 }
 

@@ -9,5 +9,7 @@ namespace infinigen::kernels::cuda {
 int add_inplace(float* y, const float* x, int64_t n, void* stream);
 // y (n) *= factor.
 int scale_inplace(float* y, float factor, int64_t n, void* stream);
+// gate (n) = silu(gate) * up (n), silu(g) = g / (1 + exp(-g)).
+int silu_mul(float* gate, const float* up, int64_t n, void* stream);
 
 }  // namespace infinigen::kernels::cuda

@@ -9,18 +9,6 @@ namespace {
 
 constexpr int kThreads = 256;  // a multiple of the warp size (block_sum relies on it)
 
-// Sum of `value` over the block; every thread gets the result. `partials` holds one value per
-// warp. The leading barrier lets a previous call's readers finish before it is overwritten.
-__device__ float block_sum(float value, float* partials) {
-  const int lane = threadIdx.x % detail::kWarpSize, warp = threadIdx.x / detail::kWarpSize;
-  const int warps = blockDim.x / detail::kWarpSize;
-  value = detail::warp_sum(value);
-  __syncthreads();
-  if (lane == 0) partials[warp] = value;
-  __syncthreads();
-  return detail::warp_sum(lane < warps ? partials[lane] : 0.0f);
-}
-
 // x and y may alias: each thread reads element c of the row before it writes element c, and the
 // statistics are complete (barriers in block_sum) before any write.
 __global__ void layer_norm_kernel(const float* x, const float* gamma, const float* beta, float* y,
@@ -30,13 +18,14 @@ __global__ void layer_norm_kernel(const float* x, const float* gamma, const floa
   float* out = y + static_cast<int64_t>(blockIdx.x) * cols;
   float sum = 0.0f;
   for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) sum += in[c];
-  const float mean = block_sum(sum, partials) / static_cast<float>(cols);
+  const float mean = detail::block_sum(sum, partials) / static_cast<float>(cols);
   float sq = 0.0f;
   for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
     const float centred = in[c] - mean;
     sq += centred * centred;
   }
-  const float inv_std = 1.0f / sqrtf(block_sum(sq, partials) / static_cast<float>(cols) + eps);
+  const float inv_std =
+      1.0f / sqrtf(detail::block_sum(sq, partials) / static_cast<float>(cols) + eps);
   for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
     out[c] = (in[c] - mean) * inv_std * gamma[c] + beta[c];
 }

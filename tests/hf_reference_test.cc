@@ -1,19 +1,25 @@
-// tests: the CPU backend against HF transformers' OPTForCausalLM on the same checkpoint.
+// tests: the CPU backend against HF transformers on the same checkpoint, for every model family.
 //
-// Three checkpoints: tests/fixtures/opt-tiny, synthetic (infinigen make-model --preset opt-tiny
-// --seed 7); tests/fixtures/opt-tiny-post-ln, opt-350m's variant (LayerNorm after each block,
-// project_in / project_out) initialised by transformers (tools/make_hf_checkpoint.py); and the
-// built-in model (models/builtin, trained by tools/train_model.py). Next to
-// each, tests/fixtures/NAME-reference.safetensors holds transformers' logits for a left-padded
-// batch (tools/make_hf_reference.py). Both run fp32 arithmetic on the same fp16 weights, so they
-// must agree to fp32 rounding: relative error <= 1e-4 per position.
+// Checkpoints: tests/fixtures/opt-tiny, synthetic (infinigen make-model --preset opt-tiny --seed
+// 7); tests/fixtures/opt-tiny-post-ln, opt-350m's variant (LayerNorm after each block,
+// project_in / project_out); tests/fixtures/{llama,mistral,qwen2}-tiny, the Llama family's three
+// configs (grouped-query attention, llama3 and linear rope scaling, an explicit head_dim, a
+// sliding window, Q/K/V biases, tied and untied LM heads), all initialised by transformers
+// (tools/make_hf_checkpoint.py); and the built-in model (models/builtin, trained by
+// tools/train_model.py). Next to each, tests/fixtures/NAME-reference.safetensors holds
+// transformers' logits for a left-padded batch (tools/make_hf_reference.py). Both run fp32
+// arithmetic on the same fp16 weights, so they must agree to fp32 rounding: relative error
+// <= 1e-4 per position. The offloading policies that compute full attention (gpu, full, and
+// infinigen selecting everything) must then pick transformers' greedy tokens too.
 #include <gtest/gtest.h>
 
+#include <cctype>
 #include <cstring>
 
 #include "core/generation.h"
 #include "core/model_loader.h"
 #include "core/safetensors.h"
+#include "offload/runtime.h"
 #include "tests/test_util.h"
 
 namespace infinigen {
@@ -28,7 +34,7 @@ struct Checkpoint {
   std::string directory;  // the checkpoint
 };
 
-class OptReference : public ::testing::TestWithParam<Checkpoint> {
+class HfReference : public ::testing::TestWithParam<Checkpoint> {
  protected:
   void SetUp() override {
     reference_ = SafetensorsFile::open(std::string(INFINIGEN_FIXTURES_DIR) + "/" + GetParam().name +
@@ -51,7 +57,7 @@ class OptReference : public ::testing::TestWithParam<Checkpoint> {
   LoadedModel loaded_;
 };
 
-TEST_P(OptReference, PrefillAndDecodeMatchTransformers) {
+TEST_P(HfReference, PrefillAndDecodeMatchTransformers) {
   Model& model = *loaded_.model;
   const int64_t V = model.config().vocab_size;
   const std::vector<int32_t> tokens = ints("tokens");
@@ -93,7 +99,7 @@ TEST_P(OptReference, PrefillAndDecodeMatchTransformers) {
   }
 }
 
-TEST_P(OptReference, GreedyTokensMatchTransformers) {
+TEST_P(HfReference, GreedyTokensMatchTransformers) {
   // The fixture's decode tokens are transformers' greedy choices: the engine must pick the same.
   const std::vector<int32_t> first_valid = ints("first_valid");
   const std::vector<int32_t> tokens = ints("tokens");
@@ -116,15 +122,57 @@ TEST_P(OptReference, GreedyTokensMatchTransformers) {
   }
 }
 
+TEST_P(HfReference, OffloadedPoliciesComputingFullAttentionPickTransformersGreedyTokens) {
+  const std::vector<int32_t> first_valid = ints("first_valid");
+  const std::vector<int32_t> tokens = ints("tokens");
+  const int64_t B = static_cast<int64_t>(first_valid.size());
+  const int64_t n = static_cast<int64_t>(tokens.size()) / B;
+  GenerationRequest request;
+  for (int64_t b = 0; b < B; ++b) {
+    request.prompts.emplace_back(tokens.begin() + b * n + first_valid[b],
+                                 tokens.begin() + (b + 1) * n);
+  }
+  const std::vector<int32_t> expected = ints("decode_tokens");
+  request.gen_len = static_cast<int64_t>(expected.size()) / B;
+  request.kv_dtype = DType::F32;
+  const ModelSource source = resolve_model(GetParam().directory, {});
+  for (const char* policy : {"gpu", "full", "infinigen"}) {
+    OffloadOptions options;
+    options.policy = policy;
+    // Every token within alpha, and a cap above the context: InfiniGen selects everything.
+    options.speculation.alpha = 1e9;
+    options.speculation.max_num_kv = 1 << 20;
+    const OffloadRun run = run_offloaded(source, request, options, Device::Cpu);
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t s = 0; s < request.gen_len; ++s) {
+        EXPECT_EQ(run.result.tokens[b][s], expected[s * B + b])
+            << policy << ": sequence " << b << " step " << s;
+      }
+    }
+  }
+}
+
+Checkpoint fixture(const char* name) {
+  return {name, std::string(INFINIGEN_FIXTURES_DIR) + "/" + name};
+}
+
 INSTANTIATE_TEST_SUITE_P(
-    Checkpoints, OptReference,
-    ::testing::Values(Checkpoint{"opt-tiny", std::string(INFINIGEN_FIXTURES_DIR) + "/opt-tiny"},
-                      Checkpoint{"opt-tiny-post-ln",
-                                 std::string(INFINIGEN_FIXTURES_DIR) + "/opt-tiny-post-ln"},
+    Checkpoints, HfReference,
+    ::testing::Values(fixture("opt-tiny"), fixture("opt-tiny-post-ln"), fixture("llama-tiny"),
+                      fixture("mistral-tiny"), fixture("qwen2-tiny"),
                       Checkpoint{"builtin", std::string(INFINIGEN_SOURCE_DIR) + "/models/builtin"}),
     [](const ::testing::TestParamInfo<Checkpoint>& param) {
-      const std::string name = param.param.name;
-      return name == "builtin" ? "Builtin" : name == "opt-tiny" ? "OptTiny" : "OptTinyPostLn";
+      std::string name;
+      bool upper = true;
+      for (const char ch : std::string(param.param.name)) {  // opt-tiny-post-ln: OptTinyPostLn
+        if (ch == '-') {
+          upper = true;
+          continue;
+        }
+        name += upper ? static_cast<char>(std::toupper(static_cast<unsigned char>(ch))) : ch;
+        upper = false;
+      }
+      return name;
     });
 
 }  // namespace
