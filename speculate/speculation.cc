@@ -379,23 +379,31 @@ PartialLayer::Selection PartialLayer::replayed(const std::vector<int32_t>& take,
                                                const std::vector<int32_t>& first_valid,
                                                const std::vector<int32_t>* position_tokens) const {
   const int64_t H = kv_heads_;
-  Selection sel;
-  sel.take.resize(static_cast<size_t>(batch_));
-  std::vector<std::vector<int32_t>> valid(static_cast<size_t>(batch_ * H));
-  for (int64_t row = 0; row < batch_ * H; ++row) {
+  // The valid positions of a row: [first_valid[b], used) when every position holds its own
+  // token, else those whose token is not padding.
+  const auto valid_positions = [&](int64_t row) {
     const int64_t b = row / H;
-    for (int64_t p = 0; p < used; ++p) {
+    std::vector<int32_t> valid;
+    for (int64_t p = position_tokens ? 0 : first_valid[static_cast<size_t>(b)]; p < used; ++p) {
       const int64_t token =
           position_tokens ? (*position_tokens)[static_cast<size_t>(row * capacity_ + p)] : p;
-      if (token >= first_valid[static_cast<size_t>(b)]) {
-        valid[static_cast<size_t>(row)].push_back(static_cast<int32_t>(p));
-      }
+      if (token >= first_valid[static_cast<size_t>(b)]) valid.push_back(static_cast<int32_t>(p));
     }
+    return valid;
+  };
+  Selection sel;
+  sel.take.resize(static_cast<size_t>(batch_));
+  std::vector<std::vector<int32_t>> valid;
+  if (position_tokens) {
+    for (int64_t row = 0; row < batch_ * H; ++row) valid.push_back(valid_positions(row));
   }
   for (int64_t b = 0; b < batch_; ++b) {
-    int64_t fewest = used;
-    for (int64_t g = 0; g < H; ++g) {
-      fewest = std::min<int64_t>(fewest, std::ssize(valid[static_cast<size_t>(b * H + g)]));
+    int64_t fewest = std::max<int64_t>(0, used - first_valid[static_cast<size_t>(b)]);
+    if (position_tokens) {
+      fewest = used;
+      for (int64_t g = 0; g < H; ++g) {
+        fewest = std::min<int64_t>(fewest, std::ssize(valid[static_cast<size_t>(b * H + g)]));
+      }
     }
     sel.take[static_cast<size_t>(b)] =
         static_cast<int32_t>(std::min<int64_t>(take[static_cast<size_t>(b)], fewest));
@@ -406,8 +414,13 @@ PartialLayer::Selection PartialLayer::replayed(const std::vector<int32_t>& take,
   sel.fetch = std::max<int64_t>(sel.fetch, 1);
   sel.tokens.assign(static_cast<size_t>(batch_ * H * sel.fetch), 0);
   for (int64_t row = 0; row < batch_ * H; ++row) {
-    std::copy_n(valid[static_cast<size_t>(row)].begin(), sel.take[static_cast<size_t>(row / H)],
-                sel.tokens.begin() + row * sel.fetch);
+    const int64_t n = sel.take[static_cast<size_t>(row / H)];
+    int32_t* out = sel.tokens.data() + row * sel.fetch;
+    if (position_tokens) {
+      std::copy_n(valid[static_cast<size_t>(row)].begin(), n, out);
+    } else {
+      std::iota(out, out + n, first_valid[static_cast<size_t>(row / H)]);
+    }
   }
   return sel;
 }

@@ -58,8 +58,8 @@ TEST(ByteSize, ParsesBytesAndBinarySuffixesOnly) {
   EXPECT_EQ(parse_byte_size("2G"), size_t{2} << 30);
   EXPECT_EQ(parse_byte_size("64k"), 64u << 10);
   EXPECT_EQ(parse_byte_size("0"), 0u);
-  for (const char* bad : {"", "M", "1.5G", "-1", "12 M", "1T", "lots", "99999999999999999999",
-                          "17179869184G"}) {
+  for (const char* bad :
+       {"", "M", "1.5G", "-1", "12 M", "1T", "lots", "99999999999999999999", "17179869184G"}) {
     EXPECT_FALSE(parse_byte_size(bad)) << bad;
   }
 }
@@ -67,8 +67,8 @@ TEST(ByteSize, ParsesBytesAndBinarySuffixesOnly) {
 // The KV pool grows block by block while the prompt is stored; past the cap, the run stops with
 // what it could not pin and a configuration that fits in what it did pin, which then runs.
 TEST(PinnedLimit, AFailedPinNamesItAndSuggestsAPlanThatRuns) {
-  const std::vector<std::string> args = {"run", "--batch", "4", "--gen-len", "4", "--policy",
-                                         "full"};
+  const std::vector<std::string> args = {"run", "--batch",  "4",   "--gen-len",
+                                         "4",   "--policy", "full"};
   const ChildOptions capped = ChildOptions().with_env("INFINIGEN_PINNED_LIMIT=3M");
   const std::string refusal = expect_one_line_failure(
       args, capped,
@@ -89,7 +89,8 @@ TEST(PinnedLimit, WhenNothingCanBePinnedThePolicyThatPinsNothingIsSuggested) {
 }
 
 TEST(PinnedLimit, ABadValueIsOneLine) {
-  expect_one_line_failure({"run", "--gen-len", "2"}, ChildOptions().with_env("INFINIGEN_PINNED_LIMIT=lots"),
+  expect_one_line_failure({"run", "--gen-len", "2"},
+                          ChildOptions().with_env("INFINIGEN_PINNED_LIMIT=lots"),
                           {"INFINIGEN_PINNED_LIMIT", "'lots'", "256M"});
 }
 
@@ -108,9 +109,21 @@ TEST(FailedWrites, MakeModelLeavesNoPartialCheckpoint) {
 TEST(FailedWrites, BenchLeavesNoPartialReport) {
   TempDir dir("write-limit-bench");
   const fs::path out = dir.path() / "out";
-  const std::vector<std::string> args = {
-      "bench",       "--experiment",       "fig14", "--no-measure", "--predict", "rtx-a6000-pcie3",
-      "--fetched-fraction", "0.1", "--no-plot",     "--out",        out.string()};
+  // Half scale: what is written does not depend on the size, and a prediction replays every
+  // decode step of the runtime (about 4x faster than at scale 1, which matters under ASan).
+  const std::vector<std::string> args = {"bench",
+                                         "--experiment",
+                                         "fig14",
+                                         "--scale",
+                                         "0.5",
+                                         "--no-measure",
+                                         "--predict",
+                                         "rtx-a6000-pcie3",
+                                         "--fetched-fraction",
+                                         "0.1",
+                                         "--no-plot",
+                                         "--out",
+                                         out.string()};
   const MeasuredCommand full = run_infinigen_measured(args);
   ASSERT_EQ(full.exit_code, 0) << full.err;
   std::vector<std::string> written = entries(out);
