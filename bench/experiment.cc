@@ -276,12 +276,21 @@ std::vector<std::string> bundled_experiment_names() {
 ModelConfig scaled_model_config(const ModelConfig& config, double scale) {
   if (scale == 1.0) return config;
   ModelConfig c = config;
-  const int64_t d = config.head_dim();
+  const int64_t d = config.head_dim(), group = config.num_heads / config.kv_heads();
   c.num_layers = scaled(config.num_layers, scale, 4);
-  c.num_heads = scaled(config.num_heads, scale, 2);
+  // Query heads shrink with the KV heads, so that every KV head keeps its group of queries.
+  const int64_t kv_heads = scaled(config.kv_heads(), scale, group > 1 ? 1 : 2);
+  c.num_heads = kv_heads * group;
+  c.num_kv_heads = config.num_kv_heads > 0 ? kv_heads : 0;
   c.hidden_size = c.num_heads * d;
-  c.ffn_dim = 4 * c.hidden_size;
+  c.explicit_head_dim = config.explicit_head_dim > 0 ? d : 0;
+  // The FFN keeps its ratio to the width (4 for OPT, about 2.7 to 5.3 for the Llama family).
+  c.ffn_dim = std::max<int64_t>(1, config.ffn_dim * c.hidden_size / config.hidden_size);
   c.vocab_size = scaled(config.vocab_size, scale * scale, 1024);
+  // Special tokens stay inside the smaller vocabulary (Llama 3's are near its end).
+  for (int32_t* id : {&c.bos_token_id, &c.eos_token_id, &c.pad_token_id}) {
+    *id = static_cast<int32_t>(std::min<int64_t>(*id, c.vocab_size - 1));
+  }
   c.name = cat(config.name, " at scale ", scale);
   return c;
 }

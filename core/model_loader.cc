@@ -114,8 +114,10 @@ ModelWeights load_weights(const ModelSource& source, Device device) {
     synthetic.seed = source.seed;
     return synthetic_weights(source.config, synthetic, device);
   }
-  return load_checkpoint_weights(SafetensorsCheckpoint::open(source.directory), source.config,
-                                 device);
+  ModelWeights weights =
+      load_checkpoint_weights(SafetensorsCheckpoint::open(source.directory), source.config, device);
+  weights.attention_skew = load_attention_skew(source.directory, source.config, device);
+  return weights;
 }
 
 LoadedModel load_model(const std::string& spec, const ModelLoadOptions& options) {

@@ -1,4 +1,4 @@
-// core: the synthetic OPT weight generator.
+// core: the synthetic weight generator (every family: it names tensors by their role).
 #include "core/synthetic_model.h"
 
 #include <Eigen/Dense>
@@ -140,11 +140,12 @@ class Generator {
       }
     } else if (name.ends_with("embed_positions.weight")) {
       m = gaussian(normal, rows, cols, 0.1f * o_.embed_std);
-    } else if (name.ends_with("layer_norm.weight")) {
+    } else if (name.ends_with("norm.weight")) {  // LayerNorm's and RMSNorm's gains
       m = Matrix::Ones(rows, 1) + gaussian(normal, rows, 1, 0.02f);
     } else if (name.ends_with(".bias")) {
       m = gaussian(normal, rows, 1, 0.5f * o_.weight_std);
-    } else if (name.ends_with("fc2.weight") || name.ends_with("out_proj.weight")) {
+    } else if (name.ends_with("fc2.weight") || name.ends_with("out_proj.weight") ||
+               name.ends_with("down_proj.weight") || name.ends_with("o_proj.weight")) {
       m = gaussian(normal, rows, cols,
                    output_scale_[static_cast<size_t>(layer_index(name))] * o_.weight_std);
     } else if (name.ends_with("q_proj.weight") || name.ends_with("k_proj.weight")) {
@@ -167,18 +168,22 @@ class Generator {
   // (D x r) orthonormal and away from the outlier channels, U_h (d x r) orthonormal and R_h an
   // r x r rotation. Then q.k / sqrt(d) = s^2 (V^T x_q)^T R (V^T x_k) / sqrt(d), whose std between
   // unrelated tokens is s^2 * sqrt(r) * var(x) / sqrt(d): s is chosen to hit the target std.
-  // Query and key share the layer's seed so they are built from the same U_h, V_h.
+  // Query and key share the layer's seed so they are built from the same U_h, V_h. With grouped
+  // queries, the query heads of a KV head's group share its U, V and sink direction (they differ
+  // by their noise). A rotary model rotates q and k by their positions after this, which blurs
+  // the structure with distance; the statistics are for timing, not for accuracy.
   Matrix query_key(const std::string& name, const NormalStream& noise, int64_t D_out,
                    int64_t D_in) const {
     const bool is_key = name.ends_with("k_proj.weight");
     const std::string layer = name.substr(0, name.find("self_attn"));
-    const int64_t H = c_.num_heads, d = c_.head_dim();
+    const int64_t d = c_.head_dim(), H = D_out / d,
+                  group = is_key ? 1 : c_.num_heads / c_.kv_heads();
     const int64_t r = std::clamp<int64_t>(o_.attention_rank, 1, d);
     const float s = std::sqrt(o_.attention_logit_std * std::sqrt(static_cast<float>(d)) /
                               (std::sqrt(static_cast<float>(r)) * normed_var_));
     Matrix w = gaussian(noise, D_out, D_in, 0.25f * o_.weight_std);
     for (int64_t h = 0; h < H; ++h) {
-      const std::string head = layer + "head" + std::to_string(h);
+      const std::string head = layer + "head" + std::to_string(h / group);
       Matrix v_random = gaussian(NormalStream(o_.seed, head + ".V"), D_in, r, 1.0f);
       for (int64_t ch : outliers_) v_random.row(ch).setZero();
       if (sink_channel_ >= 0) v_random.row(sink_channel_).setZero();

@@ -1,4 +1,4 @@
-// core: OPT weights with LLM-like statistics, for running and testing without real checkpoints.
+// core: model weights with LLM-like statistics, for running and testing without real checkpoints.
 //
 // Real LLMs have two properties that matter to KV offloading and that random weights lack:
 //  - massive activations: a few residual-stream channels hold values far larger than the rest,

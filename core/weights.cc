@@ -1,6 +1,9 @@
 // core: named tensors, loading them from checkpoints, and the family dispatch of layouts.
 #include "core/weights.h"
 
+#include <cstring>
+#include <filesystem>
+
 #include "core/interrupt.h"
 #include "core/models/llama.h"
 #include "core/models/opt.h"
@@ -137,6 +140,34 @@ ModelWeights load_checkpoint_weights(const SafetensorsCheckpoint& checkpoint,
     builder.add(specs[i].name, checkpoint.load(stored[i]));
   }
   return builder.finish();
+}
+
+std::string attention_skew_tensor_name(int64_t layer) {
+  return "layers." + std::to_string(layer) + ".attention_skew";
+}
+
+std::vector<Tensor> load_attention_skew(const std::string& directory, const ModelConfig& config,
+                                        Device device) {
+  const std::string path = (std::filesystem::path(directory) / kAttentionSkewFile).string();
+  if (!std::filesystem::exists(path)) return {};
+  INFINIGEN_CHECK(config.rope.enabled(), path,
+                  ": a skew beside the checkpoint is for rotary models; this model's skew is "
+                  "folded into its weights");
+  const auto file = SafetensorsFile::open(path);
+  const Shape shape = {config.kv_heads(), config.head_dim(), config.head_dim()};
+  std::vector<Tensor> skew;
+  for (int64_t l = 0; l < config.num_layers; ++l) {
+    const std::string name = attention_skew_tensor_name(l);
+    const SafetensorsEntry* entry = file->find(name);
+    INFINIGEN_CHECK(entry != nullptr, path, ": missing tensor '", name, "'");
+    INFINIGEN_CHECK(entry->dtype == DType::F32 && entry->shape == shape, path, ": tensor '", name,
+                    "' is ", dtype_name(entry->dtype), " ", shape_string(entry->shape),
+                    ", expected F32 ", shape_string(shape));
+    Tensor t = Tensor::empty(shape, DType::F32);
+    std::memcpy(t.raw(), file->bytes(*entry), entry->nbytes);
+    skew.push_back(device == Device::Cpu ? t : t.to(device));
+  }
+  return skew;
 }
 
 }  // namespace infinigen

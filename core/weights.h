@@ -90,4 +90,14 @@ std::vector<std::string> check_checkpoint(const SafetensorsCheckpoint& checkpoin
 ModelWeights load_checkpoint_weights(const SafetensorsCheckpoint& checkpoint,
                                      const ModelConfig& config, Device device);
 
+// InfiniGen's skew of a rotary model, kept beside its checkpoint (speculate/skew.h writes it):
+// the file's name, and the name of layer l's tensor in it, (H_kv, d, d) fp32.
+inline constexpr const char* kAttentionSkewFile = "infinigen_skew.safetensors";
+std::string attention_skew_tensor_name(int64_t layer);
+// Every layer's skew from `directory`/kAttentionSkewFile on `device`, or nothing when the file
+// does not exist. Throws a one-line Error naming the file for a model without rotary embeddings,
+// a missing layer, or a tensor of the wrong shape or dtype.
+std::vector<Tensor> load_attention_skew(const std::string& directory, const ModelConfig& config,
+                                        Device device);
+
 }  // namespace infinigen

@@ -10,6 +10,7 @@
 
 #include "core/error.h"
 #include "core/saturating.h"
+#include "core/weights.h"
 #include "offload/kv_policy.h"
 #include "offload/kv_pool.h"
 #include "offload/weight_placement.h"
@@ -311,13 +312,13 @@ MemoryPlan compute_memory_plan(const MemoryRequest& r) {
   // Weights: by tensor; staging holds the host-resident part of two groups (the one in use and
   // the one being loaded), sized by the largest group.
   std::map<std::string, size_t> host_group_bytes;
+  const std::string layers = weight_layout(c).layer_prefix;
   for (const WeightHome& home : place_weights(c, r.options.weights_gpu_percent)) {
     if (home.on_device) {
       plan.device_weights += home.bytes;
     } else {
       plan.host_weights += home.bytes;
-      // Group key: "model.decoder.layers.N." for a layer, "" for the embeddings group.
-      const std::string layers = "model.decoder.layers.";
+      // Group key: the layer's prefix ("model.decoder.layers.N."), "" for the globals.
       std::string group;
       if (home.name.starts_with(layers)) {
         group = home.name.substr(0, home.name.find('.', layers.size()) + 1);
@@ -337,13 +338,14 @@ MemoryPlan compute_memory_plan(const MemoryRequest& r) {
   plan.host_kv_pool = kv.host;
 
   // Activations: the prefill peak (n = prompt_len), all fp32:
-  //   hidden, normed, q, k, v, attention output   6 * B * n * D * 4
-  //   FFN intermediate                            B * n * F * 4
+  //   hidden, normed, q, k, v, attention output   6 * B * n * max(D, H * d) * 4
+  //   FFN intermediate (gate and up when gated)   (1 or 2) * B * n * F * 4
   //   logits of the last position                 B * V * 4
   //   attention scores, one 64-row query block per worker (16 workers)   64 * n * 4 * 16
-  const int64_t B = r.batch, n = r.prompt_len, D = c.hidden_size, F = c.ffn_dim, V = c.vocab_size;
+  const int64_t B = r.batch, n = r.prompt_len, D = std::max(c.hidden_size, c.q_dim()),
+                F = c.ffn_dim, V = c.vocab_size;
   plan.device_activations = saturating_sum(
-      {saturating_product({6, B, n, D, 4}), saturating_product({B, n, F, 4}),
+      {saturating_product({6, B, n, D, 4}), saturating_product({c.gated_ffn ? 2 : 1, B, n, F, 4}),
        saturating_product({B, V, 4}), saturating_product({kScoreBlockRows, n, 4, kScoreThreads})});
   return plan;
 }

@@ -21,6 +21,7 @@
 #include "core/resources.h"
 #include "core/safetensors.h"
 #include "core/tokenizer.h"
+#include "core/weights.h"
 
 namespace infinigen {
 namespace {
@@ -77,40 +78,60 @@ class CalibrationCache final : public KvCache {
   int64_t layers_seen() const { return layers_seen_; }
 
   void observe(int64_t layer, const AttentionInput& input) override {
-    // input.queries are scaled fp32; they are recomputed below in fp64 before the scaling.
-    const int64_t H = config_.num_heads, d = config_.head_dim(), D = config_.hidden_size;
+    const bool rotary = input.rope_inv_freq.defined();
+    // Groups that share one rotation: each head (OPT: folded into its own projections), or each
+    // KV head with its query heads (rotary: applied after the rotation, to the queries of the
+    // group and to the one key head they share).
+    const int64_t groups = rotary ? config_.kv_heads() : config_.num_heads;
+    const int64_t per_group = config_.num_heads / groups;
+    const int64_t d = config_.head_dim(), D = config_.hidden_size, Q = config_.q_dim();
     const Tensor x_host = on_host(input.x);
     const int64_t n = x_host.dim(0);
-    // (n, D): the layer's attention input, exactly the values the model projects.
+    // Rotary: the queries as attention uses them (rotated, scaled; the uniform scale does not
+    // change the singular vectors). Otherwise recomputed in fp64 from the attention input (n, D),
+    // exactly the values the model projects, before the scaling.
+    const Tensor queries_host = rotary ? on_host(input.queries) : Tensor();
     const Eigen::MatrixXd x =
-        Eigen::Map<const RowMatrixXf>(x_host.data<float>(), n, D).cast<double>();
-    const Tensor wq = on_host(input.q_weight);  // (D, D), HF layout
-    const Tensor bq = on_host(input.q_bias);    // (D)
+        rotary ? Eigen::MatrixXd()
+               : Eigen::Map<const RowMatrixXf>(x_host.data<float>(), n, D).cast<double>();
+    const Tensor wq = rotary ? Tensor() : on_host(input.q_weight);  // (H * d, D), HF layout
+    const Tensor bq = rotary ? Tensor() : on_host(input.q_bias);    // (H * d)
     std::vector<Eigen::MatrixXd>& rotations = out_->rotations[static_cast<size_t>(layer)];
     std::vector<Eigen::VectorXd>& singular = out_->singular_values[static_cast<size_t>(layer)];
-    std::vector<double> top_before(static_cast<size_t>(H)), top_after(static_cast<size_t>(H)),
-        total(static_cast<size_t>(H));
+    std::vector<double> top_before(static_cast<size_t>(groups)),
+        top_after(static_cast<size_t>(groups)), total(static_cast<size_t>(groups));
     std::exception_ptr failure;
 #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t h = 0; h < H; ++h) {
+    for (int64_t g = 0; g < groups; ++g) {
       try {
         check_interrupt();  // a head's SVD is the longest step between layers
-        const size_t hs = static_cast<size_t>(h);
-        const Eigen::MatrixXd w = rows_f64(wq, h * d, d);  // (d, D)
-        const Eigen::VectorXd b = rows_f64(bq, h * d, d);  // (d)
-        Eigen::MatrixXd q = x * w.transpose();             // (n, d)
-        q.rowwise() += b.transpose();
-        // Full V: with fewer calibration tokens than d, the trailing columns complete the basis.
+        const size_t gs = static_cast<size_t>(g);
+        Eigen::MatrixXd q(n * per_group, d);  // the group's queries, one head after another
+        if (rotary) {
+          for (int64_t j = 0; j < per_group; ++j) {
+            const int64_t head = g * per_group + j;
+            q.middleRows(j * n, n) =
+                Eigen::Map<const RowMatrixXf, 0, Eigen::OuterStride<>>(
+                    queries_host.data<float>() + head * d, n, d, Eigen::OuterStride<>(Q))
+                    .cast<double>();
+          }
+        } else {
+          const Eigen::MatrixXd w = rows_f64(wq, g * d, d);  // (d, D)
+          const Eigen::VectorXd b = rows_f64(bq, g * d, d);  // (d)
+          q = x * w.transpose();                             // (n, d)
+          q.rowwise() += b.transpose();
+        }
+        // Full V: with fewer calibration rows than d, the trailing columns complete the basis.
         Eigen::BDCSVD<Eigen::MatrixXd> svd(q, Eigen::ComputeFullV);
         Eigen::MatrixXd a = svd.matrixV();  // (d, d)
         canonicalise_signs(a);
-        Eigen::VectorXd s = Eigen::VectorXd::Zero(d);
-        s.head(svd.singularValues().size()) = svd.singularValues();
-        top_before[hs] = top_column_energy(q, kSkewEnergyColumnRatio, &total[hs]);
+        Eigen::VectorXd sv = Eigen::VectorXd::Zero(d);
+        sv.head(svd.singularValues().size()) = svd.singularValues();
+        top_before[gs] = top_column_energy(q, kSkewEnergyColumnRatio, &total[gs]);
         double unused = 0.0;
-        top_after[hs] = top_column_energy(q * a, kSkewEnergyColumnRatio, &unused);
-        rotations[hs] = std::move(a);
-        singular[hs] = std::move(s);
+        top_after[gs] = top_column_energy(q * a, kSkewEnergyColumnRatio, &unused);
+        rotations[gs] = std::move(a);
+        singular[gs] = std::move(sv);
       } catch (...) {
 #pragma omp critical(infinigen_skew_failure)
         failure = std::current_exception();
@@ -147,6 +168,27 @@ std::string read_calibration_file(const std::string& path, size_t limit, bool* c
   if (*cut) text.resize(limit);
   INFINIGEN_CHECK(!text.empty(), path, ": calibration file is empty");
   return text;
+}
+
+// The rotations of a rotary model as the loader reads them (core/weights.h): per layer one
+// (H_kv, d, d) fp32 tensor, A of KV head g at [g].
+void write_attention_skew(const fs::path& path, const SkewMatrices& matrices) {
+  const int64_t G = matrices.num_heads, d = matrices.head_dim;
+  std::vector<TensorRecord> records;
+  for (int64_t l = 0; l < matrices.num_layers; ++l) {
+    records.push_back({attention_skew_tensor_name(l), DType::F32, {G, d, d}});
+  }
+  SafetensorsWriter writer(path.string(), records, {{"format", "pt"}});
+  std::vector<float> values(static_cast<size_t>(G * d * d));
+  for (int64_t l = 0; l < matrices.num_layers; ++l) {
+    for (int64_t g = 0; g < G; ++g) {
+      const RowMatrixXf a =
+          matrices.rotations[static_cast<size_t>(l)][static_cast<size_t>(g)].cast<float>();
+      std::copy_n(a.data(), d * d, values.begin() + g * d * d);
+    }
+    writer.write(attention_skew_tensor_name(l), values.data(), values.size() * sizeof(float));
+  }
+  writer.finish();
 }
 
 }  // namespace
@@ -190,12 +232,11 @@ SkewMatrices compute_skew_matrices(Model& model, const std::vector<int32_t>& tok
                   " calibration tokens, expected 2..", config.max_positions);
   SkewMatrices out;
   out.num_layers = config.num_layers;
-  out.num_heads = config.num_heads;
+  out.num_heads = config.rope.enabled() ? config.kv_heads() : config.num_heads;
   out.head_dim = config.head_dim();
   const size_t L = static_cast<size_t>(config.num_layers);
-  out.rotations.assign(L, std::vector<Eigen::MatrixXd>(static_cast<size_t>(config.num_heads)));
-  out.singular_values.assign(L,
-                             std::vector<Eigen::VectorXd>(static_cast<size_t>(config.num_heads)));
+  out.rotations.assign(L, std::vector<Eigen::MatrixXd>(static_cast<size_t>(out.num_heads)));
+  out.singular_values.assign(L, std::vector<Eigen::VectorXd>(static_cast<size_t>(out.num_heads)));
   out.energy_before.assign(L, 0.0);
   out.energy_after.assign(L, 0.0);
   CalibrationCache cache(config, n, model.device(), &out, progress);
@@ -284,9 +325,11 @@ SkewReport skew_checkpoint(const std::string& in_dir, const std::string& out_dir
       report.calib_source = fs::path(options.calib_file).filename().string();
       text = read_calibration_file(options.calib_file, limit, &cut);
     }
-    INFINIGEN_CHECK(fs::exists(fs::path(in_dir) / "vocab.json"), in_dir,
-                    ": no tokenizer (vocab.json, merges.txt) to encode the calibration text, "
-                    "and no calibration token ids given");
+    INFINIGEN_CHECK(fs::exists(fs::path(in_dir) / "vocab.json") ||
+                        fs::exists(fs::path(in_dir) / "tokenizer.json"),
+                    in_dir,
+                    ": no tokenizer (tokenizer.json, or vocab.json and merges.txt) to encode the "
+                    "calibration text, and no calibration token ids given");
     ids = Tokenizer::from_directory(in_dir).encode(text);
     if (cut && ids.size() > 1) ids.pop_back();  // the cut may have split the last token
     INFINIGEN_CHECK(!ids.empty(), report.calib_source, ": calibration text has no tokens");
@@ -312,8 +355,11 @@ SkewReport skew_checkpoint(const std::string& in_dir, const std::string& out_dir
   std::map<std::string, std::string, std::less<>> stored_name;  // layout name -> stored name
   const std::vector<TensorSpec> specs = layout.all();
   for (size_t i = 0; i < specs.size(); ++i) stored_name[specs[i].name] = stored[i];
+  // Rotary models keep the skew beside the weights (they are copied unchanged); the others have
+  // it folded into their query and key projections.
+  const bool beside = config.rope.enabled();
   std::map<std::string, size_t, std::less<>> rotated;
-  for (int64_t l = 0; l < config.num_layers; ++l) {
+  for (int64_t l = 0; l < config.num_layers && !beside; ++l) {
     for (const char* name : {"self_attn.q_proj.weight", "self_attn.q_proj.bias",
                              "self_attn.k_proj.weight", "self_attn.k_proj.bias"}) {
       rotated[stored_name.at(layout.layer_tensor_name(l, name))] = static_cast<size_t>(l);
@@ -353,6 +399,7 @@ SkewReport skew_checkpoint(const std::string& in_dir, const std::string& out_dir
       if (progress) progress("writing", ++done, total);
     }
     writer.finish();
+    if (beside) write_attention_skew(staging / kAttentionSkewFile, matrices);
     for (const char* file : kCopiedFiles) {
       const fs::path from = fs::path(in_dir) / file;
       if (fs::exists(from)) fs::copy_file(from, staging / file);
@@ -369,7 +416,10 @@ SkewReport skew_checkpoint(const std::string& in_dir, const std::string& out_dir
         {"source", report.source},
         {"calibration", {{"tokens", report.calib_len}, {"source", report.calib_source}}},
         {"dtype", dtype_name(report.dtype)},
-        {"rotated", "q_proj, k_proj (weight and bias) of every head"},
+        {"rotated", beside ? std::string("kept beside the weights in ") + kAttentionSkewFile +
+                                 ": per layer and KV head, applied after the rotary embedding "
+                                 "to the queries of its group and to its keys"
+                           : std::string("q_proj, k_proj (weight and bias) of every head")},
         {"energy_column_ratio", kSkewEnergyColumnRatio},
         {"energy_before", report.mean_energy_before()},
         {"energy_after", report.mean_energy_after()},

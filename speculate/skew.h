@@ -1,4 +1,4 @@
-// speculate: offline skewing of an OPT checkpoint (InfiniGen, DESIGN.md section 1).
+// speculate: offline skewing of a checkpoint (InfiniGen, DESIGN.md section 1).
 //
 // Per layer l and head h, the queries of calibration text Q_h (n, d), taken before the 1/sqrt(d)
 // scaling, have the SVD Q_h = U S V^T; A_h = V (d, d) has the right singular vectors as columns,
@@ -8,6 +8,14 @@
 // (Q A)(K A)^T = Q A A^T K^T = Q K^T, while concentrating the queries' energy in their first
 // columns: what lets speculation attend with a few columns only. The result is an ordinary
 // checkpoint of the same architecture.
+//
+// Rotary models (the Llama family) rotate q and k by their positions after the projections, so
+// no A can be folded into W_q and W_k (RoPE mixes pairs of channels with angles that depend on
+// the position). There, A is computed per KV head from the rotated queries of its group of
+// query heads, and kept beside the unchanged weights (core/weights.h, kAttentionSkewFile);
+// speculation applies it to the rotated partial query and to the rotated keys
+// (speculate/speculation.h). The model's own attention never uses it, so skewing changes no
+// output at all.
 #pragma once
 
 #include <Eigen/Dense>
@@ -33,6 +41,7 @@ inline constexpr int kSkewFormatVersion = 1;
 using SkewProgress = std::function<void(const std::string& stage, int64_t done, int64_t total)>;
 
 struct SkewMatrices {
+  // num_heads: the rotations per layer, one per head (or per KV head of a rotary model).
   int64_t num_layers = 0, num_heads = 0, head_dim = 0;
   // [layer][head]: A_h (d, d), orthogonal, columns ordered by descending singular value.
   std::vector<std::vector<Eigen::MatrixXd>> rotations;
@@ -53,8 +62,9 @@ std::vector<int32_t> calibration_tokens(const std::vector<int32_t>& ids, int32_t
                                         int64_t length);
 
 // Runs `tokens` (one sequence, fp32 KV) through `model` and computes A_h for every layer and
-// head from the fp64 queries x Wq[h rows]^T + bq[h] of each layer's attention input x. The heads
-// of a layer run in parallel (OpenMP) while the model waits; nothing but the matrices is kept.
+// head from the fp64 queries x Wq[h rows]^T + bq[h] of each layer's attention input x (rotary
+// models: A_g per KV head from the rotated queries of its group, stacked). The heads of a layer
+// run in parallel (OpenMP) while the model waits; nothing but the matrices is kept.
 SkewMatrices compute_skew_matrices(Model& model, const std::vector<int32_t>& tokens,
                                    const SkewProgress& progress = {});
 
@@ -86,9 +96,10 @@ struct SkewReport {
   double mean_energy_after() const;
 };
 
-// Skews the OPT checkpoint in `in_dir` into `out_dir` (must not exist, or be empty): the query and
-// key projections rotated, every other tensor copied bit for bit, config.json and the tokenizer
-// files copied, and skew.json recording the calibration and the energy diagnostics. Written into
+// Skews the checkpoint in `in_dir` into `out_dir` (must not exist, or be empty): the query and
+// key projections rotated (rotary models: the rotations written beside the weights instead),
+// every other tensor copied bit for bit, config.json and the tokenizer files copied, and
+// skew.json recording the calibration and the energy diagnostics. Written into
 // a sibling temporary directory and renamed into place. Throws a one-line Error for an input that
 // is already skewed, a malformed checkpoint, a non-empty output, a calibration length outside
 // 2..max_positions, a missing or empty calibration file, or calibration text without a tokenizer.

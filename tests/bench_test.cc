@@ -128,6 +128,19 @@ TEST(Experiment, ScalingShrinksModelAndSizesWithFloors) {
   EXPECT_EQ(small.settings.offload.policy, paper.offload.policy);
 }
 
+TEST(Experiment, ScalingKeepsGroupedQueriesAndSpecialTokens) {
+  const ModelConfig llama = load_preset("llama-3.1-8b");  // 32 query heads, 8 KV heads
+  const ModelConfig small = scaled_model_config(llama, 0.25);
+  EXPECT_EQ(small.kv_heads(), 2);
+  EXPECT_EQ(small.num_heads, 8);  // every KV head keeps its 4 query heads
+  EXPECT_EQ(small.head_dim(), 128);
+  EXPECT_EQ(small.hidden_size, 1024);
+  EXPECT_EQ(small.ffn_dim, 14336 / 4);  // the FFN keeps its ratio to the width
+  EXPECT_LT(small.bos_token_id, small.vocab_size);
+  EXPECT_LT(small.eos_token_id, small.vocab_size);
+  EXPECT_EQ(small.rope.scaling, RopeConfig::Scaling::Llama3);
+}
+
 // A report with two points (full and infinigen at one x) to check derived columns.
 BenchReport two_point_report() {
   BenchReport report;

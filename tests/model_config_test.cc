@@ -34,8 +34,9 @@ std::string error_of(const json& j) {
 
 TEST(ModelConfig, EveryPresetLoads) {
   const std::vector<std::string> names = preset_names();
-  for (const char* expected : {"opt-125m", "opt-1.3b", "opt-2.7b", "opt-6.7b", "opt-13b", "opt-30b",
-                               "opt-66b", "opt-tiny"}) {
+  for (const char* expected :
+       {"opt-125m", "opt-1.3b", "opt-2.7b", "opt-6.7b", "opt-13b", "opt-30b", "opt-66b", "opt-tiny",
+        "llama-2-7b", "llama-2-13b", "llama-3.1-8b", "mistral-7b", "qwen2.5-7b", "llama-tiny"}) {
     EXPECT_NE(std::find(names.begin(), names.end(), expected), names.end()) << expected;
     EXPECT_EQ(load_preset(expected).name, expected);
   }
@@ -48,6 +49,65 @@ TEST(ModelConfig, ParameterCountsMatchThePublishedSizes) {
   const ModelConfig c = load_preset("opt-13b");
   EXPECT_EQ(c.head_dim(), 128);
   EXPECT_EQ(c.kv_bytes_per_token(DType::F16), 2u * 40 * 5120 * 2);
+}
+
+TEST(ModelConfig, LlamaFamilyPresetsHaveThePublishedSizes) {
+  EXPECT_NEAR(static_cast<double>(load_preset("llama-2-7b").num_parameters()), 6.738e9, 0.01e9);
+  EXPECT_NEAR(static_cast<double>(load_preset("llama-2-13b").num_parameters()), 13.016e9, 0.01e9);
+  EXPECT_NEAR(static_cast<double>(load_preset("llama-3.1-8b").num_parameters()), 8.030e9, 0.01e9);
+  EXPECT_NEAR(static_cast<double>(load_preset("mistral-7b").num_parameters()), 7.248e9, 0.01e9);
+  EXPECT_NEAR(static_cast<double>(load_preset("qwen2.5-7b").num_parameters()), 7.616e9, 0.01e9);
+  // Grouped queries cut the KV: 2 * L * H_kv * d * 2 bytes.
+  EXPECT_EQ(load_preset("llama-3.1-8b").kv_bytes_per_token(DType::F16), 2u * 32 * 8 * 128 * 2);
+  EXPECT_EQ(load_preset("llama-2-7b").kv_bytes_per_token(DType::F16), 2u * 32 * 32 * 128 * 2);
+  EXPECT_EQ(load_preset("qwen2.5-7b").kv_heads(), 4);
+  EXPECT_TRUE(load_preset("qwen2.5-7b").qkv_bias);
+  EXPECT_FALSE(load_preset("qwen2.5-7b").out_bias);
+  EXPECT_EQ(load_preset("llama-3.1-8b").rope.scaling, RopeConfig::Scaling::Llama3);
+}
+
+json llama_json() {
+  return json::parse(R"({"model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
+    "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
+    "max_position_embeddings": 1024, "vocab_size": 1000, "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0, "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": [2, 3],
+    "torch_dtype": "bfloat16"})");
+}
+
+TEST(ModelConfig, LlamaFamilyKeysAndTheirRefusals) {
+  const ModelConfig c = config_from_json(llama_json(), "config.json");
+  EXPECT_EQ(c.family, "llama");
+  EXPECT_EQ(c.kv_heads(), 2);
+  EXPECT_EQ(c.head_dim(), 32);
+  EXPECT_EQ(c.eos_token_id, 2);  // the first of several
+  EXPECT_EQ(c.dtype, DType::BF16);
+  EXPECT_EQ(config_from_json(config_to_hf_json(c), "again").num_parameters(), c.num_parameters());
+
+  json v5 = llama_json();  // transformers 5 writes rope_parameters
+  v5.erase("rope_theta");
+  v5["rope_parameters"] =
+      json::parse(R"({"rope_type": "linear", "factor": 4.0, "rope_theta": 500000.0})");
+  const ModelConfig linear = config_from_json(v5, "config.json");
+  EXPECT_EQ(linear.rope.scaling, RopeConfig::Scaling::Linear);
+  EXPECT_EQ(linear.rope.theta, 500000.0);
+
+  json mistral = llama_json();
+  mistral["model_type"] = "mistral";
+  mistral["sliding_window"] = 256;
+  EXPECT_EQ(config_from_json(mistral, "config.json").max_positions, 256);
+
+  json indivisible = llama_json();
+  indivisible["num_key_value_heads"] = 3;
+  EXPECT_NE(error_of(indivisible).find("num_key_value_heads 3 does not divide"), std::string::npos);
+  json yarn = llama_json();
+  yarn["rope_scaling"] = json::parse(R"({"rope_type": "yarn", "factor": 4.0})");
+  EXPECT_NE(error_of(yarn).find("rope_scaling type \"yarn\""), std::string::npos);
+  json gelu = llama_json();
+  gelu["hidden_act"] = "gelu";
+  EXPECT_NE(error_of(gelu).find("hidden_act"), std::string::npos);
+  json llama3 = llama_json();
+  llama3["rope_scaling"] = json::parse(R"({"rope_type": "llama3", "factor": 8.0})");
+  EXPECT_NE(error_of(llama3).find("llama3 needs"), std::string::npos);
 }
 
 TEST(ModelConfig, HfJsonRoundTrips) {

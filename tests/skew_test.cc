@@ -1,6 +1,7 @@
 // tests: offline skewing: the rotation is exact (fp64), a skewed checkpoint computes the same
 // logits and generations as its source, the rotation concentrates query energy, bad inputs get
-// one-line errors, and the `infinigen skew` command.
+// one-line errors, and the `infinigen skew` command; for a rotary model, the skew kept beside
+// unchanged weights.
 #include "speculate/skew.h"
 
 #include <gtest/gtest.h>
@@ -17,6 +18,8 @@
 #include "core/safetensors.h"
 #include "core/synthetic_model.h"
 #include "core/tokenizer.h"
+#include "core/weights.h"
+#include "offload/runtime.h"
 #include "tests/test_util.h"
 
 namespace infinigen {
@@ -446,6 +449,113 @@ TEST_F(SkewTest, CommandLineSkewsOnceAndRefusesTheSecondTime) {
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_EQ(std::count(bad.err.begin(), bad.err.end(), '\n'), 1) << bad.err;
   EXPECT_NE(bad.err.find("calib-len 1"), std::string::npos) << bad.err;
+}
+
+// Rotary models: the skew is computed per KV head from the group's rotated queries and kept
+// beside weights that stay bit for bit the same.
+class RotarySkewTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    root_ = new TempDir("rotary-skew");
+    SkewOptions options;
+    options.calib_len = kCalibLen;
+    options.calib_tokens = {5, 17, 300, 42, 1024, 8, 99, 1500};
+    report_ = new SkewReport(skew_checkpoint(original(), skewed(), options));
+  }
+  static void TearDownTestSuite() {
+    delete report_;
+    delete root_;
+  }
+  // tools/make_hf_checkpoint.py's Llama-3-style checkpoint: 6 query heads, 2 KV heads.
+  static std::string original() { return std::string(INFINIGEN_FIXTURES_DIR) + "/llama-tiny"; }
+  static std::string skewed() { return (root_->path() / "skewed").string(); }
+  static std::string fresh(const std::string& tag) {
+    static int counter = 0;
+    return (root_->path() / (tag + "-" + std::to_string(counter++))).string();
+  }
+
+  static TempDir* root_;
+  static SkewReport* report_;
+};
+TempDir* RotarySkewTest::root_ = nullptr;
+SkewReport* RotarySkewTest::report_ = nullptr;
+
+TEST_F(RotarySkewTest, WeightsStayAndOrthogonalRotationsPerKvHeadGoBeside) {
+  const SafetensorsCheckpoint before = SafetensorsCheckpoint::open(original());
+  const SafetensorsCheckpoint after = SafetensorsCheckpoint::open(skewed());
+  for (const std::string& name : before.names()) {
+    const SafetensorsEntry& a = before.entry(name);
+    const SafetensorsEntry& b = after.entry(name);
+    ASSERT_EQ(a.nbytes, b.nbytes) << name;
+    EXPECT_EQ(std::memcmp(before.file_of(name).bytes(a), after.file_of(name).bytes(b), a.nbytes), 0)
+        << name;
+  }
+  const ModelConfig config = load_hf_config(skewed());
+  const std::vector<Tensor> skew = load_attention_skew(skewed(), config, Device::Cpu);
+  ASSERT_EQ(static_cast<int64_t>(skew.size()), config.num_layers);
+  const int64_t G = config.kv_heads(), d = config.head_dim();
+  for (const Tensor& layer : skew) {
+    ASSERT_EQ(layer.shape(), Shape({G, d, d}));
+    for (int64_t g = 0; g < G; ++g) {
+      const Eigen::Map<const Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>>
+          a(layer.data<float>() + g * d * d, d, d);
+      EXPECT_LT((a.transpose() * a - Eigen::MatrixXf::Identity(d, d)).cwiseAbs().maxCoeff(), 1e-5f);
+    }
+  }
+  EXPECT_GT(report_->mean_energy_after(), report_->mean_energy_before());
+}
+
+TEST_F(RotarySkewTest, SkewedRunsEqualTheOriginalAndSelectingEverythingEqualsFull) {
+  GenerationRequest request;
+  request.prompts = {{1, 133, 1234, 77, 901, 45}, {1, 600, 18, 1999, 402, 333, 12, 1500, 7, 88}};
+  request.gen_len = 6;
+  request.kv_dtype = DType::F32;
+  OffloadOptions full;
+  full.policy = "full";
+  const OffloadRun reference =
+      run_offloaded(resolve_model(original(), {}), request, full, Device::Cpu);
+  OffloadOptions everything;
+  everything.policy = "infinigen";
+  everything.speculation.alpha = 1e9;
+  everything.speculation.max_num_kv = 1 << 20;
+  const OffloadRun skewed_run =
+      run_offloaded(resolve_model(skewed(), {}), request, everything, Device::Cpu);
+  EXPECT_EQ(skewed_run.result.tokens, reference.result.tokens);
+  // At a small ratio the skewed speculation still runs and fetches part of the KV.
+  OffloadOptions partial;
+  partial.policy = "infinigen";
+  partial.speculation.partial_ratio = 0.25;
+  partial.speculation.alpha = 2;
+  const OffloadRun small =
+      run_offloaded(resolve_model(skewed(), {}), request, partial, Device::Cpu);
+  EXPECT_EQ(small.result.tokens.size(), request.prompts.size());
+}
+
+TEST_F(RotarySkewTest, ABadSkewFileIsRefusedInOneLine) {
+  const std::string copy = fresh("copy");
+  fs::copy(skewed(), copy, fs::copy_options::recursive);
+  const fs::path file = fs::path(copy) / kAttentionSkewFile;
+  const ModelConfig config = load_hf_config(copy);
+  // One layer missing.
+  {
+    std::vector<TensorRecord> records = {
+        {attention_skew_tensor_name(0),
+         DType::F32,
+         {config.kv_heads(), config.head_dim(), config.head_dim()}}};
+    SafetensorsWriter writer(file.string(), records, {{"format", "pt"}});
+    std::vector<float> zeros(static_cast<size_t>(shape_numel(records[0].shape)), 0.0f);
+    writer.write(records[0].name, zeros.data(), zeros.size() * sizeof(float));
+    writer.finish();
+  }
+  expect_error([&] { load_weights(resolve_model(copy, {}), Device::Cpu); },
+               {kAttentionSkewFile, "missing tensor", attention_skew_tensor_name(1)});
+  // A skew beside a model that folds it into its weights.
+  const std::string opt = fresh("opt");
+  ModelConfig opt_config = load_preset("opt-tiny");
+  write_synthetic_checkpoint(opt_config, {}, opt);
+  fs::copy_file(fs::path(skewed()) / kAttentionSkewFile, fs::path(opt) / kAttentionSkewFile);
+  expect_error([&] { load_weights(resolve_model(opt, {}), Device::Cpu); },
+               {kAttentionSkewFile, "rotary"});
 }
 
 }  // namespace

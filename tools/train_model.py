@@ -1,4 +1,5 @@
-"""Trains the built-in model: a small OPTForCausalLM (HF transformers, PyTorch) on the corpus of
+"""Trains the built-in models: a small OPTForCausalLM, or (--family llama) a small
+LlamaForCausalLM with grouped-query attention (HF transformers, PyTorch), on the corpus of
 tools/make_corpus.py, and exports it as the fp16 checkpoint the engine ships.
 
 Steps (each resumable; see docs/builtin-model.md):
@@ -34,9 +35,10 @@ import time
 import numpy as np
 import torch
 from tokenizers import ByteLevelBPETokenizer
-from transformers import OPTConfig, OPTForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
 BOS_ID, PAD_ID, EOS_ID = 2, 1, 2  # OPT's conventions, kept by tools/train_tokenizer.py
+MODEL_CLASSES = {"opt": OPTForCausalLM, "llama": LlamaForCausalLM}
 
 
 def log(message: str) -> None:
@@ -112,7 +114,7 @@ def heldout_windows(tokens: np.ndarray, starts: np.ndarray, context: int) -> lis
 
 
 @torch.no_grad()
-def heldout_perplexity(model: OPTForCausalLM, windows: list[np.ndarray], rows: int) -> float:
+def heldout_perplexity(model: torch.nn.Module, windows: list[np.ndarray], rows: int) -> float:
     model.eval()
     total_nll, total_tokens = 0.0, 0
     for first in range(0, len(windows), rows):
@@ -131,7 +133,29 @@ def heldout_perplexity(model: OPTForCausalLM, windows: list[np.ndarray], rows: i
 # Model and schedule
 
 
-def model_config(args: argparse.Namespace, vocab_size: int) -> OPTConfig:
+def model_config(args: argparse.Namespace, vocab_size: int):
+    if getattr(args, "family", "opt") == "llama":
+        # Llama-3-like: RMSNorm, SwiGLU, RoPE, grouped-query attention, no biases; the LM head
+        # tied to the embedding, as small Llama-family models do.
+        return LlamaConfig(
+            vocab_size=vocab_size,
+            hidden_size=args.hidden,
+            intermediate_size=args.ffn,
+            num_hidden_layers=args.layers,
+            num_attention_heads=args.heads,
+            num_key_value_heads=args.kv_heads or args.heads,
+            max_position_embeddings=args.context,
+            rms_norm_eps=1e-5,
+            rope_theta=10000.0,
+            hidden_act="silu",
+            attention_bias=False,
+            mlp_bias=False,
+            attention_dropout=0.0,
+            pad_token_id=PAD_ID,
+            bos_token_id=BOS_ID,
+            eos_token_id=EOS_ID,
+            tie_word_embeddings=True,
+        )
     return OPTConfig(
         vocab_size=vocab_size,
         hidden_size=args.hidden,
@@ -161,7 +185,14 @@ def learning_rate(step: int, args: argparse.Namespace) -> float:
     return args.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
+def new_model(args: argparse.Namespace, vocab_size: int):
+    return MODEL_CLASSES[getattr(args, "family", "opt")](model_config(args, vocab_size))
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--family", choices=sorted(MODEL_CLASSES), default="opt")
+    parser.add_argument("--kv-heads", type=int, default=0,
+                        help="llama: key/value heads (grouped-query attention; 0: as --heads)")
     parser.add_argument("--corpus", type=pathlib.Path, default=pathlib.Path("build/corpus"))
     parser.add_argument("--tokenizer", type=pathlib.Path, default=pathlib.Path("build/tokenizer"))
     parser.add_argument("--layers", type=int, default=8)
@@ -199,7 +230,8 @@ def command_train(args: argparse.Namespace) -> int:
     if settings_path.is_file():
         saved = json.loads(settings_path.read_text())
         changed = {k: (saved.get(k), v) for k, v in settings.items()
-                   if k in ("layers", "hidden", "heads", "ffn", "context") and saved.get(k) != v}
+                   if k in ("family", "kv_heads", "layers", "hidden", "heads", "ffn", "context")
+                   and saved.get(k, {"family": "opt", "kv_heads": 0}.get(k)) != v}
         if changed:
             sys.exit(f"train_model: {run} was started with other shapes: {changed}")
     settings_path.write_text(json.dumps(settings, indent=2) + "\n")
@@ -213,7 +245,7 @@ def command_train(args: argparse.Namespace) -> int:
     args.total_steps = args.max_tokens // (accumulation * args.micro_batch * args.context)
 
     torch.manual_seed(args.seed)
-    model = OPTForCausalLM(model_config(args, vocab_size)).to(args.device)
+    model = new_model(args, vocab_size).to(args.device)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
@@ -294,7 +326,7 @@ def command_measure(args: argparse.Namespace) -> int:
     """Times a few optimizer steps of the given shape (tokens per second)."""
     torch.set_num_threads(args.threads)
     vocab_size = len(json.loads((args.tokenizer / "vocab.json").read_text()))
-    model = OPTForCausalLM(model_config(args, vocab_size)).to(args.device)
+    model = new_model(args, vocab_size).to(args.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batch = torch.randint(4, vocab_size, (args.micro_batch, args.context), device=args.device)
     times = []
@@ -322,9 +354,10 @@ def command_export(args: argparse.Namespace) -> int:
     tokenizer_dir = pathlib.Path(settings["tokenizer"])
     vocab_size = len(json.loads((tokenizer_dir / "vocab.json").read_text()))
     state = torch.load(run / "best.pt", weights_only=False, map_location="cpu")
-    model = OPTForCausalLM(model_config(namespace, vocab_size))
+    model = new_model(namespace, vocab_size)
     model.load_state_dict(state["model"])
-    model.config.dropout = 0.0
+    if isinstance(model.config, OPTConfig):
+        model.config.dropout = 0.0
     model = model.half().eval()
 
     staging = args.out.with_name(args.out.name + ".tmp")
@@ -341,7 +374,8 @@ def command_export(args: argparse.Namespace) -> int:
         shutil.copyfile(tokenizer_dir / name, staging / name)
 
     # Held-out perplexity of the exported fp16 weights, as HF transformers computes it in fp32.
-    check = OPTForCausalLM.from_pretrained(staging, dtype=torch.float32).eval()
+    check = MODEL_CLASSES[getattr(namespace, "family", "opt")].from_pretrained(
+        staging, dtype=torch.float32).eval()
     held_tokens, held_starts = tokenized_split(pathlib.Path(settings["corpus"]), tokenizer_dir,
                                                "heldout", run)
     windows = heldout_windows(held_tokens, held_starts, namespace.context)
@@ -373,18 +407,27 @@ def model_card(card: dict, generation: dict) -> str:
     packages = ", ".join(f"`{name}` {version}" for name, version in card["corpus_packages"].items())
     history = "\n".join(f"| {h['step']} | {h['tokens'] / 1e6:.1f} M | {h['ppl']:.1f} |"
                         for h in card["history"])
-    return f"""# The built-in model
+    llama = s.get("family", "opt") == "llama"
+    kind = "LlamaForCausalLM" if llama else "OPTForCausalLM"
+    architecture = (f"Llama (RMSNorm, SwiGLU, RoPE), {s['layers']} layers, hidden {s['hidden']}, "
+                    f"{s['heads']} query heads sharing {s['kv_heads']} key/value heads, FFN "
+                    f"{s['ffn']}, LM head tied to the embedding" if llama else
+                    f"OPT, pre-LayerNorm, {s['layers']} layers, hidden {s['hidden']}, "
+                    f"{s['heads']} heads, FFN {s['ffn']}")
+    use = ("`--model builtin-llama` names it: the engine's rotary, grouped-query path on attention "
+           "that learned language." if llama else
+           "It is what `infinigen run` and `infinigen eval` use when no `--model` is given.")
+    return f"""# The built-in {"Llama " if llama else ""}model
 
-A small `OPTForCausalLM` trained from scratch with `tools/train_model.py` on real English that
+A small `{kind}` trained from scratch with `tools/train_model.py` on real English that
 Debian packages ship ({packages}): the reStructuredText sources of the Python documentation and
-the King James Bible, documents kept whole. It is what `infinigen run` and `infinigen eval` use
-when no `--model` is given. It writes English-like text; it knows little and makes no sense for
+the King James Bible, documents kept whole. {use} It writes English-like text; it knows little and makes no sense for
 long. It exists so that the engine, and InfiniGen's choice of KV entries, are judged on attention
 that learned language rather than on random weights.
 
 | | |
 |---|---|
-| architecture | OPT, pre-LayerNorm, {s['layers']} layers, hidden {s['hidden']}, {s['heads']} heads, FFN {s['ffn']} |
+| architecture | {architecture} |
 | context | {s['context']} tokens |
 | parameters | {card['parameters'] / 1e6:.2f} M |
 | vocabulary | {card['vocab_size']} tokens, byte-level BPE trained on the same corpus (`tools/train_tokenizer.py`) |
