@@ -13,9 +13,10 @@
 
 #include "core/generation.h"
 #include "core/kv_cache.h"
+#include "core/model.h"
 #include "core/model_config.h"
 #include "core/ops.h"
-#include "core/model.h"
+#include "core/rope.h"
 #include "core/synthetic_model.h"
 #include "tests/test_util.h"
 
@@ -160,6 +161,56 @@ TEST_P(CudaLayerNorm, MatchesCpuAlsoInPlace) {
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaLayerNorm,
                          ::testing::Values(NormShape{1, 64}, NormShape{7, 96}, NormShape{3, 768},
                                            NormShape{5, 4097}, NormShape{300, 1024}));
+
+class CudaRmsNorm : public CudaOpsWith<NormShape> {};
+
+TEST_P(CudaRmsNorm, MatchesCpuAlsoInPlace) {
+  const auto [rows, cols] = GetParam();
+  Tensor x = random_tensor({rows, cols}, 40, 3.0f);
+  x.data<float>()[cols / 2] = 400.0f;  // a massive activation, as trained models have
+  const Tensor gamma = random_tensor({cols}, 41);
+  const Tensor gamma_d = gamma.to(Device::Cuda);
+  Tensor y = nan_tensor({rows, cols}, Device::Cpu), y_d = nan_tensor({rows, cols}, Device::Cuda);
+  ops::rms_norm(x, gamma, 1e-6f, y);
+  ops::rms_norm(x.to(Device::Cuda), gamma_d, 1e-6f, y_d);
+  EXPECT_LT(error_vs_cpu(y_d, y), 1e-5);
+  Tensor in_place = x.to(Device::Cuda);
+  ops::rms_norm(in_place, gamma_d, 1e-6f, in_place);
+  EXPECT_LT(error_vs_cpu(in_place, y), 1e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaRmsNorm,
+                         ::testing::Values(NormShape{1, 64}, NormShape{7, 96}, NormShape{3, 3584},
+                                           NormShape{5, 4097}, NormShape{300, 4096}));
+
+// RoPE at positions up to 100k (llama3-scaled frequencies, angles of thousands of radians):
+// the device's sincosf must agree with the host's cos/sin to fp32 rounding.
+TEST_F(CudaOps, RopeMatchesCpuAtLongPositions) {
+  const int64_t rows = 37, heads = 6, d = 128;
+  RopeConfig rope;
+  rope.theta = 500000.0;
+  rope.scaling = RopeConfig::Scaling::Llama3;
+  rope.factor = 8.0;
+  rope.high_freq_factor = 4.0;
+  rope.original_max_positions = 8192;
+  const Tensor inv_freq = Tensor::from_floats({d / 2}, rope_inv_freq(rope, d));
+  std::vector<int32_t> positions(rows);
+  for (int64_t r = 0; r < rows; ++r) positions[r] = static_cast<int32_t>(r * 2777);
+  Tensor x = random_tensor({rows, heads * d}, 42);
+  Tensor x_d = x.to(Device::Cuda);
+  ops::rope(x, positions, inv_freq);
+  ops::rope(x_d, positions, inv_freq.to(Device::Cuda));
+  EXPECT_LT(error_vs_cpu(x_d, x), 1e-5);
+}
+
+TEST_F(CudaOps, SiluMulMatchesCpu) {
+  const int64_t n = 1000003;
+  Tensor gate = random_tensor({n}, 43, 4.0f), up = random_tensor({n}, 44);
+  Tensor gate_d = gate.to(Device::Cuda);
+  ops::silu_mul(gate, up);
+  ops::silu_mul(gate_d, up.to(Device::Cuda));
+  EXPECT_LT(error_vs_cpu(gate_d, gate), 1e-6);
+}
 
 class CudaEmbed : public CudaOpsWith<DType> {};
 
@@ -316,10 +367,13 @@ INSTANTIATE_TEST_SUITE_P(
 
 // ---- the whole model ----
 
-// The OPT forward pass on CUDA tensors against the CPU, on the fp16 synthetic opt-tiny: a
-// left-padded prefill (logits of every position), then decode steps over the KV cache.
-TEST_F(CudaOps, OptModelMatchesCpu) {
-  const ModelConfig config = load_preset("opt-tiny");
+// A model's forward pass on CUDA tensors against the CPU, on fp16 synthetic weights: a
+// left-padded prefill (logits of every position), then decode steps over the KV cache. OPT
+// (opt-tiny) and the Llama family (llama-tiny: GQA, RoPE, RMSNorm, SwiGLU).
+class CudaModel : public CudaOpsWith<const char*> {};
+
+TEST_P(CudaModel, MatchesCpu) {
+  const ModelConfig config = load_preset(GetParam());
   const auto cpu = make_model(config, synthetic_weights(config, {}, Device::Cpu), Device::Cpu);
   const auto gpu = make_model(config, synthetic_weights(config, {}, Device::Cuda), Device::Cuda);
   const std::vector<std::vector<int32_t>> prompts = {{2, 10, 11, 12, 13},
@@ -352,6 +406,11 @@ TEST_F(CudaOps, OptModelMatchesCpu) {
     EXPECT_LT(relative_error(x.data(), y.data(), y.size()), 1e-2) << "step " << step;
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Families, CudaModel, ::testing::Values("opt-tiny", "llama-tiny"),
+                         [](const ::testing::TestParamInfo<const char*>& family) {
+                           return std::string(family.param) == "opt-tiny" ? "Opt" : "Llama";
+                         });
 
 }  // namespace
 }  // namespace infinigen
