@@ -46,31 +46,37 @@ size_t available_host_memory() {
   return 0;
 }
 
-std::string builtin_model_directory() {
+bool is_builtin_model(const std::string& spec) {
+  return spec == kBuiltinModel || spec == kBuiltinLlamaModel;
+}
+
+std::string builtin_model_directory(const std::string& name) {
   std::vector<fs::path> candidates;
-  if (const char* dir = std::getenv("INFINIGEN_BUILTIN_MODEL"); dir && *dir) {
+  const char* dir = std::getenv("INFINIGEN_BUILTIN_MODEL");
+  if (name == kBuiltinModel && dir && *dir) {
     candidates.push_back(dir);
   } else {
     std::error_code ec;
     const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
     if (!ec)
-      candidates.push_back(exe.parent_path().parent_path() / "share/infinigen/models/builtin");
-    candidates.push_back(fs::path(INFINIGEN_SOURCE_DIR) / "models/builtin");
+      candidates.push_back(exe.parent_path().parent_path() / "share/infinigen/models" / name);
+    candidates.push_back(fs::path(INFINIGEN_SOURCE_DIR) / "models" / name);
   }
   std::string looked;
-  for (const fs::path& dir : candidates) {
-    if (fs::is_regular_file(dir / "config.json")) return dir.string();
-    looked += (looked.empty() ? "" : ", ") + dir.string();
+  for (const fs::path& candidate : candidates) {
+    if (fs::is_regular_file(candidate / "config.json")) return candidate.string();
+    looked += (looked.empty() ? "" : ", ") + candidate.string();
   }
-  fail("the built-in model was not found (looked in ", looked, "); pass ", option("model"), " DIR");
+  fail("the built-in model ", name, " was not found (looked in ", looked, "); pass ",
+       option("model"), " DIR");
 }
 
 ModelSource resolve_model(const std::string& spec, const ModelLoadOptions& options) {
   ModelSource source;
   source.seed = options.seed;
-  if (spec == kBuiltinModel) {
-    source.directory = builtin_model_directory();
-    source.description = "built-in model (" + source.directory + ")";
+  if (is_builtin_model(spec)) {
+    source.directory = builtin_model_directory(spec);
+    source.description = "built-in model " + spec + " (" + source.directory + ")";
   } else if (fs::is_directory(spec)) {
     source.directory = spec;
     source.description = "checkpoint " + spec;

@@ -1,6 +1,7 @@
-// core: turning a --model argument into a runnable model: a checkpoint directory, the built-in
-// model (a small OPT trained on English text, shipped in models/builtin), or a preset on seeded
-// synthetic weights.
+// core: turning a --model argument into a runnable model: a checkpoint directory, a built-in
+// model (small models trained on English text, shipped in models/: "builtin", an OPT, the
+// default; "builtin-llama", a Llama with grouped-query attention), or a preset on seeded synthetic
+// weights.
 #pragma once
 
 #include <cstdint>
@@ -16,12 +17,15 @@
 namespace infinigen {
 
 inline constexpr const char* kBuiltinModel = "builtin";
+inline constexpr const char* kBuiltinLlamaModel = "builtin-llama";
+// Whether `spec` names a built-in model.
+bool is_builtin_model(const std::string& spec);
 
 // A resolved --model: its architecture and tokenizer, and where its weights come from.
 struct ModelSource {
   ModelConfig config;
   std::string directory;  // checkpoint directory; empty for a preset on synthetic weights
-  std::optional<Tokenizer> tokenizer;  // absent when a checkpoint ships none
+  std::optional<Tokenizer> tokenizer;       // absent when a checkpoint ships none
   std::optional<SamplingOptions> sampling;  // its generation_config.json, when it ships one
   std::string description;
   bool synthetic = false;
@@ -40,10 +44,10 @@ struct ModelLoadOptions {
   uint64_t seed = 0;  // synthetic weights of presets
 };
 
-// The built-in model's checkpoint directory: $INFINIGEN_BUILTIN_MODEL when set, else
-// share/infinigen/models/builtin next to an installed binary, else models/builtin in the source
+// A built-in model's checkpoint directory: for the default one $INFINIGEN_BUILTIN_MODEL when set,
+// else share/infinigen/models/NAME next to an installed binary, else models/NAME in the source
 // tree the binary was built from. A one-line Error when none holds a config.json.
-std::string builtin_model_directory();
+std::string builtin_model_directory(const std::string& name = kBuiltinModel);
 
 // Resolves `spec` without reading weights: an existing directory is a checkpoint; "builtin" is
 // the built-in model; a preset name runs on synthetic weights. Throws a one-line Error for

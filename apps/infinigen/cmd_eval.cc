@@ -239,8 +239,8 @@ int eval(EvalCommandOptions& o) {
 
   const MachineInfo machine = this_machine(device);
   // The plot's title names the model briefly: its directory's name, not the whole path.
-  const std::string model_name =
-      o.model == kBuiltinModel ? "built-in model" : fs::path(o.model).filename().string();
+  const std::string model_name = is_builtin_model(o.model) ? "built-in model " + o.model
+                                                           : fs::path(o.model).filename().string();
   nlohmann::json report = {{"model", model.description},
                            {"model_name", model_name.empty() ? o.model : model_name},
                            {"texts", o.texts},
@@ -293,7 +293,7 @@ int eval(EvalCommandOptions& o) {
 
 Command add_eval_command(CLI::App& app) {
   auto o = std::make_shared<EvalCommandOptions>();
-  app.add_option("--model,-m", o->model, "Checkpoint directory, or 'builtin'")
+  app.add_option("--model,-m", o->model, "Checkpoint directory, or 'builtin' / 'builtin-llama'")
       ->capture_default_str();
   app.add_option("--text,-t", o->texts,
                  "Held-out text file(s); each is cut into windows from its start");

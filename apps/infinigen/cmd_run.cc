@@ -270,7 +270,8 @@ int run(const RunOptions& o) {
 Command add_run_command(CLI::App& app) {
   auto o = std::make_shared<RunOptions>();
   app.add_option("--model,-m", o->model,
-                 "Checkpoint directory, a preset (opt-125m ... opt-66b), or 'builtin'")
+                 "Checkpoint directory, a preset (opt-125m ... opt-66b, llama-2-7b, llama-3.1-8b, "
+                 "...), or 'builtin' / 'builtin-llama'")
       ->capture_default_str();
   auto* prompt = app.add_option("--prompt,-p", o->prompt, "Prompt text (every sequence)");
   auto* prompt_file =

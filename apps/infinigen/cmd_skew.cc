@@ -21,7 +21,7 @@ struct SkewCommandOptions {
 
 int skew(const SkewCommandOptions& o) {
   // The built-in model is a checkpoint too.
-  const std::string in_dir = o.model == kBuiltinModel ? builtin_model_directory() : o.model;
+  const std::string in_dir = is_builtin_model(o.model) ? builtin_model_directory(o.model) : o.model;
   SkewOptions options;
   options.calib_file = o.calib_file;
   if (o.calib_len_option->count() > 0) options.calib_len = o.calib_len;
@@ -55,7 +55,8 @@ int skew(const SkewCommandOptions& o) {
 
 Command add_skew_command(CLI::App& app) {
   auto o = std::make_shared<SkewCommandOptions>();
-  app.add_option("--model,-m", o->model, "Checkpoint directory (or \"builtin\")")->required();
+  app.add_option("--model,-m", o->model, "Checkpoint directory (or \"builtin\", \"builtin-llama\")")
+      ->required();
   app.add_option("--out,-o", o->out, "Output directory (must not exist, or be empty)")->required();
   app.add_option(
       "--calib-file", o->calib_file,
