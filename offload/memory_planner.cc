@@ -24,6 +24,8 @@ constexpr double kMiB = 1024.0 * 1024.0;
 // Prefill attention scores: one block of query rows per worker thread, fp32.
 constexpr int64_t kScoreBlockRows = 64;
 constexpr int64_t kScoreThreads = 16;
+// cuBLAS's default workspace on Hopper (32 MiB; 4 MiB before): the larger, for any GPU.
+constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;
 
 // "12.3" (GiB, no unit), with `digits` decimals.
 std::string gib(size_t bytes, int digits = 1) {
@@ -274,7 +276,8 @@ size_t kv_pool_bytes(const MemoryRequest& r, int64_t positions) {
 }
 
 size_t MemoryPlan::device_total() const {
-  return saturating_sum({device_weights, device_weight_staging, device_kv, device_activations});
+  return saturating_sum(
+      {device_weights, device_weight_staging, device_kv, device_activations, device_scratch});
 }
 
 size_t MemoryPlan::host_total() const {
@@ -293,6 +296,7 @@ std::string MemoryPlan::describe() const {
   row("weight staging", human(device_weight_staging), "-");
   row("KV cache", human(device_kv), human(host_kv_pool));
   row("activations", human(device_activations), "-");
+  if (device_scratch > 0) row("GEMM scratch", human(device_scratch), "-");
   row("total", human(device_total()), human(host_total()));
   return text;
 }
@@ -347,6 +351,14 @@ MemoryPlan compute_memory_plan(const MemoryRequest& r) {
   plan.device_activations = saturating_sum(
       {saturating_product({6, B, n, D, 4}), saturating_product({c.gated_ffn ? 2 : 1, B, n, F, 4}),
        saturating_product({B, V, 4}), saturating_product({kScoreBlockRows, n, 4, kScoreThreads})});
+  // GEMM scratch: the widest prefill input (B * n rows of the FFN's or the attention's width) as
+  // 16 bits, when the weights are 16-bit, and the cuBLAS workspace.
+  if (r.gemm_scratch) {
+    const int64_t widest = std::max({c.hidden_size, c.q_dim(), c.ffn_dim});
+    plan.device_scratch =
+        saturating_sum({c.dtype == DType::F32 ? size_t{0} : saturating_product({B, n, widest, 2}),
+                        kCublasWorkspaceBytes});
+  }
   return plan;
 }
 

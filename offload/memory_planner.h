@@ -4,7 +4,8 @@
 // the `gpu` policy; for offloading policies a double-buffered staging of K and V for one layer,
 // plus for `infinigen` every layer's partial key cache and partial query weights in fp32; for
 // `h2o` the staging holds only the kept entries and the new token), and activations (the prefill
-// pass dominates: hidden states, Q/K/V, FFN and one attention score block per worker).
+// pass dominates: hidden states, Q/K/V, FFN and one attention score block per worker), and on the
+// CUDA backend the GEMMs' scratch (the 16-bit copy of the largest input, cuBLAS's workspace).
 // Host (pinned): host-resident weights and the KV pool (for `h2o`, only the kept entries).
 // If the plan does not fit, `plan_memory` throws one line with the numbers and a configuration
 // that the planner itself accepts (a smaller batch, a capped InfiniGen pool, fewer weights on the
@@ -35,6 +36,10 @@ struct MemoryRequest {
   // Device and host memory are one RAM (the CPU backend): the device part counts against
   // host_capacity too.
   bool shared_memory = false;
+  // The CUDA backend's GEMM scratch: cuBLAS multiplies 16-bit weights by a 16-bit copy of the
+  // fp32 input (made in stream order, so the allocator's pool keeps the largest one), plus the
+  // cuBLAS workspace.
+  bool gemm_scratch = false;
   // Bytes of host memory that can be pinned: the plan's host part (weights streamed from the host,
   // the KV pool) must fit in it as well. Unlimited unless a run could pin less than its plan
   // (another process, a driver limit) and is planned again with what it got.
@@ -50,6 +55,7 @@ struct MemoryPlan {
   size_t device_weight_staging = 0;
   size_t device_kv = 0;
   size_t device_activations = 0;
+  size_t device_scratch = 0;  // the CUDA backend's GEMM scratch (MemoryRequest::gemm_scratch)
   size_t host_weights = 0;
   size_t host_kv_pool = 0;
   size_t device_total() const;

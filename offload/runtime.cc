@@ -72,6 +72,7 @@ MemoryPlan plan_offloaded_run(MemoryRequest memory, const OffloadOptions& option
   memory.device_capacity = options.device_memory > 0 ? options.device_memory : available;
   memory.host_capacity = available;
   memory.shared_memory = device == Device::Cpu;
+  memory.gemm_scratch = device == Device::Cuda;
   memory.suggestion_margin = kSuggestionMargin;
   return plan_memory(memory);
 }

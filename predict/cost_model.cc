@@ -22,6 +22,7 @@ PredictedRun predict_run(const CostModelInput& input, const HardwareProfile& pro
   memory.device_capacity =
       static_cast<size_t>(std::min(profile.device_memory_bytes, static_cast<double>(SIZE_MAX / 2)));
   memory.host_capacity = SIZE_MAX / 2;  // the profile describes the device side only
+  memory.gemm_scratch = profile.backend != "cpu";
   try {
     plan_memory(memory);
   } catch (const Error& e) {

@@ -215,6 +215,15 @@ TEST(MemoryPlanner, Opt13bByteCountsMatchTheFormulas) {
   EXPECT_NE(table.find("31.25 GiB"), std::string::npos) << table;  // the pool
   EXPECT_NE(table.find("23.94 GiB"), std::string::npos) << table;  // the weights
   EXPECT_GE(std::count(table.begin(), table.end(), '\n'), 5);
+
+  // On the CUDA backend the GEMMs add their scratch: fc2's input B*n*F as fp16 (the 1.6 GB the
+  // OPT-13B point needs) and cuBLAS's 32 MiB workspace.
+  MemoryRequest cuda = r;
+  cuda.gemm_scratch = true;
+  const MemoryPlan with_scratch = compute_memory_plan(cuda);
+  EXPECT_EQ(with_scratch.device_scratch, size_t{20} * 1920 * 20480 * 2 + (size_t{32} << 20));
+  EXPECT_EQ(with_scratch.device_total(), plan.device_total() + with_scratch.device_scratch);
+  EXPECT_NE(with_scratch.describe().find("GEMM scratch"), std::string::npos);
 }
 
 TEST(MemoryPlanner, GpuPolicyNeedsTheWholeKvOnTheDevice) {
