@@ -2,8 +2,8 @@
 // family dispatch.
 #include "core/model.h"
 
-#include "core/models/llama.h"
-#include "core/models/opt.h"
+#include "core/model_family.h"
+#include "core/ops.h"
 #include "core/trace.h"
 
 namespace infinigen {
@@ -33,6 +33,32 @@ Model::Model(ModelConfig config, ModelWeights weights, Device device,
                     config_.num_layers, " layers");
     layers_ = std::make_unique<ResidentLayers>(weights_.layers);
   }
+}
+
+std::vector<int32_t> Model::token_positions(const KvStore& cache, int64_t n_new, int32_t offset,
+                                            int32_t padding) {
+  const int64_t B = cache.batch(), past = cache.length();
+  std::vector<int32_t> positions(static_cast<size_t>(B * n_new));
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t start = cache.first_valid()[static_cast<size_t>(b)];
+    for (int64_t i = 0; i < n_new; ++i) {
+      const int64_t t = past + i;
+      positions[static_cast<size_t>(b * n_new + i)] =
+          t < start ? padding : static_cast<int32_t>(offset + t - start);
+    }
+  }
+  return positions;
+}
+
+void Model::attend(int64_t layer, const Tensor& q, const Tensor& k, const Tensor& v, KvStore& cache,
+                   Tensor& out) const {
+  if (cache.length() == 0) {
+    ops::attention_prefill(q, k, v, out, cache.batch(), config_.num_heads, cache.first_valid());
+    return;
+  }
+  const KvStore::View kv = cache.view(layer);
+  ops::attention_decode(q, *kv.keys, *kv.values, out, kv.length,
+                        kv.first_valid ? *kv.first_valid : cache.first_valid());
 }
 
 const Tensor& Model::attention_skew(int64_t l) const {
@@ -83,13 +109,7 @@ Tensor Model::decode(const std::vector<int32_t>& tokens, KvStore& cache) {
 
 std::unique_ptr<Model> make_model(const ModelConfig& config, ModelWeights weights, Device device,
                                   std::unique_ptr<LayerWeightSource> layers) {
-  if (config.family == "opt") {
-    return std::make_unique<OptModel>(config, std::move(weights), device, std::move(layers));
-  }
-  if (config.family == "llama") {
-    return std::make_unique<LlamaModel>(config, std::move(weights), device, std::move(layers));
-  }
-  fail(config.name, ": no model for family '", config.family, "'");
+  return model_family(config.family).make(config, std::move(weights), device, std::move(layers));
 }
 
 }  // namespace infinigen

@@ -56,6 +56,17 @@ class Model {
   // (rows, D) -> fp32 logits (rows, V) on the CPU.
   virtual Tensor lm_head(const Tensor& hidden) const = 0;
 
+  // The shared steps of a forward pass. Each new row's position among its sequence's real tokens
+  // (B * n_new, row-major): offset + (t - first_valid[b]) for token t, `padding` for a padding
+  // row. Called before the pass's tokens are stored.
+  static std::vector<int32_t> token_positions(const KvStore& cache, int64_t n_new, int32_t offset,
+                                              int32_t padding);
+  // A layer's attention into out (B * n_new, H * d): over the new rows alone at prefill (causal,
+  // left padding masked; q (B * n_new, H * d), k and v (B * n_new, H_kv * d)), else over what
+  // the cache's view of the layer holds.
+  void attend(int64_t layer, const Tensor& q, const Tensor& k, const Tensor& v, KvStore& cache,
+              Tensor& out) const;
+
   const TensorTable& globals() const { return weights_.globals; }
   // Layer l's InfiniGen skew kept beside the checkpoint (core/weights.h), or an undefined tensor.
   const Tensor& attention_skew(int64_t l) const;

@@ -9,8 +9,7 @@
 
 #include "core/config_keys.h"
 #include "core/error.h"
-#include "core/models/llama.h"
-#include "core/models/opt.h"
+#include "core/model_family.h"
 #include "core/resources.h"
 #include "core/weights.h"
 
@@ -71,15 +70,16 @@ size_t ModelConfig::kv_bytes_per_token(DType kv_dtype) const {
 ModelConfig config_from_json(const json& j, const std::string& source) {
   INFINIGEN_CHECK(j.is_object(), source, ": expected a JSON object");
   const std::string type = config_keys::text(j, "model_type", "opt", source);
-  ModelConfig c;
-  if (type == "opt") {
-    c = opt_config_from_json(j, source);
-  } else if (is_llama_model_type(type)) {
-    c = llama_config_from_json(j, source);
-  } else {
-    fail(source, ": unsupported model_type \"", type,
-         "\" (this engine runs opt, llama, mistral and qwen2 models)");
+  const ModelFamily* family = model_family_of_type(type);
+  if (family == nullptr) {
+    std::string known;
+    for (const ModelFamily* f : model_families()) {
+      for (const std::string& t : f->model_types) known += (known.empty() ? "" : ", ") + t;
+    }
+    fail(source, ": unsupported model_type \"", type, "\" (this engine runs ", known, ")");
   }
+  ModelConfig c = family->config_from_json(j, source);
+  c.family = family->name;
   c.name = source;
   c.model_type = type;
   for (int32_t id : {c.pad_token_id, c.bos_token_id, c.eos_token_id}) {
@@ -135,7 +135,7 @@ ModelConfig load_preset(const std::string& name) {
 }
 
 json config_to_hf_json(const ModelConfig& c) {
-  json j = c.family == "opt" ? opt_config_to_json(c) : llama_config_to_json(c);
+  json j = model_family(c.family).config_to_json(c);
   j["vocab_size"] = c.vocab_size;
   j["pad_token_id"] = c.pad_token_id;
   j["bos_token_id"] = c.bos_token_id;

@@ -5,8 +5,7 @@
 #include <filesystem>
 
 #include "core/interrupt.h"
-#include "core/models/llama.h"
-#include "core/models/opt.h"
+#include "core/model_family.h"
 
 namespace infinigen {
 
@@ -25,9 +24,7 @@ std::vector<TensorSpec> WeightLayout::all() const {
 }
 
 WeightLayout weight_layout(const ModelConfig& config) {
-  if (config.family == "opt") return opt_weight_layout(config);
-  if (config.family == "llama") return llama_weight_layout(config);
-  fail(config.name, ": no weight layout for model family '", config.family, "'");
+  return model_family(config.family).weight_layout(config);
 }
 
 void TensorTable::add(std::string name, Tensor tensor) {

@@ -6,19 +6,15 @@
 
 #include "core/error.h"
 #include "offload/memory_planner.h"
+#include "offload/runtime.h"
 #include "predict/simulator.h"
 
 namespace infinigen {
 
 PredictedRun predict_run(const CostModelInput& input, const HardwareProfile& profile) {
   PredictedRun run;
-  MemoryRequest memory;
-  memory.config = input.config;
-  memory.batch = input.batch;
-  memory.prompt_len = input.prompt_len;
-  memory.gen_len = input.gen_len;
-  memory.kv_dtype = input.kv_dtype;
-  memory.options = input.options;
+  MemoryRequest memory = offload_memory_request(input.config, input.batch, input.prompt_len,
+                                                input.gen_len, input.kv_dtype, input.options);
   memory.device_capacity =
       static_cast<size_t>(std::min(profile.device_memory_bytes, static_cast<double>(SIZE_MAX / 2)));
   memory.host_capacity = SIZE_MAX / 2;  // the profile describes the device side only

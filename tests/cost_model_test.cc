@@ -32,16 +32,8 @@ std::vector<std::vector<LayerBytes>> schedule_bytes(const Schedule& s, int64_t l
   return out;
 }
 
-class CostModelSchedule : public ::testing::Test {
+class CostModelSchedule : public testing_util::SmallRunTest {
  protected:
-  void SetUp() override {
-    source_ = resolve_model("opt-tiny", {});
-    source_.config.num_layers = 4;  // infinigen: two dense layers, two speculated
-    request_.prompts = {{2, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20},
-                        {2, 500, 600, 700, 800, 900, 1000, 1100, 1200, 1300, 1400, 1500}};
-    request_.gen_len = 6;
-  }
-
   CostModelInput input(const OffloadOptions& options) const {
     CostModelInput in;
     in.config = source_.config;
@@ -90,9 +82,6 @@ class CostModelSchedule : public ::testing::Test {
       EXPECT_GT(moved, 0u) << policy;
     }
   }
-
-  ModelSource source_;
-  GenerationRequest request_;
 };
 
 TEST_F(CostModelSchedule, BytesPerStepAndLayerEqualTheRuntimes) {
@@ -244,7 +233,8 @@ TEST(CostModelSimulator, APlanThatDoesNotFitIsReportedNotTimed) {
 TEST(CostModelSimulator, InfinigenNeedsAMeasuredFetchShare) {
   CostModelInput in = opt_13b("infinigen");
   in.fetched.fraction.clear();
-  testing_util::expect_error([&] { run_schedule(in); }, {"infinigen", "share of tokens it fetches"});
+  testing_util::expect_error([&] { run_schedule(in); },
+                             {"infinigen", "share of tokens it fetches"});
 }
 
 }  // namespace

@@ -16,6 +16,14 @@
 #include "core/error.h"
 
 namespace infinigen::testing_util {
+
+void SmallRunTest::SetUp() {
+  source_ = resolve_model("opt-tiny", {});
+  source_.config.num_layers = 4;
+  request_.prompts = {{2, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20},
+                      {2, 500, 600, 700, 800, 900, 1000, 1100, 1200, 1300, 1400, 1500}};
+  request_.gen_len = 6;
+}
 namespace {
 
 std::string quote(const std::string& arg) {

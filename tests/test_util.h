@@ -10,8 +10,19 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/generation.h"
+#include "core/model_loader.h"
 
 namespace infinigen::testing_util {
+
+// A small offloaded run that exercises every policy: opt-tiny's synthetic weights cut to 4 layers
+// (InfiniGen's two dense layers and two speculated ones), two prompts of 12 tokens, 6 generated.
+class SmallRunTest : public ::testing::Test {
+ protected:
+  void SetUp() override;
+  ModelSource source_;
+  GenerationRequest request_;
+};
 
 // A fresh directory under the system temp dir, removed when the object goes out of scope.
 class TempDir {

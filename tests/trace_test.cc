@@ -14,6 +14,7 @@
 #include "core/model_loader.h"
 #include "offload/runtime.h"
 #include "speculate/speculation.h"
+#include "tests/test_util.h"
 
 namespace infinigen {
 namespace {
@@ -29,17 +30,8 @@ std::string describe(const TracedOp& op) {
   return s.str();
 }
 
-class DryTrace : public ::testing::Test {
+class DryTrace : public testing_util::SmallRunTest {
  protected:
-  void SetUp() override {
-    source_ = resolve_model("opt-tiny", {});
-    source_.config.num_layers = 4;  // infinigen: two dense layers, two speculated
-    request_.prompts = {{2, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20},
-                        {2, 500, 600, 700, 800, 900, 1000, 1100, 1200, 1300, 1400, 1500}};
-    request_.gen_len = 6;
-    request_.sampling.temperature = 0;
-  }
-
   // The trace of a real run of `options`.
   Trace wet(const OffloadOptions& options) const {
     Trace trace(/*dry=*/false);
@@ -57,9 +49,6 @@ class DryTrace : public ::testing::Test {
       ASSERT_EQ(describe(real.ops()[i]), describe(dry.ops()[i])) << options.policy << ", op " << i;
     }
   }
-
-  ModelSource source_;
-  GenerationRequest request_;
 };
 
 TEST_F(DryTrace, RecordsWhatTheRealRunDoes) {

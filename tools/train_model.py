@@ -134,47 +134,21 @@ def heldout_perplexity(model: torch.nn.Module, windows: list[np.ndarray], rows: 
 
 
 def model_config(args: argparse.Namespace, vocab_size: int):
+    common = dict(vocab_size=vocab_size, hidden_size=args.hidden, num_hidden_layers=args.layers,
+                  num_attention_heads=args.heads, max_position_embeddings=args.context,
+                  pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+                  tie_word_embeddings=True)
     if getattr(args, "family", "opt") == "llama":
         # Llama-3-like: RMSNorm, SwiGLU, RoPE, grouped-query attention, no biases; the LM head
         # tied to the embedding, as small Llama-family models do.
-        return LlamaConfig(
-            vocab_size=vocab_size,
-            hidden_size=args.hidden,
-            intermediate_size=args.ffn,
-            num_hidden_layers=args.layers,
-            num_attention_heads=args.heads,
-            num_key_value_heads=args.kv_heads or args.heads,
-            max_position_embeddings=args.context,
-            rms_norm_eps=1e-5,
-            rope_theta=10000.0,
-            hidden_act="silu",
-            attention_bias=False,
-            mlp_bias=False,
-            attention_dropout=0.0,
-            pad_token_id=PAD_ID,
-            bos_token_id=BOS_ID,
-            eos_token_id=EOS_ID,
-            tie_word_embeddings=True,
-        )
-    return OPTConfig(
-        vocab_size=vocab_size,
-        hidden_size=args.hidden,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        ffn_dim=args.ffn,
-        max_position_embeddings=args.context,
-        word_embed_proj_dim=args.hidden,
-        do_layer_norm_before=True,
-        activation_function="relu",
-        enable_bias=True,
-        layer_norm_elementwise_affine=True,
-        dropout=args.dropout,
-        attention_dropout=0.0,
-        pad_token_id=PAD_ID,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        tie_word_embeddings=True,
-    )
+        return LlamaConfig(**common, intermediate_size=args.ffn,
+                           num_key_value_heads=args.kv_heads or args.heads, rms_norm_eps=1e-5,
+                           rope_theta=10000.0, hidden_act="silu", attention_bias=False,
+                           mlp_bias=False, attention_dropout=0.0)
+    return OPTConfig(**common, ffn_dim=args.ffn, word_embed_proj_dim=args.hidden,
+                     do_layer_norm_before=True, activation_function="relu", enable_bias=True,
+                     layer_norm_elementwise_affine=True, dropout=args.dropout,
+                     attention_dropout=0.0)
 
 
 def learning_rate(step: int, args: argparse.Namespace) -> float:

@@ -2,6 +2,7 @@
 // as one loop over layers.
 #include "core/models/llama.h"
 
+#include <algorithm>
 #include <cmath>
 #include <nlohmann/json.hpp>
 
@@ -18,6 +19,18 @@ using nlohmann::json;
 constexpr const char* kArchitectures[][2] = {{"llama", "LlamaForCausalLM"},
                                              {"mistral", "MistralForCausalLM"},
                                              {"qwen2", "Qwen2ForCausalLM"}};
+
+class LlamaModel : public Model {
+ public:
+  LlamaModel(const ModelConfig& config, ModelWeights weights, Device device,
+             std::unique_ptr<LayerWeightSource> layers);
+
+ private:
+  Tensor forward(const std::vector<int32_t>& tokens, int64_t n_new, KvStore& cache) override;
+  Tensor lm_head(const Tensor& hidden) const override;
+
+  Tensor inv_freq_;  // (d / 2) fp32 on the device: the rotary frequencies (core/rope.h)
+};
 
 // rope_theta and rope_scaling (transformers 4), or rope_parameters (transformers 5).
 RopeConfig rope_from_json(const json& j, const std::string& source) {
@@ -74,20 +87,10 @@ json rope_scaling_json(const RopeConfig& rope) {
   return nullptr;
 }
 
-}  // namespace
-
-bool is_llama_model_type(const std::string& model_type) {
-  for (const auto& [type, architecture] : kArchitectures) {
-    if (model_type == type) return true;
-  }
-  return false;
-}
-
 ModelConfig llama_config_from_json(const json& j, const std::string& source) {
   using namespace config_keys;
   const std::string type = text(j, "model_type", "llama", source);
   ModelConfig c;
-  c.family = "llama";
   c.hidden_size = positive_int(j, "hidden_size", source);
   c.num_layers = positive_int(j, "num_hidden_layers", source);
   c.num_heads = positive_int(j, "num_attention_heads", source);
@@ -195,18 +198,9 @@ LlamaModel::LlamaModel(const ModelConfig& config, ModelWeights weights, Device d
 Tensor LlamaModel::forward(const std::vector<int32_t>& tokens, int64_t n, KvStore& cache) {
   const ModelConfig& c = config_;
   const int64_t B = cache.batch(), D = c.hidden_size, rows = B * n;
-  const int64_t past = cache.length();
-  const std::vector<int32_t>& first_valid = cache.first_valid();
-  cache.begin_pass(n);
-
   // Positions count real tokens from 0; padding rows (never attended) rotate by 0.
-  std::vector<int32_t> positions(static_cast<size_t>(rows));
-  for (int64_t b = 0; b < B; ++b) {
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t t = past + i, start = first_valid[static_cast<size_t>(b)];
-      positions[static_cast<size_t>(b * n + i)] = static_cast<int32_t>(t < start ? 0 : t - start);
-    }
-  }
+  const std::vector<int32_t> positions = token_positions(cache, n, 0, 0);
+  cache.begin_pass(n);
 
   Tensor h = Tensor::empty({rows, D}, DType::F32, device_);           // residual stream
   Tensor x = Tensor::empty({rows, D}, DType::F32, device_);           // normed input / output
@@ -239,13 +233,7 @@ Tensor LlamaModel::forward(const std::vector<int32_t>& tokens, int64_t n, KvStor
     ops::scale_inplace(q, q_scale);
     cache.observe(l, {x, q, wq, bq, inv_freq_, positions, attention_skew(l)});
     cache.append(l, k, v);
-    if (past == 0) {
-      ops::attention_prefill(q, k, v, attn, B, c.num_heads, first_valid);
-    } else {
-      const KvStore::View kv = cache.view(l);
-      ops::attention_decode(q, *kv.keys, *kv.values, attn, kv.length,
-                            kv.first_valid ? *kv.first_valid : first_valid);
-    }
+    attend(l, q, k, v, cache, attn);
     ops::linear(attn, w.get("self_attn.o_proj.weight"), bias(w, "self_attn.o_proj.bias"), x);
     ops::add_inplace(h, x);
     check_interrupt();  // also between the halves of a layer: each takes seconds in a long prefill
@@ -270,6 +258,22 @@ Tensor LlamaModel::lm_head(const Tensor& hidden) const {
   Tensor logits = Tensor::empty({hidden.dim(0), config_.vocab_size}, DType::F32, device_);
   ops::linear(normed, head, Tensor(), logits);
   return device_ == Device::Cpu ? logits : logits.to(Device::Cpu);
+}
+
+}  // namespace
+
+const ModelFamily& llama_family() {
+  static const ModelFamily family{
+      "llama",
+      {"llama", "mistral", "qwen2"},
+      llama_config_from_json,
+      llama_config_to_json,
+      llama_weight_layout,
+      [](const ModelConfig& config, ModelWeights weights, Device device,
+         std::unique_ptr<LayerWeightSource> layers) -> std::unique_ptr<Model> {
+        return std::make_unique<LlamaModel>(config, std::move(weights), device, std::move(layers));
+      }};
+  return family;
 }
 
 }  // namespace infinigen

@@ -13,16 +13,28 @@ namespace {
 
 constexpr const char* kPrefix = "model.decoder.";
 
+// OPT's learned position table is offset by 2: rows 0 and 1 are never used by real tokens, and
+// left padding reads row 1.
+constexpr int32_t kOptPositionOffset = 2;
+
 std::string global(const char* name) {
   return std::string(kPrefix) + name;
 }
 
-}  // namespace
+class OptModel : public Model {
+ public:
+  OptModel(const ModelConfig& config, ModelWeights weights, Device device,
+           std::unique_ptr<LayerWeightSource> layers)
+      : Model(config, std::move(weights), device, std::move(layers)) {}
+
+ private:
+  Tensor forward(const std::vector<int32_t>& tokens, int64_t n_new, KvStore& cache) override;
+  Tensor lm_head(const Tensor& hidden) const override;
+};
 
 ModelConfig opt_config_from_json(const nlohmann::json& j, const std::string& source) {
   using namespace config_keys;
   ModelConfig c;
-  c.family = "opt";
   c.hidden_size = positive_int(j, "hidden_size", source);
   c.num_layers = positive_int(j, "num_hidden_layers", source);
   c.num_heads = positive_int(j, "num_attention_heads", source);
@@ -102,26 +114,13 @@ WeightLayout opt_weight_layout(const ModelConfig& c) {
   return layout;
 }
 
-OptModel::OptModel(const ModelConfig& config, ModelWeights weights, Device device,
-                   std::unique_ptr<LayerWeightSource> layers)
-    : Model(config, std::move(weights), device, std::move(layers)) {}
-
 Tensor OptModel::forward(const std::vector<int32_t>& tokens, int64_t n, KvStore& cache) {
   const ModelConfig& c = config_;
   const int64_t B = cache.batch(), D = c.hidden_size, rows = B * n;
-  const int64_t past = cache.length();
-  const std::vector<int32_t>& first_valid = cache.first_valid();
-  cache.begin_pass(n);
-
   // Positions count real tokens only: the learned table is offset by 2, padding uses row 1.
-  std::vector<int32_t> positions(static_cast<size_t>(rows));
-  for (int64_t b = 0; b < B; ++b) {
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t t = past + i, start = first_valid[static_cast<size_t>(b)];
-      positions[static_cast<size_t>(b * n + i)] =
-          static_cast<int32_t>(t < start ? kOptPositionOffset - 1 : t - start + kOptPositionOffset);
-    }
-  }
+  const std::vector<int32_t> positions =
+      token_positions(cache, n, kOptPositionOffset, kOptPositionOffset - 1);
+  cache.begin_pass(n);
 
   Tensor h = Tensor::empty({rows, D}, DType::F32, device_);  // residual stream (B*n, D)
   Tensor x = Tensor::empty({rows, D}, DType::F32, device_);  // normed input / block output
@@ -165,13 +164,7 @@ Tensor OptModel::forward(const std::vector<int32_t>& tokens, int64_t n, KvStore&
     ops::linear(in, w.get("self_attn.v_proj.weight"), w.get("self_attn.v_proj.bias"), v);
     cache.observe(l, {in, q, wq, bq, none, positions, none});
     cache.append(l, k, v);
-    if (past == 0) {
-      ops::attention_prefill(q, k, v, attn, B, c.num_heads, first_valid);
-    } else {
-      const KvStore::View kv = cache.view(l);
-      ops::attention_decode(q, *kv.keys, *kv.values, attn, kv.length,
-                            kv.first_valid ? *kv.first_valid : first_valid);
-    }
+    attend(l, q, k, v, cache, attn);
     ops::linear(attn, w.get("self_attn.out_proj.weight"), w.get("self_attn.out_proj.bias"), x);
     ops::add_inplace(h, x);
     if (!pre) {
@@ -213,6 +206,22 @@ Tensor OptModel::lm_head(const Tensor& hidden) const {
   Tensor logits = Tensor::empty({hidden.dim(0), config_.vocab_size}, DType::F32, device_);
   ops::linear(out, g.get(global("embed_tokens.weight")), Tensor(), logits);
   return device_ == Device::Cpu ? logits : logits.to(Device::Cpu);
+}
+
+}  // namespace
+
+const ModelFamily& opt_family() {
+  static const ModelFamily family{
+      "opt",
+      {"opt"},
+      opt_config_from_json,
+      opt_config_to_json,
+      opt_weight_layout,
+      [](const ModelConfig& config, ModelWeights weights, Device device,
+         std::unique_ptr<LayerWeightSource> layers) -> std::unique_ptr<Model> {
+        return std::make_unique<OptModel>(config, std::move(weights), device, std::move(layers));
+      }};
+  return family;
 }
 
 }  // namespace infinigen
