@@ -10,13 +10,14 @@
 namespace infinigen {
 
 std::vector<std::vector<int32_t>> eval_windows(const std::vector<EvalText>& texts, int64_t length,
-                                               int32_t bos_token_id) {
+                                               std::optional<int32_t> bos) {
   INFINIGEN_CHECK(length >= 2, "an evaluation window needs at least 2 tokens, got ", length);
-  const size_t body = static_cast<size_t>(length - 1);
+  const size_t body = static_cast<size_t>(bos ? length - 1 : length);
   std::vector<std::vector<int32_t>> windows;
   for (const EvalText& text : texts) {
     for (size_t start = 0; start + body <= text.ids.size(); start += body) {
-      std::vector<int32_t> window = {bos_token_id};
+      std::vector<int32_t> window;
+      if (bos) window.push_back(*bos);
       window.insert(window.end(), text.ids.begin() + static_cast<std::ptrdiff_t>(start),
                     text.ids.begin() + static_cast<std::ptrdiff_t>(start + body));
       windows.push_back(std::move(window));

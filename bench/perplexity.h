@@ -21,7 +21,7 @@ struct EvalText {
   std::vector<int32_t> ids;  // the whole text's token ids, without BOS
 };
 std::vector<std::vector<int32_t>> eval_windows(const std::vector<EvalText>& texts, int64_t length,
-                                               int32_t bos_token_id);
+                                               std::optional<int32_t> bos);
 
 struct PerplexityOptions {
   int64_t prefill = 128;  // tokens of each window given as the prompt (BOS included)

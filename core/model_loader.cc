@@ -100,11 +100,17 @@ ModelSource resolve_model(const std::string& spec, const ModelLoadOptions& optio
   source.config = load_hf_config(source.directory);
   // Fail on a malformed checkpoint now, before any planning or allocation.
   check_checkpoint(SafetensorsCheckpoint::open(source.directory), source.config);
-  if (fs::exists(fs::path(source.directory) / "vocab.json")) {
+  if (fs::exists(fs::path(source.directory) / "tokenizer.json") ||
+      fs::exists(fs::path(source.directory) / "vocab.json")) {
     source.tokenizer = Tokenizer::from_directory(source.directory);
   }
   source.sampling = load_generation_config(source.directory);
   return source;
+}
+
+std::optional<int32_t> prompt_bos(const ModelSource& source) {
+  if (!source.directory.empty() && source.tokenizer) return source.tokenizer->bos_id();
+  return source.config.bos_token_id;
 }
 
 ModelWeights load_weights(const ModelSource& source, Device device) {

@@ -32,6 +32,11 @@ struct ModelSource {
   uint64_t seed = 0;  // of synthetic weights
 };
 
+// The token every prompt starts with: the checkpoint tokenizer's BOS when the checkpoint ships a
+// tokenizer (none for one that adds none, as Qwen2's), else the config's bos_token_id (presets on
+// synthetic weights, checkpoints without a tokenizer).
+std::optional<int32_t> prompt_bos(const ModelSource& source);
+
 struct LoadedModel {
   std::unique_ptr<Model> model;
   std::optional<Tokenizer> tokenizer;  // absent when a checkpoint ships none

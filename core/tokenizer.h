@@ -1,8 +1,14 @@
-// core: byte-level BPE tokenizer (GPT-2 / OPT) from vocab.json + merges.txt.
+// core: BPE tokenizers, id-for-id compatible with HF tokenizers, from either file format:
 //
-// Text is split by the GPT-2 pre-tokenisation pattern, each piece's UTF-8 bytes are mapped to
-// printable code points (GPT-2's bytes_to_unicode table), and BPE merges are applied by rank.
-// Special tokens such as "</s>" are never produced by `encode` from text: callers add BOS.
+// - vocab.json + merges.txt: GPT-2 / OPT byte-level BPE (text split by the GPT-2 pattern, each
+//   piece's UTF-8 bytes mapped to printable code points, merges applied by rank);
+// - tokenizer.json: a BPE model with the normalizers, pre-tokenizers, decoders and added tokens of
+//   the Llama-2/3, Mistral and Qwen2 families (core/tokenizer_json.cc lists what is read), with
+//   tokenizer_config.json beside it for BOS and EOS.
+//
+// `encode` never adds special tokens (the engine puts bos_id() first itself). In tokenizer.json,
+// added tokens written in the text ("<|eot_id|>") are encoded as their ids, as HF does; in the
+// vocab.json form "</s>" in text is plain text.
 #pragma once
 
 #include <cstdint>
@@ -16,14 +22,20 @@ namespace infinigen {
 
 class Tokenizer {
  public:
-  // Reads <directory>/vocab.json and <directory>/merges.txt. Throws Error naming the file and
-  // what is wrong (missing, malformed JSON, a merge line that is not two tokens, a merge whose
-  // result is not in the vocabulary, ...).
+  // Reads <directory>/tokenizer.json when it exists, else <directory>/vocab.json and
+  // <directory>/merges.txt; <directory>/tokenizer_config.json too when it exists. Throws Error
+  // naming the file and what is wrong (missing, malformed JSON, a merge that is not two tokens,
+  // a merge whose result is not in the vocabulary, a stage this engine does not implement, ...).
   static Tokenizer from_directory(const std::string& directory);
-  // The same from file contents; `source` names them in error messages, which read
-  // "<source>/vocab.json: ..." and "<source>/merges.txt:<line>: ...".
+  // The vocab.json + merges.txt form from file contents; `source` names them in error messages,
+  // which read "<source>/vocab.json: ..." and "<source>/merges.txt:<line>: ...".
   static Tokenizer from_strings(std::string_view vocab_json, std::string_view merges_txt,
                                 const std::string& source);
+  // The tokenizer.json form from file contents, with tokenizer_config.json's when there is one;
+  // messages read "<source>/tokenizer.json: ..." and "<source>/tokenizer_config.json: ...".
+  static Tokenizer from_json(std::string_view tokenizer_json,
+                             std::optional<std::string_view> tokenizer_config_json,
+                             const std::string& source);
   // The tokenizer bundled in configs/tokenizer (the vocabulary of the synthetic models).
   static Tokenizer bundled();
 
@@ -33,15 +45,24 @@ class Tokenizer {
 
   // Token ids of `text` (valid UTF-8 or not: bytes are bytes), no special tokens added.
   std::vector<int32_t> encode(std::string_view text) const;
-  // Text of `ids`; invalid UTF-8 from partial tokens becomes U+FFFD, as HF's errors="replace".
-  // Ids of special tokens (<s>, </s>, <pad>, <unk>) are skipped when `skip_special`; ids
-  // outside the vocabulary are rendered as "<id N>".
+  // Text of `ids`; invalid UTF-8 from partial tokens becomes U+FFFD, as HF's decoders make it.
+  // Special tokens are skipped when `skip_special` (tokenizer.json: the added tokens marked
+  // special; vocab.json: <s>, </s>, <pad>, <unk>). Ids outside the vocabulary are rendered as
+  // "<id N>", and the ids between two of them are decoded on their own.
   std::string decode(const std::vector<int32_t>& ids, bool skip_special = true) const;
 
-  // One more than the largest id in the vocabulary.
+  // One more than the largest id, added tokens included.
   int32_t vocab_size() const;
-  // `token` as spelled in vocab.json, i.e. in the byte-level alphabet ("\u0120the" is " the").
+  // `token` as spelled in the vocabulary ("\u0120the" is " the" in a byte-level one) or an added
+  // token's content.
   std::optional<int32_t> token_to_id(std::string_view token) const;
+
+  // The token to put first in a sequence, or none when the model is given none (Qwen2). From
+  // tokenizer_config.json's add_bos_token and bos_token when present, else tokenizer.json's
+  // post-processor template ("<s> $A"), else, in the vocab.json form, "</s>" (OPT's BOS).
+  std::optional<int32_t> bos_id() const;
+  // tokenizer_config.json's eos_token; without it, "</s>" in the vocab.json form, else none.
+  std::optional<int32_t> eos_id() const;
 
  private:
   struct Impl;

@@ -211,13 +211,13 @@ double top_column_energy(const Eigen::MatrixXd& queries, double ratio, double* t
   return top;
 }
 
-std::vector<int32_t> calibration_tokens(const std::vector<int32_t>& ids, int32_t bos_id,
-                                        int64_t length) {
+std::vector<int32_t> calibration_tokens(const std::vector<int32_t>& ids,
+                                        std::optional<int32_t> bos_id, int64_t length) {
   INFINIGEN_CHECK(length >= 1, "calibration length ", length, " must be positive");
   INFINIGEN_CHECK(length == 1 || !ids.empty(), "no calibration tokens");
   std::vector<int32_t> tokens;
   tokens.reserve(static_cast<size_t>(length));
-  tokens.push_back(bos_id);
+  if (bos_id) tokens.push_back(*bos_id);
   for (size_t i = 0; static_cast<int64_t>(tokens.size()) < length; ++i) {
     tokens.push_back(ids[i % ids.size()]);
   }
@@ -308,6 +308,12 @@ SkewReport skew_checkpoint(const std::string& in_dir, const std::string& out_dir
                   report.calib_len, ": must be between 2 and the model's max_positions (",
                   config.max_positions, ")");
 
+  // The checkpoint's tokenizer, when it ships one, also says which BOS its prompts start with.
+  const bool has_tokenizer = fs::exists(fs::path(in_dir) / "vocab.json") ||
+                             fs::exists(fs::path(in_dir) / "tokenizer.json");
+  const std::optional<Tokenizer> tokenizer =
+      has_tokenizer ? std::optional<Tokenizer>(Tokenizer::from_directory(in_dir)) : std::nullopt;
+  const std::optional<int32_t> bos = tokenizer ? tokenizer->bos_id() : config.bos_token_id;
   std::vector<int32_t> ids = options.calib_tokens;
   if (!ids.empty()) {
     report.calib_source = "token ids";
@@ -325,12 +331,10 @@ SkewReport skew_checkpoint(const std::string& in_dir, const std::string& out_dir
       report.calib_source = fs::path(options.calib_file).filename().string();
       text = read_calibration_file(options.calib_file, limit, &cut);
     }
-    INFINIGEN_CHECK(fs::exists(fs::path(in_dir) / "vocab.json") ||
-                        fs::exists(fs::path(in_dir) / "tokenizer.json"),
-                    in_dir,
+    INFINIGEN_CHECK(tokenizer.has_value(), in_dir,
                     ": no tokenizer (tokenizer.json, or vocab.json and merges.txt) to encode the "
                     "calibration text, and no calibration token ids given");
-    ids = Tokenizer::from_directory(in_dir).encode(text);
+    ids = tokenizer->encode(text);
     if (cut && ids.size() > 1) ids.pop_back();  // the cut may have split the last token
     INFINIGEN_CHECK(!ids.empty(), report.calib_source, ": calibration text has no tokens");
   }
@@ -338,8 +342,7 @@ SkewReport skew_checkpoint(const std::string& in_dir, const std::string& out_dir
     INFINIGEN_CHECK(id >= 0 && id < config.vocab_size, report.calib_source, ": token id ", id,
                     " is outside the vocabulary of ", config.vocab_size);
   }
-  const std::vector<int32_t> tokens =
-      calibration_tokens(ids, config.bos_token_id, report.calib_len);
+  const std::vector<int32_t> tokens = calibration_tokens(ids, bos, report.calib_len);
 
   SkewMatrices matrices;
   {

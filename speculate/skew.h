@@ -56,10 +56,10 @@ struct SkewMatrices {
 // sum_t |q[t, j]|, of their squared entries; the squared Frobenius norm goes to `total`.
 double top_column_energy(const Eigen::MatrixXd& queries, double ratio, double* total);
 
-// BOS followed by `ids` repeated and truncated to `length` tokens in all (ids must be non-empty
-// when length > 1).
-std::vector<int32_t> calibration_tokens(const std::vector<int32_t>& ids, int32_t bos_id,
-                                        int64_t length);
+// BOS (when the model has one) followed by `ids` repeated and truncated to `length` tokens in
+// all (ids must be non-empty when length > 1).
+std::vector<int32_t> calibration_tokens(const std::vector<int32_t>& ids,
+                                        std::optional<int32_t> bos_id, int64_t length);
 
 // Runs `tokens` (one sequence, fp32 KV) through `model` and computes A_h for every layer and
 // head from the fp64 queries x Wq[h rows]^T + bq[h] of each layer's attention input x (rotary

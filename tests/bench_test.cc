@@ -35,10 +35,10 @@ std::string write_experiment(const TempDir& dir, const std::string& text) {
 
 const char* const kMinimal = "x: batch\nplot: latency\ndefaults: {model: opt-125m}\n";
 
-TEST(Experiment, EveryBundledFigureLoads) {
+TEST(Experiment, EveryBundledExperimentLoads) {
   const std::vector<std::string> names = bundled_experiment_names();
-  EXPECT_EQ(names,
-            (std::vector<std::string>{"fig14", "fig15", "fig16a", "fig16b", "fig17", "fig18"}));
+  EXPECT_EQ(names, (std::vector<std::string>{"fig14", "fig15", "fig16a", "fig16b", "fig17", "fig18",
+                                             "llama-gqa"}));
   for (const std::string& name : names) {
     const Experiment e = load_experiment(name);
     EXPECT_EQ(e.name, name);

@@ -8,6 +8,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
+#include "core/model_loader.h"
 #include "tests/test_util.h"
 
 namespace infinigen {
@@ -55,6 +56,35 @@ TEST(Cli, DefaultRunWritesWords) {
     int most = 0;
     for (int id : output["tokens"]) most = std::max(most, ++ids[id]);
     EXPECT_LE(2 * most, static_cast<int>(output["tokens"].size())) << text;
+  }
+}
+
+// A Llama-family checkpoint with its tokenizer.json: the weights of tests/fixtures/llama-tiny
+// beside the Llama-3-style or the Qwen2-style fixture tokenizer. The prompt starts with the
+// tokenizer's BOS (Llama 3's <|begin_of_text|>; none for Qwen2).
+TEST(Cli, LlamaCheckpointsRunWithTheirTokenizerJson) {
+  namespace fs = std::filesystem;
+  for (const char* form : {"llama3", "qwen2"}) {
+    TempDir dir(std::string("llama-") + form);
+    const fs::path model = dir.path() / "model";
+    fs::copy(std::string(INFINIGEN_FIXTURES_DIR) + "/llama-tiny", model);
+    fs::copy(std::string(INFINIGEN_FIXTURES_DIR) + "/tokenizers/" + form, model);
+    const CommandResult r =
+        run_infinigen({"run", "--model", model.string(), "--prompt", "And the LORD said",
+                       "--gen-len", "4", "--temperature", "0", "--json"});
+    ASSERT_EQ(r.exit_code, 0) << form << ": " << r.err;
+    const nlohmann::json j = nlohmann::json::parse(r.out);
+    ASSERT_EQ(j["outputs"].size(), 1u);
+    EXPECT_EQ(j["outputs"][0]["tokens"].size(), 4u) << form;
+    EXPECT_GE(j["outputs"][0]["prompt_tokens"].get<int>(), 3) << form;
+    // Llama 3's <|begin_of_text|> comes first; Qwen2's tokenizer adds no BOS, whatever the
+    // config's bos_token_id says.
+    const std::optional<int32_t> bos = prompt_bos(resolve_model(model.string(), {}));
+    if (std::string(form) == "llama3") {
+      EXPECT_EQ(bos, std::optional<int32_t>(1503));
+    } else {
+      EXPECT_EQ(bos, std::nullopt);
+    }
   }
 }
 

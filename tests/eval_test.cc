@@ -51,6 +51,9 @@ TEST_F(Perplexity, WindowsAreBosAndConsecutiveText) {
   const std::vector<std::vector<int32_t>> w = eval_windows({{"a", {5, 6, 7, 8, 9, 10, 11}}}, 3, 2);
   EXPECT_EQ(w, (std::vector<std::vector<int32_t>>{{2, 5, 6}, {2, 7, 8}, {2, 9, 10}}));
   EXPECT_TRUE(eval_windows({{"short", {5}}}, 3, 2).empty());
+  // Without a BOS (Qwen2's tokenizer adds none) a window is text only.
+  EXPECT_EQ(eval_windows({{"a", {5, 6, 7, 8, 9, 10, 11}}}, 3, std::nullopt),
+            (std::vector<std::vector<int32_t>>{{5, 6, 7}, {8, 9, 10}}));
 }
 
 TEST_F(Perplexity, PoliciesThatReadAllKvAgreeAndInfinigenWithEverythingEqualsFull) {

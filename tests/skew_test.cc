@@ -137,6 +137,8 @@ SkewReport* SkewTest::report_ = nullptr;
 TEST(CalibrationTokens, BosThenIdsRepeatedToLength) {
   EXPECT_EQ(calibration_tokens({5, 6, 7}, 2, 6), (std::vector<int32_t>{2, 5, 6, 7, 5, 6}));
   EXPECT_EQ(calibration_tokens({5, 6, 7, 8, 9}, 2, 3), (std::vector<int32_t>{2, 5, 6}));
+  // A model whose tokenizer adds no BOS (Qwen2) calibrates on the text alone.
+  EXPECT_EQ(calibration_tokens({5, 6, 7}, std::nullopt, 4), (std::vector<int32_t>{5, 6, 7, 5}));
 }
 
 TEST(TopColumnEnergy, RanksColumnsByAbsoluteSum) {

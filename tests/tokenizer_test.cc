@@ -1,4 +1,5 @@
-// tests: the byte-level BPE tokenizer against HF tokenizers' reference encodings.
+// tests: the BPE tokenizers (vocab.json + merges.txt, tokenizer.json) against HF tokenizers'
+// reference encodings.
 #include "core/tokenizer.h"
 
 #include <gtest/gtest.h>
@@ -7,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
@@ -383,6 +385,356 @@ TEST(TokenizerErrors, BadMerges) {
   message = error_of([] { Tokenizer::from_strings(kVocab, "b a\n", "here"); });
   EXPECT_NE(message.find("here/merges.txt:1: merged token \"ba\" is not in the vocabulary"),
             std::string::npos)
+      << message;
+}
+
+// ---- tokenizer.json ----------------------------------------------------------------------------
+
+// tests/fixtures/tokenizers: five small tokenizers in the tokenizer.json forms of Llama-3, Qwen2,
+// Llama-2, Mistral and a Metaspace-only one, and what HF tokenizers makes of the stress strings
+// with each (tools/make_tokenizer_json_fixtures.py).
+struct JsonCase {
+  std::string text;
+  std::vector<int32_t> ids;
+  std::string decoded;
+  std::string decoded_with_special;
+};
+struct JsonFixture {
+  std::vector<int32_t> bos_ids;  // what HF's post-processor puts around an empty text
+  std::vector<JsonCase> cases;
+  std::vector<JsonCase> decode_cases;  // ids no encoding gives (cut characters, random ids)
+};
+
+const std::map<std::string, JsonFixture>& json_fixtures() {
+  static const std::map<std::string, JsonFixture> fixtures = [] {
+    std::ifstream in(INFINIGEN_FIXTURES_DIR "/tokenizers/cases.json");
+    EXPECT_TRUE(in.good()) << "missing fixture tokenizers/cases.json";
+    std::map<std::string, JsonFixture> out;
+    if (!in.good()) return out;
+    const nlohmann::json root = nlohmann::json::parse(in);
+    for (const auto& [name, entry] : root.items()) {
+      JsonFixture& fixture = out[name];
+      fixture.bos_ids = entry.at("bos_ids").get<std::vector<int32_t>>();
+      for (const auto& item : entry.at("cases")) {
+        fixture.cases.push_back({item.at("text").get<std::string>(),
+                                 item.at("ids").get<std::vector<int32_t>>(),
+                                 item.at("decoded").get<std::string>(),
+                                 item.at("decoded_with_special").get<std::string>()});
+      }
+      for (const auto& item : entry.at("decode_cases")) {
+        fixture.decode_cases.push_back({"", item.at("ids").get<std::vector<int32_t>>(),
+                                        item.at("decoded").get<std::string>(),
+                                        item.at("decoded_with_special").get<std::string>()});
+      }
+    }
+    return out;
+  }();
+  return fixtures;
+}
+
+std::string json_fixture_directory(const std::string& name) {
+  return INFINIGEN_FIXTURES_DIR "/tokenizers/" + name;
+}
+
+TEST(TokenizerJson, FixturesArePresent) {
+  const auto& fixtures = json_fixtures();
+  for (const char* name : {"llama3", "qwen2", "llama2", "mistral", "metaspace"}) {
+    ASSERT_TRUE(fixtures.contains(name)) << name;
+    EXPECT_GE(fixtures.at(name).cases.size(), 120u) << name;
+    EXPECT_GE(fixtures.at(name).decode_cases.size(), 20u) << name;
+  }
+}
+
+TEST(TokenizerJson, MatchesReferenceEncodingsAndDecodings) {
+  for (const auto& [name, fixture] : json_fixtures()) {
+    const Tokenizer tokenizer = Tokenizer::from_directory(json_fixture_directory(name));
+    int mismatches = 0;
+    for (const JsonCase& c : fixture.cases) {
+      const std::string where = name + ": text " + nlohmann::json(c.text).dump();
+      const std::vector<int32_t> ids = tokenizer.encode(c.text);
+      EXPECT_EQ(ids, c.ids) << where;
+      EXPECT_EQ(tokenizer.decode(c.ids), c.decoded) << where;
+      EXPECT_EQ(tokenizer.decode(c.ids, /*skip_special=*/false), c.decoded_with_special) << where;
+      mismatches += ids != c.ids;
+    }
+    EXPECT_EQ(mismatches, 0) << name;
+    for (const JsonCase& c : fixture.decode_cases) {
+      const std::string where = name + ": ids " + nlohmann::json(c.ids).dump();
+      EXPECT_EQ(tokenizer.decode(c.ids), c.decoded) << where;
+      EXPECT_EQ(tokenizer.decode(c.ids, /*skip_special=*/false), c.decoded_with_special) << where;
+    }
+  }
+}
+
+TEST(TokenizerJson, BosFollowsThePostProcessorAndTheConfig) {
+  for (const auto& [name, fixture] : json_fixtures()) {
+    const Tokenizer tokenizer = Tokenizer::from_directory(json_fixture_directory(name));
+    // The metaspace fixture's tokenizer_config.json says add_bos_token false over its template.
+    const std::optional<int32_t> expected = name == "metaspace" || fixture.bos_ids.empty()
+                                                ? std::nullopt
+                                                : std::optional(fixture.bos_ids.front());
+    EXPECT_LE(fixture.bos_ids.size(), 1u) << name;
+    EXPECT_EQ(tokenizer.bos_id(), expected) << name;
+  }
+  const Tokenizer llama3 = Tokenizer::from_directory(json_fixture_directory("llama3"));
+  EXPECT_EQ(llama3.bos_id(), llama3.token_to_id("<|begin_of_text|>"));
+  EXPECT_EQ(llama3.eos_id(), llama3.token_to_id("<|end_of_text|>"));
+  EXPECT_EQ(llama3.vocab_size(), 1512);  // 1503 + 9 added tokens
+  const Tokenizer qwen2 = Tokenizer::from_directory(json_fixture_directory("qwen2"));
+  EXPECT_EQ(qwen2.bos_id(), std::nullopt);
+  EXPECT_EQ(qwen2.eos_id(), qwen2.token_to_id("<|endoftext|>"));
+  const Tokenizer llama2 = Tokenizer::from_directory(json_fixture_directory("llama2"));
+  EXPECT_EQ(llama2.bos_id(), 1);
+  EXPECT_EQ(llama2.eos_id(), 2);
+  EXPECT_EQ(llama2.token_to_id("<0x0A>"), 13);
+
+  // The vocab.json form answers OPT's "</s>", the id callers put first today.
+  const Tokenizer bundled = Tokenizer::bundled();
+  EXPECT_EQ(bundled.bos_id(), 2);
+  EXPECT_EQ(bundled.eos_id(), 2);
+}
+
+TEST(TokenizerJson, EncodesAnyBytesAndDecodesThemLikePython) {
+  const Tokenizer llama3 = Tokenizer::from_directory(json_fixture_directory("llama3"));
+  const Tokenizer llama2 = Tokenizer::from_directory(json_fixture_directory("llama2"));
+  std::mt19937 rng(99);
+  std::uniform_int_distribution<int> length(0, 40);
+  std::uniform_int_distribution<int> byte(0, 255);
+  for (int trial = 0; trial < 1000; ++trial) {
+    std::string s;
+    const int n = length(rng);
+    for (int i = 0; i < n; ++i) s.push_back(static_cast<char>(byte(rng)));
+    // Byte-level: every byte is a token, and decoding is a lossy UTF-8 decode.
+    EXPECT_EQ(llama3.decode(llama3.encode(s)), python_lossy(s)) << "trial " << trial;
+    // Byte fallback keeps every byte too; its decoder turns a bad run into U+FFFD per byte.
+    const std::string decoded = llama2.decode(llama2.encode(s));
+    EXPECT_TRUE(is_valid_utf8(decoded)) << "trial " << trial;
+    if (is_valid_utf8(s)) {
+      EXPECT_EQ(decoded, s) << "trial " << trial;
+    }
+  }
+}
+
+TEST(TokenizerJson, EncodeIsSafeFromManyThreads) {
+  const JsonFixture& fixture = json_fixtures().at("qwen2");
+  const Tokenizer tokenizer = Tokenizer::from_directory(json_fixture_directory("qwen2"));
+  std::vector<std::thread> threads;
+  std::vector<int> mismatches(4, 0);
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (int round = 0; round < 3; ++round) {
+        for (const JsonCase& c : fixture.cases) {
+          if (tokenizer.encode(c.text) != c.ids) ++mismatches[t];
+        }
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  EXPECT_EQ(mismatches, std::vector<int>(4, 0));
+}
+
+TEST(TokenizerJson, DecodeRendersUnknownIds) {
+  const Tokenizer tokenizer = Tokenizer::from_directory(json_fixture_directory("llama2"));
+  const std::vector<int32_t> hi = tokenizer.encode("Hi");
+  std::vector<int32_t> ids = hi;
+  ids.push_back(-3);
+  ids.insert(ids.end(), hi.begin(), hi.end());
+  EXPECT_EQ(tokenizer.decode(ids), "Hi<id -3>Hi");
+  EXPECT_EQ(tokenizer.decode({}), "");
+}
+
+// A minimal valid tokenizer.json: byte-level BPE over "a", "b", "ab" and the byte alphabet's
+// space, with `patch` merged over it (a null value removes the key).
+std::string tiny_json(const nlohmann::json& patch = nlohmann::json::object()) {
+  nlohmann::json root = {
+      {"version", "1.0"},
+      {"added_tokens", {{{"id", 4}, {"content", "<s>"}, {"special", true}, {"normalized", false}}}},
+      {"normalizer", nullptr},
+      {"pre_tokenizer", {{"type", "ByteLevel"}, {"add_prefix_space", false}}},
+      {"post_processor", nullptr},
+      {"decoder", {{"type", "ByteLevel"}}},
+      {"model",
+       {{"type", "BPE"},
+        {"vocab", {{"a", 0}, {"b", 1}, {"ab", 2}, {"\xC4\xA0", 3}}},
+        {"merges", {"a b"}}}}};
+  root.merge_patch(patch);
+  return root.dump();
+}
+
+TEST_F(TokenizerFiles, TokenizerJsonIsPreferredOverVocabJson) {
+  write("vocab.json", kVocab);
+  write("merges.txt", "a b\n");
+  write("tokenizer.json", tiny_json());
+  const Tokenizer tokenizer = Tokenizer::from_directory(dir());
+  EXPECT_EQ(tokenizer.encode("ab <s>ba"), (std::vector<int32_t>{2, 3, 4, 1, 0}));
+  EXPECT_EQ(tokenizer.vocab_size(), 5);
+  EXPECT_EQ(tokenizer.bos_id(), std::nullopt);
+  EXPECT_EQ(tokenizer.decode({2, 3, 4, 1}), "ab b");
+  EXPECT_EQ(tokenizer.decode({2, 3, 4, 1}, /*skip_special=*/false), "ab <s>b");
+}
+
+TEST(TokenizerJson, MergesAsPairsAndAsStrings) {
+  const nlohmann::json pairs = {
+      {"model", {{"merges", nlohmann::json::array({nlohmann::json::array({"a", "b"})})}}}};
+  const Tokenizer from_pairs = Tokenizer::from_json(tiny_json(pairs), std::nullopt, "t");
+  const Tokenizer from_strings = Tokenizer::from_json(tiny_json(), std::nullopt, "t");
+  EXPECT_EQ(from_pairs.encode("abab"), (std::vector<int32_t>{2, 2}));
+  EXPECT_EQ(from_strings.encode("abab"), (std::vector<int32_t>{2, 2}));
+}
+
+TEST(TokenizerJson, BosAndEosFromTheConfig) {
+  const nlohmann::json with_template = {
+      {"post_processor",
+       {{"type", "TemplateProcessing"},
+        {"single",
+         {{{"SpecialToken", {{"id", "<s>"}, {"type_id", 0}}}},
+          {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}}},
+        {"special_tokens", {{"<s>", {{"id", "<s>"}, {"ids", {4}}, {"tokens", {"<s>"}}}}}}}}};
+  const std::string json = tiny_json(with_template);
+  EXPECT_EQ(Tokenizer::from_json(json, std::nullopt, "t").bos_id(), 4);
+  EXPECT_EQ(Tokenizer::from_json(json, std::nullopt, "t").eos_id(), std::nullopt);
+  EXPECT_EQ(Tokenizer::from_json(json, R"({"add_bos_token": false})", "t").bos_id(), std::nullopt);
+  const Tokenizer configured =
+      Tokenizer::from_json(tiny_json(), R"({"add_bos_token": true, "bos_token": {"content": "ab"},
+                                          "eos_token": "<s>"})",
+                           "t");
+  EXPECT_EQ(configured.bos_id(), 2);
+  EXPECT_EQ(configured.eos_id(), 4);
+  // Without add_bos_token, bos_token names the BOS but does not make the model add one.
+  EXPECT_EQ(Tokenizer::from_json(tiny_json(), R"({"bos_token": "ab"})", "t").bos_id(),
+            std::nullopt);
+  EXPECT_EQ(Tokenizer::from_json(tiny_json(), R"({"eos_token": null})", "t").eos_id(),
+            std::nullopt);
+}
+
+TEST_F(TokenizerFiles, VocabJsonFormReadsTheConfigToo) {
+  write("vocab.json", R"({"<s>": 0, "a": 1, "</s>": 2})");
+  write("merges.txt", "");
+  EXPECT_EQ(Tokenizer::from_directory(dir()).bos_id(), 2);
+  write("tokenizer_config.json", R"({"bos_token": "<s>", "eos_token": "</s>"})");
+  EXPECT_EQ(Tokenizer::from_directory(dir()).bos_id(), 0);
+  write("tokenizer_config.json", R"({"add_bos_token": false, "eos_token": "a"})");
+  EXPECT_EQ(Tokenizer::from_directory(dir()).bos_id(), std::nullopt);
+  EXPECT_EQ(Tokenizer::from_directory(dir()).eos_id(), 1);
+}
+
+// Each bad tokenizer.json ends in one Error line naming the file and the key.
+TEST(TokenizerJsonErrors, EachBadInputIsOneClearLine) {
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {R"({"model": )", "t/tokenizer.json: malformed JSON"},
+      {"[1, 2]", "t/tokenizer.json: expected a JSON object"},
+      {tiny_json({{"version", "2.0"}}), "version: \"2.0\" is not supported"},
+      {tiny_json({{"model", nullptr}}), "t/tokenizer.json: missing \"model\""},
+      {tiny_json({{"model", {{"type", "Unigram"}}}}),
+       "t/tokenizer.json: model.type: \"Unigram\" is not supported (supported: BPE)"},
+      {tiny_json({{"model", {{"type", "WordPiece"}}}}), "model.type: \"WordPiece\""},
+      {tiny_json({{"model", {{"dropout", 0.1}}}}), "model.dropout: BPE dropout (0.1)"},
+      {tiny_json({{"model", {{"continuing_subword_prefix", "##"}}}}),
+       "model.continuing_subword_prefix: \"##\" is not supported"},
+      {tiny_json({{"model", {{"end_of_word_suffix", "</w>"}}}}), "model.end_of_word_suffix"},
+      {tiny_json({{"model", {{"merges", {"a c"}}}}}),
+       "t/tokenizer.json: model.merges[0]: token \"c\" is not in the vocabulary"},
+      {tiny_json({{"model", {{"merges", {"b a"}}}}}),
+       "model.merges[0]: merged token \"ba\" is not in the vocabulary"},
+      {tiny_json({{"model", {{"merges", {"a b c"}}}}}), "model.merges[0]: expected two tokens"},
+      {tiny_json(
+           {{"model", {{"merges", nlohmann::json::array({nlohmann::json::array({"a", 1})})}}}}),
+       "model.merges[0]: expected \"a b\""},
+      {tiny_json({{"model", {{"vocab", {{"a", 0}, {"b", 0}}}}}}),
+       "t/tokenizer.json: model.vocab: tokens \"a\" and \"b\" both have id 0"},
+      {tiny_json({{"model", {{"vocab", {{"a", "x"}}}}}}),
+       "model.vocab: the id of token \"a\" is not an integer"},
+      {tiny_json({{"model", {{"unk_token", "<unk>"}}}}),
+       "model.unk_token: \"<unk>\" is not in the vocabulary"},
+      {tiny_json({{"normalizer", {{"type", "NFKC"}}}}),
+       "t/tokenizer.json: normalizer.type: \"NFKC\" is not supported (supported: NFC, Prepend, "
+       "Replace, Sequence)"},
+      {tiny_json(
+           {{"normalizer", {{"type", "Sequence"}, {"normalizers", {{{"type", "Lowercase"}}}}}}}),
+       "normalizer.normalizers[0].type: \"Lowercase\" is not supported"},
+      {tiny_json({{"pre_tokenizer", {{"type", "Whitespace"}}}}),
+       "pre_tokenizer.type: \"Whitespace\" is not supported (supported: ByteLevel, Split, "
+       "Metaspace, Sequence)"},
+      {tiny_json({{"pre_tokenizer",
+                   {{"type", "Split"},
+                    {"pattern", {{"Regex", "(a"}}},
+                    {"behavior", "Isolated"},
+                    {"invert", false}}}}),
+       "pre_tokenizer.pattern: cannot compile the pattern \"(a\""},
+      {tiny_json({{"pre_tokenizer",
+                   {{"type", "Split"},
+                    {"pattern", {{"Regex", "a"}}},
+                    {"behavior", "Sideways"},
+                    {"invert", false}}}}),
+       "pre_tokenizer.behavior: \"Sideways\" is not one of"},
+      {tiny_json({{"pre_tokenizer", {{"type", "Metaspace"}, {"replacement", "__"}}}}),
+       "pre_tokenizer.replacement: expected one character, found \"__\""},
+      {tiny_json({{"pre_tokenizer", {{"type", "ByteLevel"}, {"add_prefix_space", nullptr}}}}),
+       "pre_tokenizer: missing \"add_prefix_space\""},
+      {tiny_json({{"decoder", {{"type", "WordPiece"}}}}), "decoder.type: \"WordPiece\""},
+      {tiny_json({{"decoder", {{"type", "Strip"}, {"content", " "}, {"start", -1}, {"stop", 0}}}}),
+       "decoder.start: expected a non-negative integer"},
+      {tiny_json({{"post_processor", {{"type", "BertProcessing"}}}}),
+       "post_processor.type: \"BertProcessing\" is not supported"},
+      {tiny_json({{"added_tokens", {{{"id", 9}, {"content", "<s>"}, {"special", true}}}}}),
+       "t/tokenizer.json: added_tokens[0]: token \"<s>\" has id 9, but a token outside the "
+       "vocabulary gets the next free id, 4"},
+      {tiny_json({{"added_tokens", {{{"id", 3}, {"content", "ab"}}}}}),
+       "added_tokens[0]: token \"ab\" has id 3, but the same token has id 2"},
+      {tiny_json({{"added_tokens", {{{"content", "x"}}}}}), "added_tokens[0]: missing \"id\""},
+      {tiny_json({{"added_tokens", "none"}}), "added_tokens: expected an array"},
+  };
+  for (const auto& [json_text, expected] : bad) {
+    const std::string& json = json_text;  // a structured binding cannot be captured by clang 14
+    const std::string message = error_of([&] { Tokenizer::from_json(json, std::nullopt, "t"); });
+    EXPECT_NE(message.find(expected), std::string::npos) << message << "\nexpected: " << expected;
+    EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+  }
+}
+
+TEST(TokenizerJsonErrors, DuplicateIdsAndHolesInTheIdRange) {
+  // Ids 0..3 with a hole at 1: the added token gets id 3 (the vocabulary's size), which "c" has.
+  const nlohmann::json holes = {
+      {"model",
+       {{"vocab", {{"a", 0}, {"b", nullptr}, {"ab", 2}, {"\xC4\xA0", nullptr}, {"c", 3}}},
+        {"merges", nlohmann::json::array()}}},
+      {"added_tokens", {{{"id", 3}, {"content", "<s>"}, {"special", true}}}}};
+  std::string message =
+      error_of([&] { Tokenizer::from_json(tiny_json(holes), std::nullopt, "t"); });
+  EXPECT_NE(message.find("gets id 3, which already names vocabulary token \"c\""),
+            std::string::npos)
+      << message;
+  // Two normalized tokens that NFC makes one string.
+  const nlohmann::json twins = {{"normalizer", {{"type", "NFC"}}},
+                                {"added_tokens",
+                                 {{{"id", 4}, {"content", "\xC3\xA9"}, {"normalized", true}},
+                                  {{"id", 5}, {"content", "e\xCC\x81"}, {"normalized", true}}}}};
+  message = error_of([&] { Tokenizer::from_json(tiny_json(twins), std::nullopt, "t"); });
+  EXPECT_NE(message.find("are both matched by"), std::string::npos) << message;
+}
+
+TEST(TokenizerJsonErrors, BadConfig) {
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {"{", "t/tokenizer_config.json: malformed JSON"},
+      {R"({"bos_token": "<nope>", "add_bos_token": true})",
+       "t/tokenizer_config.json: bos_token \"<nope>\" is not a token of the tokenizer"},
+      {R"({"eos_token": 7})", "t/tokenizer_config.json: eos_token: expected a string"},
+      {R"({"add_bos_token": "yes"})", "add_bos_token: expected true or false"},
+      {R"({"add_bos_token": true})", "add_bos_token is true but no bos_token names a token"},
+  };
+  for (const auto& [config_text, expected] : bad) {
+    const std::string& config = config_text;  // a structured binding cannot be captured by clang 14
+    const std::string message = error_of([&] { Tokenizer::from_json(tiny_json(), config, "t"); });
+    EXPECT_NE(message.find(expected), std::string::npos) << message << "\nexpected: " << expected;
+    EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+  }
+}
+
+TEST_F(TokenizerFiles, MissingTokenizerJsonFilesNameThemselves) {
+  write("tokenizer.json", R"({"model": {"type": "BPE", "vocab": {}, "merges": []}})");
+  write("tokenizer_config.json", "[");
+  const std::string message = error_of([&] { Tokenizer::from_directory(dir()); });
+  EXPECT_NE(message.find(dir() + "/tokenizer_config.json: malformed JSON"), std::string::npos)
       << message;
 }
 

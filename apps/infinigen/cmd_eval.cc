@@ -175,8 +175,7 @@ int eval(EvalCommandOptions& o) {
       o.perplexity.prefill + o.perplexity.decode_length(model.config.max_positions);
 
   const std::vector<EvalText> texts = read_texts(o, model);
-  std::vector<std::vector<int32_t>> windows =
-      eval_windows(texts, window, model.config.bos_token_id);
+  std::vector<std::vector<int32_t>> windows = eval_windows(texts, window, prompt_bos(model));
   const std::string what = texts.size() == 1
                                ? "--text " + texts[0].name + ": " +
                                      std::to_string(texts[0].ids.size()) + " tokens, shorter than"

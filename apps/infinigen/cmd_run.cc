@@ -86,12 +86,14 @@ PromptPlan plan_prompts(const RunOptions& o, const ModelSource& loaded) {
     texts.assign(std::begin(kDefaultPrompts), std::end(kDefaultPrompts));
   }
   INFINIGEN_CHECK(loaded.tokenizer.has_value(), loaded.description,
-                  " has no tokenizer (vocab.json, merges.txt): use --prompt-len N");
+                  " has no tokenizer (tokenizer.json, or vocab.json and merges.txt): use "
+                  "--prompt-len N");
   plan.batch = o.batch > 0 ? o.batch : static_cast<int64_t>(texts.size());
   // Sequence b uses text b % texts; a batch smaller than the file uses only its first texts.
   texts.resize(static_cast<size_t>(std::min<int64_t>(plan.batch, std::ssize(texts))));
   for (const std::string& text : texts) {
-    std::vector<int32_t> ids = {loaded.config.bos_token_id};
+    std::vector<int32_t> ids;
+    if (const std::optional<int32_t> bos = prompt_bos(loaded)) ids.push_back(*bos);
     const std::vector<int32_t> text_ids = loaded.tokenizer->encode(text);
     ids.insert(ids.end(), text_ids.begin(), text_ids.end());
     plan.longest = std::max<int64_t>(plan.longest, std::ssize(ids));
@@ -100,8 +102,8 @@ PromptPlan plan_prompts(const RunOptions& o, const ModelSource& loaded) {
   return plan;
 }
 
-// Prompt token ids per sequence: BOS, then the text's tokens (or synthetic ids). Call only once
-// the memory plan has accepted the batch.
+// Prompt token ids per sequence: BOS (prompt_bos), then the text's tokens (or synthetic ids). Call
+// only once the memory plan has accepted the batch.
 std::vector<std::vector<int32_t>> build_prompts(const RunOptions& o, const ModelSource& loaded,
                                                 const PromptPlan& plan) {
   if (plan.texts.empty()) {
