@@ -5,8 +5,8 @@
 // project_in / project_out); tests/fixtures/{llama,mistral,qwen2}-tiny, the Llama family's three
 // configs (grouped-query attention, llama3 and linear rope scaling, an explicit head_dim, a
 // sliding window, Q/K/V biases, tied and untied LM heads), all initialised by transformers
-// (tools/make_hf_checkpoint.py); and the built-in model (models/builtin, trained by
-// tools/train_model.py). Next to each, tests/fixtures/NAME-reference.safetensors holds
+// (tools/make_hf_checkpoint.py); and the built-in models (models/builtin, an OPT, and
+// models/builtin-llama, a Llama with grouped-query attention, trained by tools/train_model.py). Next to each, tests/fixtures/NAME-reference.safetensors holds
 // transformers' logits for a left-padded batch (tools/make_hf_reference.py). Both run fp32
 // arithmetic on the same fp16 weights, so they must agree to fp32 rounding: relative error
 // <= 1e-4 per position. The offloading policies that compute full attention (gpu, full, and
@@ -160,7 +160,9 @@ INSTANTIATE_TEST_SUITE_P(
     Checkpoints, HfReference,
     ::testing::Values(fixture("opt-tiny"), fixture("opt-tiny-post-ln"), fixture("llama-tiny"),
                       fixture("mistral-tiny"), fixture("qwen2-tiny"),
-                      Checkpoint{"builtin", std::string(INFINIGEN_SOURCE_DIR) + "/models/builtin"}),
+                      Checkpoint{"builtin", std::string(INFINIGEN_SOURCE_DIR) + "/models/builtin"},
+                      Checkpoint{"builtin-llama",
+                                 std::string(INFINIGEN_SOURCE_DIR) + "/models/builtin-llama"}),
     [](const ::testing::TestParamInfo<Checkpoint>& param) {
       std::string name;
       bool upper = true;

@@ -384,7 +384,8 @@ def model_card(card: dict, generation: dict) -> str:
     llama = s.get("family", "opt") == "llama"
     kind = "LlamaForCausalLM" if llama else "OPTForCausalLM"
     architecture = (f"Llama (RMSNorm, SwiGLU, RoPE), {s['layers']} layers, hidden {s['hidden']}, "
-                    f"{s['heads']} query heads sharing {s['kv_heads']} key/value heads, FFN "
+                    f"{s['heads']} query heads sharing {s['kv_heads']} key/value "
+                    f"head{'s' if s['kv_heads'] != 1 else ''}, FFN "
                     f"{s['ffn']}, LM head tied to the embedding" if llama else
                     f"OPT, pre-LayerNorm, {s['layers']} layers, hidden {s['hidden']}, "
                     f"{s['heads']} heads, FFN {s['ffn']}")
