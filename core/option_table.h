@@ -65,35 +65,39 @@ double parse_number(std::string_view key, const std::string& text);
 int64_t parse_integer(std::string_view key, const std::string& text);
 bool parse_switch(std::string_view key, const std::string& text);
 
-// A number option; `field(options)` is the field (a generic lambda serves const and non-const).
+// An option whose text `read(key, text)` turns into the field's value and `write(value)` turns
+// back into text; `field(options)` is the field (a generic lambda serves const and non-const).
+// The builders below are this with the parsers above.
+template <typename Options, typename Field, typename Read, typename Write>
+OptionSpec<Options> value_option(std::string key, std::string help, std::string value_type,
+                                 bool is_switch, Field field, Read read, Write write) {
+  return OptionSpec<Options>{
+      .key = key,
+      .help = std::move(help),
+      .value_type = std::move(value_type),
+      .is_switch = is_switch,
+      .parse = [key, field, read](Options& o,
+                                  const std::string& text) { field(o) = read(key, text); },
+      .format = [field, write](const Options& o) -> std::string { return write(field(o)); },
+      .in_effect = nullptr};
+}
+
 template <typename Options, typename Field>
 OptionSpec<Options> number_option(std::string key, std::string help, Field field) {
-  OptionSpec<Options> spec{key, std::move(help), "NUMBER", false, nullptr, nullptr, nullptr};
-  spec.parse = [key, field](Options& o, const std::string& text) {
-    field(o) = parse_number(key, text);
-  };
-  spec.format = [field](const Options& o) { return format_number(field(o)); };
-  return spec;
+  return value_option<Options>(std::move(key), std::move(help), "NUMBER", false, field,
+                               parse_number, format_number);
 }
 
 template <typename Options, typename Field>
 OptionSpec<Options> integer_option(std::string key, std::string help, Field field) {
-  OptionSpec<Options> spec{key, std::move(help), "INT", false, nullptr, nullptr, nullptr};
-  spec.parse = [key, field](Options& o, const std::string& text) {
-    field(o) = parse_integer(key, text);
-  };
-  spec.format = [field](const Options& o) { return std::to_string(field(o)); };
-  return spec;
+  return value_option<Options>(std::move(key), std::move(help), "INT", false, field, parse_integer,
+                               [](auto value) { return std::to_string(value); });
 }
 
 template <typename Options, typename Field>
 OptionSpec<Options> switch_option(std::string key, std::string help, Field field) {
-  OptionSpec<Options> spec{key, std::move(help), "", true, nullptr, nullptr, nullptr};
-  spec.parse = [key, field](Options& o, const std::string& text) {
-    field(o) = parse_switch(key, text);
-  };
-  spec.format = [field](const Options& o) { return field(o) ? "true" : "false"; };
-  return spec;
+  return value_option<Options>(std::move(key), std::move(help), "", true, field, parse_switch,
+                               [](bool on) -> std::string { return on ? "true" : "false"; });
 }
 
 // An option whose text is one of `choices` (name, value).
@@ -105,23 +109,20 @@ OptionSpec<Options> choice_option(std::string key, std::string help, Field field
     names += (i == 0 ? "" : i + 1 == choices.size() ? " or " : ", ") + choices[i].first;
     type += (i == 0 ? "" : "|") + choices[i].first;
   }
-  OptionSpec<Options> spec{key, std::move(help), type, false, nullptr, nullptr, nullptr};
-  spec.parse = [key, field, choices, names](Options& o, const std::string& text) {
+  const auto read = [choices, names](std::string_view option_key, const std::string& text) -> T {
     for (const auto& [name, value] : choices) {
-      if (name == text) {
-        field(o) = value;
-        return;
-      }
+      if (name == text) return value;
     }
-    fail(option(key), ": unknown value '", text, "' (expected ", names, ")");
+    fail(option(option_key), ": unknown value '", text, "' (expected ", names, ")");
   };
-  spec.format = [field, choices](const Options& o) -> std::string {
-    for (const auto& [name, value] : choices) {
-      if (value == field(o)) return name;
+  const auto write = [choices](const T& value) -> std::string {
+    for (const auto& [name, choice] : choices) {
+      if (choice == value) return name;
     }
     return "?";
   };
-  return spec;
+  return value_option<Options>(std::move(key), std::move(help), std::move(type), false, field, read,
+                               write);
 }
 
 }  // namespace infinigen

@@ -155,6 +155,33 @@ PrependScheme prepend_scheme_of(const Reader& reader, const json& stage, const s
   return result;
 }
 
+// The stages of a Sequence stage, its array `key`, each read by `read_stage(item, path, depth)`
+// one level deeper; nesting past kMaxSequenceDepth is refused.
+template <typename ReadStage>
+void read_sequence(const Reader& reader, const json& stage, const std::string& path, int depth,
+                   const char* key, ReadStage read_stage) {
+  if (depth >= kMaxSequenceDepth) {
+    reader.fail_at(path, "Sequences nested more than ", kMaxSequenceDepth, " deep");
+  }
+  const json& items = reader.array_at(stage, key, path);
+  for (size_t i = 0; i < items.size(); ++i) {
+    read_stage(items[i], Reader::index(Reader::join(path, key), i), depth + 1);
+  }
+}
+
+// The same for the stages that `read` appends to `out` (normalizers, pre-tokenizers, decoders).
+template <typename Stage>
+void read_sequence(const Reader& reader, const json& stage, const std::string& path, int depth,
+                   const char* key,
+                   void (*read)(const Reader&, const json&, const std::string&, int,
+                                std::vector<Stage>&),
+                   std::vector<Stage>& out) {
+  read_sequence(reader, stage, path, depth, key,
+                [&](const json& item, const std::string& item_path, int item_depth) {
+                  read(reader, item, item_path, item_depth, out);
+                });
+}
+
 void read_model(const Reader& reader, const json& root, BpeModel& model) {
   const json& m = reader.object_at(root, "model", "");
   const std::string type = reader.type_of(m, "model");
@@ -222,13 +249,8 @@ void read_normalizer(const Reader& reader, const json& stage, const std::string&
     Regex pattern = reader.pattern_at(stage, path);
     out.emplace_back(
         ReplaceNormalizer{std::move(pattern), reader.string_at(stage, "content", path)});
-  } else if (type == "Sequence" && depth < kMaxSequenceDepth) {
-    const json& items = reader.array_at(stage, "normalizers", path);
-    for (size_t i = 0; i < items.size(); ++i) {
-      read_normalizer(reader, items[i], Reader::index(path + ".normalizers", i), depth + 1, out);
-    }
   } else if (type == "Sequence") {
-    reader.fail_at(path, "Sequences nested more than ", kMaxSequenceDepth, " deep");
+    read_sequence(reader, stage, path, depth, "normalizers", read_normalizer, out);
   } else {
     unsupported(reader, path, type, "NFC, Prepend, Replace, Sequence");
   }
@@ -276,14 +298,8 @@ void read_pre_tokenizer(const Reader& reader, const json& stage, const std::stri
     out.emplace_back(MetaspacePreTokenizer{.replacement = replacement_of(reader, stage, path),
                                            .prepend_scheme = prepend_scheme_of(reader, stage, path),
                                            .split = reader.bool_at(stage, "split", path, true)});
-  } else if (type == "Sequence" && depth < kMaxSequenceDepth) {
-    const json& items = reader.array_at(stage, "pretokenizers", path);
-    for (size_t i = 0; i < items.size(); ++i) {
-      read_pre_tokenizer(reader, items[i], Reader::index(path + ".pretokenizers", i), depth + 1,
-                         out);
-    }
   } else if (type == "Sequence") {
-    reader.fail_at(path, "Sequences nested more than ", kMaxSequenceDepth, " deep");
+    read_sequence(reader, stage, path, depth, "pretokenizers", read_pre_tokenizer, out);
   } else {
     unsupported(reader, path, type, "ByteLevel, Split, Metaspace, Sequence");
   }
@@ -309,13 +325,8 @@ void read_decoder(const Reader& reader, const json& stage, const std::string& pa
     out.emplace_back(StripDecoder{.content = reader.char_at(stage, "content", path),
                                   .start = reader.size_at(stage, "start", path),
                                   .stop = reader.size_at(stage, "stop", path)});
-  } else if (type == "Sequence" && depth < kMaxSequenceDepth) {
-    const json& items = reader.array_at(stage, "decoders", path);
-    for (size_t i = 0; i < items.size(); ++i) {
-      read_decoder(reader, items[i], Reader::index(path + ".decoders", i), depth + 1, out);
-    }
   } else if (type == "Sequence") {
-    reader.fail_at(path, "Sequences nested more than ", kMaxSequenceDepth, " deep");
+    read_sequence(reader, stage, path, depth, "decoders", read_decoder, out);
   } else {
     unsupported(reader, path, type,
                 "ByteLevel, Metaspace, Replace, ByteFallback, Fuse, Strip, Sequence");
@@ -330,16 +341,14 @@ void read_post_processor(const Reader& reader, const json& stage, const std::str
   if (stage.is_null()) return;
   const std::string type = reader.type_of(stage, path);
   if (type == "ByteLevel") return;  // offsets only
-  if (type == "Sequence" && depth < kMaxSequenceDepth) {
-    const json& items = reader.array_at(stage, "processors", path);
-    for (size_t i = 0; i < items.size(); ++i) {
-      read_post_processor(reader, items[i], Reader::index(path + ".processors", i), depth + 1,
-                          pipeline, bos, seen_template);
-    }
+  if (type == "Sequence") {
+    read_sequence(reader, stage, path, depth, "processors",
+                  [&](const json& item, const std::string& item_path, int item_depth) {
+                    read_post_processor(reader, item, item_path, item_depth, pipeline, bos,
+                                        seen_template);
+                  });
     return;
   }
-  if (type == "Sequence")
-    reader.fail_at(path, "Sequences nested more than ", kMaxSequenceDepth, " deep");
   if (type != "TemplateProcessing") {
     unsupported(reader, path, type, "TemplateProcessing, ByteLevel, Sequence");
   }
@@ -470,9 +479,8 @@ void read_added_tokens(const Reader& reader, const json& root, Pipeline& pipelin
   }
 }
 
-}  // namespace
-
-void load_tokenizer_json(std::string_view text, const std::string& file, Pipeline& pipeline) {
+// `text` (the contents of `file`) as a JSON object; anything else is an Error naming the file.
+json parse_object(std::string_view text, const std::string& file) {
   json root;
   try {
     root = json::parse(text);
@@ -480,6 +488,13 @@ void load_tokenizer_json(std::string_view text, const std::string& file, Pipelin
     fail(file, ": malformed JSON: ", e.what());
   }
   if (!root.is_object()) fail(file, ": expected a JSON object, found ", brief(root));
+  return root;
+}
+
+}  // namespace
+
+void load_tokenizer_json(std::string_view text, const std::string& file, Pipeline& pipeline) {
+  const json root = parse_object(text, file);
   const Reader reader(file);
   if (const auto version = reader.optional_string_at(root, "version", "");
       version && *version != "1.0") {
@@ -507,13 +522,7 @@ void load_tokenizer_json(std::string_view text, const std::string& file, Pipelin
 
 void apply_tokenizer_config(std::string_view text, const std::string& file, Pipeline& pipeline,
                             bool bos_token_sets_bos) {
-  json root;
-  try {
-    root = json::parse(text);
-  } catch (const json::exception& e) {
-    fail(file, ": malformed JSON: ", e.what());
-  }
-  if (!root.is_object()) fail(file, ": expected a JSON object, found ", brief(root));
+  const json root = parse_object(text, file);
   // A key naming a token: absent (not `given`), null (given, no id) or the token's content.
   struct NamedToken {
     bool given = false;

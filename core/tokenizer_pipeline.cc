@@ -130,22 +130,16 @@ void split_piece(const Piece& piece, std::vector<Span> spans, SplitBehavior beha
     case SplitBehavior::Removed:
       for (const Span& s : spans) parts.push_back({s, s.is_match});
       break;
-    case SplitBehavior::Contiguous: {
-      bool previous_match = false;
-      for (const Span& s : spans) {
-        if (s.is_match == previous_match && !parts.empty()) {
-          parts.back().first.end = s.end;
-        } else {
-          parts.push_back({s, false});
-        }
-        previous_match = s.is_match;
-      }
-      break;
-    }
+    case SplitBehavior::Contiguous:
     case SplitBehavior::MergedWithPrevious: {
+      // A span joins the part before it: for Contiguous when it matches as that part did, for
+      // MergedWithPrevious when it is a match after a non-match.
+      const bool contiguous = behavior == SplitBehavior::Contiguous;
       bool previous_match = false;
       for (const Span& s : spans) {
-        if (s.is_match && !previous_match && !parts.empty()) {
+        const bool joins =
+            contiguous ? s.is_match == previous_match : s.is_match && !previous_match;
+        if (joins && !parts.empty()) {
           parts.back().first.end = s.end;
         } else {
           parts.push_back({s, false});

@@ -58,9 +58,17 @@ void EvictionTable::check_row(int64_t row, const char* what) const {
                   " out of range [0, ", rows_, ")");
 }
 
-void EvictionTable::check_slot(int64_t slot, const char* what) const {
+size_t EvictionTable::slot_index(int64_t row, int64_t slot, const char* what) const {
+  check_row(row, what);
   INFINIGEN_CHECK(slot >= 0 && slot < capacity_, "eviction table: ", what, ": slot ", slot,
                   " out of range [0, ", capacity_, ")");
+  return static_cast<size_t>(row * capacity_ + slot);
+}
+
+void EvictionTable::check_policy(EvictionPolicy needed, const char* what) const {
+  INFINIGEN_CHECK(policy_ == needed, "eviction table: ", what, "() needs the ",
+                  eviction_policy_name(needed), " policy, this table is ",
+                  eviction_policy_name(policy_));
 }
 
 void EvictionTable::check_step(int64_t step, const char* what) const {
@@ -74,27 +82,17 @@ int64_t EvictionTable::size(int64_t row) const {
 }
 
 int64_t EvictionTable::inserted_step(int64_t row, int64_t slot) const {
-  check_row(row, "inserted_step");
-  check_slot(slot, "inserted_step");
-  return step_[static_cast<size_t>(row * capacity_ + slot)];
+  return step_[slot_index(row, slot, "inserted_step")];
 }
 
 int64_t EvictionTable::counter(int64_t row, int64_t slot) const {
-  INFINIGEN_CHECK(policy_ == EvictionPolicy::Counter,
-                  "eviction table: counter() needs the counter policy, this table is ",
-                  eviction_policy_name(policy_));
-  check_row(row, "counter");
-  check_slot(slot, "counter");
-  return counter_[static_cast<size_t>(row * capacity_ + slot)];
+  check_policy(EvictionPolicy::Counter, "counter");
+  return counter_[slot_index(row, slot, "counter")];
 }
 
 int64_t EvictionTable::last_use(int64_t row, int64_t slot) const {
-  INFINIGEN_CHECK(policy_ == EvictionPolicy::Lru,
-                  "eviction table: last_use() needs the lru policy, this table is ",
-                  eviction_policy_name(policy_));
-  check_row(row, "last_use");
-  check_slot(slot, "last_use");
-  return last_use_[static_cast<size_t>(row * capacity_ + slot)];
+  check_policy(EvictionPolicy::Lru, "last_use");
+  return last_use_[slot_index(row, slot, "last_use")];
 }
 
 void EvictionTable::remove(int64_t row, int64_t slot) {
@@ -115,11 +113,9 @@ void EvictionTable::remove(int64_t row, int64_t slot) {
 }
 
 void EvictionTable::on_insert(int64_t row, int64_t slot, int64_t step) {
-  check_row(row, "on_insert");
-  check_slot(slot, "on_insert");
+  const size_t index = slot_index(row, slot, "on_insert");
   check_step(step, "on_insert");
   const int64_t base = row * capacity_;
-  const auto index = static_cast<size_t>(base + slot);
   if (step_[index] >= 0) remove(row, slot);
 
   int32_t* steps = step_.data() + base;
@@ -151,11 +147,9 @@ void EvictionTable::on_insert(int64_t row, int64_t slot, int64_t step) {
 }
 
 void EvictionTable::on_fetch(int64_t row, int64_t slot, int64_t step) {
-  check_row(row, "on_fetch");
-  check_slot(slot, "on_fetch");
+  const size_t index = slot_index(row, slot, "on_fetch");
   check_step(step, "on_fetch");
   const int64_t base = row * capacity_;
-  const auto index = static_cast<size_t>(base + slot);
   INFINIGEN_CHECK(step_[index] >= 0, "eviction table: on_fetch: slot ", slot, " of row ", row,
                   " is empty");
   switch (policy_) {

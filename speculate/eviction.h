@@ -40,6 +40,7 @@
 // Thread safety: calls on different rows may run concurrently; calls on one row may not.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string_view>
 #include <vector>
@@ -93,7 +94,10 @@ class EvictionTable {
 
  private:
   void check_row(int64_t row, const char* what) const;
-  void check_slot(int64_t slot, const char* what) const;
+  // The index of (row, slot) in the per-slot arrays, both checked; `what` names the caller.
+  size_t slot_index(int64_t row, int64_t slot, const char* what) const;
+  // An accessor of one policy's state (`what`) called on a table of another policy: an Error.
+  void check_policy(EvictionPolicy needed, const char* what) const;
   void check_step(int64_t step, const char* what) const;
   // Removes the entry of an occupied slot: the row's younger entries move one rank down.
   void remove(int64_t row, int64_t slot);

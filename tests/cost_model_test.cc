@@ -128,12 +128,7 @@ HardwareProfile scaled(double compute, double link) {
 }
 
 CostModelInput opt_13b(const std::string& policy) {
-  CostModelInput in;
-  in.config = load_preset("opt-13b");
-  in.batch = 4;
-  in.prompt_len = 512;
-  in.gen_len = 8;
-  in.options.policy = policy;
+  CostModelInput in = testing_util::preset_request<CostModelInput>("opt-13b", 4, 512, 8, policy);
   in.fetched.fraction = {1.0, 1.0, 0.08, 0.1, 0.12};
   return in;
 }

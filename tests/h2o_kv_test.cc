@@ -41,10 +41,10 @@ class RecordingH2oKv : public H2oKv {
   std::vector<int64_t> lengths;                            // length() after each pass
 };
 
-class H2o : public ::testing::Test {
+class H2o : public testing_util::OptTinyTest {
  protected:
   void SetUp() override {
-    source_ = resolve_model("opt-tiny", {});
+    OptTinyTest::SetUp();
     request_.prompts = {{2, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20},
                         {2,    500,  600,  700,  800,  900,  1000, 1100, 1200, 1300,
                          1400, 1500, 1600, 1700, 1800, 1900, 2000, 40,   41,   42},
@@ -52,7 +52,6 @@ class H2o : public ::testing::Test {
     request_.gen_len = 20;
     request_.kv_dtype = DType::F32;
   }
-  void TearDown() override { set_debug_poison(false); }
 
   GenerationResult run(const KvStoreFactory& factory = {}) {
     const auto model = make_model(source_.config, load_weights(source_, Device::Cpu), Device::Cpu);
@@ -101,8 +100,6 @@ class H2o : public ::testing::Test {
     KvStore& inner_;
   };
 
-  ModelSource source_;
-  GenerationRequest request_;
   TransferEngine engine_{Device::Cpu, {}};
   // A slow link with a long latency: loads and stores finish well after the compute that follows
   // them, so an ordering that only holds at memory speed breaks here.

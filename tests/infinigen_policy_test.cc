@@ -15,17 +15,8 @@ double logit_error(const GenerationResult& a, const GenerationResult& b) {
   return testing_util::relative_error(x.data(), y.data(), x.size());
 }
 
-class InfinigenPolicy : public ::testing::Test {
+class InfinigenPolicy : public testing_util::SmallRunTest {
  protected:
-  void SetUp() override {
-    source_ = resolve_model("opt-tiny", {});
-    source_.config.num_layers = 4;  // two dense layers and two speculated ones
-    request_.prompts = {{2, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20},
-                        {2, 500, 600, 700, 800, 900, 1000, 1100, 1200, 1300, 1400, 1500}};
-    request_.gen_len = 6;
-  }
-  void TearDown() override { set_debug_poison(false); }
-
   OffloadRun run(const std::string& policy, const SpeculationOptions& speculation = {}) {
     OffloadOptions options;
     options.policy = policy;
@@ -34,23 +25,31 @@ class InfinigenPolicy : public ::testing::Test {
     return run_offloaded(source_, request_, options, Device::Cpu);
   }
 
-  ModelSource source_;
-  GenerationRequest request_;
+  // Runs `full` and `infinigen` with `speculation`, which selects every token: the same tokens and
+  // logits, and every layer fetches all it stores.
+  void expect_infinigen_reproduces_full(const SpeculationOptions& speculation) {
+    const OffloadRun full = run("full");
+    const OffloadRun infinigen = run("infinigen", speculation);
+    EXPECT_EQ(infinigen.result.tokens, full.result.tokens);
+    EXPECT_LT(logit_error(infinigen.result, full.result), 1e-6);
+    for (size_t i = 1; i < infinigen.stats.steps().size(); ++i) {
+      for (const LayerTraffic& layer : infinigen.stats.steps()[i].layers) {
+        EXPECT_EQ(layer.tokens_fetched, layer.tokens_stored) << "step " << i;
+      }
+    }
+  }
 };
 
-TEST_F(InfinigenPolicy, SelectingEverythingReproducesFull) {
+// Speculation under which every stored token passes the threshold and fits the fetch.
+SpeculationOptions select_everything() {
   SpeculationOptions everything;
   everything.alpha = 1e9;
   everything.max_num_kv = 1000;
-  const OffloadRun full = run("full");
-  const OffloadRun infinigen = run("infinigen", everything);
-  EXPECT_EQ(infinigen.result.tokens, full.result.tokens);
-  EXPECT_LT(logit_error(infinigen.result, full.result), 1e-6);
-  for (size_t i = 1; i < infinigen.stats.steps().size(); ++i) {
-    for (const LayerTraffic& layer : infinigen.stats.steps()[i].layers) {
-      EXPECT_EQ(layer.tokens_fetched, layer.tokens_stored);
-    }
-  }
+  return everything;
+}
+
+TEST_F(InfinigenPolicy, SelectingEverythingReproducesFull) {
+  expect_infinigen_reproduces_full(select_everything());
 }
 
 TEST_F(InfinigenPolicy, MixedLengthBatchSelectingEverythingReproducesFull) {
@@ -60,18 +59,8 @@ TEST_F(InfinigenPolicy, MixedLengthBatchSelectingEverythingReproducesFull) {
                       {2, 700, 800, 900},
                       {2, 33, 44, 55, 66, 77, 88, 99}};
   request_.gen_len = 8;
-  SpeculationOptions everything;
-  everything.alpha = 1e9;
-  everything.max_num_kv = 1000;
-  const OffloadRun full = run("full");
-  const OffloadRun infinigen = run("infinigen", everything);
-  EXPECT_EQ(infinigen.result.tokens, full.result.tokens);
-  EXPECT_LT(logit_error(infinigen.result, full.result), 1e-6);
-  for (size_t i = 1; i < infinigen.stats.steps().size(); ++i) {
-    for (const LayerTraffic& layer : infinigen.stats.steps()[i].layers) {
-      EXPECT_EQ(layer.tokens_fetched, layer.tokens_stored) << "step " << i;
-    }
-  }
+  SpeculationOptions everything = select_everything();
+  expect_infinigen_reproduces_full(everything);
   // The paper's batch-wide mean gives the longest sequence fewer rows than it holds.
   everything.fetch_rule = FetchRule::Batch;
   const OffloadRun batch_rule = run("infinigen", everything);
@@ -114,8 +103,7 @@ TEST_F(InfinigenPolicy, RecallIsMeasuredOnSpeculatedLayers) {
   OffloadOptions options;
   options.policy = "infinigen";
   options.check_recall = true;
-  options.speculation.alpha = 1e9;
-  options.speculation.max_num_kv = 1000;
+  options.speculation = select_everything();
   const OffloadRun r = run_offloaded(source_, request_, options, Device::Cpu);
   for (size_t i = 1; i < r.stats.steps().size(); ++i) {
     const auto& layers = r.stats.steps()[i].layers;
@@ -129,8 +117,7 @@ TEST_F(InfinigenPolicy, CappedPoolWithoutEvictionsReproducesFull) {
   // runs the capped code paths (position bookkeeping, compact dense loads) but never evicts.
   OffloadOptions options;
   options.policy = "infinigen";
-  options.speculation.alpha = 1e9;
-  options.speculation.max_num_kv = 1000;
+  options.speculation = select_everything();
   options.kv_pool_limit = 17.5 / 18.0;  // floor(0.972 * 18) = 17 positions
   options.kv_block_tokens = 4;
   const OffloadRun capped = run_offloaded(source_, request_, options, Device::Cpu);

@@ -137,16 +137,8 @@ TEST(Int4Codec, PacksTwoCodesPerByteLowNibbleFirst) {
   EXPECT_EQ(q.decoded, x);
 }
 
-class Int4KvGeneration : public ::testing::Test {
+class Int4KvGeneration : public testing_util::MixedLengthRunTest {
  protected:
-  void SetUp() override {
-    source_ = resolve_model("opt-tiny", {});
-    request_.prompts = {
-        {2, 10, 11, 12, 13}, {2, 500, 600, 700, 800, 900, 1000, 1100, 1200}, {2, 7, 8}};
-    request_.gen_len = 6;
-  }
-  void TearDown() override { set_debug_poison(false); }
-
   struct Run {
     GenerationResult result;
     OffloadStats stats;
@@ -177,9 +169,6 @@ class Int4KvGeneration : public ::testing::Test {
     source_.config.num_heads = 2;
     body("d=128");
   }
-
-  ModelSource source_;
-  GenerationRequest request_;
 };
 
 TEST_F(Int4KvGeneration, LogitsStayCloseToFp16Kv) {

@@ -65,13 +65,8 @@ void store(KvPool& pool, int64_t layer, KvKind kind, int64_t t0, int64_t n) {
 class KvPoolRoundTrip : public ::testing::TestWithParam<int64_t> {};
 
 TEST_P(KvPoolRoundTrip, ScatterThenGatherReturnsTheSameBytes) {
-  KvPoolShape s;
-  s.num_layers = 3;
-  s.batch = 2;
-  s.num_heads = 3;
-  s.head_dim = 8;
-  s.max_tokens = 150;
-  s.block_tokens = GetParam();
+  // {L, B, H, d, max_tokens, block_tokens[, dtype]}: KvPoolShape's fields, in every test here.
+  const KvPoolShape s{3, 2, 3, 8, 150, GetParam()};
   KvPool pool(s);
   EXPECT_EQ(pool.num_blocks(), 0);
   EXPECT_EQ(pool.allocated_bytes(), 0u);
@@ -129,14 +124,7 @@ TEST_P(KvPoolRoundTrip, ScatterThenGatherReturnsTheSameBytes) {
 INSTANTIATE_TEST_SUITE_P(BlockSizes, KvPoolRoundTrip, ::testing::Values(1, 7, 64));
 
 TEST(KvPool, ChunksAreContiguousRunsInsideBlocks) {
-  KvPoolShape s;
-  s.num_layers = 1;
-  s.batch = 2;
-  s.num_heads = 2;
-  s.head_dim = 4;
-  s.max_tokens = 40;
-  s.block_tokens = 8;
-  s.dtype = DType::F32;
+  const KvPoolShape s{1, 2, 2, 4, 40, 8, DType::F32};
   KvPool pool(s);
   pool.reserve(40);
   std::vector<float> dst(static_cast<size_t>(2 * 2 * 30 * 4));
@@ -161,13 +149,7 @@ TEST(KvPool, ChunksAreContiguousRunsInsideBlocks) {
 }
 
 TEST(KvPool, CapacityBytesRoundsUpToWholeBlocks) {
-  KvPoolShape s;
-  s.num_layers = 3;
-  s.batch = 2;
-  s.num_heads = 4;
-  s.head_dim = 8;
-  s.max_tokens = 100;
-  s.block_tokens = 64;
+  KvPoolShape s{3, 2, 4, 8, 100, 64};
   // 2 (K, V) * L * B * H * 128 tokens * d * 2 bytes.
   EXPECT_EQ(KvPool::capacity_bytes(s), 2u * 3 * 2 * 4 * 128 * 8 * 2);
   s.block_tokens = 1;
@@ -184,13 +166,7 @@ TEST(KvPool, CapacityBytesRoundsUpToWholeBlocks) {
 }
 
 TEST(KvPool, BadRangesThrowOneLineErrors) {
-  KvPoolShape s;
-  s.num_layers = 2;
-  s.batch = 1;
-  s.num_heads = 2;
-  s.head_dim = 4;
-  s.max_tokens = 20;
-  s.block_tokens = 8;
+  const KvPoolShape s{2, 1, 2, 4, 20, 8};
   KvPool pool(s);
   std::vector<uint16_t> buffer(2 * 32 * 4);
   std::vector<CopyChunk> chunks;

@@ -9,7 +9,6 @@
 #include <functional>
 #include <limits>
 #include <map>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -24,12 +23,7 @@ constexpr size_t kGiB = size_t{1} << 30;
 
 // OPT-13B, batch 20, 1920 prompt + 128 generated (the paper's main setting).
 MemoryRequest opt13b_request() {
-  MemoryRequest r;
-  r.config = load_preset("opt-13b");
-  r.batch = 20;
-  r.prompt_len = 1920;
-  r.gen_len = 128;
-  r.options.policy = "full";
+  MemoryRequest r = testing_util::preset_request<MemoryRequest>("opt-13b", 20, 1920, 128, "full");
   r.options.weights_gpu_percent = 100;
   r.device_capacity = 48 * kGiB;
   r.host_capacity = 256 * kGiB;
@@ -54,12 +48,7 @@ std::string plan_error(const MemoryRequest& request) {
 
 // Applies the flags after "try " in a failure message to `request`.
 MemoryRequest apply_suggestion(MemoryRequest request, const std::string& message) {
-  const size_t at = message.find("; try ");
-  EXPECT_NE(at, std::string::npos) << message;
-  if (at == std::string::npos) return request;
-  std::istringstream flags(message.substr(at + 6));
-  std::string flag, value;
-  while (flags >> flag >> value) {
+  for (const auto& [flag, value] : testing_util::suggested_flags(message)) {
     if (flag == "--batch") {
       request.batch = std::stoll(value);
     } else if (flag == "--weights-gpu-percent") {
@@ -80,6 +69,24 @@ MemoryRequest apply_suggestion(MemoryRequest request, const std::string& message
     }
   }
   return request;
+}
+
+// The planner's refusal of `request` and the request with its suggestion applied.
+struct Suggestion {
+  std::string refusal;
+  MemoryRequest fixed;
+};
+
+// Plans `request`, expecting a one-line refusal holding `fragment` whose suggestion the planner
+// accepts.
+Suggestion expect_suggestion_fits(const MemoryRequest& request, const std::string& fragment) {
+  Suggestion s;
+  s.refusal = plan_error(request);
+  EXPECT_EQ(s.refusal.find('\n'), std::string::npos) << s.refusal;
+  EXPECT_NE(s.refusal.find(fragment), std::string::npos) << s.refusal;
+  s.fixed = apply_suggestion(request, s.refusal);
+  EXPECT_NO_THROW(plan_memory(s.fixed)) << s.refusal;
+  return s;
 }
 
 std::string gib1(size_t bytes) {
@@ -253,20 +260,15 @@ TEST(MemoryPlanner, H2oRefusalKeepsThePolicyInItsSuggestion) {
   MemoryRequest r = opt13b_request();
   r.options.policy = "h2o";
   r.device_capacity = 24 * kGiB;  // the weights alone are 23.9 GiB
-  std::string message = plan_error(r);
-  EXPECT_EQ(message.find('\n'), std::string::npos);
-  EXPECT_NE(message.find("; try --weights-gpu-percent "), std::string::npos) << message;
-  EXPECT_EQ(message.find("--policy"), std::string::npos) << message;
-  EXPECT_NO_THROW(plan_memory(apply_suggestion(r, message))) << message;
+  const std::string refusal = expect_suggestion_fits(r, "; try --weights-gpu-percent ").refusal;
+  EXPECT_EQ(refusal.find("--policy"), std::string::npos) << refusal;
 
   r = opt13b_request();
   r.options.policy = "h2o";
   r.host_capacity = 4 * kGiB;  // the kept entries take 6.24 GiB, 0.31 GiB per sequence
-  message = plan_error(r);
-  EXPECT_EQ(message,
+  EXPECT_EQ(expect_suggestion_fits(r, "; try --batch 12").refusal,
             "plan does not fit: the host needs 6.2 GiB of pinned memory (weights 0.0, KV pool "
             "6.2) but has 4.0 GiB available; try --batch 12");
-  EXPECT_NO_THROW(plan_memory(apply_suggestion(r, message)));
 }
 
 TEST(MemoryPlanner, HalfTheWeightsOnTheHostNeedStagingForTwoLayers) {
@@ -294,18 +296,15 @@ TEST(MemoryPlanner, SmallerBatchIsSuggestedAndFits) {
   MemoryRequest r = opt13b_request();
   r.device_capacity = 30 * kGiB;
   const MemoryPlan plan = compute_memory_plan(r);
-  const std::string message = plan_error(r);
-  EXPECT_EQ(message.find('\n'), std::string::npos);
-  EXPECT_EQ(message.rfind("plan does not fit: the device needs " + gib1(plan.device_total()) +
+  const auto [refusal, fixed] = expect_suggestion_fits(r, "; try --batch ");
+  EXPECT_EQ(refusal.rfind("plan does not fit: the device needs " + gib1(plan.device_total()) +
                               " GiB (weights " + gib1(plan.device_weights) + ", KV " +
                               gib1(plan.device_kv) + ", activations " +
                               gib1(plan.device_activations) + ") but has 30.0 GiB; try --batch ",
                           0),
             0u)
-      << message;
-  const MemoryRequest fixed = apply_suggestion(r, message);
+      << refusal;
   EXPECT_LT(fixed.batch, r.batch);
-  EXPECT_NO_THROW(plan_memory(fixed));
   MemoryRequest one_more = fixed;
   one_more.batch += 1;
   EXPECT_THROW(plan_memory(one_more), Error);  // the largest batch that fits
@@ -314,12 +313,9 @@ TEST(MemoryPlanner, SmallerBatchIsSuggestedAndFits) {
 TEST(MemoryPlanner, WeightsOffTheDeviceWhenEvenBatchOneDoesNotFit) {
   MemoryRequest r = opt13b_request();
   r.device_capacity = 24 * kGiB;  // the weights alone are 23.9 GiB
-  const std::string message = plan_error(r);
-  EXPECT_NE(message.find("but has 24.0 GiB; try --weights-gpu-percent "), std::string::npos)
-      << message;
-  const MemoryRequest fixed = apply_suggestion(r, message);
+  const MemoryRequest fixed =
+      expect_suggestion_fits(r, "but has 24.0 GiB; try --weights-gpu-percent ").fixed;
   EXPECT_LT(fixed.options.weights_gpu_percent, 100);
-  EXPECT_NO_THROW(plan_memory(fixed)) << message;
   MemoryRequest more = fixed;
   more.options.weights_gpu_percent += 5;
   if (more.batch == r.batch) {
@@ -331,31 +327,23 @@ TEST(MemoryPlanner, GpuPolicySuggestsOffloadingTheKv) {
   MemoryRequest r = opt13b_request();
   r.options.policy = "gpu";
   r.batch = 40;  // the KV alone is 62.5 GiB; a smaller batch still fits with the gpu policy
-  std::string message = plan_error(r);
-  EXPECT_NE(message.find("KV 62.5"), std::string::npos) << message;
-  EXPECT_NE(message.find("; try --batch 12"), std::string::npos) << message;
-  EXPECT_NO_THROW(plan_memory(apply_suggestion(r, message))) << message;
+  const std::string refusal = expect_suggestion_fits(r, "; try --batch 12").refusal;
+  EXPECT_NE(refusal.find("KV 62.5"), std::string::npos) << refusal;
 
   // Even one sequence does not fit (23.9 GiB weights + 1.6 GiB KV + activations): offload the KV
   // and move some weights to the host.
   r.batch = 20;
   r.device_capacity = 25 * kGiB;
-  message = plan_error(r);
-  EXPECT_NE(message.find("; try --policy full --weights-gpu-percent "), std::string::npos)
-      << message;
-  const MemoryRequest fixed = apply_suggestion(r, message);
-  EXPECT_EQ(fixed.batch, 20);
-  EXPECT_NO_THROW(plan_memory(fixed)) << message;
+  EXPECT_EQ(expect_suggestion_fits(r, "; try --policy full --weights-gpu-percent ").fixed.batch,
+            20);
 }
 
 TEST(MemoryPlanner, HostShortfallSaysNeededAndAvailable) {
   MemoryRequest r = opt13b_request();
   r.host_capacity = 16 * kGiB;  // the pool is 31.25 GiB, 1.5625 GiB per sequence
-  const std::string message = plan_error(r);
-  EXPECT_EQ(message,
+  EXPECT_EQ(expect_suggestion_fits(r, "; try --batch 10").refusal,
             "plan does not fit: the host needs 31.2 GiB of pinned memory (weights 0.0, KV pool "
             "31.2) but has 16.0 GiB available; try --batch 10");
-  EXPECT_NO_THROW(plan_memory(apply_suggestion(r, message)));
 }
 
 TEST(MemoryPlanner, NothingFitsSaysSo) {
@@ -422,10 +410,8 @@ TEST(MemoryPlanner, SharedMemorySuggestionsFit) {
         r.options.policy = policy;
         r.batch = batch;
         r.device_capacity = r.host_capacity = gib * kGiB;
-        const std::string message = plan_error(r);
-        if (message.empty()) continue;
-        ASSERT_NE(message.find("; try "), std::string::npos) << message;
-        EXPECT_NO_THROW(plan_memory(apply_suggestion(r, message))) << message;
+        if (plan_error(r).empty()) continue;
+        expect_suggestion_fits(r, "; try ");
       }
     }
   }
@@ -438,9 +424,7 @@ TEST(MemoryPlanner, InfinigenIsOfferedACappedPool) {
   r.options.policy = "infinigen";
   r.batch = 1;
   r.host_capacity = kGiB;  // the whole pool of one sequence is 1.56 GiB
-  const std::string message = plan_error(r);
-  EXPECT_NE(message.find("; try --kv-pool-limit 0.5"), std::string::npos) << message;
-  EXPECT_NO_THROW(plan_memory(apply_suggestion(r, message))) << message;
+  expect_suggestion_fits(r, "; try --kv-pool-limit 0.5");
 }
 
 // A run that could pin less than its plan is planned again with what it pinned: the refusal names
@@ -452,17 +436,12 @@ TEST(MemoryPlanner, APinnedCapacityBoundsTheHostPartAndItsSuggestion) {
   EXPECT_NO_THROW(plan_memory(r));
   const MemoryPlan plan = compute_memory_plan(r);
   r.pinned_capacity = plan.host_total() / 2;
-  const std::string message = plan_error(r);
-  EXPECT_NE(message.find("of host memory (weights "), std::string::npos) << message;
-  EXPECT_NE(message.find("could be pinned; try "), std::string::npos) << message;
-  const MemoryRequest fixed = apply_suggestion(r, message);
-  EXPECT_NO_THROW(plan_memory(fixed)) << message;
+  const auto [refusal, fixed] = expect_suggestion_fits(r, "could be pinned; try ");
+  EXPECT_NE(refusal.find("of host memory (weights "), std::string::npos) << refusal;
   EXPECT_LE(compute_memory_plan(fixed).host_total(), r.pinned_capacity);
 
   r.pinned_capacity = 0;  // nothing can be pinned: only the policy that keeps KV on the device
-  const std::string none = plan_error(r);
-  EXPECT_NE(none.find("; try "), std::string::npos) << none;
-  EXPECT_NO_THROW(plan_memory(apply_suggestion(r, none))) << none;
+  expect_suggestion_fits(r, "; try ");
 }
 
 // When only the generation is too long, fewer generated tokens are offered, the most that fit.
@@ -472,11 +451,7 @@ TEST(MemoryPlanner, ShorterGenerationIsOfferedLast) {
   r.batch = 1;
   r.prompt_len = 64;
   r.gen_len = 1000000000;
-  const std::string message = plan_error(r);
-  ASSERT_NE(message.find("; try --gen-len "), std::string::npos) << message;
-  const MemoryRequest fixed = apply_suggestion(r, message);
-  EXPECT_NO_THROW(plan_memory(fixed)) << message;
-  MemoryRequest one_more = fixed;
+  MemoryRequest one_more = expect_suggestion_fits(r, "; try --gen-len ").fixed;
   ++one_more.gen_len;
   EXPECT_THROW(plan_memory(one_more), Error);
 }
@@ -496,8 +471,7 @@ TEST(MemoryPlanner, EverySuggestionFits) {
             r.host_capacity = host_gib * kGiB;
             const std::string message = plan_error(r);
             if (message.empty() || message.find("; try ") == std::string::npos) continue;
-            EXPECT_EQ(message.find('\n'), std::string::npos);
-            EXPECT_NO_THROW(plan_memory(apply_suggestion(r, message))) << message;
+            expect_suggestion_fits(r, "; try ");
           }
         }
       }

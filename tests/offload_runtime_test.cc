@@ -10,16 +10,8 @@
 namespace infinigen {
 namespace {
 
-class OffloadRuntime : public ::testing::Test {
+class OffloadRuntime : public testing_util::MixedLengthRunTest {
  protected:
-  void SetUp() override {
-    source_ = resolve_model("opt-tiny", {});
-    request_.prompts = {
-        {2, 10, 11, 12, 13}, {2, 500, 600, 700, 800, 900, 1000, 1100, 1200}, {2, 7, 8}};
-    request_.gen_len = 6;
-  }
-  void TearDown() override { set_debug_poison(false); }
-
   // The non-offloaded engine (resident weights and KV cache).
   GenerationResult reference(DType kv_dtype) {
     const auto model = make_model(source_.config, load_weights(source_, Device::Cpu), Device::Cpu);
@@ -41,9 +33,6 @@ class OffloadRuntime : public ::testing::Test {
     request.kv_dtype = kv_dtype;
     return run_offloaded(source_, request, options, Device::Cpu);
   }
-
-  ModelSource source_;
-  GenerationRequest request_;
 };
 
 TEST_F(OffloadRuntime, EveryPolicyAndPlacementGivesTheEngineTokensAndLogits) {

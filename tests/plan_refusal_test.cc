@@ -3,7 +3,6 @@
 // every suggested fix is one the planner accepts.
 #include <gtest/gtest.h>
 
-#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -17,6 +16,7 @@ namespace infinigen {
 namespace {
 
 using testing_util::ChildOptions;
+using testing_util::command_text;
 using testing_util::MeasuredCommand;
 using testing_util::run_infinigen_measured;
 using testing_util::TempDir;
@@ -26,26 +26,14 @@ using testing_util::with_suggestion;
 constexpr double kMaxSeconds = 2.0;
 constexpr double kMaxPeakRssMib = 300.0;
 
-std::string joined(const std::vector<std::string>& args) {
-  std::string text = "infinigen";
-  for (const std::string& a : args) text += " " + a;
-  return text;
-}
-
 // Runs `args`, expecting a quick refusal: non-zero exit, one line on stderr holding every
 // fragment, within kMaxSeconds and kMaxPeakRssMib. Returns that line.
 std::string expect_quick_refusal(const std::vector<std::string>& args,
                                  const std::vector<std::string>& fragments) {
-  const MeasuredCommand r = run_infinigen_measured(args, ChildOptions().timeout(30.0));
-  EXPECT_NE(r.exit_code, 0) << joined(args);
-  EXPECT_NE(r.exit_code, -1) << joined(args) << ": did not finish in 30 s";
-  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << joined(args) << "\n" << r.err;
-  for (const std::string& fragment : fragments) {
-    EXPECT_NE(r.err.find(fragment), std::string::npos)
-        << joined(args) << "\nmissing '" << fragment << "' in: " << r.err;
-  }
-  EXPECT_LT(r.seconds, kMaxSeconds) << joined(args);
-  EXPECT_LT(r.peak_rss_mib, kMaxPeakRssMib) << joined(args);
+  const MeasuredCommand r =
+      testing_util::expect_one_line_failure(args, ChildOptions().timeout(30.0), fragments);
+  EXPECT_LT(r.seconds, kMaxSeconds) << command_text(args);
+  EXPECT_LT(r.peak_rss_mib, kMaxPeakRssMib) << command_text(args);
   return r.err;
 }
 
@@ -54,8 +42,8 @@ void expect_suggestion_accepted(const std::vector<std::string>& args, const std:
   std::vector<std::string> fixed = with_suggestion(args, refusal);
   fixed.push_back("--dry-run");
   const MeasuredCommand r = run_infinigen_measured(fixed, ChildOptions().timeout(30.0));
-  EXPECT_EQ(r.exit_code, 0) << joined(fixed) << "\n" << r.err;
-  EXPECT_NE(r.out.find("the plan fits"), std::string::npos) << joined(fixed) << "\n" << r.out;
+  EXPECT_EQ(r.exit_code, 0) << command_text(fixed) << "\n" << r.err;
+  EXPECT_NE(r.out.find("the plan fits"), std::string::npos) << command_text(fixed) << "\n" << r.out;
 }
 
 TEST(PlanRefusal, ABillionSequencesAreRefusedAtOnceWithABatchThatFits) {
@@ -116,7 +104,8 @@ TEST(PlanRefusal, ABenchPointOfABillionSequencesIsReportedAtOnce) {
                                "points:\n"
                                "  - {batch: 1000000000}\n";
   const MeasuredCommand r = run_infinigen_measured(
-      {"bench", "-e", experiment, "--out", (dir.path() / "out").string(), "--no-plot"}, ChildOptions().timeout(30.0));
+      {"bench", "-e", experiment, "--out", (dir.path() / "out").string(), "--no-plot"},
+      ChildOptions().timeout(30.0));
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.err.find("does not fit here: plan does not fit"), std::string::npos) << r.err;
   EXPECT_LT(r.seconds, kMaxSeconds);

@@ -49,12 +49,8 @@ TEST(ProfileMeasurement, AQuickMeasurementIsAProfileTheCostModelCanUse) {
   }
 
   // The cost model predicts a small offloaded run with it.
-  CostModelInput in;
-  in.config = load_preset("opt-tiny");
-  in.batch = 2;
-  in.prompt_len = 16;
-  in.gen_len = 4;
-  in.options.policy = "full";
+  const CostModelInput in =
+      testing_util::preset_request<CostModelInput>("opt-tiny", 2, 16, 4, "full");
   const PredictedRun run = predict_run(in, with_link(loaded, 12.0, 0.0));
   ASSERT_TRUE(run.fits) << run.does_not_fit;
   EXPECT_GT(run.decode_s, 0);

@@ -10,6 +10,7 @@
 #include <numeric>
 #include <random>
 #include <sstream>
+#include <utility>
 
 #include "core/ops.h"
 #include "core/rope.h"
@@ -121,6 +122,23 @@ TEST(EvictionSeed, CountersShiftTogetherAndLruTakesTheLastFetch) {
   EXPECT_THROW(lru.seed_row(0, {1, 2, 3, 4, 5}, {0, 0, 0, 0, 0}), Error);
 }
 
+// Normal(0, 1) values from one seeded stream: `random(shape)` is an F32 tensor of them,
+// `random.value()` one value.
+class NormalDraws {
+ public:
+  explicit NormalDraws(uint32_t seed) : rng_(seed) {}
+  float value() { return normal_(rng_); }
+  Tensor operator()(Shape shape) {
+    Tensor t = Tensor::empty(std::move(shape), DType::F32);
+    for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = value();
+    return t;
+  }
+
+ private:
+  std::mt19937 rng_;
+  std::normal_distribution<float> normal_{0.0f, 1.0f};
+};
+
 // Speculation's shapes: query heads, KV heads, and whether the model rotates (RoPE) and carries
 // a skew beside its weights.
 struct SpeculationCase {
@@ -145,13 +163,7 @@ class SpeculationRatioOne : public ::testing::TestWithParam<SpeculationCase> {};
 TEST_P(SpeculationRatioOne, TheLayersOwnInputGivesTheTrueLogitsAndTheExactTopN) {
   const SpeculationCase c = GetParam();
   const int64_t B = 2, H = c.heads, Hkv = c.kv_heads, G = H / Hkv, d = 8, D = 16, n = 24;
-  std::mt19937 rng(7);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  const auto random = [&](Shape shape) {
-    Tensor t = Tensor::empty(shape, DType::F32);
-    for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = normal(rng);
-    return t;
-  };
+  NormalDraws random(7);
   const Tensor x_prompt = random({B * n, D}), wq = random({H * d, D}), bq = random({H * d});
   Tensor keys = random({B * n, Hkv * d});
   Tensor queries = Tensor::empty({B * n, H * d}, DType::F32);
@@ -176,7 +188,7 @@ TEST_P(SpeculationRatioOne, TheLayersOwnInputGivesTheTrueLogitsAndTheExactTopN) 
     skew = Tensor::empty({Hkv, d, d}, DType::F32);
     for (int64_t g = 0; g < Hkv; ++g) {
       Eigen::MatrixXf m(d, d);
-      for (int64_t i = 0; i < d * d; ++i) m.data()[i] = normal(rng);
+      for (int64_t i = 0; i < d * d; ++i) m.data()[i] = random.value();
       const Eigen::MatrixXf a = Eigen::HouseholderQR<Eigen::MatrixXf>(m).householderQ();
       for (int64_t i = 0; i < d; ++i) {
         for (int64_t j = 0; j < d; ++j) skew.data<float>()[(g * d + i) * d + j] = a(i, j);
@@ -273,13 +285,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, SpeculationRatioOne,
 // exact dot products over the partial columns.
 TEST(Speculation, RotaryPartialColumnsAreExactOverTheirColumns) {
   const int64_t B = 1, H = 2, d = 8, D = 8, n = 10, r = 2;
-  std::mt19937 rng(3);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  const auto random = [&](Shape shape) {
-    Tensor t = Tensor::empty(shape, DType::F32);
-    for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = normal(rng);
-    return t;
-  };
+  NormalDraws random(3);
   const Tensor wq = random({H * d, D}), bq = random({H * d}), x_prompt = random({n, D});
   Tensor queries = Tensor::empty({n, H * d}, DType::F32);
   ops::linear(x_prompt, wq, bq, queries);

@@ -17,32 +17,11 @@ namespace {
 
 namespace fs = std::filesystem;
 using testing_util::ChildOptions;
+using testing_util::expect_one_line_failure;
 using testing_util::MeasuredCommand;
 using testing_util::run_infinigen_measured;
 using testing_util::TempDir;
 using testing_util::with_suggestion;
-
-std::string joined(const std::vector<std::string>& args) {
-  std::string text = "infinigen";
-  for (const std::string& a : args) text += " " + a;
-  return text;
-}
-
-// Runs `args` under `options`, expecting a non-zero exit with one line on stderr holding every
-// fragment. Returns that line.
-std::string expect_one_line_failure(const std::vector<std::string>& args,
-                                    const ChildOptions& options,
-                                    const std::vector<std::string>& fragments) {
-  const MeasuredCommand r = run_infinigen_measured(args, options);
-  EXPECT_NE(r.exit_code, 0) << joined(args);
-  EXPECT_NE(r.exit_code, -1) << joined(args) << ": did not finish";
-  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << joined(args) << "\n" << r.err;
-  for (const std::string& fragment : fragments) {
-    EXPECT_NE(r.err.find(fragment), std::string::npos)
-        << joined(args) << "\nmissing '" << fragment << "' in: " << r.err;
-  }
-  return r.err;
-}
 
 // Every entry of `dir` (names only), to show that nothing was left behind.
 std::vector<std::string> entries(const fs::path& dir) {
@@ -70,22 +49,22 @@ TEST(PinnedLimit, AFailedPinNamesItAndSuggestsAPlanThatRuns) {
   const std::vector<std::string> args = {"run", "--batch",  "4",   "--gen-len",
                                          "4",   "--policy", "full"};
   const ChildOptions capped = ChildOptions().with_env("INFINIGEN_PINNED_LIMIT=3M");
-  const std::string refusal = expect_one_line_failure(
+  const MeasuredCommand refused = expect_one_line_failure(
       args, capped,
       {"could not pin", "for a KV pool block", "INFINIGEN_PINNED_LIMIT is 3.0 MiB",
        "but only 3.0 MiB could be pinned", "; try --batch "});
-  const std::vector<std::string> fixed = with_suggestion(args, refusal);
+  const std::vector<std::string> fixed = with_suggestion(args, refused.err);
   const MeasuredCommand r = run_infinigen_measured(fixed, capped);
-  EXPECT_EQ(r.exit_code, 0) << joined(fixed) << "\n" << r.err;
+  EXPECT_EQ(r.exit_code, 0) << testing_util::command_text(fixed) << "\n" << r.err;
 }
 
 TEST(PinnedLimit, WhenNothingCanBePinnedThePolicyThatPinsNothingIsSuggested) {
   const std::vector<std::string> args = {"run", "--batch", "2", "--gen-len", "4"};
   const ChildOptions capped = ChildOptions().with_env("INFINIGEN_PINNED_LIMIT=0");
-  const std::string refusal =
+  const MeasuredCommand refused =
       expect_one_line_failure(args, capped, {"could not pin", "; try --policy gpu"});
-  const MeasuredCommand r = run_infinigen_measured(with_suggestion(args, refusal), capped);
-  EXPECT_EQ(r.exit_code, 0) << refusal << "\n" << r.err;
+  const MeasuredCommand r = run_infinigen_measured(with_suggestion(args, refused.err), capped);
+  EXPECT_EQ(r.exit_code, 0) << refused.err << "\n" << r.err;
 }
 
 TEST(PinnedLimit, ABadValueIsOneLine) {

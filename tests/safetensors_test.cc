@@ -108,6 +108,14 @@ class SafetensorsTest : public testing::Test {
     return error_of([&] { SafetensorsFile::open(p); });
   }
 
+  // The open error of a crafted file holding one F32 tensor 'w' whose shape and data_offsets are
+  // the JSON texts `shape` and `offsets`, then `data_size` bytes.
+  std::string f32_w_error(const std::string& shape, const std::string& offsets, size_t data_size) {
+    return open_error(craft(
+        R"({"w": {"dtype": "F32", "shape": )" + shape + R"(, "data_offsets": )" + offsets + "}}",
+        data_size));
+  }
+
   std::string dir_;
 };
 
@@ -353,44 +361,26 @@ TEST_F(SafetensorsTest, RejectsUnknownDtype) {
 }
 
 TEST_F(SafetensorsTest, RejectsBadShapes) {
-  expect_message(open_error(craft(
-                     R"({"w": {"dtype": "F32", "shape": [-1, 4], "data_offsets": [0, 16]}})", 16)),
+  expect_message(f32_w_error("[-1, 4]", "[0, 16]", 16),
                  {"model.safetensors", "tensor 'w'", "negative", "-1"});
-  expect_message(
-      open_error(craft(R"({"w": {"dtype": "F32", "shape": [1.5], "data_offsets": [0, 4]}})", 4)),
-      {"tensor 'w'", "shape"});
-  expect_message(
-      open_error(craft(R"({"w": {"dtype": "F32", "shape": 4, "data_offsets": [0, 4]}})", 4)),
-      {"tensor 'w'", "shape"});
+  for (const char* not_a_shape : {"[1.5]", "4"}) {
+    expect_message(f32_w_error(not_a_shape, "[0, 4]", 4), {"tensor 'w'", "shape"});
+  }
   // numel * 4 overflows 64 bits; a zero extent after huge ones must not slip through either.
-  expect_message(open_error(craft(R"({"w": {"dtype": "F32", "shape": [4611686018427387904, 8],
-                                            "data_offsets": [0, 0]}})",
-                                  0)),
-                 {"tensor 'w'", "large"});
-  expect_message(open_error(craft(R"({"w": {"dtype": "F32", "shape": [4294967296, 4294967296, 0],
-                                            "data_offsets": [0, 0]}})",
-                                  0)),
-                 {"tensor 'w'", "large"});
-  expect_message(open_error(craft(R"({"w": {"dtype": "F32",
-                                            "shape": [18446744073709551615],
-                                            "data_offsets": [0, 0]}})",
-                                  0)),
-                 {"tensor 'w'", "large"});
+  for (const char* huge :
+       {"[4611686018427387904, 8]", "[4294967296, 4294967296, 0]", "[18446744073709551615]"}) {
+    expect_message(f32_w_error(huge, "[0, 0]", 0), {"tensor 'w'", "large"});
+  }
 }
 
 TEST_F(SafetensorsTest, RejectsBadDataOffsets) {
   expect_message(
-      open_error(craft(R"({"w": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 64]}})", 32)),
+      f32_w_error("[4, 4]", "[0, 64]", 32),
       {"model.safetensors", "tensor 'w'", "data_offsets [0, 64]", "past the end", "32 bytes"});
-  expect_message(
-      open_error(craft(R"({"w": {"dtype": "F32", "shape": [4], "data_offsets": [16, 0]}})", 32)),
-      {"tensor 'w'", "data_offsets [16, 0]"});
-  expect_message(
-      open_error(craft(R"({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0]}})", 32)),
-      {"tensor 'w'", "data_offsets"});
-  expect_message(
-      open_error(craft(R"({"w": {"dtype": "F32", "shape": [4], "data_offsets": [-4, 12]}})", 32)),
-      {"tensor 'w'", "data_offsets"});
+  expect_message(f32_w_error("[4]", "[16, 0]", 32), {"tensor 'w'", "data_offsets [16, 0]"});
+  for (const char* malformed : {"[0]", "[-4, 12]"}) {
+    expect_message(f32_w_error("[4]", malformed, 32), {"tensor 'w'", "data_offsets"});
+  }
   const std::string p =
       craft(R"({"a.weight": {"dtype": "F16", "shape": [4, 4], "data_offsets": [0, 64]}})", 64);
   expect_message(open_error(p), {p + ": tensor 'a.weight' data_offsets [0, 64] do not match its "

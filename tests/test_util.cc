@@ -13,17 +13,34 @@
 #include <fstream>
 #include <sstream>
 
+#include "core/device.h"
 #include "core/error.h"
 
 namespace infinigen::testing_util {
 
-void SmallRunTest::SetUp() {
+void OptTinyTest::SetUp() {
   source_ = resolve_model("opt-tiny", {});
+}
+
+void OptTinyTest::TearDown() {
+  set_debug_poison(false);
+}
+
+void SmallRunTest::SetUp() {
+  OptTinyTest::SetUp();
   source_.config.num_layers = 4;
   request_.prompts = {{2, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20},
                       {2, 500, 600, 700, 800, 900, 1000, 1100, 1200, 1300, 1400, 1500}};
   request_.gen_len = 6;
 }
+
+void MixedLengthRunTest::SetUp() {
+  OptTinyTest::SetUp();
+  request_.prompts = {
+      {2, 10, 11, 12, 13}, {2, 500, 600, 700, 800, 900, 1000, 1100, 1200}, {2, 7, 8}};
+  request_.gen_len = 6;
+}
+
 namespace {
 
 std::string quote(const std::string& arg) {
@@ -79,6 +96,16 @@ int spawn_infinigen(const std::vector<std::string>& args, const std::string& out
     _exit(127);
   }
   return pid;
+}
+
+// `err` (what `command` wrote on stderr) is exactly one line and holds every fragment.
+void expect_one_line_holding(const std::string& err, const std::vector<std::string>& fragments,
+                             const std::string& command) {
+  EXPECT_EQ(std::count(err.begin(), err.end(), '\n'), 1) << command << "\nstderr:\n" << err;
+  for (const std::string& fragment : fragments) {
+    EXPECT_NE(err.find(fragment), std::string::npos)
+        << command << "\nmissing '" << fragment << "' in: " << err;
+  }
 }
 
 }  // namespace
@@ -177,15 +204,20 @@ MeasuredCommand run_infinigen_measured(const std::vector<std::string>& args,
   return result;
 }
 
-// `args` with the flags after "try " in `refusal` applied (a flag already present is replaced).
-std::vector<std::string> with_suggestion(std::vector<std::string> args,
-                                         const std::string& refusal) {
+std::vector<std::pair<std::string, std::string>> suggested_flags(const std::string& refusal) {
+  std::vector<std::pair<std::string, std::string>> pairs;
   const size_t at = refusal.find("; try ");
   EXPECT_NE(at, std::string::npos) << refusal;
-  if (at == std::string::npos) return args;
+  if (at == std::string::npos) return pairs;
   std::istringstream flags(refusal.substr(at + 6));
   std::string flag, value;
-  while (flags >> flag >> value) {
+  while (flags >> flag >> value) pairs.emplace_back(flag, value);
+  return pairs;
+}
+
+std::vector<std::string> with_suggestion(std::vector<std::string> args,
+                                         const std::string& refusal) {
+  for (const auto& [flag, value] : suggested_flags(refusal)) {
     bool replaced = false;
     for (size_t i = 0; i + 1 < args.size(); ++i) {
       if (args[i] == flag) {
@@ -201,17 +233,28 @@ std::vector<std::string> with_suggestion(std::vector<std::string> args,
   return args;
 }
 
+std::string command_text(const std::vector<std::string>& args) {
+  std::string text = "infinigen";
+  for (const std::string& a : args) text += " " + a;
+  return text;
+}
+
 void expect_one_line_error(const std::vector<std::string>& args,
                            const std::vector<std::string>& fragments) {
   const CommandResult r = run_infinigen(args);
-  std::string joined;
-  for (const auto& a : args) joined += a + " ";
-  EXPECT_NE(r.exit_code, 0) << joined;
-  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << joined << "\nstderr:\n" << r.err;
-  for (const std::string& fragment : fragments) {
-    EXPECT_NE(r.err.find(fragment), std::string::npos)
-        << joined << "\nmissing '" << fragment << "' in: " << r.err;
-  }
+  EXPECT_NE(r.exit_code, 0) << command_text(args);
+  expect_one_line_holding(r.err, fragments, command_text(args));
+}
+
+MeasuredCommand expect_one_line_failure(const std::vector<std::string>& args,
+                                        const ChildOptions& options,
+                                        const std::vector<std::string>& fragments) {
+  const MeasuredCommand r = run_infinigen_measured(args, options);
+  EXPECT_NE(r.exit_code, 0) << command_text(args);
+  EXPECT_NE(r.exit_code, -1) << command_text(args) << ": did not finish in " << options.timeout_s
+                             << " s";
+  expect_one_line_holding(r.err, fragments, command_text(args));
+  return r;
 }
 
 BackgroundInfinigen::BackgroundInfinigen(const std::vector<std::string>& args)

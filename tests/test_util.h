@@ -1,28 +1,61 @@
-// tests: helpers shared by the suites (temporary directories, error comparisons, the CLI).
+// tests: helpers shared by the suites (fixtures on opt-tiny, requests, temporary directories,
+// error comparisons, the CLI).
 #pragma once
 
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdint>
 #include <filesystem>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/error.h"
 #include "core/generation.h"
+#include "core/model_config.h"
 #include "core/model_loader.h"
 
 namespace infinigen::testing_util {
 
-// A small offloaded run that exercises every policy: opt-tiny's synthetic weights cut to 4 layers
-// (InfiniGen's two dense layers and two speculated ones), two prompts of 12 tokens, 6 generated.
-class SmallRunTest : public ::testing::Test {
+// A generation on opt-tiny's synthetic weights: `source_` holds them, `request_` is left for the
+// test (or a fixture below) to fill. A test may switch on the NaN poison of KV that was not
+// transferred (set_debug_poison); TearDown switches it off.
+class OptTinyTest : public ::testing::Test {
  protected:
   void SetUp() override;
+  void TearDown() override;
   ModelSource source_;
   GenerationRequest request_;
 };
+
+// A small offloaded run that exercises every policy: opt-tiny cut to 4 layers (InfiniGen's two
+// dense layers and two speculated ones), two prompts of 12 tokens, 6 generated.
+class SmallRunTest : public OptTinyTest {
+ protected:
+  void SetUp() override;
+};
+
+// A left-padded batch: opt-tiny with prompts of 5, 9 and 3 tokens, 6 generated.
+class MixedLengthRunTest : public OptTinyTest {
+ protected:
+  void SetUp() override;
+};
+
+// `batch` prompts of `prompt_len` tokens, `gen_len` generated, with `preset`'s config and the KV
+// policy `policy`: the fields a MemoryRequest and a CostModelInput share.
+template <typename Request>
+Request preset_request(const std::string& preset, int64_t batch, int64_t prompt_len,
+                       int64_t gen_len, const std::string& policy) {
+  Request request;
+  request.config = load_preset(preset);
+  request.batch = batch;
+  request.prompt_len = prompt_len;
+  request.gen_len = gen_len;
+  request.options.policy = policy;
+  return request;
+}
 
 // A fresh directory under the system temp dir, removed when the object goes out of scope.
 class TempDir {
@@ -79,9 +112,21 @@ struct ChildOptions {
 MeasuredCommand run_infinigen_measured(const std::vector<std::string>& args,
                                        const ChildOptions& options = {});
 
+// The (flag, value) pairs after "; try " in a planner's `refusal` (a failure when there is none).
+std::vector<std::pair<std::string, std::string>> suggested_flags(const std::string& refusal);
+
 // `args` with the flags after "; try " in a planner's `refusal` applied (a flag already present is
 // replaced), so that a test can run what was suggested.
 std::vector<std::string> with_suggestion(std::vector<std::string> args, const std::string& refusal);
+
+// "infinigen ARGS...", to name a command in failure messages.
+std::string command_text(const std::vector<std::string>& args);
+
+// Runs the infinigen binary with `args` under `options`, expecting it to finish with a non-zero
+// exit and exactly one line on stderr that holds every fragment. Returns the run.
+MeasuredCommand expect_one_line_failure(const std::vector<std::string>& args,
+                                        const ChildOptions& options,
+                                        const std::vector<std::string>& fragments);
 
 // The infinigen binary running in the background (stdout and stderr captured), for tests that
 // signal it. The destructor kills it if it still runs.

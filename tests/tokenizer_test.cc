@@ -561,6 +561,15 @@ std::string tiny_json(const nlohmann::json& patch = nlohmann::json::object()) {
   return root.dump();
 }
 
+// A tiny_json patch whose pre-tokenizer is a Split on the regex `pattern` with `behavior`.
+nlohmann::json split_pre_tokenizer(const std::string& pattern, const std::string& behavior) {
+  return {{"pre_tokenizer",
+           {{"type", "Split"},
+            {"pattern", {{"Regex", pattern}}},
+            {"behavior", behavior},
+            {"invert", false}}}};
+}
+
 TEST_F(TokenizerFiles, TokenizerJsonIsPreferredOverVocabJson) {
   write("vocab.json", kVocab);
   write("merges.txt", "a b\n");
@@ -655,17 +664,9 @@ TEST(TokenizerJsonErrors, EachBadInputIsOneClearLine) {
       {tiny_json({{"pre_tokenizer", {{"type", "Whitespace"}}}}),
        "pre_tokenizer.type: \"Whitespace\" is not supported (supported: ByteLevel, Split, "
        "Metaspace, Sequence)"},
-      {tiny_json({{"pre_tokenizer",
-                   {{"type", "Split"},
-                    {"pattern", {{"Regex", "(a"}}},
-                    {"behavior", "Isolated"},
-                    {"invert", false}}}}),
+      {tiny_json(split_pre_tokenizer("(a", "Isolated")),
        "pre_tokenizer.pattern: cannot compile the pattern \"(a\""},
-      {tiny_json({{"pre_tokenizer",
-                   {{"type", "Split"},
-                    {"pattern", {{"Regex", "a"}}},
-                    {"behavior", "Sideways"},
-                    {"invert", false}}}}),
+      {tiny_json(split_pre_tokenizer("a", "Sideways")),
        "pre_tokenizer.behavior: \"Sideways\" is not one of"},
       {tiny_json({{"pre_tokenizer", {{"type", "Metaspace"}, {"replacement", "__"}}}}),
        "pre_tokenizer.replacement: expected one character, found \"__\""},

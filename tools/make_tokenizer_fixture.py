@@ -11,13 +11,12 @@ Usage:
 """
 
 import argparse
-import json
 import pathlib
 import sys
 
 from tokenizers import ByteLevelBPETokenizer
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+from tokenizer_common import add_path_argument, argument_parser, write_json
 
 CASES = [
     # Whitespace.
@@ -107,25 +106,14 @@ def text_cases(text: pathlib.Path) -> list[str]:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--tokenizer-dir",
-        type=pathlib.Path,
-        default=REPO_ROOT / "configs" / "tokenizer",
-        help="directory with vocab.json and merges.txt (default: %(default)s)",
+    parser = argument_parser(__doc__)
+    add_path_argument(
+        parser, "--tokenizer-dir", "configs/tokenizer", "directory with vocab.json and merges.txt"
     )
-    parser.add_argument(
-        "--text",
-        type=pathlib.Path,
-        default=REPO_ROOT / "configs" / "calibration.txt",
-        help="real text some cases are taken from (default: %(default)s)",
+    add_path_argument(
+        parser, "--text", "configs/calibration.txt", "real text some cases are taken from"
     )
-    parser.add_argument(
-        "--out",
-        type=pathlib.Path,
-        default=REPO_ROOT / "tests" / "fixtures" / "tokenizer_cases.json",
-        help="fixture to write (default: %(default)s)",
-    )
+    add_path_argument(parser, "--out", "tests/fixtures/tokenizer_cases.json", "fixture to write")
     return parser.parse_args()
 
 
@@ -141,10 +129,7 @@ def main() -> int:
         ids = tokenizer.encode(text).ids
         cases.append({"text": text, "ids": ids, "decoded": tokenizer.decode(ids)})
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w", encoding="utf-8", newline="\n") as out:
-        json.dump(cases, out, ensure_ascii=False, indent=1)
-        out.write("\n")
+    write_json(args.out, cases)
     print(f"wrote {args.out}: {len(cases)} cases")
     return 0
 

@@ -45,8 +45,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 from tokenizers import pre_tokenizers, processors, trainers
 
 from make_tokenizer_fixture import CASES as BYTE_LEVEL_CASES
-
-REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+from tokenizer_common import REPO_ROOT, add_path_argument, argument_parser, write_json
 
 # The pre-tokenisation patterns exactly as Llama-3's and Qwen2's tokenizer.json spell them.
 LLAMA3_PATTERN = (
@@ -364,13 +363,6 @@ def real_text_cases() -> list[str]:
     return lines[::97][:12] + ["\n".join(lines[40:44])] + unseen_lines[::60][:8]
 
 
-def write_json(path: pathlib.Path, value) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8", newline="\n") as out:
-        json.dump(value, out, ensure_ascii=False, indent=1)
-        out.write("\n")
-
-
 def write_cases(path: pathlib.Path, fixture: dict) -> None:
     """cases.json with one case a line, so that diffs stay readable and the file small."""
     lines = ["{"]
@@ -388,13 +380,8 @@ def write_cases(path: pathlib.Path, fixture: dict) -> None:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--out",
-        type=pathlib.Path,
-        default=REPO_ROOT / "tests" / "fixtures" / "tokenizers",
-        help="directory to write (default: %(default)s)",
-    )
+    parser = argument_parser(__doc__)
+    add_path_argument(parser, "--out", "tests/fixtures/tokenizers", "directory to write")
     return parser.parse_args()
 
 

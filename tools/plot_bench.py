@@ -13,18 +13,8 @@ when the points ran at the paper's sizes (scale 1); otherwise they get their own
 import json
 import sys
 
-import matplotlib
+from plot_common import POLICY_COLORS, plt
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-POLICY_COLORS = {
-    "gpu": "#4d4d4d",
-    "full": "#d62728",
-    "int4": "#ff7f0e",
-    "h2o": "#2ca02c",
-    "infinigen": "#1f77b4",
-}
 PAPER_STYLE = dict(marker="D", facecolors="none", edgecolors="black", s=60, zorder=5)
 
 

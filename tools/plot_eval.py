@@ -13,18 +13,7 @@ Fig. 12), one curve per setting.
 import json
 import sys
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-POLICY_COLORS = {
-    "gpu": "#4d4d4d",
-    "full": "#d62728",
-    "int4": "#ff7f0e",
-    "h2o": "#2ca02c",
-    "infinigen": "#1f77b4",
-}
+from plot_common import POLICY_COLORS, plt
 
 
 def main() -> int:

@@ -13,29 +13,20 @@ Usage:
 """
 
 import argparse
-import json
-import pathlib
 import sys
 
 from tokenizers import ByteLevelBPETokenizer
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+from tokenizer_common import add_path_argument, argument_parser, write_json
+
 SPECIAL_TOKENS = ["<s>", "<pad>", "</s>", "<unk>"]
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--corpus",
-        type=pathlib.Path,
-        default=REPO_ROOT / "build" / "corpus" / "train.txt",
-        help="training text, UTF-8 (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--out-dir",
-        type=pathlib.Path,
-        default=REPO_ROOT / "configs" / "tokenizer",
-        help="where vocab.json and merges.txt are written (default: %(default)s)",
+    parser = argument_parser(__doc__)
+    add_path_argument(parser, "--corpus", "build/corpus/train.txt", "training text, UTF-8")
+    add_path_argument(
+        parser, "--out-dir", "configs/tokenizer", "where vocab.json and merges.txt are written"
     )
     parser.add_argument(
         "--vocab-size",
@@ -82,11 +73,8 @@ def main() -> int:
     written = tokenizer.save_model(str(args.out_dir))
     # save_model already writes ids in order; rewrite vocab.json with one entry per line so that
     # diffs stay readable when the corpus changes.
-    vocab_path = args.out_dir / "vocab.json"
     ordered = dict(sorted(vocab.items(), key=lambda item: item[1]))
-    with open(vocab_path, "w", encoding="utf-8", newline="\n") as out:
-        json.dump(ordered, out, ensure_ascii=False, indent=0)
-        out.write("\n")
+    write_json(args.out_dir / "vocab.json", ordered, indent=0)
 
     with open(args.out_dir / "merges.txt", encoding="utf-8") as merges_file:
         merges = sum(1 for line in merges_file if line.strip() and not line.startswith("#version"))
