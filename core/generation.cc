@@ -49,7 +49,8 @@ void check_context(const ModelConfig& config, int64_t longest, int64_t gen_len) 
                   config.max_positions, " positions");
 }
 
-int64_t check_request(const ModelConfig& config, const GenerationRequest& request) {
+int64_t check_request(const ModelConfig& config, const GenerationRequest& request,
+                      const std::vector<std::vector<int32_t>>* history) {
   INFINIGEN_CHECK(!request.prompts.empty(), option("batch"), " must be at least 1");
   INFINIGEN_CHECK(request.gen_len > 0, option("gen_len"), " must be at least 1, got ",
                   request.gen_len);
@@ -62,6 +63,24 @@ int64_t check_request(const ModelConfig& config, const GenerationRequest& reques
                       " is outside the model's vocabulary of ", config.vocab_size);
     }
     longest = std::max<int64_t>(longest, static_cast<int64_t>(prompt.size()));
+  }
+  if (history) {
+    INFINIGEN_CHECK(history->size() == request.prompts.size(), "a conversation of ",
+                    history->size(), " sequences continued with ", request.prompts.size(),
+                    " prompts");
+    longest = 0;
+    for (size_t b = 0; b < history->size(); ++b) {
+      const int64_t total =
+          static_cast<int64_t>((*history)[b].size() + request.prompts[b].size());
+      // Learned positions (OPT) cannot be shifted to make room; rotary ones could be, by
+      // re-rotating the kept keys (not done yet).
+      INFINIGEN_CHECK(total < config.max_positions && request.gen_len <= config.max_positions - total,
+                      "sequence ", b + 1, ": the conversation reaches ", total,
+                      " tokens with this turn's prompt, and ", request.gen_len,
+                      " more exceed the model's context of ", config.max_positions,
+                      " positions; start a new session");
+      longest = std::max(longest, total);
+    }
   }
   check_context(config, longest, request.gen_len);
   if (!request.forced_tokens.empty()) {
@@ -81,11 +100,46 @@ int64_t check_request(const ModelConfig& config, const GenerationRequest& reques
   return longest;
 }
 
+namespace {
+
+// The first pass of a turn that continues a conversation: per sequence its history, then its
+// prompt, left-padded to the longest; the pass covers the last n rows (n: the longest prompt),
+// so a sequence with a shorter prompt computes its last history tokens again. Returns the
+// pass's tokens (B, n) and fills first_valid (B) and the rows stored before the pass.
+std::vector<int32_t> continuation_pass(const std::vector<std::vector<int32_t>>& history,
+                                       const std::vector<std::vector<int32_t>>& prompts,
+                                       int32_t pad_id, int64_t longest,
+                                       std::vector<int32_t>* first_valid, int64_t* stored) {
+  const size_t B = prompts.size();
+  int64_t n = 0;
+  for (const auto& p : prompts) n = std::max<int64_t>(n, static_cast<int64_t>(p.size()));
+  *stored = longest - n;
+  first_valid->assign(B, 0);
+  std::vector<int32_t> tokens(B * static_cast<size_t>(n), pad_id);
+  for (size_t b = 0; b < B; ++b) {
+    const int64_t h = static_cast<int64_t>(history[b].size());
+    const int64_t start = longest - h - static_cast<int64_t>(prompts[b].size());
+    (*first_valid)[b] = static_cast<int32_t>(start);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t j = *stored + i - start;  // index in the sequence's conversation
+      if (j < 0) continue;
+      tokens[b * static_cast<size_t>(n) + static_cast<size_t>(i)] =
+          j < h ? history[b][static_cast<size_t>(j)] : prompts[b][static_cast<size_t>(j - h)];
+    }
+  }
+  return tokens;
+}
+
+}  // namespace
+
 GenerationResult generate(Model& model, const GenerationRequest& request,
-                          const ProgressCallback& progress, const KvStoreFactory& make_store) {
+                          const ProgressCallback& progress, const KvStoreFactory& make_store,
+                          Conversation* conversation) {
   const ModelConfig& config = model.config();
   const int64_t B = static_cast<int64_t>(request.prompts.size());
-  const int64_t longest = check_request(config, request);
+  const std::vector<std::vector<int32_t>>* history =
+      conversation && !conversation->history().empty() ? &conversation->history() : nullptr;
+  const int64_t longest = check_request(config, request, history);
 
   GenerationResult result;
   result.batch = B;
@@ -113,40 +167,69 @@ GenerationResult generate(Model& model, const GenerationRequest& request,
   };
   if (request.score_tokens) result.token_log_probs.assign(static_cast<size_t>(B), {});
   std::vector<int32_t> first_valid;
-  const std::vector<int32_t> tokens = left_pad(request.prompts, config.pad_token_id, &first_valid);
+  int64_t stored = 0;  // rows per sequence stored before the first pass
+  const std::vector<int32_t> tokens =
+      history ? continuation_pass(*history, request.prompts, config.pad_token_id, longest,
+                                  &first_valid, &stored)
+              : left_pad(request.prompts, config.pad_token_id, &first_valid);
   const int64_t capacity = longest + request.gen_len;
   std::unique_ptr<KvStore> store =
       make_store ? make_store(B, capacity)
                  : std::make_unique<KvCache>(config, B, capacity, request.kv_dtype, model.device());
   KvStore& cache = *store;
+  // Where each sequence's rows of this turn start: after its history.
+  std::vector<int32_t> turn_rows(first_valid);
+  if (history) {
+    for (int64_t b = 0; b < B; ++b) turn_rows[b] += static_cast<int32_t>((*history)[b].size());
+    cache.resume(stored, first_valid, config.num_layers,
+                 [conversation](int64_t layer, KvStore& s) { conversation->restore_layer(layer, s); });
+  }
 
   int64_t emitted = 0;  // token positions generated so far, for an interruption's message
-  return with_interrupt_context(
-      [&] {
-        auto start = std::chrono::steady_clock::now();
-        trace_step(0);
-        result.last_logits = model.prefill(tokens, first_valid, cache);
-        std::vector<int32_t> next = emit(0, result.last_logits);
-        result.prefill_seconds = seconds_since(start);
-        emitted = 1;
-        if (progress) progress(1, request.gen_len);
+  try {
+    return with_interrupt_context(
+        [&] {
+          auto start = std::chrono::steady_clock::now();
+          trace_step(0);
+          if (conversation) conversation->begin();
+          result.last_logits = history ? model.extend(tokens, cache)
+                                       : model.prefill(tokens, first_valid, cache);
+          if (conversation) {
+            cache.finish_stores();
+            cache.allocate_all();
+            conversation->after_first_pass(cache, turn_rows);
+          }
+          std::vector<int32_t> next = emit(0, result.last_logits);
+          result.prefill_seconds = seconds_since(start);
+          emitted = 1;
+          if (progress) progress(1, request.gen_len);
 
-        start = std::chrono::steady_clock::now();
-        for (int64_t step = 1; step < request.gen_len; ++step) {
-          trace_step(step);
-          result.last_logits = model.decode(next, cache);
-          next = emit(step, result.last_logits);
-          emitted = step + 1;
-          if (progress) progress(step + 1, request.gen_len);
-        }
-        result.decode_seconds = seconds_since(start);
-        return result;
-      },
-      [&] {
-        return emitted == 0 ? std::string(" during the prefill")
-                            : cat(" after ", emitted, " of ", request.gen_len,
-                                  " tokens per sequence (prefill ", result.prefill_seconds, " s)");
-      });
+          start = std::chrono::steady_clock::now();
+          for (int64_t step = 1; step < request.gen_len; ++step) {
+            trace_step(step);
+            result.last_logits = model.decode(next, cache);
+            next = emit(step, result.last_logits);
+            emitted = step + 1;
+            if (progress) progress(step + 1, request.gen_len);
+          }
+          result.decode_seconds = seconds_since(start);
+          if (conversation) {
+            cache.finish_stores();
+            conversation->finish(cache, std::vector<int32_t>(static_cast<size_t>(B),
+                                                             static_cast<int32_t>(longest)),
+                                 result.tokens);
+          }
+          return result;
+        },
+        [&] {
+          return emitted == 0 ? std::string(" during the prefill")
+                              : cat(" after ", emitted, " of ", request.gen_len,
+                                    " tokens per sequence (prefill ", result.prefill_seconds, " s)");
+        });
+  } catch (...) {
+    if (conversation) conversation->abandon();  // before the store goes
+    throw;
+  }
 }
 
 std::vector<std::vector<int32_t>> synthetic_prompts(int64_t batch, int64_t prompt_len,

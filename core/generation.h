@@ -43,6 +43,34 @@ struct GenerationResult {
   double decode_throughput() const;  // B * (gen_len - 1) / decode
 };
 
+// A conversation kept across runs (offload/session.h keeps one on disk). A run that continues
+// one appends each sequence's prompt (what is new in this turn) to its history instead of
+// computing the history again: the history's keys and values come back from the conversation
+// layer by layer while the turn's first pass runs.
+class Conversation {
+ public:
+  virtual ~Conversation() = default;
+  // Per sequence, the tokens whose keys and values the conversation holds, in order; empty for
+  // a new conversation.
+  virtual const std::vector<std::vector<int32_t>>& history() const = 0;
+  // Called before the turn's first pass; a conversation may start reading ahead here.
+  virtual void begin() {}
+  // Writes layer `layer`'s history into `store` (KvStore::resume): history token j of sequence
+  // b at row store.first_valid()[b] + j.
+  virtual void restore_layer(int64_t layer, KvStore& store) = 0;
+  // After the turn's first pass: sequence b's new rows are [rows_from[b], store.length()) and
+  // stay unchanged while later passes run (they may be saved now, in the background).
+  virtual void after_first_pass(const KvStore& store, const std::vector<int32_t>& rows_from) = 0;
+  // After the last pass, with the store's stores finished: sequence b's rows
+  // [rows_from[b], store.length()) are the decode steps', and `generated` the turn's new tokens
+  // (the last of which has no keys and values yet).
+  virtual void finish(const KvStore& store, const std::vector<int32_t>& rows_from,
+                      const std::vector<std::vector<int32_t>>& generated) = 0;
+  // The run failed or was interrupted before finish(): stop whatever reads the store, which
+  // goes next. Nothing of the turn is kept.
+  virtual void abandon() {}
+};
+
 // Called after each generated token position (1..gen_len).
 using ProgressCallback = std::function<void(int64_t done, int64_t total)>;
 // Makes the KV store of a request: (batch, capacity in tokens per sequence) -> store.
@@ -53,14 +81,20 @@ using KvStoreFactory = std::function<std::unique_ptr<KvStore>(int64_t batch, int
 // generates exactly gen_len tokens per sequence (EOS does not stop a sequence, as in FlexGen's
 // benchmarks), sampled or forced.
 // KV lives in `make_store`'s store, or in a resident KvCache on the model's device when empty.
+// With a `conversation`, request.prompts are each sequence's tokens after its history, and the
+// context check covers history and prompt together.
 GenerationResult generate(Model& model, const GenerationRequest& request,
                           const ProgressCallback& progress = {},
-                          const KvStoreFactory& make_store = {});
+                          const KvStoreFactory& make_store = {},
+                          Conversation* conversation = nullptr);
 
 // Checks `request` against the model with one-line errors (prompts present and non-empty, ids
 // in the vocabulary, gen_len >= 1, prompt plus generation within the context, forced tokens of
 // the right shape and in the vocabulary) and returns the longest prompt's length.
-int64_t check_request(const ModelConfig& config, const GenerationRequest& request);
+// With `history` (per sequence, tokens before the prompt: a resumed conversation), a sequence's
+// length is its history plus its prompt.
+int64_t check_request(const ModelConfig& config, const GenerationRequest& request,
+                      const std::vector<std::vector<int32_t>>* history = nullptr);
 // One-line Error unless a prompt of `longest` tokens plus `gen_len` generated ones fit in the
 // model's context (no overflow for lengths near the int64 limit).
 void check_context(const ModelConfig& config, int64_t longest, int64_t gen_len);

@@ -1,6 +1,8 @@
 // core: the resident KV cache.
 #include "core/kv_cache.h"
 
+#include <algorithm>
+
 #include "core/ops.h"
 
 namespace infinigen {
@@ -17,6 +19,43 @@ void KvStore::set_first_valid(std::vector<int32_t> first_valid) {
 }
 
 void KvStore::begin_pass(int64_t n_new) {
+  restore_through(0);
+  start_pass(n_new);
+}
+
+void KvStore::begin_layer(int64_t layer) {
+  restore_through(layer + 1);
+  start_layer(layer);
+}
+
+void KvStore::restore_through(int64_t layer) {
+  if (!restore_) return;
+  const int64_t last = std::min<int64_t>(layer, num_restored_layers_ - 1);
+  for (; restored_ <= last; ++restored_) restore_(restored_, *this);
+  if (restored_ >= num_restored_layers_) restore_ = nullptr;
+}
+
+void KvStore::resume(int64_t length, std::vector<int32_t> first_valid, int64_t num_layers,
+                     LayerRestorer restore) {
+  INFINIGEN_CHECK(length_ == 0, "a conversation can only be resumed into an empty KV store");
+  INFINIGEN_CHECK(length > 0 && length < capacity_, "resuming ", length,
+                  " stored tokens into a KV store of ", capacity_);
+  set_first_valid(std::move(first_valid));
+  length_ = length;
+  restore_ = std::move(restore);
+  restored_ = 0;
+  num_restored_layers_ = num_layers;
+}
+
+const void* KvStore::token_row(int64_t, size_t, int64_t, int64_t, int64_t) const {
+  fail("this KV policy's store cannot be saved in a session");
+}
+
+void KvStore::restore_layer_state(int64_t layer, const LayerState& state) {
+  INFINIGEN_CHECK(state.empty(), "layer ", layer, ": this KV policy keeps no state to restore");
+}
+
+void KvStore::start_pass(int64_t n_new) {
   INFINIGEN_CHECK(length_ + n_new <= capacity_, "KV cache full: ", length_ + n_new,
                   " tokens, capacity ", capacity_);
   pass_tokens_ = n_new;
@@ -46,6 +85,22 @@ KvStore::View KvCache::view(int64_t layer) {
   // The pass's own rows were appended already; attention reads them too.
   return {&keys_[static_cast<size_t>(layer)], &values_[static_cast<size_t>(layer)],
           length() + pass_tokens()};
+}
+
+}  // namespace infinigen
+
+namespace infinigen {
+
+std::vector<KvStore::TokenStream> KvCache::token_streams(int64_t) const {
+  if (keys_.empty() || keys_[0].device() != Device::Cpu) return {};
+  return {{"keys", dtype_, keys_[0].dim(3)}, {"values", dtype_, keys_[0].dim(3)}};
+}
+
+const void* KvCache::token_row(int64_t layer, size_t stream, int64_t b, int64_t h,
+                               int64_t t) const {
+  const Tensor& cache = (stream == 0 ? keys_ : values_)[static_cast<size_t>(layer)];
+  const int64_t offset = ((b * cache.dim(1) + h) * cache.dim(2) + t) * cache.dim(3);
+  return static_cast<const char*>(cache.raw()) + static_cast<size_t>(offset) * dtype_size(dtype_);
 }
 
 }  // namespace infinigen

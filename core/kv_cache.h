@@ -3,12 +3,18 @@
 //
 // A forward pass of n new tokens per sequence calls, in order: begin_pass(n); for each layer l:
 // begin_layer(l), observe(l, ...) with the layer's attention input and queries, append(l, k, v)
-// with the new rows, and (decode only) view(l) for what attention reads; then end_pass(n). KvCache
+// with the new rows, and (when tokens were stored before the pass) view(l) for what attention
+// reads; then end_pass(n). The first pass is the prefill (nothing stored); later ones are decode
+// steps (n = 1) or, in a resumed conversation, an extension by a new turn's tokens (n >= 1,
+// attention over everything stored plus the pass's own rows, causal). KvCache
 // keeps every layer resident on the model's device; offload/ implements stores that pool KV in host
 // memory and stage what each layer needs on the device.
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "core/model_config.h"
@@ -67,15 +73,66 @@ class KvStore {
   // the default ignores it.
   virtual void observe(int64_t layer, const AttentionInput& input) { (void)layer, (void)input; }
 
-  virtual void begin_pass(int64_t n_new);
-  virtual void begin_layer(int64_t layer) { (void)layer; }
+  // Restore what a resumed conversation needs first (layer 0, or layer + 1), then start.
+  void begin_pass(int64_t n_new);
+  void begin_layer(int64_t layer);
   // New keys and values of `layer`: rows (B * n_new, H_kv * d) fp32 on the model's device (keys
   // rotated in a rotary model), for tokens [length(), length() + n_new) of every sequence.
   virtual void append(int64_t layer, const Tensor& keys, const Tensor& values) = 0;
   virtual View view(int64_t layer) = 0;
   virtual void end_pass(int64_t n_new);
 
+  // Continuing a conversation (offload/session.h), before the first pass: `length` tokens per
+  // sequence are stored already, sequence b's real ones from first_valid[b]. `restore(l, store)`
+  // for each of the model's `num_layers` layers writes layer l's stored rows and state (through the accessors below); it is called once per
+  // layer, in order, just before a pass needs the layer (before begin_pass runs for layer 0,
+  // before begin_layer(l - 1) runs for layer l), so reading a session overlaps the pass.
+  using LayerRestorer = std::function<void(int64_t layer, KvStore& store)>;
+  virtual void resume(int64_t length, std::vector<int32_t> first_valid, int64_t num_layers,
+                      LayerRestorer restore);
+
+  // What a session saves of a store: per layer, named streams of rows per (sequence, KV head,
+  // token), `width` elements of `dtype` each ("keys" and "values" of every store that can be
+  // saved; InfiniGen adds "partial_keys"), and named tensors of layer state (InfiniGen's partial
+  // columns and query weights). A store whose policy cannot be saved lists no streams.
+  struct TokenStream {
+    std::string name;
+    DType dtype = DType::F16;
+    int64_t width = 0;
+  };
+  using LayerState = std::vector<std::pair<std::string, Tensor>>;
+  virtual std::vector<TokenStream> token_streams(int64_t layer) const {
+    (void)layer;
+    return {};
+  }
+  // Row of token t (a row index of the store, padding included) of (layer, stream, b, h), in
+  // host memory; valid while the store lives and, for tokens already stored, unchanged by later
+  // passes.
+  virtual const void* token_row(int64_t layer, size_t stream, int64_t b, int64_t h,
+                                int64_t t) const;
+  void* mutable_token_row(int64_t layer, size_t stream, int64_t b, int64_t h, int64_t t) {
+    return const_cast<void*>(std::as_const(*this).token_row(layer, stream, b, h, t));
+  }
+  virtual LayerState layer_state(int64_t layer) const { (void)layer; return {}; }
+  virtual void restore_layer_state(int64_t layer, const LayerState& state);
+  // Waits until every row a pass stored is readable through token_row.
+  virtual void finish_stores() {}
+  // Allocates every row the store can hold now, so that token_row's addresses of stored rows can
+  // be read from another thread while later passes run.
+  virtual void allocate_all() {}
+
+ protected:
+  virtual void start_pass(int64_t n_new);
+  virtual void start_layer(int64_t layer) { (void)layer; }
+  // Whether this pass extends stored tokens by more than one (a resumed conversation's turn).
+  bool extending() const { return length_ > 0 && pass_tokens_ > 1; }
+
  private:
+  // Restores layers up to `layer` that a resume has not restored yet.
+  void restore_through(int64_t layer);
+  LayerRestorer restore_;
+  int64_t restored_ = 0;  // layers restored so far
+  int64_t num_restored_layers_ = 0;
   int64_t batch_;
   int64_t capacity_;
   int64_t length_ = 0;
@@ -92,6 +149,9 @@ class KvCache : public KvStore {
   DType dtype() const { return dtype_; }
   void append(int64_t layer, const Tensor& keys, const Tensor& values) override;
   View view(int64_t layer) override;
+  std::vector<TokenStream> token_streams(int64_t layer) const override;
+  const void* token_row(int64_t layer, size_t stream, int64_t b, int64_t h,
+                        int64_t t) const override;
 
  private:
   DType dtype_;

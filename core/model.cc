@@ -2,6 +2,8 @@
 // family dispatch.
 #include "core/model.h"
 
+#include <algorithm>
+
 #include "core/model_family.h"
 #include "core/ops.h"
 #include "core/trace.h"
@@ -57,8 +59,33 @@ void Model::attend(int64_t layer, const Tensor& q, const Tensor& k, const Tensor
     return;
   }
   const KvStore::View kv = cache.view(layer);
-  ops::attention_decode(q, *kv.keys, *kv.values, out, kv.length,
-                        kv.first_valid ? *kv.first_valid : cache.first_valid());
+  const std::vector<int32_t>& first_valid = kv.first_valid ? *kv.first_valid : cache.first_valid();
+  const int64_t n = cache.pass_tokens();
+  if (n == 1) {
+    ops::attention_decode(q, *kv.keys, *kv.values, out, kv.length, first_valid);
+    return;
+  }
+  // Extension by n rows: row i of each sequence attends to the rows before it and itself, one
+  // decode-shaped attention per row (B rows of q gathered, the view's length cut at the row). A
+  // padding row attends to itself alone; nothing reads its output.
+  const int64_t B = cache.batch(), width = q.dim(1);
+  const size_t row_bytes = static_cast<size_t>(width) * sizeof(float);
+  Tensor q_row = Tensor::empty({B, width}, DType::F32, device_);
+  Tensor out_row = Tensor::empty({B, width}, DType::F32, device_);
+  std::vector<int32_t> row_first_valid(first_valid.size());
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t length = kv.length - n + i + 1;
+    for (int64_t b = 0; b < B; ++b) {
+      device_copy(static_cast<char*>(q_row.raw()) + b * row_bytes, device_,
+                  static_cast<const char*>(q.raw()) + (b * n + i) * row_bytes, device_, row_bytes);
+      row_first_valid[b] = static_cast<int32_t>(std::min<int64_t>(first_valid[b], length - 1));
+    }
+    ops::attention_decode(q_row, *kv.keys, *kv.values, out_row, length, row_first_valid);
+    for (int64_t b = 0; b < B; ++b) {
+      device_copy(static_cast<char*>(out.raw()) + (b * n + i) * row_bytes, device_,
+                  static_cast<const char*>(out_row.raw()) + b * row_bytes, device_, row_bytes);
+    }
+  }
 }
 
 const Tensor& Model::attention_skew(int64_t l) const {
@@ -83,6 +110,20 @@ Tensor Model::prefill(const std::vector<int32_t>& tokens, const std::vector<int3
     INFINIGEN_CHECK(start >= 0 && start < n, "prefill: every sequence needs at least one token");
   }
   cache.set_first_valid(first_valid);
+  return run_pass(tokens, cache, all_positions);
+}
+
+Tensor Model::extend(const std::vector<int32_t>& tokens, KvStore& cache) {
+  const int64_t B = cache.batch();
+  INFINIGEN_CHECK(cache.length() > 0, "extend needs a KV cache that holds tokens");
+  INFINIGEN_CHECK(!tokens.empty() && static_cast<int64_t>(tokens.size()) % B == 0, "extend: ",
+                  tokens.size(), " tokens do not form a batch of ", B);
+  return run_pass(tokens, cache, false);
+}
+
+Tensor Model::run_pass(const std::vector<int32_t>& tokens, KvStore& cache, bool all_positions) {
+  const int64_t B = cache.batch();
+  const int64_t n = static_cast<int64_t>(tokens.size()) / B;
   trace_layer(-1);
   const Tensor hidden = forward(tokens, n, cache);  // (B*n, D)
   trace_layer(-1);

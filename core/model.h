@@ -44,6 +44,11 @@ class Model {
                  KvStore& cache, bool all_positions = false);
   // Appends one token per sequence, tokens (B); returns fp32 logits (B, V) on the CPU.
   Tensor decode(const std::vector<int32_t>& tokens, KvStore& cache);
+  // Appends n tokens per sequence to a cache that holds some already (a resumed conversation),
+  // tokens (B, n) row-major, padding rows where a row is before the sequence's first_valid;
+  // attention is over everything stored plus the new rows, causal. Returns fp32 logits (B, V)
+  // of each sequence's last token.
+  Tensor extend(const std::vector<int32_t>& tokens, KvStore& cache);
 
  protected:
   // `weights` holds the globals; its layers come from `layers` (resident in `weights` when null).
@@ -63,7 +68,7 @@ class Model {
                                               int32_t padding);
   // A layer's attention into out (B * n_new, H * d): over the new rows alone at prefill (causal,
   // left padding masked; q (B * n_new, H * d), k and v (B * n_new, H_kv * d)), else over what
-  // the cache's view of the layer holds.
+  // the cache's view of the layer holds (causal among the pass's own rows).
   void attend(int64_t layer, const Tensor& q, const Tensor& k, const Tensor& v, KvStore& cache,
               Tensor& out) const;
 
@@ -77,6 +82,10 @@ class Model {
   Device device_;
 
  private:
+  // Runs a pass of the n = tokens / B new tokens per sequence and returns fp32 logits: (B, V)
+  // of each sequence's last row, or (B, n, V) when `all_positions`.
+  Tensor run_pass(const std::vector<int32_t>& tokens, KvStore& cache, bool all_positions);
+
   ModelWeights weights_;
   std::unique_ptr<LayerWeightSource> layers_;
 };

@@ -154,13 +154,13 @@ std::vector<int32_t> H2oKv::kept_tokens(int64_t layer, int64_t b, int64_t h) con
           tokens_.begin() + static_cast<std::ptrdiff_t>(entry(layer, b, h, slots_))};
 }
 
-void H2oKv::begin_pass(int64_t n_new) {
+void H2oKv::start_pass(int64_t n_new) {
   INFINIGEN_CHECK(length() == 0 || n_new == 1, "h2o: decode passes take one token, got ", n_new);
   for (int64_t b = 0; b < batch(); ++b) {
     view_first_valid_[static_cast<size_t>(b)] =
         static_cast<int32_t>(slots_ - count_[static_cast<size_t>(b)]);
   }
-  PipelinedKv::begin_pass(n_new);
+  PipelinedKv::start_pass(n_new);
 }
 
 void H2oKv::issue_load(int64_t layer) {

@@ -71,7 +71,7 @@ class H2oKv : public PipelinedKv {
         double budget, TransferEngine& engine, OffloadStats& stats);
   ~H2oKv() override;
 
-  void begin_pass(int64_t n_new) override;
+  void start_pass(int64_t n_new) override;
   void observe(int64_t layer, const AttentionInput& input) override;
   void append(int64_t layer, const Tensor& keys, const Tensor& values) override;
   View view(int64_t layer) override;

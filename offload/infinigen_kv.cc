@@ -51,7 +51,10 @@ const KvPolicy& infinigen_kv_policy() {
                                              o.kv_block_tokens, a.engine, a.stats, o.speculation,
                                              o.check_recall,
                                              KvPoolLimit{a.pool_positions, o.eviction}, a.replay);
-      }};
+      },
+      /*resumable=*/true,
+      // The saved partial keys and columns depend on these.
+      {"partial_ratio", "partial_key_dtype", "dense_layers"}};
   return policy;
 }
 
@@ -97,9 +100,9 @@ int32_t InfinigenKv::token_at(int64_t layer, int64_t b, int64_t h, int64_t posit
                          [static_cast<size_t>((b * kv_heads_ + h) * slots_ + position)];
 }
 
-void InfinigenKv::begin_layer(int64_t layer) {
+void InfinigenKv::start_layer(int64_t layer) {
   // Dense layers are loaded one layer ahead, as `full` does; speculated ones from observe().
-  if (dense(layer + 1)) OffloadedKv::begin_layer(layer);
+  if (extending() || dense(layer + 1)) OffloadedKv::start_layer(layer);
 }
 
 void InfinigenKv::issue_load(int64_t layer) {
@@ -117,6 +120,7 @@ void InfinigenKv::observe(int64_t layer, const AttentionInput& input) {
     prefill_input_.emplace(input);
     return;
   }
+  if (extending()) return;  // every layer is loaded whole; nothing to speculate
   if (check_recall_ || limited()) decode_queries_ = input.queries;
   // Speculate the next layer's attention from this layer's input, and start its load.
   if (layer + 1 < static_cast<int64_t>(partial_.size()) && !dense(layer + 1)) {
@@ -144,6 +148,8 @@ void InfinigenKv::append(int64_t layer, const Tensor& keys, const Tensor& values
   }
   if (!compact(layer)) {
     OffloadedKv::append(layer, keys, values);
+    if (extending() && !dense(layer)) partial_[l].append(keys, length());
+    if (extending()) prompt_tokens_ = length() + pass_tokens();
     return;
   }
   // The new token goes after the staged rows (row n'), and to the pool and partial key cache.
@@ -445,6 +451,43 @@ double InfinigenKv::measure_recall(int64_t layer) const {
     }
   }
   return total_recall / static_cast<double>(B * heads_);
+}
+
+void InfinigenKv::resume(int64_t length, std::vector<int32_t> first_valid, int64_t num_layers,
+                         LayerRestorer restore) {
+  INFINIGEN_CHECK(!limited(), "a conversation cannot be resumed under ", option("kv_pool_limit"),
+                  " yet");
+  OffloadedKv::resume(length, std::move(first_valid), num_layers, std::move(restore));
+}
+
+std::vector<KvStore::TokenStream> InfinigenKv::token_streams(int64_t layer) const {
+  if (limited()) return {};  // positions, not tokens: not saved yet
+  std::vector<TokenStream> streams = OffloadedKv::token_streams(layer);
+  if (!dense(layer)) {
+    streams.push_back({"partial_keys", options_.partial_key_dtype,
+                       partial_columns(options_.partial_ratio, head_dim_)});
+  }
+  return streams;
+}
+
+const void* InfinigenKv::token_row(int64_t layer, size_t stream, int64_t b, int64_t h,
+                                   int64_t t) const {
+  if (stream < 2) return OffloadedKv::token_row(layer, stream, b, h, t);
+  return partial_[static_cast<size_t>(layer)].key_row(b, h, t);
+}
+
+KvStore::LayerState InfinigenKv::layer_state(int64_t layer) const {
+  return dense(layer) ? LayerState{} : partial_[static_cast<size_t>(layer)].state();
+}
+
+void InfinigenKv::restore_layer_state(int64_t layer, const LayerState& state) {
+  if (dense(layer)) {
+    KvStore::restore_layer_state(layer, state);
+    return;
+  }
+  INFINIGEN_CHECK(!state.empty(), "layer ", layer, ": the session keeps no speculation state");
+  partial_[static_cast<size_t>(layer)].restore(state, batch(), heads_, kv_heads_, head_dim_,
+                                               slots_, options_.partial_key_dtype);
 }
 
 }  // namespace infinigen

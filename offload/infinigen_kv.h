@@ -41,10 +41,17 @@ class InfinigenKv : public OffloadedKv {
               const SpeculationOptions& options, bool check_recall, const KvPoolLimit& limit = {},
               const FetchReplay* replay = nullptr);
 
-  void begin_layer(int64_t layer) override;
+  void start_layer(int64_t layer) override;
   void observe(int64_t layer, const AttentionInput& input) override;
   void append(int64_t layer, const Tensor& keys, const Tensor& values) override;
   View view(int64_t layer) override;
+  void resume(int64_t length, std::vector<int32_t> first_valid, int64_t num_layers,
+              LayerRestorer restore) override;
+  std::vector<TokenStream> token_streams(int64_t layer) const override;
+  const void* token_row(int64_t layer, size_t stream, int64_t b, int64_t h,
+                        int64_t t) const override;
+  LayerState layer_state(int64_t layer) const override;
+  void restore_layer_state(int64_t layer, const LayerState& state) override;
 
   // Inspection (tests): a speculated layer's partial state, and the token at a pool position
   // of (b, h) (the position itself without a pool limit; -1 when empty).
@@ -59,7 +66,9 @@ class InfinigenKv : public OffloadedKv {
   bool limited() const { return slots_ < capacity(); }
   int64_t used_positions() const { return std::min(length(), slots_); }
   // Compact views are used by speculated layers, and by every layer under a pool limit.
-  bool compact(int64_t layer) const { return limited() || !dense(layer); }
+  // An extension (a resumed turn's first pass) loads every layer whole, as a prefill attends
+  // to everything.
+  bool compact(int64_t layer) const { return !extending() && (limited() || !dense(layer)); }
   // Speculates layer `layer` from the previous layer's attention input `x` (B, D), the new
   // tokens at rotary positions `positions` (B), and enqueues the load of what it selects.
   void select_and_load(int64_t layer, const Tensor& x, const std::vector<int32_t>& positions);

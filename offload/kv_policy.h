@@ -63,6 +63,10 @@ struct KvPolicy {
   // KV bytes of a planned request (sizes saturate: a request's sizes come from the user).
   KvMemory (*memory)(const MemoryRequest& request) = nullptr;
   std::unique_ptr<KvStore> (*make_store)(const KvStoreArgs& args) = nullptr;
+  // Whether its store can be saved in a session and resumed (offload/session.h), and the keys of
+  // the options a session's turns must keep (what its saved state depends on).
+  bool resumable = false;
+  std::vector<std::string> session_options = {};
 };
 
 // Every registered policy, in the order help texts list them.

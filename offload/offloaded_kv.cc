@@ -23,7 +23,8 @@ const KvPolicy& full_kv_policy() {
       [](const KvStoreArgs& a) -> std::unique_ptr<KvStore> {
         return std::make_unique<OffloadedKv>(a.config, a.batch, a.capacity, a.kv_dtype, a.device,
                                              a.options.kv_block_tokens, a.engine, a.stats);
-      }};
+      },
+      /*resumable=*/true};
   return policy;
 }
 
@@ -44,7 +45,8 @@ const KvPolicy& gpu_kv_policy() {
       [](const KvStoreArgs& a) -> std::unique_ptr<KvStore> {
         return std::make_unique<ResidentKv>(a.config, a.batch, a.capacity, a.kv_dtype, a.device,
                                             a.engine, a.stats);
-      }};
+      },
+      /*resumable=*/true};
   return policy;
 }
 
@@ -107,11 +109,33 @@ void OffloadedKv::append(int64_t layer, const Tensor& keys, const Tensor& values
     issue_store(layer, staging_keys_[p], staging_values_[p], 0, pass_tokens());
     return;
   }
-  // Decode: the new row joins this step's staging (attention reads it) and goes to the pool from
-  // the store buffer, which the store of layer - 2 has finished reading.
+  // Decode: the new rows join this step's staging (attention reads them). One row goes to the
+  // pool from the store buffer, which the store of layer - 2 has finished reading; the rows of an
+  // extension go from staging[p], and are in the pool before the load of layer + 2 overwrites it.
   ops::cache_store(keys, staging_keys_[p], length());
   ops::cache_store(values, staging_values_[p], length());
-  store_new_token(layer, keys, values);
+  if (pass_tokens() == 1) {
+    store_new_token(layer, keys, values);
+    return;
+  }
+  issue_store(layer, staging_keys_[p], staging_values_[p], length(), pass_tokens());
+  stored_[static_cast<size_t>(layer)]->wait();
+}
+
+void OffloadedKv::resume(int64_t length, std::vector<int32_t> first_valid, int64_t num_layers,
+                         LayerRestorer restore) {
+  PipelinedKv::resume(length, std::move(first_valid), num_layers, std::move(restore));
+  pool_.reserve(length);
+}
+
+std::vector<KvStore::TokenStream> OffloadedKv::token_streams(int64_t) const {
+  const KvPoolShape& s = pool_.shape();
+  return {{"keys", s.dtype, s.head_dim}, {"values", s.dtype, s.head_dim}};
+}
+
+const void* OffloadedKv::token_row(int64_t layer, size_t stream, int64_t b, int64_t h,
+                                   int64_t t) const {
+  return pool_.row(layer, stream == 0 ? KvKind::Key : KvKind::Value, b, h, t);
 }
 
 void OffloadedKv::store_new_token(int64_t layer, const Tensor& keys, const Tensor& values) {
@@ -150,8 +174,8 @@ ResidentKv::ResidentKv(const ModelConfig& config, int64_t batch, int64_t capacit
       engine_(engine),
       stats_(stats) {}
 
-void ResidentKv::begin_pass(int64_t n_new) {
-  KvCache::begin_pass(n_new);
+void ResidentKv::start_pass(int64_t n_new) {
+  KvCache::start_pass(n_new);
   stats_.begin_step(num_layers_, engine_.counters());
 }
 

@@ -35,6 +35,13 @@ class OffloadedKv : public PipelinedKv {
 
   void append(int64_t layer, const Tensor& keys, const Tensor& values) override;
   View view(int64_t layer) override;
+  void resume(int64_t length, std::vector<int32_t> first_valid, int64_t num_layers,
+              LayerRestorer restore) override;
+  std::vector<TokenStream> token_streams(int64_t layer) const override;
+  const void* token_row(int64_t layer, size_t stream, int64_t b, int64_t h,
+                        int64_t t) const override;
+  void finish_stores() override { engine_.synchronize_stores(); }
+  void allocate_all() override { pool_.reserve(pool_.shape().max_tokens); }
 
   const KvPool& pool() const { return pool_; }
 
@@ -63,7 +70,7 @@ class ResidentKv : public KvCache {
  public:
   ResidentKv(const ModelConfig& config, int64_t batch, int64_t capacity, DType kv_dtype,
              Device device, TransferEngine& engine, OffloadStats& stats);
-  void begin_pass(int64_t n_new) override;
+  void start_pass(int64_t n_new) override;
   void end_pass(int64_t n_new) override;
 
  private:

@@ -14,13 +14,13 @@ PipelinedKv::PipelinedKv(int64_t batch, int64_t capacity, int64_t num_layers,
       loaded_(static_cast<size_t>(num_layers), completed_event()),
       stored_(static_cast<size_t>(num_layers), completed_event()) {}
 
-void PipelinedKv::begin_pass(int64_t n_new) {
-  KvStore::begin_pass(n_new);
+void PipelinedKv::start_pass(int64_t n_new) {
+  KvStore::start_pass(n_new);
   stats_.begin_step(num_layers_, engine_.counters());
   if (length() > 0) issue_load(0);  // decode: layer 0's KV starts moving before the embedding
 }
 
-void PipelinedKv::begin_layer(int64_t layer) {
+void PipelinedKv::start_layer(int64_t layer) {
   // While this layer computes, the next layer's KV moves into the other staging buffer (which
   // layer - 1 has finished reading: compute runs in order).
   if (length() > 0 && layer + 1 < num_layers_) issue_load(layer + 1);

@@ -23,8 +23,8 @@ class PipelinedKv : public KvStore {
   PipelinedKv(int64_t batch, int64_t capacity, int64_t num_layers, TransferEngine& engine,
               OffloadStats& stats);
 
-  void begin_pass(int64_t n_new) override;
-  void begin_layer(int64_t layer) override;
+  void start_pass(int64_t n_new) override;
+  void start_layer(int64_t layer) override;
   void end_pass(int64_t n_new) override;
 
  protected:

@@ -84,7 +84,7 @@ namespace {
 void generate_offloaded(const ModelSource& source, const GenerationRequest& request,
                         const OffloadOptions& options, Device device, int64_t pool_positions,
                         const FetchReplay* replay, const ProgressCallback& progress,
-                        OffloadRun& run) {
+                        OffloadRun& run, Conversation* conversation = nullptr) {
   const ModelConfig& config = source.config;
   // Weights: load to the host, then place (FlexGen's per-tensor rule).
   ModelWeights weights = with_interrupt_context([&] { return load_weights(source, Device::Cpu); },
@@ -105,7 +105,7 @@ void generate_offloaded(const ModelSource& source, const GenerationRequest& requ
     return policy.make_store({config, batch, capacity, request.kv_dtype, device, options,
                               pool_positions, engine, run.stats, replay});
   };
-  run.result = generate(*model, request, progress, make_store);
+  run.result = generate(*model, request, progress, make_store, conversation);
   engine.synchronize();
   run.totals = engine.counters();
 }
@@ -133,9 +133,11 @@ Trace dry_run_trace(const ModelConfig& config, const GenerationRequest& request,
 
 OffloadRun run_offloaded(const ModelSource& source, const GenerationRequest& request,
                          const OffloadOptions& options, Device device,
-                         const ProgressCallback& progress) {
+                         const ProgressCallback& progress, Conversation* conversation) {
   const ModelConfig& config = source.config;
-  const int64_t longest = check_request(config, request);
+  const int64_t longest = check_request(
+      config, request,
+      conversation && !conversation->history().empty() ? &conversation->history() : nullptr);
   const MemoryRequest memory =
       offload_memory_request(config, static_cast<int64_t>(request.prompts.size()), longest,
                              request.gen_len, request.kv_dtype, options);
@@ -144,7 +146,7 @@ OffloadRun run_offloaded(const ModelSource& source, const GenerationRequest& req
 
   try {
     generate_offloaded(source, request, options, device, memory.kv_pool_tokens, nullptr, progress,
-                       run);
+                       run, conversation);
   } catch (const PinnedAllocationError& e) {
     fail(e.message(), "; ", plan_within_pinned(memory, options, device, e.pinned_before()));
   }

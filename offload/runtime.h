@@ -53,8 +53,11 @@ Trace dry_run_trace(const ModelConfig& config, const GenerationRequest& request,
 
 // Plans memory for `request` (throws a one-line Error with a configuration that would fit when it
 // cannot), loads the weights with their placement, and generates.
+// With a `conversation`, the run continues it (core/generation.h): request.prompts are what
+// follows each sequence's history, and the plan covers history and prompt.
 OffloadRun run_offloaded(const ModelSource& source, const GenerationRequest& request,
                          const OffloadOptions& options, Device device,
-                         const ProgressCallback& progress = {});
+                         const ProgressCallback& progress = {},
+                         Conversation* conversation = nullptr);
 
 }  // namespace infinigen

@@ -181,24 +181,7 @@ void PartialLayer::build(const PartialSource& source, const std::vector<int32_t>
     }
   }
 
-  // The query dimensions each KV head's partial queries depend on: every one under a skew, else
-  // its columns, with their rotary pairs (c, c +- d/2) when rotated.
-  for (int64_t g = 0; g < kv_heads_; ++g) {
-    std::vector<char> used(static_cast<size_t>(d), skewed ? 1 : 0);
-    for (int64_t j = 0; j < r_ && !skewed; ++j) {
-      const int32_t c = columns_[static_cast<size_t>(g * r_ + j)];
-      used[static_cast<size_t>(c)] = 1;
-      if (rotary) used[static_cast<size_t>((c + d / 2) % d)] = 1;
-    }
-    for (int32_t c = 0; c < d; ++c) {
-      if (used[static_cast<size_t>(c)]) needed_[static_cast<size_t>(g)].push_back(c);
-    }
-  }
-  head_rows_.assign(static_cast<size_t>(heads_ + 1), 0);
-  for (int64_t h = 0; h < heads_; ++h) {
-    head_rows_[static_cast<size_t>(h + 1)] =
-        head_rows_[static_cast<size_t>(h)] + std::ssize(needed_[static_cast<size_t>(h / group_)]);
-  }
+  derive_needed_rows(rotary, skewed);
   // Partial query weights: the needed rows of W_q (HF layout: rows are output features), in its
   // own dtype, and their biases.
   const int64_t rows = head_rows_.back();
@@ -246,6 +229,29 @@ void PartialLayer::build(const PartialSource& source, const std::vector<int32_t>
   }
 }
 
+void PartialLayer::derive_needed_rows(bool rotary, bool skewed) {
+  const int64_t d = head_dim_;
+  needed_.assign(static_cast<size_t>(kv_heads_), {});
+  // The query dimensions each KV head's partial queries depend on: every one under a skew, else
+  // its columns, with their rotary pairs (c, c +- d/2) when rotated.
+  for (int64_t g = 0; g < kv_heads_; ++g) {
+    std::vector<char> used(static_cast<size_t>(d), skewed ? 1 : 0);
+    for (int64_t j = 0; j < r_ && !skewed; ++j) {
+      const int32_t c = columns_[static_cast<size_t>(g * r_ + j)];
+      used[static_cast<size_t>(c)] = 1;
+      if (rotary) used[static_cast<size_t>((c + d / 2) % d)] = 1;
+    }
+    for (int32_t c = 0; c < d; ++c) {
+      if (used[static_cast<size_t>(c)]) needed_[static_cast<size_t>(g)].push_back(c);
+    }
+  }
+  head_rows_.assign(static_cast<size_t>(heads_ + 1), 0);
+  for (int64_t h = 0; h < heads_; ++h) {
+    head_rows_[static_cast<size_t>(h + 1)] =
+        head_rows_[static_cast<size_t>(h)] + std::ssize(needed_[static_cast<size_t>(h / group_)]);
+  }
+}
+
 void PartialLayer::partial_of(const float* key, int64_t g, float* out) const {
   const int32_t* cols = columns_.data() + g * r_;
   if (skew_.empty()) {
@@ -266,16 +272,19 @@ void PartialLayer::append(const Tensor& keys, int64_t position,
   if (traced("partial_append", {batch_, kv_heads_, r_}, key_dtype_)) return;
   const Tensor host = keys.to(Device::Cpu);
   const float* k = host.data<float>();
-  const int64_t KV = kv_heads_ * head_dim_;
+  const int64_t KV = kv_heads_ * head_dim_, n = keys.dim(0) / batch_;
+  INFINIGEN_CHECK(!positions || n == 1, "partial keys at given positions come one per sequence");
   std::vector<float> row(static_cast<size_t>(r_));
   for (int64_t b = 0; b < batch_; ++b) {
     for (int64_t g = 0; g < kv_heads_; ++g) {
-      const int64_t at =
-          positions ? (*positions)[static_cast<size_t>(b * kv_heads_ + g)] : position;
-      INFINIGEN_CHECK(at >= 0 && at < capacity_, "partial key cache position ", at, " outside its ",
-                      capacity_, " positions");
-      partial_of(k + b * KV + g * head_dim_, g, row.data());
-      write_key(key_offset(b, g, at), row.data());
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t at =
+            positions ? (*positions)[static_cast<size_t>(b * kv_heads_ + g)] : position + i;
+        INFINIGEN_CHECK(at >= 0 && at < capacity_, "partial key cache position ", at,
+                        " outside its ", capacity_, " positions");
+        partial_of(k + (b * n + i) * KV + g * head_dim_, g, row.data());
+        write_key(key_offset(b, g, at), row.data());
+      }
     }
   }
 }
@@ -487,6 +496,77 @@ PartialLayer::Selection PartialLayer::select(const std::vector<float>& logits, i
     std::copy_n(order.begin(), take, sel.tokens.begin() + row * sel.fetch);
   }
   return sel;
+}
+
+std::vector<std::pair<std::string, Tensor>> PartialLayer::state() const {
+  Tensor columns = Tensor::empty({kv_heads_, r_}, DType::I32);
+  std::copy(columns_.begin(), columns_.end(), columns.data<int32_t>());
+  std::vector<std::pair<std::string, Tensor>> state = {
+      {"partial_columns", std::move(columns)}, {"partial_weight", weight_}, {"partial_bias", bias_}};
+  if (!skew_.empty()) {
+    Tensor skew = Tensor::empty({kv_heads_, head_dim_, head_dim_}, DType::F32);
+    std::copy(skew_.begin(), skew_.end(), skew.data<float>());
+    state.emplace_back("partial_skew", std::move(skew));
+  }
+  if (!inv_freq_.empty()) {
+    Tensor freq = Tensor::empty({head_dim_ / 2}, DType::F32);
+    std::copy(inv_freq_.begin(), inv_freq_.end(), freq.data<float>());
+    state.emplace_back("partial_inv_freq", std::move(freq));
+  }
+  return state;
+}
+
+void PartialLayer::restore(const std::vector<std::pair<std::string, Tensor>>& state, int64_t batch,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                           int64_t capacity, DType key_dtype) {
+  const auto find = [&](const char* name) -> const Tensor* {
+    for (const auto& [key, tensor] : state) {
+      if (key == name) return &tensor;
+    }
+    return nullptr;
+  };
+  const Tensor* columns = find("partial_columns");
+  const Tensor* weight = find("partial_weight");
+  const Tensor* bias = find("partial_bias");
+  const Tensor* skew = find("partial_skew");
+  const Tensor* freq = find("partial_inv_freq");
+  INFINIGEN_CHECK(columns && weight && bias, "speculation state lacks partial_columns, "
+                  "partial_weight or partial_bias");
+  INFINIGEN_CHECK(columns->dtype() == DType::I32 && columns->rank() == 2 &&
+                      columns->dim(0) == num_kv_heads && columns->dim(1) >= 1 &&
+                      columns->dim(1) <= head_dim,
+                  "speculation state: partial_columns of shape ", shape_string(columns->shape()),
+                  " do not fit ", num_kv_heads, " KV heads of ", head_dim);
+  batch_ = batch;
+  heads_ = num_heads;
+  kv_heads_ = num_kv_heads;
+  group_ = num_heads / num_kv_heads;
+  head_dim_ = head_dim;
+  capacity_ = capacity;
+  r_ = columns->dim(1);
+  key_dtype_ = key_dtype;
+  columns_.assign(columns->data<int32_t>(), columns->data<int32_t>() + columns->numel());
+  for (int32_t c : columns_) {
+    INFINIGEN_CHECK(c >= 0 && c < head_dim, "speculation state: partial column ", c,
+                    " outside a head of ", head_dim);
+  }
+  INFINIGEN_CHECK(!skew || skew->shape() == Shape({num_kv_heads, head_dim, head_dim}),
+                  "speculation state: partial_skew does not fit the model");
+  INFINIGEN_CHECK(!freq || freq->numel() * 2 == head_dim,
+                  "speculation state: partial_inv_freq does not fit the model");
+  skew_.assign(skew ? skew->data<float>() : nullptr,
+               skew ? skew->data<float>() + skew->numel() : nullptr);
+  inv_freq_.assign(freq ? freq->data<float>() : nullptr,
+                   freq ? freq->data<float>() + freq->numel() : nullptr);
+  derive_needed_rows(freq != nullptr, skew != nullptr);
+  INFINIGEN_CHECK(weight->rank() == 2 && weight->dim(0) == head_rows_.back() &&
+                      bias->dtype() == DType::F32 && bias->numel() == head_rows_.back(),
+                  "speculation state: partial weights of shape ", shape_string(weight->shape()),
+                  " do not fit its columns (", head_rows_.back(), " rows)");
+  weight_ = *weight;
+  bias_ = *bias;
+  keys_.assign(static_cast<size_t>(batch_ * kv_heads_ * capacity_ * r_) * dtype_size(key_dtype_),
+               0);
 }
 
 }  // namespace infinigen

@@ -20,6 +20,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/dtype.h"
@@ -152,6 +153,22 @@ class PartialLayer {
   // The partial key of a full key row (d) of KV head g: its skewed partial columns.
   void partial_of(const float* key, int64_t g, float* out) const;
 
+  // What a session keeps of the layer besides its partial keys: "partial_columns" (H_kv, r) i32,
+  // "partial_weight" (rows, D), "partial_bias" (rows) fp32, and "partial_skew" (H_kv, d, d) and
+  // "partial_inv_freq" (d / 2) fp32 when the layer has them.
+  std::vector<std::pair<std::string, Tensor>> state() const;
+  // The layer as state() described it, for a batch of `batch` with `capacity` positions, its
+  // partial keys still to be written (key_row). One-line Error when the state does not fit the
+  // shapes given.
+  void restore(const std::vector<std::pair<std::string, Tensor>>& state, int64_t batch,
+               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t capacity,
+               DType key_dtype);
+  // The r partial key elements (in the key dtype) at `position` of (b, g).
+  const void* key_row(int64_t b, int64_t g, int64_t position) const {
+    return keys_.data() + key_offset(b, g, position);
+  }
+  DType key_dtype() const { return key_dtype_; }
+
  private:
   int64_t batch_ = 0, heads_ = 0, kv_heads_ = 0, group_ = 1, head_dim_ = 0, capacity_ = 0, r_ = 0;
   std::vector<int32_t> columns_;  // (H_kv, r), ascending within a KV head
@@ -171,6 +188,9 @@ class PartialLayer {
     return static_cast<size_t>(((b * kv_heads_ + g) * capacity_ + p) * r_) * dtype_size(key_dtype_);
   }
   void write_key(size_t offset, const float* values);
+  // needed_ and head_rows_ from the columns: every query dimension under a skew, else the
+  // columns with their rotary pairs when rotated.
+  void derive_needed_rows(bool rotary, bool skewed);
   // The partial query (r, scaled) of head h of sequence b from its needed rows `rows`.
   void partial_query(const float* rows, int64_t h, int32_t rope_position, float* out) const;
   // A dry run's selection: sequence b takes its first take[b] valid positions.

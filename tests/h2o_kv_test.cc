@@ -81,12 +81,12 @@ class H2o : public testing_util::OptTinyTest {
     void observe(int64_t layer, const AttentionInput& input) override {
       inner_.observe(layer, input);
     }
-    void begin_pass(int64_t n_new) override {
+    void start_pass(int64_t n_new) override {
       inner_.set_first_valid(first_valid());
-      KvStore::begin_pass(n_new);
+      KvStore::start_pass(n_new);
       inner_.begin_pass(n_new);
     }
-    void begin_layer(int64_t layer) override { inner_.begin_layer(layer); }
+    void start_layer(int64_t layer) override { inner_.begin_layer(layer); }
     void append(int64_t layer, const Tensor& keys, const Tensor& values) override {
       inner_.append(layer, keys, values);
     }

@@ -6,7 +6,7 @@ set -euo pipefail
 
 packages=(
   build-essential cmake ninja-build pkg-config git
-  libeigen3-dev libcli11-dev libyaml-cpp-dev nlohmann-json3-dev libpcre2-dev libicu-dev
+  libeigen3-dev libcli11-dev libyaml-cpp-dev nlohmann-json3-dev libpcre2-dev libicu-dev zlib1g-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   python3-matplotlib
   clang libclang-rt-dev libomp-dev

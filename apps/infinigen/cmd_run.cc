@@ -14,6 +14,7 @@
 #include "core/generation.h"
 #include "core/model_loader.h"
 #include "offload/runtime.h"
+#include "offload/session.h"
 
 namespace infinigen::cli {
 namespace {
@@ -47,6 +48,8 @@ struct RunOptions {
   bool stats = false;
   bool debug_nan = false;
   bool dry_run = false;
+  std::string session;  // a new session saved here after the run
+  std::string resume;   // a session continued (and saved back)
   OffloadOptions offload;  // defaults, help and flags from offload_option_table()
 };
 
@@ -70,10 +73,20 @@ struct PromptPlan {
   std::vector<std::vector<int32_t>> texts;  // empty for synthetic prompts
 };
 
-PromptPlan plan_prompts(const RunOptions& o, const ModelSource& loaded) {
+// `session`: a resumed session, whose conversations the prompts continue: one per conversation
+// (or one for all), without BOS.
+PromptPlan plan_prompts(const RunOptions& o, const ModelSource& loaded,
+                        const DiskSession* session = nullptr) {
   PromptPlan plan;
+  if (session) {
+    INFINIGEN_CHECK(!o.batch_given || o.batch == session->batch(), "--batch ", o.batch, ": ",
+                    o.resume, " holds ", session->batch(), " conversations");
+    INFINIGEN_CHECK(!o.prompt.empty() || !o.prompt_file.empty() || o.prompt_len > 0,
+                    "--resume needs the new turn's prompt: --prompt, --prompt-file or "
+                    "--prompt-len");
+  }
   if (o.prompt_len > 0) {
-    plan.batch = std::max<int64_t>(o.batch, 1);
+    plan.batch = session ? session->batch() : std::max<int64_t>(o.batch, 1);
     plan.longest = o.prompt_len;
     return plan;
   }
@@ -89,11 +102,18 @@ PromptPlan plan_prompts(const RunOptions& o, const ModelSource& loaded) {
                   " has no tokenizer (tokenizer.json, or vocab.json and merges.txt): use "
                   "--prompt-len N");
   plan.batch = o.batch > 0 ? o.batch : static_cast<int64_t>(texts.size());
+  if (session) {
+    INFINIGEN_CHECK(texts.size() == 1 || std::ssize(texts) == session->batch(), "--prompt-file ",
+                    o.prompt_file, ": ", texts.size(), " prompts for a session of ",
+                    session->batch(), " conversations (give one, or one per conversation)");
+    plan.batch = session->batch();
+  }
   // Sequence b uses text b % texts; a batch smaller than the file uses only its first texts.
   texts.resize(static_cast<size_t>(std::min<int64_t>(plan.batch, std::ssize(texts))));
   for (const std::string& text : texts) {
     std::vector<int32_t> ids;
-    if (const std::optional<int32_t> bos = prompt_bos(loaded)) ids.push_back(*bos);
+    const std::optional<int32_t> bos = prompt_bos(loaded);
+    if (bos && !session) ids.push_back(*bos);
     const std::vector<int32_t> text_ids = loaded.tokenizer->encode(text);
     ids.insert(ids.end(), text_ids.begin(), text_ids.end());
     plan.longest = std::max<int64_t>(plan.longest, std::ssize(ids));
@@ -170,25 +190,61 @@ int run(const RunOptions& o) {
 
   // Every size the user gave is checked against the context and the memory plan before anything
   // proportional to it is built: a refusal comes at once, whatever the size.
-  const PromptPlan prompt_plan = plan_prompts(o, loaded);
-  check_context(loaded.config, prompt_plan.longest, o.gen_len);
-  const MemoryPlan plan =
-      plan_offloaded_run(offload_memory_request(loaded.config, prompt_plan.batch,
-                                                prompt_plan.longest, o.gen_len, kv_dtype, offload),
-                         offload, device);
+  // A session continued, or a new one: its key (model, policy, fixed options) checked first.
+  INFINIGEN_CHECK(o.session.empty() || o.resume.empty(),
+                  "--session starts a session and --resume continues one: give one of them");
+  std::unique_ptr<DiskSession> session;
+  if (!o.session.empty() || !o.resume.empty()) {
+    const SessionKey key = session_key(loaded, offload, kv_dtype, device);
+    session = o.resume.empty() ? DiskSession::create(o.session, key)
+                               : DiskSession::open(o.resume, key);
+  }
+  const DiskSession* resumed = o.resume.empty() ? nullptr : session.get();
+  const PromptPlan prompt_plan = plan_prompts(o, loaded, resumed);
+  int64_t longest = prompt_plan.longest;  // per sequence, padding excluded: what the plan holds
+  if (resumed) {
+    // The longest conversation with this turn's prompt: what the context and the plan must hold.
+    longest = 0;
+    for (int64_t b = 0; b < resumed->batch(); ++b) {
+      const int64_t added = prompt_plan.texts.empty()
+                                ? prompt_plan.longest
+                                : std::ssize(prompt_plan.texts[b % prompt_plan.texts.size()]);
+      longest = std::max(longest, std::ssize(resumed->tokens()[b]) + added);
+    }
+    INFINIGEN_CHECK(longest < loaded.config.max_positions &&
+                        o.gen_len <= loaded.config.max_positions - longest,
+                    o.resume, ": the longest conversation reaches ", longest,
+                    " tokens with this turn's prompt, and --gen-len ", o.gen_len,
+                    " more exceed the model's context of ", loaded.config.max_positions,
+                    " positions (learned positions cannot be shifted); start a new session");
+  }
+  check_context(loaded.config, longest, o.gen_len);
+  const MemoryPlan plan = plan_offloaded_run(
+      offload_memory_request(loaded.config, prompt_plan.batch, longest, o.gen_len, kv_dtype,
+                             offload),
+      offload, device);
   if (o.dry_run) {
     std::printf(
         "model: %s\ndevice: %s\npolicy %s, batch %lld, prompt %lld tokens (longest), "
         "%lld generated tokens per sequence: the plan fits\n%s",
         loaded.description.c_str(), std::string(device_name(device)).c_str(),
         offload.policy.c_str(), static_cast<long long>(prompt_plan.batch),
-        static_cast<long long>(prompt_plan.longest), static_cast<long long>(o.gen_len),
+        static_cast<long long>(longest), static_cast<long long>(o.gen_len),
         plan.describe().c_str());
     return 0;
   }
 
   GenerationRequest request;
-  request.prompts = build_prompts(o, loaded, prompt_plan);
+  if (resumed && prompt_plan.texts.empty()) {
+    // Synthetic ids continuing a conversation: no BOS mid-conversation.
+    PromptPlan synthetic = prompt_plan;
+    ++synthetic.longest;
+    request.prompts = build_prompts(o, loaded, synthetic);
+    for (auto& prompt : request.prompts) prompt.erase(prompt.begin());
+  } else {
+    request.prompts = build_prompts(o, loaded, prompt_plan);
+  }
+  if (session) request.prompts = session->turn_prompts(request.prompts);
   request.gen_len = o.gen_len;
   request.sampling = loaded.sampling.value_or(SamplingOptions{});
   if (o.temperature) request.sampling.temperature = *o.temperature;
@@ -198,8 +254,9 @@ int run(const RunOptions& o) {
   OffloadRun run;
   {
     Progress progress("generating");
-    run = run_offloaded(loaded, request, offload, device,
-                        [&](int64_t done, int64_t total) { progress.update(done, total); });
+    run = run_offloaded(
+        loaded, request, offload, device,
+        [&](int64_t done, int64_t total) { progress.update(done, total); }, session.get());
   }
   const GenerationResult& result = run.result;
   const TransferSummary transfers = summarize(run);
@@ -239,6 +296,16 @@ int run(const RunOptions& o) {
                              {"memory_plan", plan_json(run.plan)},
                              {"outputs", outputs}};
     if (o.stats) report["steps"] = steps_json(run.stats);
+    if (session) {
+      const SessionStats& s = session->stats();
+      report["session"] = {{"directory", o.resume.empty() ? o.session : o.resume},
+                           {"conversation_tokens", result.prompt_len + result.gen_len},
+                           {"bytes_read", s.bytes_read},
+                           {"read_s", s.read_seconds},
+                           {"restore_wait_s", s.restore_wait_seconds},
+                           {"bytes_written", s.bytes_written},
+                           {"write_s", s.write_seconds}};
+    }
     std::printf("%s\n", report.dump(2).c_str());
     return 0;
   }
@@ -264,6 +331,17 @@ int run(const RunOptions& o) {
   std::printf("throughput       %9.1f tok/s  (decode only: %.1f tok/s)\n", result.throughput(),
               result.decode_throughput());
   print_transfers(transfers, run, o.stats);
+  if (session) {
+    const SessionStats& s = session->stats();
+    std::printf("session          %s: %s", (o.resume.empty() ? o.session : o.resume).c_str(),
+                o.resume.empty() ? "saved" : "continued and saved");
+    if (s.bytes_read > 0) {
+      std::printf("; history read %.1f MB in %.3f s, the first pass waited %.3f s for it",
+                  static_cast<double>(s.bytes_read) / 1e6, s.read_seconds, s.restore_wait_seconds);
+    }
+    std::printf("; %.1f MB written in %.3f s\n", static_cast<double>(s.bytes_written) / 1e6,
+                s.write_seconds);
+  }
   return 0;
 }
 
@@ -300,6 +378,15 @@ Command add_run_command(CLI::App& app) {
   app.add_flag("--json", o->json, "Print the result as JSON on stdout");
   app.add_flag("--stats", o->stats, "Per-layer and per-step transfer statistics");
   add_option_flags(app, offload_option_table(), o->offload);
+  auto* session = app.add_option(
+      "--session", o->session,
+      "Save the conversations (KV cache, tokens, InfiniGen's state) in this directory after the "
+      "run, to continue them with --resume (docs/sessions.md)");
+  app.add_option("--resume", o->resume,
+                 "Continue the conversations saved in this directory with a new prompt each "
+                 "(--prompt, --prompt-file: one line per conversation, or --prompt-len), and "
+                 "save the turn back into it")
+      ->excludes(session);
   app.add_flag("--dry-run", o->dry_run,
                "Check the sizes against the context and the memory plan, print the plan, and stop "
                "before loading weights");

@@ -1,0 +1,145 @@
+// offload: conversations kept on disk between runs (CachedAttention, ATC'24): `run --session DIR`
+// saves each sequence's keys and values, and `run --resume DIR` continues the conversations with
+// their history read back layer by layer while the new turn's first pass runs.
+//
+// A session directory (docs/sessions.md):
+//   manifest.json                    what the session is: its format and version, the key that
+//                                    must match to continue it (model identity, policy, KV dtype,
+//                                    the policy's fixed options), each sequence's tokens, the
+//                                    segments and state files with their sizes and CRC-32s, and
+//                                    a CRC-32 of the rest of the manifest
+//   seg-NNNNNN/layer-LLL.safetensors one file per layer of each segment (the rows one turn's first
+//                                    pass, or its decode steps, added): per token stream of the
+//                                    store ("keys", "values", InfiniGen's "partial_keys") a tensor
+//                                    (B, H_kv, R, width), sequence b's rows[b] rows first, in
+//                                    token order, R the largest rows[b]
+//   seg-NNNNNN/state-LLL.safetensors the layer's state beyond its rows (InfiniGen's partial
+//                                    columns and query weights), written with the first segment
+// A save writes new files only, each fsynced, then replaces manifest.json atomically (a hidden
+// sibling written, fsynced and renamed, the directory fsynced): a crash or kill at any point
+// leaves the previous manifest and every file it names. Files no manifest names (a save that was
+// killed) are removed by the next save.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <filesystem>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/generation.h"
+#include "core/model_loader.h"
+#include "offload/offload_options.h"
+
+namespace infinigen {
+
+// What must stay the same across a session's turns.
+struct SessionKey {
+  std::string model;     // for messages: the model's name
+  std::string identity;  // CRC-32 (hex) of the config and the weights' names, dtypes and shapes
+  std::string policy;
+  DType kv_dtype = DType::F16;
+  std::vector<std::pair<std::string, std::string>> options;  // the policy's session_options
+  int64_t num_layers = 0;
+  int64_t kv_heads = 0;
+};
+
+// The key of a run of `source` with `options` and `kv_dtype`; a one-line Error when the policy
+// cannot keep a session or the device cannot (sessions are read and written in host memory).
+SessionKey session_key(const ModelSource& source, const OffloadOptions& options, DType kv_dtype,
+                       Device device);
+
+// Time and bytes of a turn's session I/O.
+struct SessionStats {
+  uint64_t bytes_read = 0;
+  double read_seconds = 0.0;     // reading and checking the history (the read-ahead thread)
+  double restore_wait_seconds = 0.0;  // the first pass waiting for a layer not read yet
+  uint64_t bytes_written = 0;
+  double write_seconds = 0.0;    // writing the turn's segments (partly while decoding)
+};
+
+class DiskSession : public Conversation {
+ public:
+  // A new session in `directory`: absent, empty, or left by a first save that never committed
+  // (no manifest.json). One-line Error when it holds a session.
+  static std::unique_ptr<DiskSession> create(const std::filesystem::path& directory,
+                                             SessionKey key);
+  // The session in `directory`, its manifest checked (format, checksum, shapes, file list) and
+  // its key compared with `key`: one-line Errors naming what differs or is wrong. The files'
+  // checksums are checked as they are read.
+  static std::unique_ptr<DiskSession> open(const std::filesystem::path& directory,
+                                           const SessionKey& key);
+  ~DiskSession() override;
+
+  // Sequences of the session (0 for a new one).
+  int64_t batch() const { return static_cast<int64_t>(tokens_.size()); }
+  // Per sequence, every token of the conversation so far.
+  const std::vector<std::vector<int32_t>>& tokens() const { return tokens_; }
+  // The prompts a turn's request carries for `new_prompts` (one per sequence): for a resumed
+  // session each sequence's last generated token (not yet through the model) then its new
+  // prompt; for a new session the prompts themselves. Remembered for the save.
+  std::vector<std::vector<int32_t>> turn_prompts(const std::vector<std::vector<int32_t>>& new_prompts);
+
+  const std::vector<std::vector<int32_t>>& history() const override { return history_; }
+  void begin() override;
+  void restore_layer(int64_t layer, KvStore& store) override;
+  void after_first_pass(const KvStore& store, const std::vector<int32_t>& rows_from) override;
+  void finish(const KvStore& store, const std::vector<int32_t>& rows_from,
+              const std::vector<std::vector<int32_t>>& generated) override;
+  void abandon() override;
+
+  const SessionStats& stats() const { return stats_; }
+
+  struct FileRecord {
+    std::string path;  // relative to the session directory
+    uint64_t bytes = 0;
+    uint32_t crc32 = 0;
+  };
+  struct Segment {
+    std::vector<int32_t> rows;       // (B): rows each sequence has in this segment
+    std::vector<FileRecord> layers;  // (L)
+  };
+
+ private:
+  DiskSession(std::filesystem::path directory, SessionKey key);
+  // Reads and checks every file of layers [0, L) in order, at most kReadAhead layers ahead of
+  // restore_layer.
+  void read_ahead();
+  // Writes segment `segment` (and the state files when `with_state`) of the rows
+  // [rows_from[b], rows_from[b] + rows[b]) of `store`.
+  void write_segment(const KvStore& store, const std::vector<int32_t>& rows_from,
+                     const Segment& segment, const std::string& directory, bool with_state,
+                     std::vector<FileRecord>* state_files);
+  void commit();
+
+  std::filesystem::path directory_;
+  SessionKey key_;
+  std::vector<std::vector<int32_t>> tokens_;   // (B): the conversation so far
+  std::vector<std::vector<int32_t>> history_;  // (B): tokens whose rows are stored
+  std::vector<std::vector<int32_t>> prompts_;  // (B): this turn's prompts, for the save
+  std::vector<Segment> segments_;
+  std::vector<FileRecord> state_;  // (L): path empty where a layer keeps no state
+  int64_t next_segment_ = 1;
+  SessionStats stats_;
+
+  // The read-ahead: per layer its files read and checked, or the error that stopped it.
+  struct ReadLayer;
+  std::vector<std::unique_ptr<ReadLayer>> read_;
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  int64_t consumed_ = 0;  // layers restored so far
+  bool stop_ = false;
+  std::thread reader_;
+
+  // The turn's first-pass segment, written while the decode steps run.
+  std::thread writer_;
+  std::exception_ptr writer_error_;
+  std::vector<Segment> new_segments_;
+  std::vector<FileRecord> new_state_;
+};
+
+}  // namespace infinigen

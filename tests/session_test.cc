@@ -1,0 +1,338 @@
+// tests: conversations kept on disk (offload/session.h): a resumed turn computes what one run
+// over the concatenated turns computes, and a damaged or foreign session is refused with one line
+// without being overwritten.
+#include <signal.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <thread>
+
+#include "core/model_loader.h"
+#include "offload/infinigen_kv.h"
+#include "offload/kv_policy.h"
+#include "offload/runtime.h"
+#include "offload/session.h"
+#include "tests/test_util.h"
+
+namespace infinigen {
+namespace {
+
+namespace fs = std::filesystem;
+using testing_util::TempDir;
+
+// opt-tiny with 4 layers (InfiniGen's two dense ones and two speculated), or llama-tiny (4 too).
+ModelSource tiny(const std::string& model) {
+  ModelSource source = resolve_model(model, {});
+  if (model == "opt-tiny") source.config.num_layers = 4;
+  return source;
+}
+
+OffloadOptions options_for(const std::string& policy) {
+  OffloadOptions options;
+  options.policy = policy;
+  if (policy == "infinigen") {
+    // Every token within alpha of the top one: InfiniGen must then equal the full cache.
+    options.speculation.alpha = 1000.0;
+    options.speculation.max_num_kv = 100000;
+  }
+  return options;
+}
+
+// Turn prompts of different lengths per sequence, ids the vocabulary holds.
+std::vector<std::vector<int32_t>> turn_prompts(int turn) {
+  if (turn == 1) return {{2, 10, 11, 12, 13}, {2, 500, 600, 700, 800, 900, 1000, 1100, 1200}, {2, 7, 8}};
+  if (turn == 2) return {{40, 41}, {42, 43, 44, 45, 46}, {47}};
+  return {{60, 61, 62, 63}, {64}, {65, 66}};
+}
+
+struct Turns {
+  std::vector<std::vector<std::vector<int32_t>>> generated;  // per turn, per sequence
+};
+
+// Three turns of 5 tokens each, saved in `directory`, each after the first resumed from it.
+Turns run_session(const ModelSource& source, const OffloadOptions& options,
+                  const fs::path& directory) {
+  const SessionKey key = session_key(source, options, DType::F16, Device::Cpu);
+  Turns turns;
+  for (int turn = 1; turn <= 3; ++turn) {
+    auto session = turn == 1 ? DiskSession::create(directory, key) : DiskSession::open(directory, key);
+    GenerationRequest request;
+    request.prompts = session->turn_prompts(turn_prompts(turn));
+    request.gen_len = 5;
+    const OffloadRun run = run_offloaded(source, request, options, Device::Cpu, {}, session.get());
+    turns.generated.push_back(run.result.tokens);
+  }
+  return turns;
+}
+
+// The tokens of turn `turn` from one run over every earlier turn's prompts and outputs.
+std::vector<std::vector<int32_t>> uninterrupted(const ModelSource& source,
+                                                const OffloadOptions& options, const Turns& turns,
+                                                int turn) {
+  GenerationRequest request;
+  request.gen_len = 5;
+  request.prompts.assign(3, {});
+  for (int t = 1; t <= turn; ++t) {
+    for (size_t b = 0; b < 3; ++b) {
+      const auto prompt = turn_prompts(t)[b];
+      request.prompts[b].insert(request.prompts[b].end(), prompt.begin(), prompt.end());
+      if (t < turn) {
+        const auto& out = turns.generated[static_cast<size_t>(t - 1)][b];
+        request.prompts[b].insert(request.prompts[b].end(), out.begin(), out.end());
+      }
+    }
+  }
+  return run_offloaded(source, request, options, Device::Cpu).result.tokens;
+}
+
+class ResumedTurns : public ::testing::TestWithParam<std::tuple<std::string, std::string>> {};
+
+TEST_P(ResumedTurns, EqualOneRunOverTheConcatenatedTurns) {
+  const auto& [model, policy] = GetParam();
+  const ModelSource source = tiny(model);
+  const OffloadOptions options = options_for(policy);
+  TempDir dir("session");
+  const Turns turns = run_session(source, options, dir.path() / "s");
+  for (int turn = 2; turn <= 3; ++turn) {
+    EXPECT_EQ(turns.generated[static_cast<size_t>(turn - 1)],
+              uninterrupted(source, options, turns, turn))
+        << model << ", " << policy << ", turn " << turn;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Policies, ResumedTurns,
+                         ::testing::Combine(::testing::Values("opt-tiny", "llama-tiny"),
+                                            ::testing::Values("full", "gpu", "infinigen")));
+
+// A session of opt-tiny with `policy` after one turn, in `dir`/s.
+fs::path saved_session(const TempDir& dir, const std::string& policy = "full") {
+  const ModelSource source = tiny("opt-tiny");
+  const OffloadOptions options = options_for(policy);
+  const fs::path path = dir.path() / "s";
+  auto session = DiskSession::create(path, session_key(source, options, DType::F16, Device::Cpu));
+  GenerationRequest request;
+  request.prompts = session->turn_prompts(turn_prompts(1));
+  request.gen_len = 4;
+  run_offloaded(source, request, options, Device::Cpu, {}, session.get());
+  return path;
+}
+
+std::string read_bytes(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+void write_bytes(const fs::path& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+}
+
+// Resumes the session at `path` with opt-tiny and `policy`.
+void resume(const fs::path& path, const std::string& policy = "full",
+            const std::string& model = "opt-tiny") {
+  const ModelSource source = tiny(model);
+  const OffloadOptions options = options_for(policy);
+  auto session = DiskSession::open(path, session_key(source, options, DType::F16, Device::Cpu));
+  GenerationRequest request;
+  request.prompts = session->turn_prompts(turn_prompts(2));
+  request.gen_len = 3;
+  run_offloaded(source, request, options, Device::Cpu, {}, session.get());
+}
+
+// Every damage below is refused with one line naming it, and leaves the manifest as it was.
+void expect_refused(const fs::path& path, const std::vector<std::string>& fragments,
+                    const std::string& policy = "full", const std::string& model = "opt-tiny") {
+  const std::string manifest = read_bytes(path / "manifest.json");
+  testing_util::expect_error([&] { resume(path, policy, model); }, fragments);
+  EXPECT_EQ(read_bytes(path / "manifest.json"), manifest);
+}
+
+TEST(SessionFiles, DamageIsRefusedWithOneLine) {
+  TempDir dir("session");
+  const fs::path path = saved_session(dir);
+  const fs::path layer = path / "seg-000001" / "layer-001.safetensors";
+  const std::string original = read_bytes(layer);
+  ASSERT_GT(original.size(), 200u);
+
+  write_bytes(layer, original.substr(0, original.size() - 7));  // truncated
+  expect_refused(path, {"layer-001.safetensors", "the manifest says"});
+  std::string flipped = original;
+  flipped[20] ^= 0x04;  // in the safetensors header
+  write_bytes(layer, flipped);
+  expect_refused(path, {"layer-001.safetensors", "checksum mismatch"});
+  flipped = original;
+  flipped[original.size() - 3] ^= 0x40;  // in the keys and values
+  write_bytes(layer, flipped);
+  expect_refused(path, {"layer-001.safetensors", "checksum mismatch"});
+  write_bytes(layer, original);
+  resume(path);  // whole again: it resumes (and saves turn 2)
+
+  fs::remove(path / "seg-000002" / "layer-000.safetensors");
+  expect_refused(path, {"layer-000.safetensors", "missing"});
+}
+
+TEST(SessionFiles, ADamagedManifestIsRefused) {
+  TempDir dir("session");
+  const fs::path path = saved_session(dir);
+  const std::string manifest = read_bytes(path / "manifest.json");
+  // Every byte that matters is covered: a token id, a file's checksum, the checksum itself.
+  for (const std::string& field : {std::string("\"crc32\": \""), std::string("\"checksum\": \""),
+                                   std::string("\"sequences\": [\n  [\n   ")}) {
+    std::string damaged = manifest;
+    const size_t at = damaged.find(field);
+    ASSERT_NE(at, std::string::npos) << field;
+    char& c = damaged[at + field.size()];
+    c = c == '1' ? '2' : '1';
+    write_bytes(path / "manifest.json", damaged);
+    expect_refused(path, {"manifest.json", "checksum mismatch"});
+  }
+  write_bytes(path / "manifest.json", manifest.substr(0, manifest.size() / 2));
+  expect_refused(path, {"manifest.json", "not valid JSON"});
+}
+
+TEST(SessionFiles, AnotherModelPolicyOrOptionIsRefused) {
+  TempDir dir("session");
+  const fs::path path = saved_session(dir, "infinigen");
+  expect_refused(path, {"saved with another model"}, "infinigen", "llama-tiny");
+  expect_refused(path, {"saved with --policy infinigen, not full"}, "full");
+  const ModelSource source = tiny("opt-tiny");
+  OffloadOptions options = options_for("infinigen");
+  options.speculation.partial_ratio = 0.5;
+  testing_util::expect_error(
+      [&] { DiskSession::open(path, session_key(source, options, DType::F16, Device::Cpu)); },
+      {"saved with --partial-ratio 0.3; this run has 0.5"});
+  testing_util::expect_error(
+      [&] { DiskSession::open(path, session_key(source, options_for("infinigen"), DType::F32,
+                                               Device::Cpu)); },
+      {"saved with KV dtype F16, not F32"});
+  options = options_for("h2o");
+  testing_util::expect_error(
+      [&] { session_key(source, options, DType::F16, Device::Cpu); },
+      {"--policy h2o cannot keep a session"});
+  testing_util::expect_error([&] { DiskSession::create(path, session_key(source, options_for("full"), DType::F16, Device::Cpu)); },
+                             {"already holds a session"});
+}
+
+TEST(SessionFiles, InfinigenStateIsSavedAndRestored) {
+  TempDir dir("session");
+  const fs::path path = saved_session(dir, "infinigen");
+  // opt-tiny: layers past the two dense ones keep their partial columns and weights.
+  EXPECT_FALSE(fs::exists(path / "seg-000001" / "state-000.safetensors"));
+  EXPECT_TRUE(fs::exists(path / "seg-000001" / "state-002.safetensors"));
+  const auto state = SafetensorsFile::open((path / "seg-000001" / "state-002.safetensors").string());
+  EXPECT_NE(state->find("partial_columns"), nullptr);
+  EXPECT_NE(state->find("partial_weight"), nullptr);
+  const auto layer = SafetensorsFile::open((path / "seg-000001" / "layer-002.safetensors").string());
+  EXPECT_NE(layer->find("partial_keys"), nullptr);
+  // At the default alpha the resumed turn speculates from the restored state.
+  const ModelSource source = tiny("opt-tiny");
+  OffloadOptions options;
+  options.policy = "infinigen";
+  options.speculation.partial_ratio = 0.3;
+  auto session = DiskSession::open(path, session_key(source, options, DType::F16, Device::Cpu));
+  GenerationRequest request;
+  request.prompts = session->turn_prompts(turn_prompts(2));
+  request.gen_len = 6;
+  const OffloadRun run = run_offloaded(source, request, options, Device::Cpu, {}, session.get());
+  EXPECT_EQ(run.result.tokens.size(), 3u);
+}
+
+// What InfiniGen's speculation reads after a resume is what the session saved: the partial keys
+// of every history token, at the rows the new layout puts them.
+TEST(SessionFiles, RestoredPartialKeysAreTheSavedOnes) {
+  TempDir dir("session");
+  const fs::path path = saved_session(dir, "infinigen");
+  const ModelSource source = tiny("opt-tiny");
+  const OffloadOptions options = options_for("infinigen");
+  auto session = DiskSession::open(path, session_key(source, options, DType::F16, Device::Cpu));
+  const auto& history = session->history();
+  const int64_t B = std::ssize(history), L = source.config.num_layers;
+  int64_t longest = 0;
+  for (const auto& h : history) longest = std::max<int64_t>(longest, std::ssize(h) + 1);
+  std::vector<int32_t> first_valid;
+  for (const auto& h : history) first_valid.push_back(static_cast<int32_t>(longest - std::ssize(h) - 1));
+  TransferEngine engine(Device::Cpu, options.link);
+  OffloadStats stats;
+  std::unique_ptr<KvStore> store = kv_policy("infinigen").make_store(
+      {source.config, B, longest + 4, DType::F16, Device::Cpu, options, 0, engine, stats});
+  store->resume(longest - 1, first_valid, L,
+                [&](int64_t layer, KvStore& s) { session->restore_layer(layer, s); });
+  session->begin();
+  store->begin_pass(1);
+  for (int64_t l = 0; l < L; ++l) store->begin_layer(l);
+  engine.synchronize();
+
+  const auto& infinigen = dynamic_cast<const InfinigenKv&>(*store);
+  const auto saved = SafetensorsFile::open((path / "seg-000001" / "layer-002.safetensors").string());
+  const SafetensorsEntry& keys = *saved->find("partial_keys");  // (B, H, R, r) f32
+  const int64_t H = keys.shape[1], R = keys.shape[2], r = keys.shape[3];
+  const float* data = static_cast<const float*>(saved->bytes(keys));
+  const std::vector<std::vector<int32_t>> prompts = turn_prompts(1);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t j = 0; j < std::ssize(prompts[b]); ++j) {
+        const std::vector<float> restored = infinigen.partial(2).partial_key(b, h, first_valid[b] + j);
+        for (int64_t c = 0; c < r; ++c) {
+          ASSERT_EQ(restored[c], data[((b * H + h) * R + j) * r + c]) << b << " " << h << " " << j;
+        }
+      }
+    }
+  }
+}
+
+TEST(SessionFiles, AConversationBeyondTheContextIsRefused) {
+  TempDir dir("session");
+  const fs::path path = saved_session(dir);
+  const ModelSource source = tiny("opt-tiny");
+  auto session =
+      DiskSession::open(path, session_key(source, options_for("full"), DType::F16, Device::Cpu));
+  GenerationRequest request;
+  request.prompts = session->turn_prompts(turn_prompts(2));
+  request.gen_len = source.config.max_positions;
+  testing_util::expect_error(
+      [&] { run_offloaded(source, request, options_for("full"), Device::Cpu, {}, session.get()); },
+      {"sequence 1: the conversation reaches", "exceed the model's context"});
+}
+
+// A save killed at any moment leaves the previous session whole: the next resume reads it.
+TEST(SessionCli, ASaveKilledAtRandomLeavesThePreviousSessionLoadable) {
+  TempDir dir("session");
+  const std::string path = (dir.path() / "s").string();
+  const std::vector<std::string> common = {"run", "--model", "opt-125m", "--policy", "full",
+                                           "--gen-len", "4", "--json"};
+  auto args = common;
+  args.insert(args.end(), {"--prompt-len", "200", "--batch", "4", "--session", path});
+  ASSERT_EQ(testing_util::run_infinigen_measured(args, {}).exit_code, 0);
+  std::mt19937 rng(7);
+  for (int attempt = 0; attempt < 6; ++attempt) {
+    args = common;
+    args.insert(args.end(), {"--prompt-len", "120", "--resume", path});
+    testing_util::BackgroundInfinigen child(args);
+    std::this_thread::sleep_for(std::chrono::milliseconds(300 + rng() % 1500));
+    double seconds = 0.0;
+    child.signal_and_wait(SIGKILL, 10.0, &seconds);
+  }
+  args = common;
+  args.insert(args.end(), {"--prompt-len", "3", "--resume", path});
+  const auto resumed = testing_util::run_infinigen_measured(args, {});
+  EXPECT_EQ(resumed.exit_code, 0) << resumed.err;
+}
+
+TEST(SessionCli, BadUsesEndWithOneLine) {
+  TempDir dir("session");
+  const std::string path = (dir.path() / "s").string();
+  testing_util::expect_one_line_error({"run", "--model", "opt-tiny", "--prompt-len", "4",
+                                       "--resume", (dir.path() / "none").string()},
+                                      {"no session here"});
+  testing_util::expect_one_line_error({"run", "--model", "opt-tiny", "--prompt-len", "4",
+                                       "--policy", "h2o", "--session", path},
+                                      {"--policy h2o cannot keep a session"});
+  testing_util::expect_one_line_error({"run", "--model", "opt-tiny", "--prompt-len", "4",
+                                       "--policy", "full", "--kv-pool-limit", "0.5", "--session",
+                                       path},
+                                      {"--kv-pool-limit"});
+}
+
+}  // namespace
+}  // namespace infinigen
