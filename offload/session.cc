@@ -294,6 +294,20 @@ std::unique_ptr<DiskSession> DiskSession::open(const fs::path& directory, const 
   return session;
 }
 
+void DiskSession::verify() const {
+  const auto check = [&](const FileRecord& file) {
+    if (file.path.empty()) return;
+    const fs::path path = directory_ / file.path;
+    const auto [crc, bytes] = checksum_file(path);
+    INFINIGEN_CHECK(bytes == file.bytes && crc == file.crc32, path.string(),
+                    ": checksum mismatch (the session is corrupt)");
+  };
+  for (const Segment& segment : segments_) {
+    for (const FileRecord& file : segment.layers) check(file);
+  }
+  for (const FileRecord& file : state_) check(file);
+}
+
 std::vector<std::vector<int32_t>> DiskSession::turn_prompts(
     const std::vector<std::vector<int32_t>>& new_prompts) {
   prompts_ = new_prompts;

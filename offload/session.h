@@ -93,6 +93,8 @@ class DiskSession : public Conversation {
   void abandon() override;
 
   const SessionStats& stats() const { return stats_; }
+  // Reads every file the manifest names and checks its size and checksum (one-line Error).
+  void verify() const;
 
   struct FileRecord {
     std::string path;  // relative to the session directory

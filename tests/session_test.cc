@@ -300,19 +300,34 @@ TEST(SessionCli, ASaveKilledAtRandomLeavesThePreviousSessionLoadable) {
   TempDir dir("session");
   const std::string path = (dir.path() / "s").string();
   const std::vector<std::string> common = {"run", "--model", "opt-125m", "--policy", "full",
-                                           "--gen-len", "4", "--json"};
+                                           "--gen-len", "16", "--json"};
   auto args = common;
   args.insert(args.end(), {"--prompt-len", "200", "--batch", "4", "--session", path});
   ASSERT_EQ(testing_util::run_infinigen_measured(args, {}).exit_code, 0);
+  // A turn's save runs in its second half (the first pass's rows while decoding, the rest and
+  // the manifest at the end): the kills land there, timed from an unkilled turn.
+  args = common;
+  args.insert(args.end(), {"--prompt-len", "120", "--resume", path});
+  const auto whole = testing_util::run_infinigen_measured(args, {});
+  ASSERT_EQ(whole.exit_code, 0) << whole.err;
+  const ModelSource source = resolve_model("opt-125m", {});
+  OffloadOptions options;
+  options.policy = "full";
+  const SessionKey key = session_key(source, options, DType::F16, Device::Cpu);
   std::mt19937 rng(7);
+  int killed = 0;
   for (int attempt = 0; attempt < 6; ++attempt) {
-    args = common;
-    args.insert(args.end(), {"--prompt-len", "120", "--resume", path});
     testing_util::BackgroundInfinigen child(args);
-    std::this_thread::sleep_for(std::chrono::milliseconds(300 + rng() % 1500));
+    const double at = whole.seconds * (0.5 + 0.6 * static_cast<double>(rng() % 1000) / 1000.0);
+    std::this_thread::sleep_for(std::chrono::duration<double>(at));
     double seconds = 0.0;
-    child.signal_and_wait(SIGKILL, 10.0, &seconds);
+    killed += child.signal_and_wait(SIGKILL, 10.0, &seconds).exit_code == -1 ? 1 : 0;
+    // The session the kill left, old or new, is whole.
+    const auto session = DiskSession::open(path, key);
+    session->verify();
+    EXPECT_EQ(session->batch(), 4);
   }
+  EXPECT_GT(killed, 0);  // some kills landed before the end
   args = common;
   args.insert(args.end(), {"--prompt-len", "3", "--resume", path});
   const auto resumed = testing_util::run_infinigen_measured(args, {});
