@@ -13,7 +13,8 @@ using nlohmann::json;
 // Every setting by its key; options whose text is a number as JSON numbers.
 json settings_json(const BenchSettings& s) {
   json j = {
-      {"model", s.model}, {"batch", s.batch}, {"prompt_len", s.prompt_len}, {"gen_len", s.gen_len}};
+      {"model", s.model},     {"batch", s.batch},         {"prompt_len", s.prompt_len},
+      {"gen_len", s.gen_len}, {"history_len", s.history_len}};
   for (const OptionSpec<OffloadOptions>& spec : offload_option_table()) {
     const std::string text = spec.format(s.offload);
     double value = 0;

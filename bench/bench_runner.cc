@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
+#include <unistd.h>
 
 #include "core/error.h"
 #include "core/generation.h"
@@ -12,6 +14,7 @@
 #include "offload/kv_policy.h"
 #include "offload/run_summary.h"
 #include "offload/runtime.h"
+#include "offload/session.h"
 
 namespace infinigen {
 namespace {
@@ -111,11 +114,11 @@ RunInputs run_inputs(const BenchSettings& s, const ModelConfig& config, double s
 // point's sizes is built before this says "ok".
 std::string plan_status(const RunInputs& in, Device device) {
   try {
-    check_context(in.source.config, in.settings.prompt_len, in.settings.gen_len);
-    plan_offloaded_run(
-        offload_memory_request(in.source.config, in.settings.batch, in.settings.prompt_len,
-                               in.settings.gen_len, DType::F16, in.options),
-        in.options, device);
+    const int64_t tokens = in.settings.history_len + in.settings.prompt_len;
+    check_context(in.source.config, tokens, in.settings.gen_len);
+    plan_offloaded_run(offload_memory_request(in.source.config, in.settings.batch, tokens,
+                                              in.settings.gen_len, DType::F16, in.options),
+                       in.options, device);
   } catch (const Error& e) {
     return cat("does not fit here: ", e.what());
   }
@@ -133,12 +136,51 @@ GenerationRequest generation_request(const RunInputs& in) {
   return request;
 }
 
+// A resumed turn (history_len > 0): a first turn of history_len tokens (and one generated)
+// saved in a fresh session, its files dropped from the page cache, then the point's turn of
+// prompt_len tokens (the first turn's last token and prompt_len - 1 new ones) resumed from it.
+OffloadRun run_resumed_turn(const RunInputs& in, Device device, int repeat) {
+  namespace fs = std::filesystem;
+  const fs::path directory = fs::temp_directory_path() /
+                             cat("infinigen-bench-session-", getpid(), "-", repeat);
+  fs::remove_all(directory);
+  struct Cleanup {
+    fs::path path;
+    ~Cleanup() {
+      std::error_code ignored;
+      fs::remove_all(path, ignored);
+    }
+  } cleanup{directory};
+  const SessionKey key = session_key(in.source, in.options, DType::F16, device);
+  const ModelConfig& config = in.source.config;
+  const auto vocab = static_cast<int32_t>(config.vocab_size);
+  {
+    auto session = DiskSession::create(directory, key);
+    GenerationRequest first;
+    first.prompts = session->turn_prompts(synthetic_prompts(
+        in.settings.batch, in.settings.history_len, config.bos_token_id, vocab, in.seed));
+    first.gen_len = 1;
+    run_offloaded(in.source, first, in.options, device, {}, session.get());
+  }
+  drop_from_page_cache(directory);
+  auto session = DiskSession::open(directory, key);
+  GenerationRequest request;
+  std::vector<std::vector<int32_t>> prompts = synthetic_prompts(
+      in.settings.batch, in.settings.prompt_len, config.bos_token_id, vocab, in.seed + 1);
+  for (auto& prompt : prompts) prompt.erase(prompt.begin());  // no BOS mid-conversation
+  request.prompts = session->turn_prompts(prompts);
+  request.gen_len = in.settings.gen_len;
+  return run_offloaded(in.source, request, in.options, device, {}, session.get());
+}
+
 // Median metrics of `repeats` runs; only for inputs plan_status accepted.
 PointMetrics measure(const RunInputs& in, Device device, int repeats) {
   const GenerationRequest request = generation_request(in);
   std::vector<PointMetrics> runs;
   for (int r = 0; r < repeats; ++r) {
-    const OffloadRun run = run_offloaded(in.source, request, in.options, device);
+    const OffloadRun run = in.settings.history_len > 0
+                               ? run_resumed_turn(in, device, r)
+                               : run_offloaded(in.source, request, in.options, device);
     runs.push_back(metrics_of(run, in.source.config.num_layers));
   }
   return median_metrics(runs);
@@ -271,6 +313,7 @@ BenchReport run_experiment(const Experiment& experiment, const BenchOptions& opt
       model.batch = scaled.settings.batch;
       model.prompt_len = scaled.settings.prompt_len;
       model.gen_len = scaled.settings.gen_len;
+      model.history_len = scaled.settings.history_len;
       model.kv_dtype = DType::F16;
       model.options = in.options;
       if (kv_policy(in.options.policy).selects_loads) {

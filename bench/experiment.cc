@@ -18,14 +18,14 @@ namespace infinigen {
 namespace {
 
 // The settings keys of a run besides the offload options.
-const std::set<std::string> kRunKeys = {"model", "batch", "prompt_len", "gen_len"};
+const std::set<std::string> kRunKeys = {"model", "batch", "prompt_len", "gen_len", "history_len"};
 
 // Whether `key` names a setting (a run key or an offload option).
 bool is_setting(const std::string& key) {
   return kRunKeys.contains(key) || find_option(offload_option_table(), key) != nullptr;
 }
 
-const std::set<std::string> kPlots = {"latency", "speedup", "fetched", "block"};
+const std::set<std::string> kPlots = {"latency", "speedup", "fetched", "block", "ttft"};
 
 // Reads scalars with one-line errors naming the file and key.
 class Reader {
@@ -56,6 +56,8 @@ class Reader {
         s.prompt_len = scalar<int64_t>(item.second, path);
       } else if (key == "gen_len") {
         s.gen_len = scalar<int64_t>(item.second, path);
+      } else if (key == "history_len") {
+        s.history_len = scalar<int64_t>(item.second, path);
       } else if (const OptionSpec<OffloadOptions>* spec =
                      find_option(offload_option_table(), key)) {
         try {
@@ -64,7 +66,8 @@ class Reader {
           fail(source_, ": ", where, ": ", e.what());  // option keys as the file spells them
         }
       } else if (key != "panel") {
-        fail(source_, ": unknown setting '", path, "' (known: model, batch, prompt_len, gen_len, ",
+        fail(source_, ": unknown setting '", path,
+             "' (known: model, batch, prompt_len, gen_len, history_len, ",
              option_keys(offload_option_table()), ")");
       }
     }
@@ -77,6 +80,7 @@ class Reader {
     need(s.batch >= 1, "batch", s.batch, "must be at least 1");
     need(s.prompt_len >= 2, "prompt_len", s.prompt_len, "must be at least 2");
     need(s.gen_len >= 2, "gen_len", s.gen_len, "must be at least 2");
+    need(s.history_len >= 0, "history_len", s.history_len, "must be at least 0");
     try {
       s.offload.validate();  // the runtime's own rules
     } catch (const Error& e) {
@@ -216,6 +220,7 @@ std::string settings_value(const BenchSettings& s, const std::string& key) {
   if (key == "batch") return std::to_string(s.batch);
   if (key == "prompt_len") return std::to_string(s.prompt_len);
   if (key == "gen_len") return std::to_string(s.gen_len);
+  if (key == "history_len") return std::to_string(s.history_len);
   if (key == "total_len") return std::to_string(s.prompt_len + s.gen_len);
   if (const OptionSpec<OffloadOptions>* spec = find_option(offload_option_table(), key)) {
     return spec->format(s.offload);
@@ -305,6 +310,7 @@ ScaledPoint scale_point(const ModelConfig& config, const BenchSettings& settings
              std::ceil(static_cast<double>(settings.batch) * std::sqrt(scale) - 1e-9)));
   p.settings.prompt_len = scaled(settings.prompt_len, scale, 16);
   p.settings.gen_len = scaled(settings.gen_len, scale, 4);
+  if (settings.history_len > 0) p.settings.history_len = scaled(settings.history_len, scale, 16);
   return p;
 }
 

@@ -13,13 +13,17 @@
 
 namespace infinigen {
 
-// The settings of one generation run. YAML keys: model, batch, prompt_len, gen_len, and every
-// option of offload_option_table() by its key (policy, alpha, h2o_budget, ...).
+// The settings of one generation run. YAML keys: model, batch, prompt_len, gen_len, history_len,
+// and every option of offload_option_table() by its key (policy, alpha, h2o_budget, ...).
 struct BenchSettings {
   std::string model = "opt-13b";  // a preset (synthetic weights) or a checkpoint directory
   int64_t batch = 1;
   int64_t prompt_len = 128;
   int64_t gen_len = 32;
+  // > 0: the run is a conversation's next turn, resumed from a session on disk whose sequences
+  // hold history_len tokens (a first turn of that many, saved before the timed one); its
+  // prompt_len tokens extend them. Prefill latency is then the turn's time to first token.
+  int64_t history_len = 0;
   OffloadOptions offload;  // the runtime's options, with its defaults
 };
 
@@ -44,7 +48,7 @@ struct Experiment {
   std::string figure;  // e.g. "Fig. 14"
   std::string title;
   std::string x_key;  // settings key on the x axis ("policy", "batch", "total_len", ...)
-  std::string plot;   // latency | speedup | fetched | block (tools/plot_bench.py)
+  std::string plot;   // latency | speedup | fetched | block | ttft (tools/plot_bench.py)
   int repeats = 3;
   double link_gbps = 12.0;              // link emulated by CPU-backend runs (PCIe 3.0 x16, pinned)
   std::vector<ExperimentPoint> points;  // every (point, policy) pair, in file order

@@ -19,7 +19,8 @@
 
 namespace infinigen {
 
-enum class TracedKind : uint8_t { Compute, Load, Store };
+// Read: a session's history read from the disk into host memory (offload/session.h).
+enum class TracedKind : uint8_t { Compute, Load, Store, Read };
 
 // What a transfer carries, as the cost model prices it.
 enum class TransferContent : uint8_t {

@@ -72,6 +72,9 @@ InfinigenKv::InfinigenKv(const ModelConfig& config, int64_t batch, int64_t capac
       kv_heads_(config.kv_heads()),
       group_(config.num_heads / config.kv_heads()),
       slots_(limit.positions > 0 ? std::min(limit.positions, capacity) : capacity),
+      hidden_(config.hidden_size),
+      weight_dtype_(config.dtype),
+      rotary_(config.rope.enabled()),
       partial_(static_cast<size_t>(config.num_layers)),
       selection_(static_cast<size_t>(config.num_layers)) {
   options_.validate();
@@ -483,6 +486,13 @@ KvStore::LayerState InfinigenKv::layer_state(int64_t layer) const {
 void InfinigenKv::restore_layer_state(int64_t layer, const LayerState& state) {
   if (dense(layer)) {
     KvStore::restore_layer_state(layer, state);
+    return;
+  }
+  if (state.empty() && dry_run()) {  // shapes only, as a real restore would have them
+    partial_[static_cast<size_t>(layer)].restore_shapes(
+        batch(), heads_, kv_heads_, head_dim_, slots_,
+        partial_columns(options_.partial_ratio, head_dim_), rotary_, hidden_, weight_dtype_,
+        options_.partial_key_dtype);
     return;
   }
   INFINIGEN_CHECK(!state.empty(), "layer ", layer, ": the session keeps no speculation state");

@@ -97,6 +97,9 @@ class InfinigenKv : public OffloadedKv {
   int64_t kv_heads_;  // H_kv: heads of the pool, the selection and the eviction rows
   int64_t group_;     // H / H_kv query heads per KV head
   int64_t slots_;     // pool positions per (layer, sequence, KV head)
+  int64_t hidden_;    // D: the width of the attention input speculation projects
+  DType weight_dtype_;
+  bool rotary_;
   std::vector<PartialLayer> partial_;  // per layer (unused for dense layers)
   // Between observe and append at prefill: the layer's attention input (its scaled queries,
   // query projection, rotation and skew).

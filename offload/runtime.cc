@@ -113,8 +113,11 @@ void generate_offloaded(const ModelSource& source, const GenerationRequest& requ
 }  // namespace
 
 Trace dry_run_trace(const ModelConfig& config, const GenerationRequest& request,
-                    const OffloadOptions& options, Device device, const FetchReplay* replay) {
-  const int64_t longest = check_request(config, request);
+                    const OffloadOptions& options, Device device, const FetchReplay* replay,
+                    Conversation* conversation) {
+  const int64_t longest = check_request(
+      config, request,
+      conversation && !conversation->history().empty() ? &conversation->history() : nullptr);
   const MemoryRequest memory =
       offload_memory_request(config, static_cast<int64_t>(request.prompts.size()), longest,
                              request.gen_len, request.kv_dtype, options);
@@ -126,7 +129,8 @@ Trace dry_run_trace(const ModelConfig& config, const GenerationRequest& request,
     source.synthetic = true;
     source.description = config.name + " (dry run)";
     OffloadRun run;
-    generate_offloaded(source, request, options, device, memory.kv_pool_tokens, replay, {}, run);
+    generate_offloaded(source, request, options, device, memory.kv_pool_tokens, replay, {}, run,
+                       conversation);
   }
   return trace;
 }

@@ -48,8 +48,10 @@ std::string plan_within_pinned(MemoryRequest memory, const OffloadOptions& optio
 // copied or allocated, and no memory plan is checked (the caller plans against the hardware it
 // asks about). `replay` says what a policy that selects its loads (kv_policy(...).selects_loads)
 // fetches; it is required for one.
+// With a `conversation` (a DrySessionTurn, offload/session.h), the turn continues it.
 Trace dry_run_trace(const ModelConfig& config, const GenerationRequest& request,
-                    const OffloadOptions& options, Device device, const FetchReplay* replay);
+                    const OffloadOptions& options, Device device, const FetchReplay* replay,
+                    Conversation* conversation = nullptr);
 
 // Plans memory for `request` (throws a one-line Error with a configuration that would fit when it
 // cannot), loads the weights with their placement, and generates.

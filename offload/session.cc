@@ -14,6 +14,7 @@
 #include "core/error.h"
 #include "core/output_directory.h"
 #include "core/safetensors.h"
+#include "core/trace.h"
 #include "offload/kv_policy.h"
 
 namespace infinigen {
@@ -569,6 +570,45 @@ void DiskSession::commit() {
   manifest["checksum"] = hex32(manifest_checksum(manifest));
   write_text_file(directory_ / kManifest, manifest.dump(1) + "\n");
   fsync_directory(directory_);
+}
+
+DrySessionTurn::DrySessionTurn(int64_t batch, int64_t history_len, int64_t num_layers,
+                               int64_t kv_heads)
+    : history_(static_cast<size_t>(batch), std::vector<int32_t>(static_cast<size_t>(history_len), 0)),
+      num_layers_(num_layers),
+      kv_heads_(kv_heads) {}
+
+void DrySessionTurn::restore_layer(int64_t layer, KvStore& store) {
+  Trace* trace = active_trace();
+  INFINIGEN_CHECK(trace != nullptr, "a dry session turn runs inside a trace");
+  if (reads_.empty()) {
+    // The read-ahead starts with the turn: every layer's files, one after another. A layer's
+    // files hold each token stream's rows (B, H_kv, history, width).
+    const int64_t rows = store.batch() * kv_heads_ * std::ssize(history_.front());
+    for (int64_t l = 0; l < num_layers_; ++l) {
+      uint64_t bytes = 0;
+      for (const KvStore::TokenStream& stream : store.token_streams(l)) {
+        bytes += static_cast<uint64_t>(rows * stream.width) * dtype_size(stream.dtype);
+      }
+      bytes_.push_back(bytes);
+      reads_.push_back(trace->transfer(TracedKind::Read, "session_read", l, bytes, 1,
+                                       TransferContent::KvRange, -1));
+    }
+  }
+  store.restore_layer_state(layer, {});
+  trace->host_waits(reads_[static_cast<size_t>(layer)]);
+  traced("session_restore", {static_cast<int64_t>(bytes_[static_cast<size_t>(layer)])});
+}
+
+void drop_from_page_cache(const fs::path& directory) {
+  for (const fs::directory_entry& entry : fs::recursive_directory_iterator(directory)) {
+    if (!entry.is_regular_file()) continue;
+    const int fd = ::open(entry.path().c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) continue;
+    ::fdatasync(fd);
+    ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+    ::close(fd);
+  }
 }
 
 }  // namespace infinigen

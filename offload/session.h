@@ -144,4 +144,30 @@ class DiskSession : public Conversation {
   std::vector<FileRecord> new_state_;
 };
 
+// Drops every file under `directory` from the page cache (flushed first), so that the next read
+// comes from the disk: how a session's restore is timed cold.
+void drop_from_page_cache(const std::filesystem::path& directory);
+
+// A resumed turn in a dry run (core/trace.h), for the cost model: every sequence holds
+// `history_len` tokens, whose layers are read from the disk one after another from the turn's
+// start (session_read on the disk lane), each waited for and copied into the pool
+// (session_restore) before the pass needs its layer, as DiskSession does; nothing is read or
+// written.
+class DrySessionTurn : public Conversation {
+ public:
+  DrySessionTurn(int64_t batch, int64_t history_len, int64_t num_layers, int64_t kv_heads);
+  const std::vector<std::vector<int32_t>>& history() const override { return history_; }
+  void restore_layer(int64_t layer, KvStore& store) override;
+  void after_first_pass(const KvStore&, const std::vector<int32_t>&) override {}
+  void finish(const KvStore&, const std::vector<int32_t>&,
+              const std::vector<std::vector<int32_t>>&) override {}
+
+ private:
+  std::vector<std::vector<int32_t>> history_;
+  int64_t num_layers_;
+  int64_t kv_heads_;
+  std::vector<int32_t> reads_;      // per layer: its traced read
+  std::vector<uint64_t> bytes_;     // per layer: bytes read
+};
+
 }  // namespace infinigen

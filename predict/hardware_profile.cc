@@ -51,6 +51,8 @@ constexpr NumericField kNumericFields[] = {
     {"transfer_latency_s", &HardwareProfile::transfer_latency_s, 0, true, "s per transfer"},
     {"link_emulation_overhead_s", &HardwareProfile::link_emulation_overhead_s, 0, true,
      "s per emulated transfer beyond the requested time (CPU backend)"},
+    {"disk_read_bytes_per_s", &HardwareProfile::disk_read_bytes_per_s, 0, true,
+     "B/s of sequential disk reads of a session (0 = not given)"},
     {"host_copy_bytes_per_s", &HardwareProfile::host_copy_bytes_per_s, 0, false,
      "B/s, one host thread, contiguous runs"},
     {"host_row_copy_bytes_per_s", &HardwareProfile::host_row_copy_bytes_per_s, 0, false,

@@ -51,6 +51,10 @@ struct HardwareProfile {
   // timed sleep wakes late); with_link adds it to transfer_latency_s. 0 for a real link.
   double link_emulation_overhead_s = 0;
 
+  // Sequential reads from the disk a session is kept on (offload/session.h), B/s; 0: not given
+  // (a resumed turn cannot be predicted).
+  double disk_read_bytes_per_s = 0;
+
   // Host CPU copies.
   double host_copy_bytes_per_s = 0;      // one thread copying contiguous runs (memcpy)
   double host_row_copy_bytes_per_s = 0;  // one thread copying scattered KV rows (d elements each)

@@ -76,6 +76,9 @@ const std::pair<std::string_view, Pricing> kPrices[] = {
      [](auto& s, double e, DType) {
        return OpWork{OpClass::Speculation, 0, e * f(s[0] * s[1] * s[2] * s[3]), 0, 0, 0, 0};
      }},
+    // offload/session.h: a resumed session's history rows copied into the pool, s[0] bytes
+    {"session_restore",
+     [](auto& s, double, DType) { return OpWork{OpClass::HostCopy, 0, f(s[0]), 0, 0, 0, 0}; }},
     {"partial_append",
      [](auto& s, double, DType) { return elementwise(8 * f(s[0] * s[1] * s[2])); }},
     // offload/h2o_kv.h: a d-long dot and an exp per (query, key) pair scored

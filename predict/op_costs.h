@@ -22,6 +22,8 @@ enum class OpClass {
   Scoring,           // scoring_flops
   Transfer,          // the link (and the host copy on the CPU backend)
   Gather,            // host threads gathering rows into pinned staging (cuda backend)
+  DiskRead,          // disk_read_bytes_per_s: a session's history (lane disk)
+  HostCopy,          // host_copy_bytes_per_s: the host thread copying, e.g. a session's rows
 };
 
 // The work of one compute op: its class, FLOPs and bytes through device memory, and for a GEMM

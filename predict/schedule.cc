@@ -2,11 +2,13 @@
 #include "predict/schedule.h"
 
 #include <algorithm>
+#include <optional>
 
 #include "core/error.h"
 #include "core/generation.h"
 #include "offload/kv_policy.h"
 #include "offload/runtime.h"
+#include "offload/session.h"
 
 namespace infinigen {
 
@@ -20,6 +22,8 @@ const char* lane_name(Lane lane) {
       return "store";
     case Lane::Gather:
       return "gather";
+    case Lane::Disk:
+      return "disk";
   }
   return "?";
 }
@@ -46,6 +50,10 @@ Schedule schedule_from_trace(const Trace& trace) {
       const auto step = static_cast<size_t>(op.step);
       if (schedule.step_end.size() <= step) schedule.step_end.resize(step + 1, -1);
       schedule.step_end[step] = static_cast<int32_t>(schedule.ops.size());
+    } else if (traced.kind == TracedKind::Read) {
+      op.lane = Lane::Disk;
+      op.op_class = OpClass::DiskRead;
+      op.disk_bytes = traced.bytes;
     } else {
       const bool load = traced.kind == TracedKind::Load;
       op.lane = load ? Lane::Load : Lane::Store;
@@ -81,8 +89,14 @@ Schedule run_schedule(const CostModelInput& in) {
   request.gen_len = in.gen_len;
   request.sampling.temperature = 0;
   request.kv_dtype = in.kv_dtype;
+  INFINIGEN_CHECK(in.history_len >= 0, "cost model: history length must be >= 0");
+  std::optional<DrySessionTurn> session;
+  if (in.history_len > 0) {
+    session.emplace(in.batch, in.history_len, in.config.num_layers, in.config.kv_heads());
+  }
   const Trace trace = dry_run_trace(in.config, request, in.options, Device::Cpu,
-                                    replays ? &in.fetched : nullptr);
+                                    replays ? &in.fetched : nullptr,
+                                    session ? &*session : nullptr);
   return schedule_from_trace(trace);
 }
 

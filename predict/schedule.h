@@ -6,8 +6,9 @@
 // on a hardware profile.
 //
 // Lanes: compute (the host thread that runs the ops; on the CPU backend it is the emulated
-// device), load (H2D stream), store (D2H stream), and gather (host threads filling pinned staging
-// before a DMA; only on the cuda backend, where the design puts the gather in front of one copy).
+// device), load (H2D stream), store (D2H stream), gather (host threads filling pinned staging
+// before a DMA; only on the cuda backend, where the design puts the gather in front of one copy),
+// and disk (a resumed session's history read into host memory, one layer after another).
 #pragma once
 
 #include <cstdint>
@@ -28,6 +29,9 @@ struct CostModelInput {
   int64_t batch = 1;
   int64_t prompt_len = 1;  // every prompt this long (no left padding)
   int64_t gen_len = 1;     // generated tokens per sequence, the prefill's one included
+  // > 0: a resumed conversation's turn (offload/session.h): each sequence holds history_len
+  // tokens on disk, read back while the turn's first pass extends them by prompt_len tokens.
+  int64_t history_len = 0;
   DType kv_dtype = DType::F16;
   OffloadOptions options;  // policy, weights_gpu_percent, kv_block_tokens, speculation, h2o_budget
   // For a policy that selects its loads (infinigen): what a measured run fetched, per layer
@@ -35,8 +39,8 @@ struct CostModelInput {
   FetchReplay fetched;
 };
 
-enum class Lane { Compute = 0, Load = 1, Store = 2, Gather = 3 };
-constexpr int kLanes = 4;
+enum class Lane { Compute = 0, Load = 1, Store = 2, Gather = 3, Disk = 4 };
+constexpr int kLanes = 5;
 const char* lane_name(Lane lane);
 
 struct ScheduledOp {
@@ -54,6 +58,7 @@ struct ScheduledOp {
   int64_t in_features = 0;
   double weight_bytes = 0;
   uint64_t h2d_bytes = 0;  // transfers: bytes over the link (KV and weights)
+  uint64_t disk_bytes = 0;  // a session read
   uint64_t d2h_bytes = 0;
   bool weights = false;  // a transfer of streamed weights (else KV)
   // Host copy work of a transfer: contiguous bytes, scattered-row bytes and the number of chunks

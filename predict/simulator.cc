@@ -45,6 +45,17 @@ OpCost op_cost(const ScheduledOp& op, const HardwareProfile& p, bool cached) {
     }
     return cost;
   }
+  if (op.op_class == OpClass::DiskRead) {
+    INFINIGEN_CHECK(p.disk_read_bytes_per_s > 0, "cost model: profile ", p.name,
+                    " gives no disk_read_bytes_per_s, which a resumed session's turn needs");
+    cost.floor = static_cast<double>(op.disk_bytes) / p.disk_read_bytes_per_s;
+    return cost;
+  }
+  if (op.op_class == OpClass::HostCopy) {
+    cost.work = op.device_bytes / p.host_copy_bytes_per_s;
+    cost.host_copy = true;
+    return cost;
+  }
   if (op.op_class == OpClass::Gather) {
     cost.work = op.row_bytes / p.host_gather_bytes_per_s;
     cost.host_copy = true;

@@ -269,10 +269,10 @@ void PartialLayer::partial_of(const float* key, int64_t g, float* out) const {
 
 void PartialLayer::append(const Tensor& keys, int64_t position,
                           const std::vector<int32_t>* positions) {
-  if (traced("partial_append", {batch_, kv_heads_, r_}, key_dtype_)) return;
+  const int64_t KV = kv_heads_ * head_dim_, n = keys.dim(0) / batch_;
+  if (traced("partial_append", {batch_ * n, kv_heads_, r_}, key_dtype_)) return;
   const Tensor host = keys.to(Device::Cpu);
   const float* k = host.data<float>();
-  const int64_t KV = kv_heads_ * head_dim_, n = keys.dim(0) / batch_;
   INFINIGEN_CHECK(!positions || n == 1, "partial keys at given positions come one per sequence");
   std::vector<float> row(static_cast<size_t>(r_));
   for (int64_t b = 0; b < batch_; ++b) {
@@ -567,6 +567,29 @@ void PartialLayer::restore(const std::vector<std::pair<std::string, Tensor>>& st
   bias_ = *bias;
   keys_.assign(static_cast<size_t>(batch_ * kv_heads_ * capacity_ * r_) * dtype_size(key_dtype_),
                0);
+}
+
+void PartialLayer::restore_shapes(int64_t batch, int64_t num_heads, int64_t num_kv_heads,
+                                  int64_t head_dim, int64_t capacity, int64_t r, bool rotary,
+                                  int64_t hidden, DType weight_dtype, DType key_dtype) {
+  batch_ = batch;
+  heads_ = num_heads;
+  kv_heads_ = num_kv_heads;
+  group_ = num_heads / num_kv_heads;
+  head_dim_ = head_dim;
+  capacity_ = capacity;
+  r_ = r;
+  key_dtype_ = key_dtype;
+  columns_.assign(static_cast<size_t>(kv_heads_ * r_), 0);
+  for (int64_t g = 0; g < kv_heads_; ++g) {
+    std::iota(columns_.begin() + g * r_, columns_.begin() + (g + 1) * r_, 0);
+  }
+  skew_.clear();
+  inv_freq_.assign(rotary ? static_cast<size_t>(head_dim / 2) : 0, 0.0f);
+  derive_needed_rows(rotary, false);
+  weight_ = Tensor::empty({head_rows_.back(), hidden}, weight_dtype);
+  bias_ = Tensor::empty({head_rows_.back()}, DType::F32);
+  keys_.clear();
 }
 
 }  // namespace infinigen

@@ -163,6 +163,11 @@ class PartialLayer {
   void restore(const std::vector<std::pair<std::string, Tensor>>& state, int64_t batch,
                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t capacity,
                DType key_dtype);
+  // A dry run's restore (core/trace.h): the shapes of a layer of `hidden`-wide inputs and r
+  // columns per KV head (the first r, with their rotary pairs when `rotary`), nothing stored.
+  void restore_shapes(int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                      int64_t capacity, int64_t r, bool rotary, int64_t hidden,
+                      DType weight_dtype, DType key_dtype);
   // The r partial key elements (in the key dtype) at `position` of (b, g).
   const void* key_row(int64_t b, int64_t g, int64_t position) const {
     return keys_.data() + key_offset(b, g, position);

@@ -157,6 +157,34 @@ def plot_fetched(result, side_axes):
             ax.set_ylim(bottom=0)
 
 
+def plot_ttft(result, axes_for):
+    """Prefill latency (the time to first token) per panel, x value and policy, as bars."""
+    points = result["points"]
+    panels = ordered(p["panel"] for p in points)
+    xs = ordered(p["x"] for p in points)
+    policies = ordered(p["policy"] for p in points)
+    resumed = result["experiment"]["x"] == "history_len"
+    label = {x: ("recomputed" if x == "0" else "resumed") if resumed else x for x in xs}
+    slots = [(panel, x) for panel in panels for x in xs]
+    width = 0.8 / max(1, len(policies))
+    for side, ax in axes_for:
+        for j, policy in enumerate(policies):
+            for i, (panel, x) in enumerate(slots):
+                m = next((p.get(side) for p in points
+                          if p["panel"] == panel and p["x"] == x and p["policy"] == policy), None)
+                if not m:
+                    continue
+                pos = i + (j - (len(policies) - 1) / 2) * width
+                ax.bar(pos, m["prefill_s"], width, color=POLICY_COLORS.get(policy),
+                       label=policy if i == 0 else None)
+                ax.text(pos, m["prefill_s"], "%.2g" % m["prefill_s"], ha="center",
+                        va="bottom", fontsize=7)
+        ax.set_xticks(range(len(slots)), ["%s\n%s" % (panel, label[x]) for panel, x in slots],
+                      fontsize=8)
+        ax.set_ylabel("time to first token (s)")
+        ax.legend(fontsize=8)
+
+
 def plot_block(result, axes_for):
     points = result["points"]
     for side, ax in axes_for:
@@ -217,7 +245,8 @@ def main():
             axes[-1].set_title("paper (RTX A6000, PCIe 3.0), %s" % exp["paper_source"],
                                fontsize=7)
             axes_for.append(("paper", axes[-1]))
-        {"latency": plot_latency, "speedup": plot_speedup, "block": plot_block}[kind](
+        {"latency": plot_latency, "speedup": plot_speedup, "block": plot_block,
+         "ttft": plot_ttft}[kind](
             result, axes_for)
     fig.suptitle("%s: %s\n(paper's numbers: hollow diamonds; commit %s)" % (
         exp["figure"], exp["title"], result["commit"]), fontsize=10)
