@@ -527,6 +527,7 @@ void DiskSession::abandon() {
 
 void DiskSession::finish(const KvStore& store, const std::vector<int32_t>& rows_from,
                          const std::vector<std::vector<int32_t>>& generated) {
+  if (reader_.joinable()) reader_.join();  // done: every layer was restored
   if (writer_.joinable()) writer_.join();
   if (writer_error_) std::rethrow_exception(writer_error_);
   Segment segment;
@@ -583,19 +584,20 @@ void DrySessionTurn::restore_layer(int64_t layer, KvStore& store) {
   INFINIGEN_CHECK(trace != nullptr, "a dry session turn runs inside a trace");
   if (reads_.empty()) {
     // The read-ahead starts with the turn: every layer's files, one after another. A layer's
-    // files hold each token stream's rows (B, H_kv, history, width).
+    // files hold each token stream's rows (B, H_kv, history, width), and the layer's state.
     const int64_t rows = store.batch() * kv_heads_ * std::ssize(history_.front());
     for (int64_t l = 0; l < num_layers_; ++l) {
+      store.restore_layer_state(l, {});  // shapes only in a dry run
       uint64_t bytes = 0;
       for (const KvStore::TokenStream& stream : store.token_streams(l)) {
         bytes += static_cast<uint64_t>(rows * stream.width) * dtype_size(stream.dtype);
       }
+      for (const auto& [name, tensor] : store.layer_state(l)) bytes += tensor.nbytes();
       bytes_.push_back(bytes);
       reads_.push_back(trace->transfer(TracedKind::Read, "session_read", l, bytes, 1,
                                        TransferContent::KvRange, -1));
     }
   }
-  store.restore_layer_state(layer, {});
   trace->host_waits(reads_[static_cast<size_t>(layer)]);
   traced("session_restore", {static_cast<int64_t>(bytes_[static_cast<size_t>(layer)])});
 }

@@ -499,18 +499,20 @@ PartialLayer::Selection PartialLayer::select(const std::vector<float>& logits, i
 }
 
 std::vector<std::pair<std::string, Tensor>> PartialLayer::state() const {
+  // Tensors of a dry run (core/trace.h) have shapes and no memory.
+  const bool values = !dry_run();
   Tensor columns = Tensor::empty({kv_heads_, r_}, DType::I32);
-  std::copy(columns_.begin(), columns_.end(), columns.data<int32_t>());
+  if (values) std::copy(columns_.begin(), columns_.end(), columns.data<int32_t>());
   std::vector<std::pair<std::string, Tensor>> state = {
       {"partial_columns", std::move(columns)}, {"partial_weight", weight_}, {"partial_bias", bias_}};
   if (!skew_.empty()) {
     Tensor skew = Tensor::empty({kv_heads_, head_dim_, head_dim_}, DType::F32);
-    std::copy(skew_.begin(), skew_.end(), skew.data<float>());
+    if (values) std::copy(skew_.begin(), skew_.end(), skew.data<float>());
     state.emplace_back("partial_skew", std::move(skew));
   }
   if (!inv_freq_.empty()) {
     Tensor freq = Tensor::empty({head_dim_ / 2}, DType::F32);
-    std::copy(inv_freq_.begin(), inv_freq_.end(), freq.data<float>());
+    if (values) std::copy(inv_freq_.begin(), inv_freq_.end(), freq.data<float>());
     state.emplace_back("partial_inv_freq", std::move(freq));
   }
   return state;

@@ -14,6 +14,9 @@
 #include "offload/kv_policy.h"
 #include "offload/runtime.h"
 #include "offload/session.h"
+#include "predict/cost_model.h"
+#include "predict/hardware_profile.h"
+#include "predict/schedule.h"
 #include "tests/test_util.h"
 
 namespace infinigen {
@@ -281,6 +284,69 @@ TEST(SessionFiles, RestoredPartialKeysAreTheSavedOnes) {
   }
 }
 
+// The cost model prices the reads a resumed turn makes: its disk lane carries the bytes a real
+// turn reads (the files' headers aside), one read per layer, each before the layer's pass.
+TEST(SessionCostModel, DiskBytesAreTheRuntimes) {
+  for (const std::string policy : {"full", "infinigen"}) {
+    TempDir dir("session");
+    const ModelSource source = tiny("opt-tiny");
+    const OffloadOptions options = options_for(policy);
+    const fs::path path = dir.path() / "s";
+    const SessionKey key = session_key(source, options, DType::F16, Device::Cpu);
+    GenerationRequest request;
+    {
+      auto session = DiskSession::create(path, key);
+      request.prompts = session->turn_prompts({{2, 10, 11, 12, 13, 14}, {2, 20, 21, 22, 23, 24}});
+      request.gen_len = 3;
+      run_offloaded(source, request, options, Device::Cpu, {}, session.get());
+    }
+    auto session = DiskSession::open(path, key);
+    request.prompts = session->turn_prompts({{30, 31, 32}, {33, 34, 35}});
+    run_offloaded(source, request, options, Device::Cpu, {}, session.get());
+    const int64_t files = 2 * source.config.num_layers + (policy == "infinigen" ? 2 : 0);
+
+    CostModelInput input;
+    input.config = source.config;
+    input.batch = 2;
+    input.history_len = 6 + 3 - 1;  // the first turn's prompt and generated tokens but the last
+    input.prompt_len = 4;           // that last token and the three new ones
+    input.gen_len = 3;
+    input.options = options;
+    input.fetched.fraction.assign(static_cast<size_t>(source.config.num_layers), 1.0);
+    const Schedule schedule = run_schedule(input);
+    uint64_t disk = 0;
+    int64_t reads = 0;
+    for (const ScheduledOp& op : schedule.ops) {
+      if (op.lane != Lane::Disk) continue;
+      disk += op.disk_bytes;
+      ++reads;
+    }
+    EXPECT_EQ(reads, source.config.num_layers) << policy;
+    EXPECT_LE(disk, session->stats().bytes_read) << policy;
+    EXPECT_GE(disk + 512 * static_cast<uint64_t>(files), session->stats().bytes_read) << policy;
+  }
+}
+
+// Where the disk outruns recomputation (a GQA model on the A6000's assumed NVMe), the predicted
+// resumed turn reaches its first token sooner than a prefill of the whole conversation.
+TEST(SessionCostModel, AResumedTurnOfAGqaModelBeatsRecomputingOnTheA6000) {
+  CostModelInput input;
+  input.config = load_preset("llama-3.1-8b");
+  input.batch = 8;
+  input.gen_len = 2;
+  input.options.policy = "full";
+  input.prompt_len = 1616;
+  const HardwareProfile a6000 = load_hardware_profile("rtx-a6000-pcie3");
+  const double recomputed = predict_run(input, a6000).prefill_s;
+  input.history_len = 1552;
+  input.prompt_len = 64;
+  const double resumed = predict_run(input, a6000).prefill_s;
+  EXPECT_LT(resumed, recomputed / 2);
+  // Reading 1552 tokens' KV at the profile's disk rate bounds it from below.
+  const double bytes = 2.0 * 32 * 8 * 128 * 2 * 1552 * 8;
+  EXPECT_GT(resumed, bytes / a6000.disk_read_bytes_per_s);
+}
+
 TEST(SessionFiles, AConversationBeyondTheContextIsRefused) {
   TempDir dir("session");
   const fs::path path = saved_session(dir);
@@ -331,6 +397,56 @@ TEST(SessionCli, ASaveKilledAtRandomLeavesThePreviousSessionLoadable) {
   args = common;
   args.insert(args.end(), {"--prompt-len", "3", "--resume", path});
   const auto resumed = testing_util::run_infinigen_measured(args, {});
+  EXPECT_EQ(resumed.exit_code, 0) << resumed.err;
+}
+
+// A save that cannot be written (a full disk: here a file size limit) ends with one line and
+// leaves the session as it was; the next turn that can write resumes it.
+TEST(SessionCli, AFullDiskLeavesTheSessionAsItWas) {
+  TempDir dir("session");
+  const std::string path = (dir.path() / "s").string();
+  const std::vector<std::string> common = {"run", "--model", "builtin", "--policy", "full",
+                                           "--gen-len", "4"};
+  auto args = common;
+  args.insert(args.end(), {"--prompt-len", "100", "--batch", "2", "--session", path});
+  ASSERT_EQ(testing_util::run_infinigen_measured(args).exit_code, 0);
+  const std::string manifest = read_bytes(fs::path(path) / "manifest.json");
+  args = common;
+  args.insert(args.end(), {"--prompt-len", "100", "--resume", path});
+  testing_util::expect_one_line_failure(args, testing_util::ChildOptions().file_limit(20000),
+                                        {"write failed"});
+  EXPECT_EQ(read_bytes(fs::path(path) / "manifest.json"), manifest);
+  const auto resumed = testing_util::run_infinigen_measured(args);
+  EXPECT_EQ(resumed.exit_code, 0) << resumed.err;
+  // What the failed save left is gone: two turns, two segments each.
+  int segments = 0;
+  for (const auto& entry : fs::directory_iterator(path)) {
+    segments += entry.path().filename().string().rfind("seg-", 0) == 0 ? 1 : 0;
+  }
+  EXPECT_EQ(segments, 4);
+}
+
+// Ctrl-C during a resumed turn stops it with status 130 and keeps the session as it was.
+TEST(SessionCli, AnInterruptedTurnKeepsTheSession) {
+  TempDir dir("session");
+  const std::string path = (dir.path() / "s").string();
+  const std::vector<std::string> common = {"run", "--model", "builtin", "--policy", "full"};
+  auto args = common;
+  args.insert(args.end(), {"--prompt-len", "100", "--batch", "2", "--gen-len", "4", "--session",
+                           path});
+  ASSERT_EQ(testing_util::run_infinigen_measured(args).exit_code, 0);
+  const std::string manifest = read_bytes(fs::path(path) / "manifest.json");
+  args = common;
+  args.insert(args.end(), {"--prompt-len", "100", "--gen-len", "1000", "--resume", path});
+  testing_util::BackgroundInfinigen child(args);
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  double seconds = 0.0;
+  const auto stopped = child.signal_and_wait(SIGINT, 10.0, &seconds);
+  EXPECT_EQ(stopped.exit_code, 130) << stopped.err;
+  EXPECT_EQ(read_bytes(fs::path(path) / "manifest.json"), manifest);
+  args = common;
+  args.insert(args.end(), {"--prompt-len", "3", "--gen-len", "2", "--resume", path});
+  const auto resumed = testing_util::run_infinigen_measured(args);
   EXPECT_EQ(resumed.exit_code, 0) << resumed.err;
 }
 
