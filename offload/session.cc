@@ -194,6 +194,15 @@ std::unique_ptr<DiskSession> DiskSession::create(const fs::path& directory, Sess
                   ": already holds a session; continue it with --resume, or remove it");
   INFINIGEN_CHECK(!fs::exists(directory) || fs::is_directory(directory), directory.string(),
                   ": not a directory");
+  // Only what a first save that never committed leaves may be there (the save removes it).
+  if (fs::exists(directory)) {
+    for (const fs::directory_entry& entry : fs::directory_iterator(directory)) {
+      const std::string name = entry.path().filename().string();
+      INFINIGEN_CHECK(name.rfind("seg-", 0) == 0 || name.rfind(".manifest.json.", 0) == 0,
+                      directory.string(), ": already exists and holds ", name,
+                      "; a new session needs an empty directory");
+    }
+  }
   std::unique_ptr<DiskSession> session(new DiskSession(directory, std::move(key)));
   session->state_.assign(static_cast<size_t>(session->key_.num_layers), {});
   return session;

@@ -64,8 +64,8 @@ struct SessionStats {
 
 class DiskSession : public Conversation {
  public:
-  // A new session in `directory`: absent, empty, or left by a first save that never committed
-  // (no manifest.json). One-line Error when it holds a session.
+  // A new session in `directory`: absent, empty, or holding only what a first save that never
+  // committed left (segment directories, no manifest.json). One-line Error otherwise.
   static std::unique_ptr<DiskSession> create(const std::filesystem::path& directory,
                                              SessionKey key);
   // The session in `directory`, its manifest checked (format, checksum, shapes, file list) and

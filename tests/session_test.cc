@@ -456,6 +456,13 @@ TEST(SessionCli, BadUsesEndWithOneLine) {
   testing_util::expect_one_line_error({"run", "--model", "opt-tiny", "--prompt-len", "4",
                                        "--resume", (dir.path() / "none").string()},
                                       {"no session here"});
+  fs::create_directories(dir.path() / "notes");
+  std::ofstream(dir.path() / "notes" / "todo.txt") << "keep me\n";
+  testing_util::expect_one_line_error({"run", "--model", "opt-tiny", "--prompt-len", "4",
+                                       "--policy", "full", "--session",
+                                       (dir.path() / "notes").string()},
+                                      {"holds todo.txt", "needs an empty directory"});
+  EXPECT_TRUE(fs::exists(dir.path() / "notes" / "todo.txt"));
   testing_util::expect_one_line_error({"run", "--model", "opt-tiny", "--prompt-len", "4",
                                        "--policy", "h2o", "--session", path},
                                       {"--policy h2o cannot keep a session"});
