@@ -260,6 +260,12 @@ int run(const RunOptions& o) {
   }
   const GenerationResult& result = run.result;
   const TransferSummary transfers = summarize(run);
+  // What each sequence was given this turn: a resumed turn's prompt without the previous turn's
+  // last token, which that turn already printed.
+  const auto given = [&](size_t b) {
+    const std::vector<int32_t>& prompt = request.prompts[b];
+    return resumed ? std::vector<int32_t>(prompt.begin() + 1, prompt.end()) : prompt;
+  };
 
   const double ms_per_step =
       result.gen_len > 1 ? 1000.0 * result.decode_seconds / static_cast<double>(result.gen_len - 1)
@@ -267,7 +273,7 @@ int run(const RunOptions& o) {
   if (o.json) {
     nlohmann::json outputs = nlohmann::json::array();
     for (size_t b = 0; b < request.prompts.size(); ++b) {
-      outputs.push_back({{"prompt", render(loaded, request.prompts[b])},
+      outputs.push_back({{"prompt", render(loaded, given(b))},
                          {"prompt_tokens", request.prompts[b].size()},
                          {"text", render(loaded, result.tokens[b])},
                          {"tokens", result.tokens[b]}});
@@ -322,7 +328,7 @@ int run(const RunOptions& o) {
       static_cast<long long>(result.gen_len), describe(request.sampling).c_str());
   for (size_t b = 0; b < request.prompts.size(); ++b) {
     std::printf("[%zu] %s\n    -> %s\n", b + 1,
-                shorten(render(loaded, request.prompts[b]), 160).c_str(),
+                shorten(render(loaded, given(b)), 160).c_str(),
                 render(loaded, result.tokens[b]).c_str());
   }
   std::printf("\nprefill latency  %9.3f s\n", result.prefill_seconds);
