@@ -70,6 +70,11 @@ int64_t check_request(const ModelConfig& config, const GenerationRequest& reques
                     " prompts");
     longest = 0;
     for (size_t b = 0; b < history->size(); ++b) {
+      for (int32_t id : (*history)[b]) {
+        INFINIGEN_CHECK(id >= 0 && id < config.vocab_size, "sequence ", b + 1,
+                        ": the conversation holds token id ", id,
+                        ", outside the model's vocabulary of ", config.vocab_size);
+      }
       const int64_t total =
           static_cast<int64_t>((*history)[b].size() + request.prompts[b].size());
       // Learned positions (OPT) cannot be shifted to make room; rotary ones could be, by

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -124,6 +125,19 @@ DiskSession::FileRecord file_record(const json& entry, const std::string& where)
   return file;
 }
 
+// A list of non-negative 32-bit integers (token ids, row counts).
+std::vector<int32_t> int32_list(const json& value, const std::string& where, const char* what) {
+  INFINIGEN_CHECK(value.is_array(), where, ": ", what, " must be a list");
+  std::vector<int32_t> out;
+  for (const json& item : value) {
+    INFINIGEN_CHECK(item.is_number_integer() && item.get<int64_t>() >= 0 &&
+                        item.get<int64_t>() <= std::numeric_limits<int32_t>::max(),
+                    where, ": ", what, " hold ", item.dump(), ", not a count or token id");
+    out.push_back(static_cast<int32_t>(item.get<int64_t>()));
+  }
+  return out;
+}
+
 // The manifest's checksum covers its text without the checksum itself.
 uint32_t manifest_checksum(json manifest) {
   manifest.erase("checksum");
@@ -227,16 +241,17 @@ std::unique_ptr<DiskSession> DiskSession::open(const fs::path& directory, const 
   } catch (const json::exception&) {
     fail(where, ": not valid JSON (the session is corrupt)");
   }
-  INFINIGEN_CHECK(manifest.is_object() && manifest.value("format", "") == kFormat, where,
-                  ": not an infinigen session manifest");
-  INFINIGEN_CHECK(manifest.value("version", 0) == kVersion, where, ": session format version ",
-                  manifest.value("version", 0), ", this build reads version ", kVersion);
-  INFINIGEN_CHECK(manifest.contains("checksum") && manifest["checksum"].is_string() &&
-                      manifest["checksum"].get<std::string>() == hex32(manifest_checksum(manifest)),
-                  where, ": checksum mismatch (the session is corrupt)");
   std::unique_ptr<DiskSession> session(new DiskSession(directory, key));
   DiskSession& s = *session;
   try {
+    INFINIGEN_CHECK(manifest.is_object() && manifest.value("format", "") == kFormat, where,
+                    ": not an infinigen session manifest");
+    INFINIGEN_CHECK(manifest.value("version", 0) == kVersion, where, ": session format version ",
+                    manifest.value("version", 0), ", this build reads version ", kVersion);
+    INFINIGEN_CHECK(
+        manifest.contains("checksum") && manifest["checksum"].is_string() &&
+            manifest["checksum"].get<std::string>() == hex32(manifest_checksum(manifest)),
+        where, ": checksum mismatch (the session is corrupt)");
     const json saved = manifest.at("key");
     const json expected = key_json(key);
     INFINIGEN_CHECK(saved.at("identity") == expected["identity"], directory.string(),
@@ -257,7 +272,7 @@ std::unique_ptr<DiskSession> DiskSession::open(const fs::path& directory, const 
     INFINIGEN_CHECK(saved.at("layers") == key.num_layers, where, ": layer count differs");
     const int64_t L = key.num_layers;
     for (const json& sequence : manifest.at("sequences")) {
-      s.tokens_.push_back(sequence.get<std::vector<int32_t>>());
+      s.tokens_.push_back(int32_list(sequence, where, "a sequence's tokens"));
       INFINIGEN_CHECK(!s.tokens_.back().empty(), where, ": a sequence without tokens");
     }
     const size_t B = s.tokens_.size();
@@ -265,7 +280,7 @@ std::unique_ptr<DiskSession> DiskSession::open(const fs::path& directory, const 
     std::vector<int64_t> stored(B, 0);
     for (const json& entry : manifest.at("segments")) {
       Segment segment;
-      segment.rows = entry.at("rows").get<std::vector<int32_t>>();
+      segment.rows = int32_list(entry.at("rows"), where, "a segment's rows");
       INFINIGEN_CHECK(segment.rows.size() == B, where, ": a segment's rows do not cover ", B,
                       " sequences");
       for (size_t b = 0; b < B; ++b) {
@@ -287,7 +302,11 @@ std::unique_ptr<DiskSession> DiskSession::open(const fs::path& directory, const 
                       stored[b], " stored rows");
       s.history_.emplace_back(s.tokens_[b].begin(), s.tokens_[b].end() - 1);
     }
-    s.next_segment_ = manifest.at("next_segment").get<int64_t>();
+    const json& next = manifest.at("next_segment");
+    INFINIGEN_CHECK(next.is_number_integer() && next.get<int64_t>() >= 1 &&
+                        next.get<int64_t>() < 1000000,
+                    where, ": malformed next_segment");
+    s.next_segment_ = next.get<int64_t>();
     // Every file the manifest names must be there, whole, before anything is computed.
     for (const Segment& segment : s.segments_) {
       for (const FileRecord& file : segment.layers) {

@@ -365,18 +365,20 @@ TEST(SessionFiles, AConversationBeyondTheContextIsRefused) {
 TEST(SessionCli, ASaveKilledAtRandomLeavesThePreviousSessionLoadable) {
   TempDir dir("session");
   const std::string path = (dir.path() / "s").string();
-  const std::vector<std::string> common = {"run", "--model", "opt-125m", "--policy", "full",
+  const std::vector<std::string> common = {"run", "--model", "builtin", "--policy", "full",
                                            "--gen-len", "16", "--json"};
+  // Generous: under the sanitizers, beside other tests, a turn takes many times its usual time.
+  const auto patient = testing_util::ChildOptions().timeout(600);
   auto args = common;
-  args.insert(args.end(), {"--prompt-len", "200", "--batch", "4", "--session", path});
-  ASSERT_EQ(testing_util::run_infinigen_measured(args, {}).exit_code, 0);
+  args.insert(args.end(), {"--prompt-len", "400", "--batch", "4", "--session", path});
+  ASSERT_EQ(testing_util::run_infinigen_measured(args, patient).exit_code, 0);
   // A turn's save runs in its second half (the first pass's rows while decoding, the rest and
   // the manifest at the end): the kills land there, timed from an unkilled turn.
   args = common;
   args.insert(args.end(), {"--prompt-len", "120", "--resume", path});
-  const auto whole = testing_util::run_infinigen_measured(args, {});
+  const auto whole = testing_util::run_infinigen_measured(args, patient);
   ASSERT_EQ(whole.exit_code, 0) << whole.err;
-  const ModelSource source = resolve_model("opt-125m", {});
+  const ModelSource source = resolve_model("builtin", {});
   OffloadOptions options;
   options.policy = "full";
   const SessionKey key = session_key(source, options, DType::F16, Device::Cpu);
@@ -396,7 +398,7 @@ TEST(SessionCli, ASaveKilledAtRandomLeavesThePreviousSessionLoadable) {
   EXPECT_GT(killed, 0);  // some kills landed before the end
   args = common;
   args.insert(args.end(), {"--prompt-len", "3", "--resume", path});
-  const auto resumed = testing_util::run_infinigen_measured(args, {});
+  const auto resumed = testing_util::run_infinigen_measured(args, patient);
   EXPECT_EQ(resumed.exit_code, 0) << resumed.err;
 }
 
@@ -409,14 +411,18 @@ TEST(SessionCli, AFullDiskLeavesTheSessionAsItWas) {
                                            "--gen-len", "4"};
   auto args = common;
   args.insert(args.end(), {"--prompt-len", "100", "--batch", "2", "--session", path});
-  ASSERT_EQ(testing_util::run_infinigen_measured(args).exit_code, 0);
+  ASSERT_EQ(testing_util::run_infinigen_measured(args, testing_util::ChildOptions().timeout(600))
+                .exit_code,
+            0);
   const std::string manifest = read_bytes(fs::path(path) / "manifest.json");
   args = common;
   args.insert(args.end(), {"--prompt-len", "100", "--resume", path});
-  testing_util::expect_one_line_failure(args, testing_util::ChildOptions().file_limit(20000),
+  testing_util::expect_one_line_failure(args,
+                                        testing_util::ChildOptions().timeout(600).file_limit(20000),
                                         {"write failed"});
   EXPECT_EQ(read_bytes(fs::path(path) / "manifest.json"), manifest);
-  const auto resumed = testing_util::run_infinigen_measured(args);
+  const auto resumed =
+      testing_util::run_infinigen_measured(args, testing_util::ChildOptions().timeout(600));
   EXPECT_EQ(resumed.exit_code, 0) << resumed.err;
   // What the failed save left is gone: two turns, two segments each.
   int segments = 0;
@@ -434,7 +440,9 @@ TEST(SessionCli, AnInterruptedTurnKeepsTheSession) {
   auto args = common;
   args.insert(args.end(), {"--prompt-len", "100", "--batch", "2", "--gen-len", "4", "--session",
                            path});
-  ASSERT_EQ(testing_util::run_infinigen_measured(args).exit_code, 0);
+  ASSERT_EQ(testing_util::run_infinigen_measured(args, testing_util::ChildOptions().timeout(600))
+                .exit_code,
+            0);
   const std::string manifest = read_bytes(fs::path(path) / "manifest.json");
   args = common;
   args.insert(args.end(), {"--prompt-len", "100", "--gen-len", "1000", "--resume", path});
@@ -446,7 +454,8 @@ TEST(SessionCli, AnInterruptedTurnKeepsTheSession) {
   EXPECT_EQ(read_bytes(fs::path(path) / "manifest.json"), manifest);
   args = common;
   args.insert(args.end(), {"--prompt-len", "3", "--gen-len", "2", "--resume", path});
-  const auto resumed = testing_util::run_infinigen_measured(args);
+  const auto resumed =
+      testing_util::run_infinigen_measured(args, testing_util::ChildOptions().timeout(600));
   EXPECT_EQ(resumed.exit_code, 0) << resumed.err;
 }
 
