@@ -405,17 +405,14 @@ void DiskSession::restore_layer(int64_t layer, KvStore& store) {
     stats_.restore_wait_seconds += seconds_since(start);
   }
   if (read.error) std::rethrow_exception(read.error);
-  if (read.state) {
-    KvStore::LayerState state;
-    for (const SafetensorsEntry& entry : read.state->entries()) {
-      Tensor tensor = Tensor::empty(entry.shape, entry.dtype);
-      std::memcpy(tensor.raw(), read.state->bytes(entry), entry.nbytes);
-      state.emplace_back(entry.name, std::move(tensor));
-    }
-    store.restore_layer_state(layer, state);
-  } else {
-    store.restore_layer_state(layer, {});
+  KvStore::LayerState state;  // empty where the layer keeps none
+  for (const SafetensorsEntry& entry : read.state ? read.state->entries()
+                                                  : std::vector<SafetensorsEntry>{}) {
+    Tensor tensor = Tensor::empty(entry.shape, entry.dtype);
+    std::memcpy(tensor.raw(), read.state->bytes(entry), entry.nbytes);
+    state.emplace_back(entry.name, std::move(tensor));
   }
+  store.restore_layer_state(layer, state);
   const std::vector<KvStore::TokenStream> streams = store.token_streams(layer);
   const int64_t B = store.batch(), H = key_.kv_heads;
   std::vector<int64_t> done(static_cast<size_t>(B), 0);  // rows of earlier segments

@@ -498,6 +498,18 @@ PartialLayer::Selection PartialLayer::select(const std::vector<float>& logits, i
   return sel;
 }
 
+void PartialLayer::set_shape(int64_t batch, int64_t num_heads, int64_t num_kv_heads,
+                             int64_t head_dim, int64_t capacity, int64_t r, DType key_dtype) {
+  batch_ = batch;
+  heads_ = num_heads;
+  kv_heads_ = num_kv_heads;
+  group_ = num_heads / num_kv_heads;
+  head_dim_ = head_dim;
+  capacity_ = capacity;
+  r_ = r;
+  key_dtype_ = key_dtype;
+}
+
 std::vector<std::pair<std::string, Tensor>> PartialLayer::state() const {
   // Tensors of a dry run (core/trace.h) have shapes and no memory.
   const bool values = !dry_run();
@@ -539,14 +551,7 @@ void PartialLayer::restore(const std::vector<std::pair<std::string, Tensor>>& st
                       columns->dim(1) <= head_dim,
                   "speculation state: partial_columns of shape ", shape_string(columns->shape()),
                   " do not fit ", num_kv_heads, " KV heads of ", head_dim);
-  batch_ = batch;
-  heads_ = num_heads;
-  kv_heads_ = num_kv_heads;
-  group_ = num_heads / num_kv_heads;
-  head_dim_ = head_dim;
-  capacity_ = capacity;
-  r_ = columns->dim(1);
-  key_dtype_ = key_dtype;
+  set_shape(batch, num_heads, num_kv_heads, head_dim, capacity, columns->dim(1), key_dtype);
   columns_.assign(columns->data<int32_t>(), columns->data<int32_t>() + columns->numel());
   for (int32_t c : columns_) {
     INFINIGEN_CHECK(c >= 0 && c < head_dim, "speculation state: partial column ", c,
@@ -574,14 +579,7 @@ void PartialLayer::restore(const std::vector<std::pair<std::string, Tensor>>& st
 void PartialLayer::restore_shapes(int64_t batch, int64_t num_heads, int64_t num_kv_heads,
                                   int64_t head_dim, int64_t capacity, int64_t r, bool rotary,
                                   int64_t hidden, DType weight_dtype, DType key_dtype) {
-  batch_ = batch;
-  heads_ = num_heads;
-  kv_heads_ = num_kv_heads;
-  group_ = num_heads / num_kv_heads;
-  head_dim_ = head_dim;
-  capacity_ = capacity;
-  r_ = r;
-  key_dtype_ = key_dtype;
+  set_shape(batch, num_heads, num_kv_heads, head_dim, capacity, r, key_dtype);
   columns_.assign(static_cast<size_t>(kv_heads_ * r_), 0);
   for (int64_t g = 0; g < kv_heads_; ++g) {
     std::iota(columns_.begin() + g * r_, columns_.begin() + (g + 1) * r_, 0);

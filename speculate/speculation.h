@@ -196,6 +196,9 @@ class PartialLayer {
   // needed_ and head_rows_ from the columns: every query dimension under a skew, else the
   // columns with their rotary pairs when rotated.
   void derive_needed_rows(bool rotary, bool skewed);
+  // The sizes of a restored layer (restore, restore_shapes).
+  void set_shape(int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                 int64_t capacity, int64_t r, DType key_dtype);
   // The partial query (r, scaled) of head h of sequence b from its needed rows `rows`.
   void partial_query(const float* rows, int64_t h, int32_t rope_position, float* out) const;
   // A dry run's selection: sequence b takes its first take[b] valid positions.
