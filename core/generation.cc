@@ -40,6 +40,20 @@ std::vector<int32_t> left_pad(const std::vector<std::vector<int32_t>>& prompts, 
   return tokens;
 }
 
+int64_t common_prefix_rows(const std::vector<std::vector<int32_t>>& prompts, int64_t granularity) {
+  INFINIGEN_CHECK(granularity > 0, "a shared prefix's granularity must be positive, got ",
+                  granularity);
+  if (prompts.size() < 2) return 0;
+  size_t common = prompts[0].size();
+  for (const auto& prompt : prompts) {
+    common = std::min(common, prompt.size() - std::min<size_t>(prompt.size(), 1));
+    const auto differ = std::mismatch(prompt.begin(), prompt.begin() + static_cast<long>(common),
+                                      prompts[0].begin());
+    common = static_cast<size_t>(differ.first - prompt.begin());
+  }
+  return static_cast<int64_t>(common) / granularity * granularity;
+}
+
 void check_context(const ModelConfig& config, int64_t longest, int64_t gen_len) {
   INFINIGEN_CHECK(longest < config.max_positions, "a prompt of ", longest,
                   " tokens leaves no room to generate in the model's context of ",
@@ -88,6 +102,18 @@ int64_t check_request(const ModelConfig& config, const GenerationRequest& reques
     }
   }
   check_context(config, longest, request.gen_len);
+  if (request.shared_prefix != 0) {
+    INFINIGEN_CHECK(!history, "a conversation's turn cannot share a prompt prefix");
+    const size_t shared = static_cast<size_t>(request.shared_prefix);
+    for (size_t b = 0; b < request.prompts.size(); ++b) {
+      const auto& prompt = request.prompts[b];
+      INFINIGEN_CHECK(request.shared_prefix > 0 && prompt.size() > shared &&
+                          std::equal(prompt.begin(), prompt.begin() + static_cast<long>(shared),
+                                     request.prompts[0].begin()),
+                      "prompt ", b + 1, " does not continue the ", request.shared_prefix,
+                      "-token prefix shared by the batch");
+    }
+  }
   if (!request.forced_tokens.empty()) {
     INFINIGEN_CHECK(request.forced_tokens.size() == request.prompts.size(), "forced tokens for ",
                     request.forced_tokens.size(), " sequences in a batch of ",
@@ -135,6 +161,20 @@ std::vector<int32_t> continuation_pass(const std::vector<std::vector<int32_t>>& 
   return tokens;
 }
 
+// The first pass's tokens when the prompts share a prefix of `shared` tokens: each sequence's
+// own tokens (B, n) left-padded to the longest, n the longest own part; fills first_valid (B):
+// where each sequence's own tokens start, after the shared rows.
+std::vector<int32_t> own_tokens_after(const std::vector<std::vector<int32_t>>& prompts,
+                                      int64_t shared, int32_t pad_id,
+                                      std::vector<int32_t>* first_valid) {
+  std::vector<std::vector<int32_t>> own;
+  own.reserve(prompts.size());
+  for (const auto& prompt : prompts) own.emplace_back(prompt.begin() + shared, prompt.end());
+  std::vector<int32_t> tokens = left_pad(own, pad_id, first_valid);
+  for (int32_t& start : *first_valid) start += static_cast<int32_t>(shared);
+  return tokens;
+}
+
 }  // namespace
 
 GenerationResult generate(Model& model, const GenerationRequest& request,
@@ -173,10 +213,12 @@ GenerationResult generate(Model& model, const GenerationRequest& request,
   if (request.score_tokens) result.token_log_probs.assign(static_cast<size_t>(B), {});
   std::vector<int32_t> first_valid;
   int64_t stored = 0;  // rows per sequence stored before the first pass
+  const int64_t shared = request.shared_prefix;
   const std::vector<int32_t> tokens =
-      history ? continuation_pass(*history, request.prompts, config.pad_token_id, longest,
-                                  &first_valid, &stored)
-              : left_pad(request.prompts, config.pad_token_id, &first_valid);
+      history      ? continuation_pass(*history, request.prompts, config.pad_token_id, longest,
+                                       &first_valid, &stored)
+      : shared > 0 ? own_tokens_after(request.prompts, shared, config.pad_token_id, &first_valid)
+                   : left_pad(request.prompts, config.pad_token_id, &first_valid);
   const int64_t capacity = longest + request.gen_len;
   std::unique_ptr<KvStore> store =
       make_store ? make_store(B, capacity)
@@ -189,6 +231,11 @@ GenerationResult generate(Model& model, const GenerationRequest& request,
     cache.resume(stored, first_valid, config.num_layers,
                  [conversation](int64_t layer, KvStore& s) { conversation->restore_layer(layer, s); });
   }
+  if (shared > 0) {
+    // A conversation keeps each sequence's rows from its first_valid: none of them shared.
+    INFINIGEN_CHECK(!conversation, "a conversation cannot share a prompt prefix yet");
+    cache.share_prefix(shared, first_valid);
+  }
 
   int64_t emitted = 0;  // token positions generated so far, for an interruption's message
   try {
@@ -197,8 +244,12 @@ GenerationResult generate(Model& model, const GenerationRequest& request,
           auto start = std::chrono::steady_clock::now();
           trace_step(0);
           if (conversation) conversation->begin();
-          result.last_logits = history ? model.extend(tokens, cache)
-                                       : model.prefill(tokens, first_valid, cache);
+          if (shared > 0) {
+            const auto& prompt = request.prompts[0];
+            model.prefill_shared({prompt.begin(), prompt.begin() + shared}, cache);
+          }
+          result.last_logits = history || shared > 0 ? model.extend(tokens, cache)
+                                                     : model.prefill(tokens, first_valid, cache);
           if (conversation) {
             cache.finish_stores();
             cache.allocate_all();

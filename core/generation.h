@@ -25,6 +25,9 @@ struct GenerationRequest {
   std::vector<std::vector<int32_t>> forced_tokens;
   // Also return, per emitted token, its log-probability under the logits it was chosen from.
   bool score_tokens = false;
+  // Leading tokens every prompt shares (common_prefix_rows), computed and kept once in a store
+  // that can share them (KvStore::share_prefix); 0: none. Every prompt must be longer.
+  int64_t shared_prefix = 0;
 };
 
 struct GenerationResult {
@@ -104,6 +107,11 @@ void check_context(const ModelConfig& config, int64_t longest, int64_t gen_len);
 std::vector<std::vector<int32_t>> synthetic_prompts(int64_t batch, int64_t prompt_len,
                                                     int32_t bos_token_id, int32_t vocab_limit,
                                                     uint64_t seed);
+
+// The leading tokens all of several `prompts` share, in whole multiples of `granularity` (a KV
+// block), leaving every prompt at least one token of its own; 0 for a single prompt or when they
+// share less than `granularity`.
+int64_t common_prefix_rows(const std::vector<std::vector<int32_t>>& prompts, int64_t granularity);
 
 // Left-pads `prompts` into (B, n) with `pad_id`; returns the padded tokens and first_valid (B).
 std::vector<int32_t> left_pad(const std::vector<std::vector<int32_t>>& prompts, int32_t pad_id,

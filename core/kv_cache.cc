@@ -18,6 +18,19 @@ void KvStore::set_first_valid(std::vector<int32_t> first_valid) {
   first_valid_ = std::move(first_valid);
 }
 
+void KvStore::share_prefix(int64_t rows, std::vector<int32_t> first_valid) {
+  INFINIGEN_CHECK(can_share_prefix(), "this KV policy's store cannot share a prompt prefix");
+  INFINIGEN_CHECK(length_ == 0 && passes_ == 0, "a prefix is shared before the first pass");
+  INFINIGEN_CHECK(rows > 0 && rows < capacity_, "a shared prefix of ", rows,
+                  " tokens in a KV store of ", capacity_);
+  for (int32_t start : first_valid) {
+    INFINIGEN_CHECK(start >= rows && start < capacity_, "a sequence's own tokens start at row ",
+                    start, ", inside the ", rows, "-token shared prefix or past the capacity");
+  }
+  set_first_valid(std::move(first_valid));
+  shared_rows_ = rows;
+}
+
 void KvStore::begin_pass(int64_t n_new) {
   restore_through(0);
   start_pass(n_new);
@@ -64,6 +77,7 @@ void KvStore::start_pass(int64_t n_new) {
 void KvStore::end_pass(int64_t n_new) {
   length_ += n_new;
   pass_tokens_ = 0;
+  ++passes_;
 }
 
 KvCache::KvCache(const ModelConfig& config, int64_t batch, int64_t capacity, DType dtype,
@@ -77,14 +91,22 @@ KvCache::KvCache(const ModelConfig& config, int64_t batch, int64_t capacity, DTy
 }
 
 void KvCache::append(int64_t layer, const Tensor& keys, const Tensor& values) {
-  ops::cache_store(keys, keys_[static_cast<size_t>(layer)], length());
-  ops::cache_store(values, values_[static_cast<size_t>(layer)], length());
+  Tensor& layer_keys = keys_[static_cast<size_t>(layer)];
+  Tensor& layer_values = values_[static_cast<size_t>(layer)];
+  if (sharing_pass()) {  // the shared prefix: sequence 0's rows only
+    Tensor first_keys = layer_keys.slice_rows(0, 1), first_values = layer_values.slice_rows(0, 1);
+    ops::cache_store(keys, first_keys, 0);
+    ops::cache_store(values, first_values, 0);
+    return;
+  }
+  ops::cache_store(keys, layer_keys, length());
+  ops::cache_store(values, layer_values, length());
 }
 
 KvStore::View KvCache::view(int64_t layer) {
   // The pass's own rows were appended already; attention reads them too.
   return {&keys_[static_cast<size_t>(layer)], &values_[static_cast<size_t>(layer)],
-          length() + pass_tokens()};
+          length() + pass_tokens(), nullptr, shared_rows()};
 }
 
 }  // namespace infinigen

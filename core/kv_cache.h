@@ -53,12 +53,33 @@ class KvStore {
   int64_t capacity() const { return capacity_; }  // tokens per sequence, padding included
   int64_t length() const { return length_; }      // tokens stored (the same for every sequence)
   int64_t pass_tokens() const { return pass_tokens_; }  // tokens per sequence of the open pass
-  // (B): in sequence b, tokens before first_valid[b] are left padding.
+  // (B): in sequence b, tokens before first_valid[b] are left padding (or, after a shared
+  // prefix, padding between the prefix and the sequence's own tokens).
   const std::vector<int32_t>& first_valid() const { return first_valid_; }
   void set_first_valid(std::vector<int32_t> first_valid);
 
+  // A prompt prefix the batch shares: rows [0, shared_rows()) hold the same tokens in every
+  // sequence, computed once and kept once (a store keeps them in sequence 0's rows, or in shared
+  // blocks); sequence b's own tokens are rows [first_valid[b], length), first_valid[b] >=
+  // shared_rows(), and the rows between are padding. Token positions count the prefix, then the
+  // sequence's own tokens (Model::token_positions). 0: nothing shared.
+  int64_t shared_rows() const { return shared_rows_; }
+  // Before the first pass, on a store that can_share_prefix(): the first pass computes the
+  // `rows` shared tokens as a batch of one; later passes are the sequences' own (first_valid).
+  void share_prefix(int64_t rows, std::vector<int32_t> first_valid);
+  virtual bool can_share_prefix() const { return false; }
+  // Whether the open (or next) pass is the one that computes the shared prefix.
+  bool sharing_pass() const { return shared_rows_ > 0 && length_ == 0; }
+  // Sequences the open pass computes: 1 in the sharing pass, else batch().
+  int64_t pass_batch() const { return sharing_pass() ? 1 : batch_; }
+  // Whether the open pass starts, and whether it ends, one step of a run's statistics: the
+  // prompt is one step even when a shared prefix takes it two passes.
+  bool pass_opens_step() const { return passes_ != 1 || shared_rows_ == 0; }
+  bool pass_closes_step() const { return !sharing_pass(); }
+
   // Keys and values a decode step's attention reads for one layer: (B, H_kv, capacity, d) each,
-  // rows [first_valid[b], length) valid, the token appended in this pass included.
+  // rows [first_valid[b], length) valid, the token appended in this pass included, after rows
+  // [0, shared_rows) of sequence 0 that every sequence reads.
   struct View {
     const Tensor* keys;
     const Tensor* values;
@@ -66,6 +87,7 @@ class KvStore {
     // Left padding of the rows in `keys`/`values`; null means first_valid() (rows stored at
     // their token positions). Stores that stage a compact selection of rows set their own.
     const std::vector<int32_t>* first_valid = nullptr;
+    int64_t shared_rows = 0;
   };
 
   // What layer `layer` computes from, before its attention. Stores that speculate on the next
@@ -137,6 +159,8 @@ class KvStore {
   int64_t capacity_;
   int64_t length_ = 0;
   int64_t pass_tokens_ = 0;
+  int64_t shared_rows_ = 0;
+  int64_t passes_ = 0;  // passes ended so far
   std::vector<int32_t> first_valid_;
 };
 
@@ -147,6 +171,7 @@ class KvCache : public KvStore {
   KvCache(const ModelConfig& config, int64_t batch, int64_t capacity, DType dtype, Device device);
 
   DType dtype() const { return dtype_; }
+  bool can_share_prefix() const override { return true; }
   void append(int64_t layer, const Tensor& keys, const Tensor& values) override;
   View view(int64_t layer) override;
   std::vector<TokenStream> token_streams(int64_t layer) const override;

@@ -39,14 +39,17 @@ Model::Model(ModelConfig config, ModelWeights weights, Device device,
 
 std::vector<int32_t> Model::token_positions(const KvStore& cache, int64_t n_new, int32_t offset,
                                             int32_t padding) {
-  const int64_t B = cache.batch(), past = cache.length();
+  const int64_t B = cache.pass_batch(), past = cache.length(), shared = cache.shared_rows();
   std::vector<int32_t> positions(static_cast<size_t>(B * n_new));
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t start = cache.first_valid()[static_cast<size_t>(b)];
+    const int64_t start = cache.sharing_pass() ? 0 : cache.first_valid()[static_cast<size_t>(b)];
     for (int64_t i = 0; i < n_new; ++i) {
       const int64_t t = past + i;
+      // The shared prefix's rows, then the sequence's own after its padding.
       positions[static_cast<size_t>(b * n_new + i)] =
-          t < start ? padding : static_cast<int32_t>(offset + t - start);
+          t < shared  ? static_cast<int32_t>(offset + t)
+          : t < start ? padding
+                      : static_cast<int32_t>(offset + shared + t - start);
     }
   }
   return positions;
@@ -55,14 +58,16 @@ std::vector<int32_t> Model::token_positions(const KvStore& cache, int64_t n_new,
 void Model::attend(int64_t layer, const Tensor& q, const Tensor& k, const Tensor& v, KvStore& cache,
                    Tensor& out) const {
   if (cache.length() == 0) {
-    ops::attention_prefill(q, k, v, out, cache.batch(), config_.num_heads, cache.first_valid());
+    static const std::vector<int32_t> unpadded = {0};  // the shared prefix, a batch of one
+    ops::attention_prefill(q, k, v, out, cache.pass_batch(), config_.num_heads,
+                           cache.sharing_pass() ? unpadded : cache.first_valid());
     return;
   }
   const KvStore::View kv = cache.view(layer);
   const std::vector<int32_t>& first_valid = kv.first_valid ? *kv.first_valid : cache.first_valid();
   const int64_t n = cache.pass_tokens();
   if (n == 1) {
-    ops::attention_decode(q, *kv.keys, *kv.values, out, kv.length, first_valid);
+    ops::attention_decode(q, *kv.keys, *kv.values, out, kv.length, first_valid, kv.shared_rows);
     return;
   }
   // Extension by n rows: row i of each sequence attends to the rows before it and itself, one
@@ -80,7 +85,8 @@ void Model::attend(int64_t layer, const Tensor& q, const Tensor& k, const Tensor
                   static_cast<const char*>(q.raw()) + (b * n + i) * row_bytes, device_, row_bytes);
       row_first_valid[b] = static_cast<int32_t>(std::min<int64_t>(first_valid[b], length - 1));
     }
-    ops::attention_decode(q_row, *kv.keys, *kv.values, out_row, length, row_first_valid);
+    ops::attention_decode(q_row, *kv.keys, *kv.values, out_row, length, row_first_valid,
+                          kv.shared_rows);
     for (int64_t b = 0; b < B; ++b) {
       device_copy(static_cast<char*>(out.raw()) + (b * n + i) * row_bytes, device_,
                   static_cast<const char*>(out_row.raw()) + b * row_bytes, device_, row_bytes);
@@ -111,6 +117,15 @@ Tensor Model::prefill(const std::vector<int32_t>& tokens, const std::vector<int3
   }
   cache.set_first_valid(first_valid);
   return run_pass(tokens, cache, all_positions);
+}
+
+void Model::prefill_shared(const std::vector<int32_t>& prefix, KvStore& cache) {
+  INFINIGEN_CHECK(cache.sharing_pass() && std::ssize(prefix) == cache.shared_rows(),
+                  "prefill_shared: the store does not expect a shared prefix of ", prefix.size(),
+                  " tokens");
+  trace_layer(-1);
+  forward(prefix, std::ssize(prefix), cache);
+  trace_layer(-1);
 }
 
 Tensor Model::extend(const std::vector<int32_t>& tokens, KvStore& cache) {

@@ -44,7 +44,11 @@ class Model {
                  KvStore& cache, bool all_positions = false);
   // Appends one token per sequence, tokens (B); returns fp32 logits (B, V) on the CPU.
   Tensor decode(const std::vector<int32_t>& tokens, KvStore& cache);
-  // Appends n tokens per sequence to a cache that holds some already (a resumed conversation),
+  // The prompt prefix every sequence shares (KvStore::share_prefix), computed once: the store's
+  // first pass. The sequences' own prompt tokens follow with extend().
+  void prefill_shared(const std::vector<int32_t>& prefix, KvStore& cache);
+  // Appends n tokens per sequence to a cache that holds some already (a resumed conversation,
+  // or the sequences' own tokens after a shared prefix),
   // tokens (B, n) row-major, padding rows where a row is before the sequence's first_valid;
   // attention is over everything stored plus the new rows, causal. Returns fp32 logits (B, V)
   // of each sequence's last token.

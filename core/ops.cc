@@ -294,7 +294,8 @@ void attention_prefill(const Tensor& q, const Tensor& k, const Tensor& v, Tensor
 }
 
 void attention_decode(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, Tensor& out,
-                      int64_t length, const std::vector<int32_t>& first_valid) {
+                      int64_t length, const std::vector<int32_t>& first_valid,
+                      int64_t shared_rows) {
   const Device device = common_device("attention_decode", {&q, &k_cache, &v_cache, &out});
   const int64_t B = k_cache.dim(0), kv_heads = k_cache.dim(1), capacity = k_cache.dim(2);
   const int64_t d = k_cache.dim(3), H = q.dim(1) / d;
@@ -306,11 +307,18 @@ void attention_decode(const Tensor& q, const Tensor& k_cache, const Tensor& v_ca
   INFINIGEN_CHECK(k_cache.dtype() == v_cache.dtype(), "attention_decode: K and V dtypes differ");
   INFINIGEN_CHECK(length <= capacity, "attention_decode: length ", length, " beyond capacity ",
                   capacity);
+  INFINIGEN_CHECK(shared_rows >= 0 && shared_rows <= length, "attention_decode: ", shared_rows,
+                  " shared rows in a length of ", length);
+  for (int32_t start : first_valid) {
+    INFINIGEN_CHECK(start >= shared_rows, "attention_decode: a sequence's rows start at ", start,
+                    ", inside the ", shared_rows, " shared rows");
+  }
   if (active_trace() != nullptr) {
-    // Rows attention reads, over the batch: each sequence's from its first valid one.
+    // Rows attention reads, over the batch: the shared ones, then each sequence's from its first
+    // valid one.
     int64_t rows = 0;
     for (int64_t b = 0; b < B && b < static_cast<int64_t>(first_valid.size()); ++b) {
-      rows += length - std::min<int64_t>(length, first_valid[static_cast<size_t>(b)]);
+      rows += shared_rows + length - std::min<int64_t>(length, first_valid[static_cast<size_t>(b)]);
     }
     if (traced("attention_decode", {B, H, rows, d, kv_heads}, k_cache.dtype())) return;
   }
@@ -327,12 +335,14 @@ void attention_decode(const Tensor& q, const Tensor& k_cache, const Tensor& v_ca
         "attention_decode",
         gpu::attention_decode(q.data<float>(), k_cache.raw(), v_cache.raw(),
                               gpu_element(k_cache.dtype()), out.data<float>(), B, H, kv_heads, d,
-                              capacity, length, first_valid_d.data<int32_t>(), kDefaultStream));
+                              capacity, length, first_valid_d.data<int32_t>(), shared_rows,
+                              kDefaultStream));
 #endif
     return;
   }
   cpu::attention_decode(q.data<float>(), k_cache.raw(), v_cache.raw(), element(k_cache.dtype()),
-                        out.data<float>(), B, H, kv_heads, d, capacity, length, first_valid.data());
+                        out.data<float>(), B, H, kv_heads, d, capacity, length, first_valid.data(),
+                        shared_rows);
 }
 
 void cache_store(const Tensor& rows, Tensor& cache, int64_t offset) {

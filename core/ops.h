@@ -50,10 +50,12 @@ void scale_inplace(Tensor& y, float factor);
 void attention_prefill(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
                        int64_t batch, int64_t num_heads, const std::vector<int32_t>& first_valid);
 
-// q, out: (B, H * d); caches (B, H_kv, capacity, d), H_kv dividing H; attends rows
-// [first_valid[b], length).
+// q, out: (B, H * d); caches (B, H_kv, capacity, d), H_kv dividing H; sequence b attends rows
+// [0, shared_rows) of sequence 0 (a prefix the batch shares, stored once) and its own rows
+// [first_valid[b], length), first_valid[b] >= shared_rows.
 void attention_decode(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, Tensor& out,
-                      int64_t length, const std::vector<int32_t>& first_valid);
+                      int64_t length, const std::vector<int32_t>& first_valid,
+                      int64_t shared_rows = 0);
 
 // Writes rows (B * n, H * d) into cache (B, H, capacity, d) at tokens [offset, offset + n).
 void cache_store(const Tensor& rows, Tensor& cache, int64_t offset);

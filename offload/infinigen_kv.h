@@ -41,6 +41,8 @@ class InfinigenKv : public OffloadedKv {
               const SpeculationOptions& options, bool check_recall, const KvPoolLimit& limit = {},
               const FetchReplay* replay = nullptr);
 
+  // Not yet: speculation and the fetch read each sequence's rows from its own first_valid.
+  bool can_share_prefix() const override { return false; }
   void start_layer(int64_t layer) override;
   void observe(int64_t layer, const AttentionInput& input) override;
   void append(int64_t layer, const Tensor& keys, const Tensor& values) override;

@@ -2,11 +2,13 @@
 #include "offload/kv_pool.h"
 
 #include <algorithm>
+#include <cstring>
 #include <utility>
 
 #include "core/device.h"
 #include "core/error.h"
 #include "core/saturating.h"
+#include "core/trace.h"
 
 namespace infinigen {
 namespace {
@@ -28,9 +30,10 @@ KvPool::KvPool(const KvPoolShape& shape) : shape_(shape) {
                   ", heads ", shape.num_heads, ", head_dim ", shape.head_dim, ", max_tokens ",
                   shape.max_tokens, ", block_tokens ", shape.block_tokens, ")");
   // One block: (B, H, bt, d) elements.
-  block_bytes_ =
-      static_cast<size_t>(shape.batch * shape.num_heads * shape.block_tokens * shape.head_dim) *
-      dtype_size(shape.dtype);
+  shared_block_bytes_ = static_cast<size_t>(shape.num_heads * shape.block_tokens *
+                                            shape.head_dim) *
+                        dtype_size(shape.dtype);
+  block_bytes_ = static_cast<size_t>(shape.batch) * shared_block_bytes_;
   block_table_.resize(static_cast<size_t>(2 * shape.num_layers));
 }
 
@@ -51,7 +54,7 @@ size_t KvPool::capacity_bytes(const KvPoolShape& s) {
 }
 
 size_t KvPool::allocated_bytes() const {
-  return blocks_.size() * block_bytes_;
+  return allocated_bytes_;
 }
 
 void KvPool::reserve(int64_t tokens) {
@@ -73,10 +76,63 @@ void KvPool::reserve(int64_t tokens) {
     blocks_.resize(first);
     throw;
   }
+  shared_.resize(blocks_.size(), false);
+  allocated_bytes_ += added * block_bytes_;
   size_t next = first;
   for (int64_t logical = have; logical < needed; ++logical) {
     for (auto& table : block_table_) table.push_back(static_cast<int64_t>(next++));
   }
+}
+
+void KvPool::reserve_shared(int64_t tokens) {
+  const int64_t bt = shape_.block_tokens;
+  INFINIGEN_CHECK(num_blocks() == 0, "KV pool: a shared prefix goes into an empty pool");
+  INFINIGEN_CHECK(tokens > 0 && tokens % bt == 0 && tokens <= shape_.max_tokens,
+                  "KV pool: a shared prefix of ", tokens, " tokens is not whole blocks of ", bt,
+                  " within max_tokens ", shape_.max_tokens);
+  const size_t added = static_cast<size_t>(tokens / bt * 2 * shape_.num_layers);
+  blocks_.reserve(added);
+  try {
+    for (size_t i = 0; i < added; ++i) {
+      blocks_.push_back(pinned_alloc(shared_block_bytes_, "a shared KV pool block"));
+    }
+  } catch (...) {
+    for (void* block : blocks_) pinned_free(block);
+    blocks_.clear();
+    throw;
+  }
+  shared_.assign(blocks_.size(), true);
+  allocated_bytes_ += added * shared_block_bytes_;
+  size_t next = 0;
+  for (int64_t logical = 0; logical < tokens / bt; ++logical) {
+    for (auto& table : block_table_) table.push_back(static_cast<int64_t>(next++));
+  }
+}
+
+int64_t KvPool::shared_tokens() const {
+  int64_t blocks = num_blocks();
+  for (int64_t l = 0; l < shape_.num_layers; ++l) {
+    for (KvKind kind : {KvKind::Key, KvKind::Value}) {
+      int64_t shared = 0;
+      while (shared < blocks && is_shared(l, kind, shared)) ++shared;
+      blocks = shared;
+    }
+  }
+  return blocks * shape_.block_tokens;
+}
+
+void KvPool::make_private(int64_t layer, KvKind kind, int64_t logical) {
+  const size_t physical = static_cast<size_t>(table(layer, kind)[static_cast<size_t>(logical)]);
+  void* copy = pinned_alloc(block_bytes_, "a KV pool block copied from a shared one");
+  // (1, H, bt, d) -> (B, H, bt, d): the same rows for every sequence.
+  for (int64_t b = 0; b < shape_.batch && !dry_run(); ++b) {
+    std::memcpy(static_cast<char*>(copy) + static_cast<size_t>(b) * shared_block_bytes_,
+                blocks_[physical], shared_block_bytes_);
+  }
+  pinned_free(blocks_[physical]);
+  blocks_[physical] = copy;
+  shared_[physical] = false;
+  allocated_bytes_ += block_bytes_ - shared_block_bytes_;
 }
 
 const void* KvPool::row(int64_t layer, KvKind kind, int64_t b, int64_t h, int64_t t) const {
@@ -88,10 +144,11 @@ const void* KvPool::row(int64_t layer, KvKind kind, int64_t b, int64_t h, int64_
   const int64_t bt = shape_.block_tokens;
   INFINIGEN_CHECK(t >= 0 && t < num_blocks() * bt, "KV pool: token ", t, " is not reserved (",
                   num_blocks() * bt, " tokens reserved)");
-  const auto& table = block_table_[static_cast<size_t>(2 * layer + static_cast<int64_t>(kind))];
-  const auto* block = static_cast<const char*>(blocks_[static_cast<size_t>(table[t / bt])]);
-  // Inside the block (B, H, bt, d): row (b, h, t % bt).
-  const int64_t element = ((b * shape_.num_heads + h) * bt + t % bt) * shape_.head_dim;
+  const size_t physical = static_cast<size_t>(table(layer, kind)[static_cast<size_t>(t / bt)]);
+  const auto* block = static_cast<const char*>(blocks_[physical]);
+  // Inside the block (B, H, bt, d), or (1, H, bt, d) when shared: row (b, h, t % bt).
+  const int64_t sequence = shared_[physical] ? 0 : b;
+  const int64_t element = ((sequence * shape_.num_heads + h) * bt + t % bt) * shape_.head_dim;
   return block + static_cast<size_t>(element) * dtype_size(shape_.dtype);
 }
 
@@ -112,6 +169,9 @@ void KvPool::scatter_chunks(int64_t layer, KvKind kind, const void* src, int64_t
   if (n == 0) return;
   reserve(t0 + n);
   const int64_t bt = shape_.block_tokens;
+  for (int64_t logical = t0 / bt; logical <= (t0 + n - 1) / bt; ++logical) {
+    if (is_shared(layer, kind, logical)) make_private(layer, kind, logical);
+  }
   const size_t row_bytes = static_cast<size_t>(shape_.head_dim) * dtype_size(shape_.dtype);
   const auto* base = static_cast<const char*>(src);
   for (int64_t b = 0; b < shape_.batch; ++b) {
@@ -153,10 +213,38 @@ void KvPool::gather_chunks(int64_t layer, KvKind kind, int64_t t0, int64_t t1, v
       const int64_t dst_row = (b * shape_.num_heads + h) * dst_capacity + dst_row0;
       for (int64_t t = t0; t < t1;) {
         const int64_t run = std::min(t1, (t / bt + 1) * bt) - t;
-        out->push_back({base + static_cast<size_t>(dst_row + t - t0) * row_bytes,
-                        row(layer, kind, b, h, t), static_cast<size_t>(run) * row_bytes});
+        if (b == 0 || !is_shared(layer, kind, t / bt)) {
+          out->push_back({base + static_cast<size_t>(dst_row + t - t0) * row_bytes,
+                          row(layer, kind, b, h, t), static_cast<size_t>(run) * row_bytes});
+        }
         t += run;
       }
+    }
+  }
+}
+
+void KvPool::scatter_shared_chunks(int64_t layer, KvKind kind, const void* src,
+                                   int64_t src_capacity, int64_t src_row0, int64_t t0, int64_t n,
+                                   std::vector<CopyChunk>* out) {
+  const int64_t bt = shape_.block_tokens;
+  INFINIGEN_CHECK(layer >= 0 && layer < shape_.num_layers && t0 >= 0 && n >= 0 &&
+                      t0 + n <= num_blocks() * bt,
+                  "KV pool: shared ", kind_name(kind), " tokens [", t0, ", ", t0 + n,
+                  ") of layer ", layer, " are not reserved");
+  INFINIGEN_CHECK(src_row0 >= 0 && src_row0 + n <= src_capacity, "KV pool: source rows [", src_row0,
+                  ", ", src_row0 + n, ") exceed the source capacity ", src_capacity);
+  const size_t row_bytes = static_cast<size_t>(shape_.head_dim) * dtype_size(shape_.dtype);
+  const auto* base = static_cast<const char*>(src);
+  for (int64_t h = 0; h < shape_.num_heads; ++h) {
+    const int64_t src_row = h * src_capacity + src_row0;  // src (1, H, src_capacity, d)
+    for (int64_t t = t0; t < t0 + n;) {
+      INFINIGEN_CHECK(is_shared(layer, kind, t / bt), "KV pool: token ", t,
+                      " is not in a shared block");
+      const int64_t run = std::min(t0 + n, (t / bt + 1) * bt) - t;
+      out->push_back({row(layer, kind, 0, h, t),
+                      base + static_cast<size_t>(src_row + t - t0) * row_bytes,
+                      static_cast<size_t>(run) * row_bytes});
+      t += run;
     }
   }
 }

@@ -49,6 +49,11 @@ OptionTable<OffloadOptions> make_table() {
       integer_option<O>(
           "kv_block_tokens", "Tokens per block of the host KV pool",
           [](auto& o) -> auto& { return o.kv_block_tokens; }),
+      choice_option<O, bool>(
+          "share_prefix",
+          "full, gpu: compute and keep once the whole KV blocks of a prompt prefix that every "
+          "sequence of the batch shares",
+          [](auto& o) -> auto& { return o.share_prefix; }, {{"on", true}, {"off", false}}),
       number_option<O>(
           "alpha", "infinigen: fetch tokens whose speculated logit is within alpha of the top",
           [](auto& o) -> auto& { return o.speculation.alpha; }),

@@ -12,7 +12,7 @@ const KvPolicy& full_kv_policy() {
   static const KvPolicy policy{
       "full",
       "all KV in host memory, each layer's whole KV loaded every step: FlexGen",
-      {"kv_block_tokens"},
+      {"kv_block_tokens", "share_prefix"},
       /*exact=*/true,
       /*selects_loads=*/false,
       [](Device) { return true; },  // copies and the model's ops only
@@ -32,7 +32,7 @@ const KvPolicy& gpu_kv_policy() {
   static const KvPolicy policy{
       "gpu",
       "every layer's KV resident on the device, when it fits",
-      {},
+      {"share_prefix"},
       /*exact=*/true,
       /*selects_loads=*/false,
       [](Device) { return true; },
@@ -82,12 +82,14 @@ void OffloadedKv::issue_load(int64_t layer) {
     fill_nan(keys);
     fill_nan(values);
   }
+  // A shared prefix's blocks come once, into sequence 0's rows, which every sequence reads.
   std::vector<CopyChunk> chunks;
   pool_.gather_chunks(layer, KvKind::Key, 0, length(), keys.raw(), capacity(), 0, &chunks);
   pool_.gather_chunks(layer, KvKind::Value, 0, length(), values.raw(), capacity(), 0, &chunks);
   const uint64_t bytes = total_bytes(chunks);
   LayerTraffic& traffic = stats_.current().layers[static_cast<size_t>(layer)];
   traffic.kv_h2d_bytes += bytes;
+  traffic.tokens_fetched += static_cast<uint64_t>(shared_rows() * keys.dim(1));
   for (int32_t start : first_valid()) {
     traffic.tokens_fetched += static_cast<uint64_t>((length() - start) * keys.dim(1));
   }
@@ -104,6 +106,10 @@ void OffloadedKv::append(int64_t layer, const Tensor& keys, const Tensor& values
     // Prefill: attention reads the fresh rows directly; staging[p] only carries them to the pool.
     // It was last read by the store of layer - 2.
     if (layer >= 2) stored_[static_cast<size_t>(layer - 2)]->wait();
+    if (sharing_pass()) {
+      store_shared_prefix(layer, keys, values);
+      return;
+    }
     ops::cache_store(keys, staging_keys_[p], 0);
     ops::cache_store(values, staging_values_[p], 0);
     issue_store(layer, staging_keys_[p], staging_values_[p], 0, pass_tokens());
@@ -138,6 +144,26 @@ const void* OffloadedKv::token_row(int64_t layer, size_t stream, int64_t b, int6
   return pool_.row(layer, stream == 0 ? KvKind::Key : KvKind::Value, b, h, t);
 }
 
+void OffloadedKv::store_shared_prefix(int64_t layer, const Tensor& keys, const Tensor& values) {
+  if (pool_.num_blocks() == 0) pool_.reserve_shared(shared_rows());
+  const size_t p = static_cast<size_t>(layer % 2);
+  // Sequence 0's rows of staging[p] carry the prefix (1, H, capacity, d) to its shared blocks.
+  Tensor first_keys = staging_keys_[p].slice_rows(0, 1);
+  Tensor first_values = staging_values_[p].slice_rows(0, 1);
+  ops::cache_store(keys, first_keys, 0);
+  ops::cache_store(values, first_values, 0);
+  std::vector<CopyChunk> chunks;
+  pool_.scatter_shared_chunks(layer, KvKind::Key, first_keys.raw(), capacity(), 0, 0,
+                              shared_rows(), &chunks);
+  pool_.scatter_shared_chunks(layer, KvKind::Value, first_values.raw(), capacity(), 0, 0,
+                              shared_rows(), &chunks);
+  const uint64_t bytes = total_bytes(chunks);
+  stats_.current().layers[static_cast<size_t>(layer)].kv_d2h_bytes += bytes;
+  stats_.current().d2h_bytes += bytes;
+  stored_[static_cast<size_t>(layer)] =
+      engine_.store(std::move(chunks), nullptr, {"kv_store", layer});
+}
+
 void OffloadedKv::store_new_token(int64_t layer, const Tensor& keys, const Tensor& values) {
   const size_t p = static_cast<size_t>(layer % 2);
   store_buffer_read_[p]->wait();
@@ -164,7 +190,8 @@ void OffloadedKv::issue_store(int64_t layer, const Tensor& keys, const Tensor& v
 KvStore::View OffloadedKv::view(int64_t layer) {
   wait_for_load(layer);
   const size_t p = static_cast<size_t>(layer % 2);
-  return {&staging_keys_[p], &staging_values_[p], length() + pass_tokens()};
+  return {&staging_keys_[p], &staging_values_[p], length() + pass_tokens(), nullptr,
+          shared_rows()};
 }
 
 ResidentKv::ResidentKv(const ModelConfig& config, int64_t batch, int64_t capacity, DType kv_dtype,
@@ -176,12 +203,13 @@ ResidentKv::ResidentKv(const ModelConfig& config, int64_t batch, int64_t capacit
 
 void ResidentKv::start_pass(int64_t n_new) {
   KvCache::start_pass(n_new);
-  stats_.begin_step(num_layers_, engine_.counters());
+  if (pass_opens_step()) stats_.begin_step(num_layers_, engine_.counters());
 }
 
 void ResidentKv::end_pass(int64_t n_new) {
+  const bool closes_step = pass_closes_step();
   KvCache::end_pass(n_new);
-  stats_.end_step(engine_.counters());
+  if (closes_step) stats_.end_step(engine_.counters());
 }
 
 }  // namespace infinigen

@@ -33,6 +33,7 @@ class OffloadedKv : public PipelinedKv {
               int64_t pool_tokens = 0);
   ~OffloadedKv() override;
 
+  bool can_share_prefix() const override { return true; }
   void append(int64_t layer, const Tensor& keys, const Tensor& values) override;
   View view(int64_t layer) override;
   void resume(int64_t length, std::vector<int32_t> first_valid, int64_t num_layers,
@@ -51,6 +52,8 @@ class OffloadedKv : public PipelinedKv {
   // Decode: copies the new token's rows (B, H * d) into the layer's store buffer and enqueues
   // their store into the pool at token length().
   void store_new_token(int64_t layer, const Tensor& keys, const Tensor& values);
+  // The sharing pass: the prefix's rows (shared_rows(), H * d) into the pool's shared blocks.
+  void store_shared_prefix(int64_t layer, const Tensor& keys, const Tensor& values);
   // Stores rows [row0, row0 + n) of src K/V buffers (B, H, src_capacity, d) into the pool at
   // tokens [length(), length() + n).
   void issue_store(int64_t layer, const Tensor& keys, const Tensor& values, int64_t row0,

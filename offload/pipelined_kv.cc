@@ -16,7 +16,7 @@ PipelinedKv::PipelinedKv(int64_t batch, int64_t capacity, int64_t num_layers,
 
 void PipelinedKv::start_pass(int64_t n_new) {
   KvStore::start_pass(n_new);
-  stats_.begin_step(num_layers_, engine_.counters());
+  if (pass_opens_step()) stats_.begin_step(num_layers_, engine_.counters());
   if (length() > 0) issue_load(0);  // decode: layer 0's KV starts moving before the embedding
 }
 
@@ -31,8 +31,9 @@ void PipelinedKv::end_pass(int64_t n_new) {
     // The prefill's stores read the staging buffers that the first decode loads overwrite.
     engine_.synchronize_stores();
   }
+  const bool closes_step = pass_closes_step();
   KvStore::end_pass(n_new);
-  stats_.end_step(engine_.counters());
+  if (closes_step) stats_.end_step(engine_.counters());
 }
 
 void PipelinedKv::wait_for_load(int64_t layer) {

@@ -79,6 +79,18 @@ MemoryPlan plan_offloaded_run(MemoryRequest memory, const OffloadOptions& option
 
 namespace {
 
+// `request` with the prefix its prompts share in whole KV blocks, when the policy can keep it
+// once and the options ask for it (a conversation keeps every sequence's rows its own).
+GenerationRequest with_shared_prefix(const GenerationRequest& request,
+                                     const OffloadOptions& options,
+                                     const Conversation* conversation) {
+  GenerationRequest shared = request;
+  if (options.share_prefix && !conversation && policy_reads_option(options.policy, "share_prefix")) {
+    shared.shared_prefix = common_prefix_rows(request.prompts, options.kv_block_tokens);
+  }
+  return shared;
+}
+
 // The run of a plan that fits: loads and places the weights, builds the policy's KV store for
 // each batch and generates, filling `run`.
 void generate_offloaded(const ModelSource& source, const GenerationRequest& request,
@@ -105,7 +117,8 @@ void generate_offloaded(const ModelSource& source, const GenerationRequest& requ
     return policy.make_store({config, batch, capacity, request.kv_dtype, device, options,
                               pool_positions, engine, run.stats, replay});
   };
-  run.result = generate(*model, request, progress, make_store, conversation);
+  run.result = generate(*model, with_shared_prefix(request, options, conversation), progress,
+                        make_store, conversation);
   engine.synchronize();
   run.totals = engine.counters();
 }

@@ -81,11 +81,21 @@ Schedule run_schedule(const CostModelInput& in) {
                   " is not modelled (the pool holds every token)");
   const bool replays = kv_policy(in.options.policy).selects_loads;
   if (replays) in.fetched.validate(in.config.num_layers);
-  // Prompts of equal length, of ids any vocabulary holds; the tokens do not matter to a dry run.
+  INFINIGEN_CHECK(in.shared_prefix_len >= 0 && in.shared_prefix_len <= in.prompt_len,
+                  "cost model: the shared prefix (", in.shared_prefix_len,
+                  " tokens) must be within the prompt (", in.prompt_len, ")");
+  // Prompts of equal length, of ids any vocabulary holds, the same up to shared_prefix_len and
+  // different from there on; beyond that the tokens do not matter to a dry run.
   GenerationRequest request;
   std::vector<int32_t> prompt(static_cast<size_t>(in.prompt_len), 0);
   prompt[0] = in.config.bos_token_id;
-  request.prompts.assign(static_cast<size_t>(in.batch), prompt);
+  for (int64_t b = 0; b < in.batch; ++b) {
+    if (in.shared_prefix_len < in.prompt_len) {
+      prompt[static_cast<size_t>(in.shared_prefix_len)] =
+          1 + static_cast<int32_t>(b % std::max<int64_t>(in.config.vocab_size - 1, 1));
+    }
+    request.prompts.push_back(prompt);
+  }
   request.gen_len = in.gen_len;
   request.sampling.temperature = 0;
   request.kv_dtype = in.kv_dtype;

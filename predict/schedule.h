@@ -32,6 +32,9 @@ struct CostModelInput {
   // > 0: a resumed conversation's turn (offload/session.h): each sequence holds history_len
   // tokens on disk, read back while the turn's first pass extends them by prompt_len tokens.
   int64_t history_len = 0;
+  // The leading tokens every prompt shares (the rest differ between sequences): a policy that
+  // shares a prefix (option share_prefix) computes and keeps its whole KV blocks once.
+  int64_t shared_prefix_len = 0;
   DType kv_dtype = DType::F16;
   OffloadOptions options;  // policy, weights_gpu_percent, kv_block_tokens, speculation, h2o_budget
   // For a policy that selects its loads (infinigen): what a measured run fetched, per layer

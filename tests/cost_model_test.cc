@@ -42,8 +42,10 @@ class CostModelSchedule : public testing_util::SmallRunTest {
     in.gen_len = request_.gen_len;
     in.kv_dtype = request_.kv_dtype;
     in.options = options;
+    in.shared_prefix_len = shared_prefix_len_;
     return in;
   }
+  int64_t shared_prefix_len_ = 0;  // leading tokens request_'s prompts share
 
   // Runs the policy for real and checks the schedule's bytes against every step and layer.
   void expect_same_bytes(const OffloadOptions& options) {
@@ -106,6 +108,20 @@ TEST_F(CostModelSchedule, StreamedWeightsMoveTheRuntimesBytes) {
       expect_same_bytes(options);
     }
     source_.config.num_layers = 3;  // odd: layer 0 shares the last layer's buffer
+  }
+}
+
+TEST_F(CostModelSchedule, ASharedPrefixMovesTheRuntimesBytes) {
+  // Three prompts of 12 tokens sharing their first 9: two blocks of 4 are shared.
+  request_.prompts = {{2, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20},
+                      {2, 10, 11, 12, 13, 14, 15, 16, 17, 500, 600, 700},
+                      {2, 10, 11, 12, 13, 14, 15, 16, 17, 7, 8, 9}};
+  shared_prefix_len_ = 9;
+  for (const std::string policy : {"full", "gpu"}) {
+    OffloadOptions options;
+    options.policy = policy;
+    options.kv_block_tokens = 4;
+    expect_same_bytes(options);
   }
 }
 

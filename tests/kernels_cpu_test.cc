@@ -132,6 +132,57 @@ TEST(Attention, PrefillMatchesNaiveWithPadding) {
   EXPECT_LT(relative_error(out.data(), expected.data(), out.size()), 1e-5);
 }
 
+TEST(Attention, DecodeReadsASharedPrefixFromSequenceZeroOnly) {
+  // Rows [0, 8) are a prefix kept in sequence 0's rows alone (NaN elsewhere: never read); each
+  // sequence's own rows start after its padding.
+  const int64_t B = 3, H = 4, H_kv = 2, d = 8, capacity = 24, length = 20, shared = 8;
+  const int64_t group = H / H_kv;
+  const std::vector<int32_t> first_valid = {8, 11, 15};
+  std::vector<float> k_cache = random_values(B * H_kv * capacity * d, 20);
+  std::vector<float> v_cache = random_values(k_cache.size(), 21);
+  for (int64_t b = 1; b < B; ++b) {
+    for (int64_t h = 0; h < H_kv; ++h) {
+      for (int64_t i = 0; i < shared * d; ++i) {
+        k_cache[((b * H_kv + h) * capacity) * d + i] = std::nanf("");
+        v_cache[((b * H_kv + h) * capacity) * d + i] = std::nanf("");
+      }
+    }
+  }
+  const std::vector<float> q = random_values(B * H * d, 22);
+  std::vector<float> out(q.size(), std::nanf("")), expected(q.size(), 0.0f);
+  attention_decode(q.data(), k_cache.data(), v_cache.data(), Element::F32, out.data(), B, H, H_kv,
+                   d, capacity, length, first_valid.data(), shared);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
+      std::vector<const float*> keys, values;  // the rows (b, h) attends to, in order
+      const auto rows_of = [&](int64_t sequence, int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {
+          const size_t at = static_cast<size_t>(((sequence * H_kv + h / group) * capacity + t) * d);
+          keys.push_back(&k_cache[at]);
+          values.push_back(&v_cache[at]);
+        }
+      };
+      rows_of(0, 0, shared);
+      rows_of(b, first_valid[b], length);
+      std::vector<double> weights;
+      double top = -1e300, total = 0;
+      for (const float* key : keys) {
+        double dot = 0;
+        for (int64_t c = 0; c < d; ++c) dot += q[(b * H + h) * d + c] * key[c];
+        weights.push_back(dot);
+        top = std::max(top, dot);
+      }
+      for (double& w : weights) total += (w = std::exp(w - top));
+      for (size_t r = 0; r < keys.size(); ++r) {
+        for (int64_t c = 0; c < d; ++c) {
+          expected[(b * H + h) * d + c] += static_cast<float>(weights[r] / total * values[r][c]);
+        }
+      }
+    }
+  }
+  EXPECT_LT(relative_error(out.data(), expected.data(), out.size()), 1e-5);
+}
+
 TEST(Attention, DecodeOverCacheMatchesLastPrefillRow) {
   const int64_t B = 2, n = 20, H = 3, d = 8, capacity = 32;
   const std::vector<int32_t> first_valid = {0, 6};

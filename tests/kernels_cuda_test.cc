@@ -313,10 +313,12 @@ struct DecodeCase {
   int64_t B, H, d, capacity, n;  // n tokens stored by a prefill, then one more
   std::vector<int32_t> first_valid;
   DType cache_type;
+  int64_t shared_rows = 0;  // rows every sequence reads from sequence 0
 };
 std::ostream& operator<<(std::ostream& out, const DecodeCase& c) {
   out << "B" << c.B << "_H" << c.H << "_d" << c.d << "_cap" << c.capacity << "_n" << c.n << "_pad";
   for (int32_t f : c.first_valid) out << "_" << f;
+  if (c.shared_rows > 0) out << "_shared" << c.shared_rows;
   return out << "_" << dtype_name(c.cache_type);
 }
 
@@ -347,8 +349,9 @@ TEST_P(CudaDecode, CacheStoreAndDecodeMatchCpu) {
 
   const Tensor q = random_tensor({c.B, D}, 19, 3.0f / std::sqrt(static_cast<float>(c.d)));
   Tensor out = nan_tensor({c.B, D}, Device::Cpu), out_d = nan_tensor({c.B, D}, Device::Cuda);
-  ops::attention_decode(q, k_cache, v_cache, out, length, c.first_valid);
-  ops::attention_decode(q.to(Device::Cuda), k_cache_d, v_cache_d, out_d, length, c.first_valid);
+  ops::attention_decode(q, k_cache, v_cache, out, length, c.first_valid, c.shared_rows);
+  ops::attention_decode(q.to(Device::Cuda), k_cache_d, v_cache_d, out_d, length, c.first_valid,
+                        c.shared_rows);
   // Both read the same rounded cache values, so fp16 caches need no looser tolerance.
   EXPECT_LT(error_vs_cpu(out_d, out), 1e-5);
 }
@@ -356,6 +359,7 @@ TEST_P(CudaDecode, CacheStoreAndDecodeMatchCpu) {
 INSTANTIATE_TEST_SUITE_P(
     Shapes, CudaDecode,
     ::testing::Values(DecodeCase{1, 1, 64, 8, 1, {0}, DType::F32},  // two rows: most warps idle
+                      DecodeCase{3, 4, 64, 48, 30, {8, 12, 20}, DType::F16, 8},  // shared prefix
                       DecodeCase{2, 3, 64, 40, 17, {0, 5}, DType::F32},
                       DecodeCase{2, 3, 64, 40, 17, {0, 5}, DType::F16},
                       DecodeCase{3, 2, 128, 300, 257, {0, 100, 256}, DType::F16},

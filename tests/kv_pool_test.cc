@@ -210,5 +210,55 @@ TEST(KvPool, BadRangesThrowOneLineErrors) {
   expect_error([&] { KvPool pool2(bad); }, "invalid shape");
 }
 
+TEST(KvPool, ASharedPrefixIsKeptOnceAndCopiedBeforeAWrite) {
+  const KvPoolShape shape{2, 3, 2, 4, 16, 4, DType::F16};  // L 2, B 3, H 2, d 4, 16 tokens, bt 4
+  KvPool pool(shape);
+  pool.reserve_shared(8);
+  EXPECT_EQ(pool.shared_tokens(), 8);
+  // 2 blocks x (K, V) x 2 layers of (1, H, bt, d) f16.
+  const size_t shared_block = 2 * 4 * 4 * 2;
+  EXPECT_EQ(pool.allocated_bytes(), 8 * shared_block);
+  // The prefix (1, H, 8, d) goes in once; every sequence's rows read it.
+  std::vector<uint16_t> prefix(static_cast<size_t>(shape.num_heads * 8 * shape.head_dim));
+  for (size_t i = 0; i < prefix.size(); ++i) prefix[i] = static_cast<uint16_t>(i + 1);
+  std::vector<CopyChunk> chunks;
+  pool.scatter_shared_chunks(1, KvKind::Value, prefix.data(), 8, 0, 0, 8, &chunks);
+  run(chunks);
+  for (int64_t b = 0; b < shape.batch; ++b) {
+    EXPECT_EQ(pool.row(1, KvKind::Value, b, 1, 5), pool.row(1, KvKind::Value, 0, 1, 5));
+  }
+  EXPECT_EQ(*static_cast<const uint16_t*>(pool.row(1, KvKind::Value, 2, 1, 5)),
+            prefix[static_cast<size_t>((1 * 8 + 5) * shape.head_dim)]);
+  // A gather brings a shared block once, into sequence 0's rows.
+  chunks.clear();
+  pool.reserve(12);
+  std::vector<uint16_t> staging(static_cast<size_t>(3 * 2 * 12 * 4));  // (B, H, 12, d)
+  pool.gather_chunks(1, KvKind::Value, 0, 12, staging.data(), 12, 0, &chunks);
+  EXPECT_EQ(chunks.size(), static_cast<size_t>(2 * 2 + 3 * 2));  // shared: H x 2; own: B x H
+  // A write of the batch's rows into block 1 of layer 1's values copies it first: the other
+  // rows of every sequence keep the prefix, and layer 0 stays shared.
+  std::vector<uint16_t> rows(static_cast<size_t>(shape.batch * shape.num_heads * shape.head_dim),
+                             0xABCD);
+  chunks.clear();
+  pool.scatter_chunks(1, KvKind::Value, rows.data(), 1, 0, 6, 1, &chunks);
+  run(chunks);
+  EXPECT_EQ(pool.shared_tokens(), 4);
+  EXPECT_NE(pool.row(1, KvKind::Value, 2, 1, 5), pool.row(1, KvKind::Value, 0, 1, 5));
+  for (int64_t b = 0; b < shape.batch; ++b) {
+    EXPECT_EQ(*static_cast<const uint16_t*>(pool.row(1, KvKind::Value, b, 1, 5)),
+              prefix[static_cast<size_t>((1 * 8 + 5) * shape.head_dim)]);
+    EXPECT_EQ(*static_cast<const uint16_t*>(pool.row(1, KvKind::Value, b, 1, 6)), 0xABCD);
+  }
+  EXPECT_EQ(pool.row(0, KvKind::Value, 2, 1, 5), pool.row(0, KvKind::Value, 0, 1, 5));
+}
+
+TEST(KvPool, ASharedPrefixNeedsWholeBlocksOfAnEmptyPool) {
+  const KvPoolShape shape{1, 2, 1, 4, 16, 4, DType::F16};
+  KvPool pool(shape);
+  testing_util::expect_error([&] { pool.reserve_shared(6); }, {"not whole blocks"});
+  pool.reserve(4);
+  testing_util::expect_error([&] { pool.reserve_shared(4); }, {"empty pool"});
+}
+
 }  // namespace
 }  // namespace infinigen

@@ -197,7 +197,7 @@ LlamaModel::LlamaModel(const ModelConfig& config, ModelWeights weights, Device d
 
 Tensor LlamaModel::forward(const std::vector<int32_t>& tokens, int64_t n, KvStore& cache) {
   const ModelConfig& c = config_;
-  const int64_t B = cache.batch(), D = c.hidden_size, rows = B * n;
+  const int64_t B = cache.pass_batch(), D = c.hidden_size, rows = B * n;
   // Positions count real tokens from 0; padding rows (never attended) rotate by 0.
   const std::vector<int32_t> positions = token_positions(cache, n, 0, 0);
   cache.begin_pass(n);

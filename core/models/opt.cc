@@ -116,7 +116,7 @@ WeightLayout opt_weight_layout(const ModelConfig& c) {
 
 Tensor OptModel::forward(const std::vector<int32_t>& tokens, int64_t n, KvStore& cache) {
   const ModelConfig& c = config_;
-  const int64_t B = cache.batch(), D = c.hidden_size, rows = B * n;
+  const int64_t B = cache.pass_batch(), D = c.hidden_size, rows = B * n;
   // Positions count real tokens only: the learned table is offset by 2, padding uses row 1.
   const std::vector<int32_t> positions =
       token_positions(cache, n, kOptPositionOffset, kOptPositionOffset - 1);

@@ -71,7 +71,7 @@ void attention_prefill(const float* q, const float* k, const float* v, float* ou
 
 void attention_decode(const float* q, const void* k_cache, const void* v_cache, Element cache_type,
                       float* out, int64_t B, int64_t H, int64_t H_kv, int64_t d, int64_t capacity,
-                      int64_t length, const int32_t* first_valid) {
+                      int64_t length, const int32_t* first_valid, int64_t shared_rows) {
   const int64_t group = H / H_kv;
 #pragma omp parallel if (B * H * length * d >= kParallelWork)
   {
@@ -84,12 +84,18 @@ void attention_decode(const float* q, const void* k_cache, const void* v_cache, 
     for (int64_t b = 0; b < B; ++b) {
       for (int64_t h = 0; h < H; ++h) {
         const int64_t start = first_valid[b];
-        const int64_t rows = length - start;
+        const int64_t own = length - start;
+        const int64_t rows = shared_rows + own;
+        // The shared rows of sequence 0's slice, then the sequence's own rows.
+        const size_t shared_base = static_cast<size_t>((h / group) * capacity * d);
         const size_t base = static_cast<size_t>(((b * H_kv + h / group) * capacity + start) * d);
+        const size_t shared_size = static_cast<size_t>(shared_rows * d);
         keys.resize(static_cast<size_t>(rows * d));
         values.resize(keys.size());
-        widen(k_cache, cache_type, base, keys.data(), keys.size());
-        widen(v_cache, cache_type, base, values.data(), values.size());
+        widen(k_cache, cache_type, shared_base, keys.data(), shared_size);
+        widen(v_cache, cache_type, shared_base, values.data(), shared_size);
+        widen(k_cache, cache_type, base, keys.data() + shared_size, keys.size() - shared_size);
+        widen(v_cache, cache_type, base, values.data() + shared_size, values.size() - shared_size);
         const Eigen::Map<const RowMajor> K(keys.data(), rows, d), V(values.data(), rows, d);
         const Eigen::Map<const Eigen::RowVectorXf> Q(q + (b * H + h) * d, d);
         scores.noalias() = Q * K.transpose();

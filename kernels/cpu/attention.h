@@ -16,10 +16,12 @@ void attention_prefill(const float* q, const float* k, const float* v, float* ou
 
 // q, out: (B, H, d) fp32, q scaled; k_cache, v_cache: (B, H_kv, capacity, d) of `cache_type`,
 // query head h reading KV head h / (H / H_kv). Sequence b attends to cache rows
-// [first_valid[b], length).
+// [first_valid[b], length), and, when shared_rows > 0, first to rows [0, shared_rows) of
+// sequence 0: a prompt prefix the batch shares, stored once (first_valid[b] >= shared_rows; the
+// rows [0, shared_rows) of the other sequences are never read).
 void attention_decode(const float* q, const void* k_cache, const void* v_cache, Element cache_type,
                       float* out, int64_t B, int64_t H, int64_t H_kv, int64_t d, int64_t capacity,
-                      int64_t length, const int32_t* first_valid);
+                      int64_t length, const int32_t* first_valid, int64_t shared_rows = 0);
 
 // Stores rows src (B, n, H, d) fp32 into cache (B, H, capacity, d) at tokens [offset, offset+n).
 void cache_store(const float* src, void* cache, Element cache_type, int64_t B, int64_t n, int64_t H,

@@ -163,15 +163,16 @@ int launch_prefill(const float* q, const float* k, const float* v, float* out, i
 constexpr int kDecodeWarps = 8;
 constexpr int kDecodeThreads = kDecodeWarps * kWarpSize;
 
-// Grid (H, B). The block of (b, h) reads rows [first_valid[b], length) of the (capacity, d)
-// slice of its KV head h / (H / H_kv) in each cache; warp w takes rows start + w, start + w +
-// kDecodeWarps, ..., its lanes covering the dims (coalesced row reads), with an online softmax per
-// warp. The warps' (max, sum, acc) are then merged in shared memory.
+// Grid (H, B). The block of (b, h) reads rows [0, shared_rows) of sequence 0's (capacity, d)
+// slice of its KV head h / (H / H_kv) in each cache, then rows [first_valid[b], length) of its
+// own; warp w takes the rows numbered w, w + kDecodeWarps, ... in that order, its lanes covering
+// the dims (coalesced row reads), with an online softmax per warp. The warps' (max, sum, acc)
+// are then merged in shared memory.
 template <typename T, int kPerLane>
 __global__ void __launch_bounds__(kDecodeThreads)
     decode_kernel(const float* q, const T* k_cache, const T* v_cache, float* out, int64_t H,
                   int64_t H_kv, int64_t d, int64_t capacity, int64_t length,
-                  const int32_t* first_valid) {
+                  const int32_t* first_valid, int64_t shared_rows) {
   __shared__ float warp_m[kDecodeWarps], warp_l[kDecodeWarps];
   __shared__ float warp_acc[kDecodeWarps][kMaxHeadDim];
 
@@ -180,6 +181,11 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const int64_t kv_head = b * H_kv + h / (H / H_kv);  // its KV head in (B, H_kv)
   const T* keys = k_cache + kv_head * capacity * d;   // (capacity, d)
   const T* values = v_cache + kv_head * capacity * d;
+  const int64_t shared_head = h / (H / H_kv);          // the KV head in sequence 0
+  const T* shared_keys = k_cache + shared_head * capacity * d;
+  const T* shared_values = v_cache + shared_head * capacity * d;
+  const int64_t start = first_valid[b];
+  const int64_t rows = shared_rows + length - start;
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
 
   float q_part[kPerLane], acc[kPerLane];
@@ -190,8 +196,10 @@ __global__ void __launch_bounds__(kDecodeThreads)
     acc[jj] = 0.0f;
   }
   float m = -INFINITY, l = 0.0f;
-  for (int64_t t = static_cast<int64_t>(first_valid[b]) + warp; t < length; t += kDecodeWarps) {
-    const T* k_row = keys + t * d;
+  for (int64_t i = warp; i < rows; i += kDecodeWarps) {
+    const bool shared = i < shared_rows;
+    const int64_t t = shared ? i : start + i - shared_rows;
+    const T* k_row = (shared ? shared_keys : keys) + t * d;
     float dot = 0.0f;
 #pragma unroll
     for (int jj = 0; jj < kPerLane; ++jj) {
@@ -203,7 +211,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
     const float correction = expf(m - m_new);  // 0 on the warp's first row (m = -inf)
     const float p = expf(s - m_new);
     l = l * correction + p;
-    const T* v_row = values + t * d;
+    const T* v_row = (shared ? shared_values : values) + t * d;
 #pragma unroll
     for (int jj = 0; jj < kPerLane; ++jj) {
       const int64_t c = lane + jj * kWarpSize;
@@ -285,10 +293,12 @@ int attention_prefill(const float* q, const float* k, const float* v, float* out
 
 int attention_decode(const float* q, const void* k_cache, const void* v_cache, Element cache_type,
                      float* out, int64_t B, int64_t H, int64_t H_kv, int64_t d, int64_t capacity,
-                     int64_t length, const int32_t* first_valid, void* stream) {
+                     int64_t length, const int32_t* first_valid, int64_t shared_rows,
+                     void* stream) {
   if (B <= 0 || H <= 0 || d <= 0) return cudaSuccess;
   if (H_kv <= 0 || H % H_kv != 0) return cudaErrorInvalidValue;
   if (!grid_fits(H, B, 1) || length > capacity) return cudaErrorInvalidValue;
+  if (shared_rows < 0 || shared_rows > length) return cudaErrorInvalidValue;
   const int per_lane = values_per_lane(d);
   if (per_lane == 0) return cudaErrorInvalidValue;
   const cudaStream_t s = detail::as_stream(stream);
@@ -300,19 +310,19 @@ int attention_decode(const float* q, const void* k_cache, const void* v_cache, E
     switch (per_lane) {
       case 1:
         decode_kernel<T, 1><<<grid, kDecodeThreads, 0, s>>>(q, keys, values, out, H, H_kv, d,
-                                                            capacity, length, first_valid);
+                                                            capacity, length, first_valid, shared_rows);
         break;
       case 2:
         decode_kernel<T, 2><<<grid, kDecodeThreads, 0, s>>>(q, keys, values, out, H, H_kv, d,
-                                                            capacity, length, first_valid);
+                                                            capacity, length, first_valid, shared_rows);
         break;
       case 4:
         decode_kernel<T, 4><<<grid, kDecodeThreads, 0, s>>>(q, keys, values, out, H, H_kv, d,
-                                                            capacity, length, first_valid);
+                                                            capacity, length, first_valid, shared_rows);
         break;
       default:
         decode_kernel<T, 8><<<grid, kDecodeThreads, 0, s>>>(q, keys, values, out, H, H_kv, d,
-                                                            capacity, length, first_valid);
+                                                            capacity, length, first_valid, shared_rows);
         break;
     }
     return static_cast<int>(cudaGetLastError());

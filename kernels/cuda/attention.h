@@ -22,11 +22,14 @@ int attention_prefill(const float* q, const float* k, const float* v, float* out
 
 // q, out: (B, H, d) fp32, q scaled; k_cache, v_cache: (B, H_kv, capacity, d) of `cache_type`,
 // query head h reading KV head h / (H / H_kv). Sequence b attends to cache rows
-// [first_valid[b], length); first_valid (B) is an int32 device array. A sequence with no row in
-// that range gets a zero output. d <= kMaxHeadDim.
+// [first_valid[b], length) and, when shared_rows > 0, first to rows [0, shared_rows) of
+// sequence 0 (a prompt prefix the batch shares, stored once; first_valid[b] >= shared_rows);
+// first_valid (B) is an int32 device array. A sequence with no row in those ranges gets a zero
+// output. d <= kMaxHeadDim.
 int attention_decode(const float* q, const void* k_cache, const void* v_cache, Element cache_type,
                      float* out, int64_t B, int64_t H, int64_t H_kv, int64_t d, int64_t capacity,
-                     int64_t length, const int32_t* first_valid, void* stream);
+                     int64_t length, const int32_t* first_valid, int64_t shared_rows,
+                     void* stream);
 
 // Stores rows src (B, n, H, d) fp32 into cache (B, H, capacity, d) of `cache_type` at tokens
 // [offset, offset + n), rounding to nearest even for 16-bit caches.
