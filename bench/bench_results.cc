@@ -14,7 +14,8 @@ using nlohmann::json;
 json settings_json(const BenchSettings& s) {
   json j = {
       {"model", s.model},     {"batch", s.batch},         {"prompt_len", s.prompt_len},
-      {"gen_len", s.gen_len}, {"history_len", s.history_len}};
+      {"gen_len", s.gen_len}, {"history_len", s.history_len},
+      {"shared_prefix_len", s.shared_prefix_len}};
   for (const OptionSpec<OffloadOptions>& spec : offload_option_table()) {
     const std::string text = spec.format(s.offload);
     double value = 0;
@@ -36,6 +37,7 @@ json metrics_json(const PointMetrics& m) {
           {"decode_step_s", m.decode_step_s},
           {"h2d_bytes_per_step", m.h2d_bytes_per_step},
           {"d2h_bytes_per_step", m.d2h_bytes_per_step},
+          {"host_kv_bytes", m.host_kv_bytes},
           {"fetched_fraction", m.fetched_fraction},
           {"block_s", m.block_s},
           {"block_transfer_s", m.block_transfer_s},

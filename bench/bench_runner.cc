@@ -58,6 +58,7 @@ PointMetrics metrics_of(const OffloadRun& run, int64_t num_layers) {
   m.decode_step_s = summary.median_step_seconds;
   m.h2d_bytes_per_step = summary.h2d_bytes_per_step;
   m.d2h_bytes_per_step = summary.d2h_bytes_per_step;
+  m.host_kv_bytes = static_cast<double>(summary.host_kv_bytes);
   m.fetched_fraction = summary.fetched_fraction;
   m.layer_fetched_fraction = summary.layer_fetched_fraction;
   const auto& steps = run.stats.steps();
@@ -85,6 +86,7 @@ PointMetrics median_metrics(const std::vector<PointMetrics>& runs) {
        {&PointMetrics::prefill_s, &PointMetrics::decode_s, &PointMetrics::total_s,
         &PointMetrics::throughput_tok_s, &PointMetrics::decode_step_s,
         &PointMetrics::h2d_bytes_per_step, &PointMetrics::d2h_bytes_per_step,
+        &PointMetrics::host_kv_bytes,
         &PointMetrics::fetched_fraction, &PointMetrics::block_s, &PointMetrics::block_transfer_s,
         &PointMetrics::block_compute_s}) {
     m.*field = pick(field);
@@ -131,6 +133,10 @@ GenerationRequest generation_request(const RunInputs& in) {
   request.prompts =
       synthetic_prompts(in.settings.batch, in.settings.prompt_len, in.source.config.bos_token_id,
                         static_cast<int32_t>(in.source.config.vocab_size), in.seed);
+  const auto shared = static_cast<std::ptrdiff_t>(in.settings.shared_prefix_len);
+  for (auto& prompt : request.prompts) {
+    std::copy(request.prompts[0].begin(), request.prompts[0].begin() + shared, prompt.begin());
+  }
   request.gen_len = in.settings.gen_len;
   request.kv_dtype = DType::F16;
   return request;
@@ -314,6 +320,7 @@ BenchReport run_experiment(const Experiment& experiment, const BenchOptions& opt
       model.prompt_len = scaled.settings.prompt_len;
       model.gen_len = scaled.settings.gen_len;
       model.history_len = scaled.settings.history_len;
+      model.shared_prefix_len = scaled.settings.shared_prefix_len;
       model.kv_dtype = DType::F16;
       model.options = in.options;
       if (kv_policy(in.options.policy).selects_loads) {

@@ -18,14 +18,16 @@ namespace infinigen {
 namespace {
 
 // The settings keys of a run besides the offload options.
-const std::set<std::string> kRunKeys = {"model", "batch", "prompt_len", "gen_len", "history_len"};
+const std::set<std::string> kRunKeys = {"model",   "batch",       "prompt_len",
+                                         "gen_len", "history_len", "shared_prefix_len"};
 
 // Whether `key` names a setting (a run key or an offload option).
 bool is_setting(const std::string& key) {
   return kRunKeys.contains(key) || find_option(offload_option_table(), key) != nullptr;
 }
 
-const std::set<std::string> kPlots = {"latency", "speedup", "fetched", "block", "ttft"};
+const std::set<std::string> kPlots = {"latency", "speedup", "fetched", "block", "ttft",
+                                      "transfer"};
 
 // Reads scalars with one-line errors naming the file and key.
 class Reader {
@@ -58,6 +60,8 @@ class Reader {
         s.gen_len = scalar<int64_t>(item.second, path);
       } else if (key == "history_len") {
         s.history_len = scalar<int64_t>(item.second, path);
+      } else if (key == "shared_prefix_len") {
+        s.shared_prefix_len = scalar<int64_t>(item.second, path);
       } else if (const OptionSpec<OffloadOptions>* spec =
                      find_option(offload_option_table(), key)) {
         try {
@@ -67,7 +71,7 @@ class Reader {
         }
       } else if (key != "panel") {
         fail(source_, ": unknown setting '", path,
-             "' (known: model, batch, prompt_len, gen_len, history_len, ",
+             "' (known: model, batch, prompt_len, gen_len, history_len, shared_prefix_len, ",
              option_keys(offload_option_table()), ")");
       }
     }
@@ -81,6 +85,10 @@ class Reader {
     need(s.prompt_len >= 2, "prompt_len", s.prompt_len, "must be at least 2");
     need(s.gen_len >= 2, "gen_len", s.gen_len, "must be at least 2");
     need(s.history_len >= 0, "history_len", s.history_len, "must be at least 0");
+    need(s.shared_prefix_len >= 0 && s.shared_prefix_len < s.prompt_len, "shared_prefix_len",
+         s.shared_prefix_len, "must be at least 0 and below prompt_len");
+    need(s.shared_prefix_len == 0 || s.history_len == 0, "shared_prefix_len", s.shared_prefix_len,
+         "cannot be combined with history_len (a conversation's turn shares nothing)");
     try {
       s.offload.validate();  // the runtime's own rules
     } catch (const Error& e) {
@@ -221,6 +229,7 @@ std::string settings_value(const BenchSettings& s, const std::string& key) {
   if (key == "prompt_len") return std::to_string(s.prompt_len);
   if (key == "gen_len") return std::to_string(s.gen_len);
   if (key == "history_len") return std::to_string(s.history_len);
+  if (key == "shared_prefix_len") return std::to_string(s.shared_prefix_len);
   if (key == "total_len") return std::to_string(s.prompt_len + s.gen_len);
   if (const OptionSpec<OffloadOptions>* spec = find_option(offload_option_table(), key)) {
     return spec->format(s.offload);
@@ -311,6 +320,10 @@ ScaledPoint scale_point(const ModelConfig& config, const BenchSettings& settings
   p.settings.prompt_len = scaled(settings.prompt_len, scale, 16);
   p.settings.gen_len = scaled(settings.gen_len, scale, 4);
   if (settings.history_len > 0) p.settings.history_len = scaled(settings.history_len, scale, 16);
+  if (settings.shared_prefix_len > 0) {
+    p.settings.shared_prefix_len = std::min(scaled(settings.shared_prefix_len, scale, 1),
+                                            p.settings.prompt_len - 1);
+  }
   return p;
 }
 

@@ -14,6 +14,7 @@
 namespace infinigen {
 
 // The settings of one generation run. YAML keys: model, batch, prompt_len, gen_len, history_len,
+// shared_prefix_len,
 // and every option of offload_option_table() by its key (policy, alpha, h2o_budget, ...).
 struct BenchSettings {
   std::string model = "opt-13b";  // a preset (synthetic weights) or a checkpoint directory
@@ -24,6 +25,9 @@ struct BenchSettings {
   // hold history_len tokens (a first turn of that many, saved before the timed one); its
   // prompt_len tokens extend them. Prefill latency is then the turn's time to first token.
   int64_t history_len = 0;
+  // > 0: the synthetic prompts share their first shared_prefix_len tokens (a system prompt or a
+  // document), which a policy with share_prefix on computes and keeps once in whole KV blocks.
+  int64_t shared_prefix_len = 0;
   OffloadOptions offload;  // the runtime's options, with its defaults
 };
 

@@ -26,6 +26,7 @@ struct StepStats {
   double load_busy_seconds = 0.0;  // time the load stream spent transferring
   double store_busy_seconds = 0.0;
   double load_wait_seconds = 0.0;  // compute stalled on loads: transfer that was not hidden
+  uint64_t host_kv_bytes = 0;      // KV bytes the host pool holds after the step (`full` pools)
   std::vector<LayerTraffic> layers;
   // Transfer time that overlapped compute (never negative).
   double hidden_load_seconds() const;

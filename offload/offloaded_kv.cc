@@ -187,6 +187,11 @@ void OffloadedKv::issue_store(int64_t layer, const Tensor& keys, const Tensor& v
       engine_.store(std::move(chunks), nullptr, {"kv_store", layer});
 }
 
+void OffloadedKv::end_pass(int64_t n_new) {
+  stats_.current().host_kv_bytes = pool_.allocated_bytes();
+  PipelinedKv::end_pass(n_new);
+}
+
 KvStore::View OffloadedKv::view(int64_t layer) {
   wait_for_load(layer);
   const size_t p = static_cast<size_t>(layer % 2);

@@ -36,6 +36,7 @@ class OffloadedKv : public PipelinedKv {
   bool can_share_prefix() const override { return true; }
   void append(int64_t layer, const Tensor& keys, const Tensor& values) override;
   View view(int64_t layer) override;
+  void end_pass(int64_t n_new) override;
   void resume(int64_t length, std::vector<int32_t> first_valid, int64_t num_layers,
               LayerRestorer restore) override;
   std::vector<TokenStream> token_streams(int64_t layer) const override;

@@ -11,7 +11,9 @@ TransferSummary summarize(const OffloadRun& run) {
   if (!steps.empty()) {
     s.prefill_h2d_bytes = steps[0].h2d_bytes;
     s.prefill_d2h_bytes = steps[0].d2h_bytes;
+    s.host_kv_bytes = steps.back().host_kv_bytes;
   }
+  s.shared_prefix_tokens = run.shared_prefix;
   double busy = 0, wait = 0, fetched = 0, stored = 0, recall_sum = 0;
   int64_t recall_count = 0;
   std::vector<double> layer_recall, layer_recall_n, layer_fetched, layer_stored, step_seconds;

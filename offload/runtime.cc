@@ -117,8 +117,9 @@ void generate_offloaded(const ModelSource& source, const GenerationRequest& requ
     return policy.make_store({config, batch, capacity, request.kv_dtype, device, options,
                               pool_positions, engine, run.stats, replay});
   };
-  run.result = generate(*model, with_shared_prefix(request, options, conversation), progress,
-                        make_store, conversation);
+  const GenerationRequest shared = with_shared_prefix(request, options, conversation);
+  run.shared_prefix = shared.shared_prefix;
+  run.result = generate(*model, shared, progress, make_store, conversation);
   engine.synchronize();
   run.totals = engine.counters();
 }

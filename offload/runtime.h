@@ -26,6 +26,7 @@ bool policy_runs_on(const std::string& policy, Device device);
 
 struct OffloadRun {
   GenerationResult result;
+  int64_t shared_prefix = 0;  // prompt tokens the batch shared, computed and kept once
   OffloadStats stats;
   MemoryPlan plan;
   TransferCounters totals;

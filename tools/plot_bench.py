@@ -159,12 +159,26 @@ def plot_fetched(result, side_axes):
 
 def plot_ttft(result, axes_for):
     """Prefill latency (the time to first token) per panel, x value and policy, as bars."""
+    resumed = result["experiment"]["x"] == "history_len"
+    plot_bars(result, axes_for, lambda m: m["prefill_s"], "time to first token (s)",
+              lambda x: ("recomputed" if x == "0" else "resumed") if resumed else x)
+
+
+def plot_transfer(result, axes_for):
+    """Host-to-device MiB per decode step per panel, x value and policy, as bars."""
+    shared = result["experiment"]["x"] == "shared_prefix_len"
+    plot_bars(result, axes_for, lambda m: m["h2d_bytes_per_step"] / 2**20,
+              "host->device per decode step (MiB)",
+              lambda x: ("not shared" if x == "0" else "shared %s" % x) if shared else x)
+
+
+def plot_bars(result, axes_for, value, ylabel, label_of):
+    """value(metrics) per panel, x value and policy, as bars labelled label_of(x)."""
     points = result["points"]
     panels = ordered(p["panel"] for p in points)
     xs = ordered(p["x"] for p in points)
     policies = ordered(p["policy"] for p in points)
-    resumed = result["experiment"]["x"] == "history_len"
-    label = {x: ("recomputed" if x == "0" else "resumed") if resumed else x for x in xs}
+    label = {x: label_of(x) for x in xs}
     slots = [(panel, x) for panel in panels for x in xs]
     width = 0.8 / max(1, len(policies))
     for side, ax in axes_for:
@@ -175,13 +189,12 @@ def plot_ttft(result, axes_for):
                 if not m:
                     continue
                 pos = i + (j - (len(policies) - 1) / 2) * width
-                ax.bar(pos, m["prefill_s"], width, color=POLICY_COLORS.get(policy),
+                ax.bar(pos, value(m), width, color=POLICY_COLORS.get(policy),
                        label=policy if i == 0 else None)
-                ax.text(pos, m["prefill_s"], "%.2g" % m["prefill_s"], ha="center",
-                        va="bottom", fontsize=7)
+                ax.text(pos, value(m), "%.3g" % value(m), ha="center", va="bottom", fontsize=7)
         ax.set_xticks(range(len(slots)), ["%s\n%s" % (panel, label[x]) for panel, x in slots],
                       fontsize=8)
-        ax.set_ylabel("time to first token (s)")
+        ax.set_ylabel(ylabel)
         ax.legend(fontsize=8)
 
 
@@ -246,7 +259,7 @@ def main():
                                fontsize=7)
             axes_for.append(("paper", axes[-1]))
         {"latency": plot_latency, "speedup": plot_speedup, "block": plot_block,
-         "ttft": plot_ttft}[kind](
+         "ttft": plot_ttft, "transfer": plot_transfer}[kind](
             result, axes_for)
     fig.suptitle("%s: %s\n(paper's numbers: hollow diamonds; commit %s)" % (
         exp["figure"], exp["title"], result["commit"]), fontsize=10)

@@ -48,6 +48,7 @@ struct RunOptions {
   bool stats = false;
   bool debug_nan = false;
   bool dry_run = false;
+  std::string shared_prefix;  // a file whose text every prompt follows
   std::string session;  // a new session saved here after the run
   std::string resume;   // a session continued (and saved back)
   OffloadOptions offload;  // defaults, help and flags from offload_option_table()
@@ -65,12 +66,26 @@ std::vector<std::string> read_prompt_file(const std::string& path) {
   return lines;
 }
 
+// The text of --shared-prefix FILE (a final newline dropped).
+std::string read_shared_prefix(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  INFINIGEN_CHECK(in.good(), "--shared-prefix ", path, ": no such file or not readable");
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (!text.empty() && text.back() == '\n') text.pop_back();
+  if (!text.empty() && text.back() == '\r') text.pop_back();
+  INFINIGEN_CHECK(!text.empty(), "--shared-prefix ", path, ": the file is empty");
+  return text;
+}
+
 // The run's prompts before any work proportional to the batch: the distinct prompt texts
 // tokenised (BOS first), or, for --prompt-len, only the length of the synthetic ones.
 struct PromptPlan {
   int64_t batch = 1;
   int64_t longest = 0;                      // tokens of the longest prompt in the batch
   std::vector<std::vector<int32_t>> texts;  // empty for synthetic prompts
+  // --shared-prefix: its tokens, which every text's follow (after BOS) from this index.
+  std::vector<int32_t> prefix;
+  int64_t prefix_at = 0;
 };
 
 // `session`: a resumed session, whose conversations the prompts continue: one per conversation
@@ -101,6 +116,12 @@ PromptPlan plan_prompts(const RunOptions& o, const ModelSource& loaded,
   INFINIGEN_CHECK(loaded.tokenizer.has_value(), loaded.description,
                   " has no tokenizer (tokenizer.json, or vocab.json and merges.txt): use "
                   "--prompt-len N");
+  // Every prompt follows the stated prefix: its tokens, then the prompt's own.
+  if (!o.shared_prefix.empty()) {
+    INFINIGEN_CHECK(!session, "--shared-prefix cannot be combined with --resume");
+    plan.prefix = loaded.tokenizer->encode(read_shared_prefix(o.shared_prefix));
+    plan.prefix_at = prompt_bos(loaded) ? 1 : 0;
+  }
   plan.batch = o.batch > 0 ? o.batch : static_cast<int64_t>(texts.size());
   if (session) {
     INFINIGEN_CHECK(texts.size() == 1 || std::ssize(texts) == session->batch(), "--prompt-file ",
@@ -114,6 +135,7 @@ PromptPlan plan_prompts(const RunOptions& o, const ModelSource& loaded,
     std::vector<int32_t> ids;
     const std::optional<int32_t> bos = prompt_bos(loaded);
     if (bos && !session) ids.push_back(*bos);
+    ids.insert(ids.end(), plan.prefix.begin(), plan.prefix.end());
     const std::vector<int32_t> text_ids = loaded.tokenizer->encode(text);
     ids.insert(ids.end(), text_ids.begin(), text_ids.end());
     plan.longest = std::max<int64_t>(plan.longest, std::ssize(ids));
@@ -261,10 +283,13 @@ int run(const RunOptions& o) {
   const GenerationResult& result = run.result;
   const TransferSummary transfers = summarize(run);
   // What each sequence was given this turn: a resumed turn's prompt without the previous turn's
-  // last token, which that turn already printed.
+  // last token, which that turn already printed; a prompt after --shared-prefix without it.
   const auto given = [&](size_t b) {
-    const std::vector<int32_t>& prompt = request.prompts[b];
-    return resumed ? std::vector<int32_t>(prompt.begin() + 1, prompt.end()) : prompt;
+    std::vector<int32_t> prompt = request.prompts[b];
+    if (resumed) prompt.erase(prompt.begin());
+    const auto at = prompt.begin() + prompt_plan.prefix_at;
+    prompt.erase(at, at + std::ssize(prompt_plan.prefix));
+    return prompt;
   };
 
   const double ms_per_step =
@@ -326,6 +351,10 @@ int run(const RunOptions& o) {
       "batch %lld, prompt %lld tokens (longest), %lld generated tokens per sequence, %s\n\n",
       static_cast<long long>(result.batch), static_cast<long long>(result.prompt_len),
       static_cast<long long>(result.gen_len), describe(request.sampling).c_str());
+  if (!prompt_plan.prefix.empty()) {
+    std::printf("every prompt follows %s (%zu tokens)\n\n", o.shared_prefix.c_str(),
+                prompt_plan.prefix.size());
+  }
   for (size_t b = 0; b < request.prompts.size(); ++b) {
     std::printf("[%zu] %s\n    -> %s\n", b + 1,
                 shorten(render(loaded, given(b)), 160).c_str(),
@@ -384,6 +413,11 @@ Command add_run_command(CLI::App& app) {
   app.add_flag("--json", o->json, "Print the result as JSON on stdout");
   app.add_flag("--stats", o->stats, "Per-layer and per-step transfer statistics");
   add_option_flags(app, offload_option_table(), o->offload);
+  auto* shared_prefix = app.add_option(
+      "--shared-prefix", o->shared_prefix,
+      "File whose text every prompt follows (a system prompt, a document): with share_prefix on, "
+      "its whole KV blocks are computed and kept once for the batch (docs/sessions.md)");
+  shared_prefix->excludes(prompt_len);
   auto* session = app.add_option(
       "--session", o->session,
       "Save the conversations (KV cache, tokens, InfiniGen's state) in this directory after the "
@@ -392,7 +426,8 @@ Command add_run_command(CLI::App& app) {
                  "Continue the conversations saved in this directory with a new prompt each "
                  "(--prompt, --prompt-file: one line per conversation, or --prompt-len), and "
                  "save the turn back into it")
-      ->excludes(session);
+      ->excludes(session)
+      ->excludes(shared_prefix);
   app.add_flag("--dry-run", o->dry_run,
                "Check the sizes against the context and the memory plan, print the plan, and stop "
                "before loading weights");

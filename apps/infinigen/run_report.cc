@@ -21,6 +21,8 @@ nlohmann::json transfers_json(const TransferSummary& s) {
           {"load_wait_s_per_decode_step", s.load_wait_per_step},
           {"hidden_load_fraction", s.hidden_fraction},
           {"prefill_h2d_bytes", s.prefill_h2d_bytes},
+          {"host_kv_bytes", s.host_kv_bytes},
+          {"shared_prefix_tokens", s.shared_prefix_tokens},
           {"prefill_d2h_bytes", s.prefill_d2h_bytes},
           {"total_h2d_bytes", s.total_h2d_bytes},
           {"total_d2h_bytes", s.total_d2h_bytes},
@@ -70,6 +72,17 @@ void print_transfers(const TransferSummary& s, const OffloadRun& run, bool per_l
               mib(s.h2d_bytes_per_step), mib(static_cast<double>(s.prefill_h2d_bytes)));
   std::printf("device->host     %9.2f MiB/step  (decode mean; prefill %.2f MiB)\n",
               mib(s.d2h_bytes_per_step), mib(static_cast<double>(s.prefill_d2h_bytes)));
+  if (s.host_kv_bytes > 0) {
+    std::printf("host KV pool     %9.2f MiB", mib(static_cast<double>(s.host_kv_bytes)));
+    if (s.shared_prefix_tokens > 0) {
+      std::printf("  (the batch's %lld-token shared prefix kept once)",
+                  static_cast<long long>(s.shared_prefix_tokens));
+    }
+    std::printf("\n");
+  } else if (s.shared_prefix_tokens > 0) {
+    std::printf("shared prefix    %9lld tokens computed once\n",
+                static_cast<long long>(s.shared_prefix_tokens));
+  }
   if (s.load_busy_per_step > 0) {
     std::printf(
         "loads            %9.2f ms/step, %.0f%% hidden under compute (%.2f ms/step "
