@@ -146,8 +146,15 @@ class KvStore {
  protected:
   virtual void start_pass(int64_t n_new);
   virtual void start_layer(int64_t layer) { (void)layer; }
-  // Whether this pass extends stored tokens by more than one (a resumed conversation's turn).
-  bool extending() const { return length_ > 0 && pass_tokens_ > 1; }
+  // Whether this pass extends stored tokens by more than one (a resumed conversation's turn), or
+  // is the prompt's own tokens after a shared prefix (however many).
+  bool extending() const {
+    return length_ > 0 && (pass_tokens_ > 1 || (shared_rows_ > 0 && passes_ == 1));
+  }
+  // Whether sequence b's row t holds one of its tokens (not padding).
+  bool holds_token(int64_t b, int64_t t) const {
+    return t >= first_valid_[static_cast<size_t>(b)] || (t >= 0 && t < shared_rows_);
+  }
 
  private:
   // Restores layers up to `layer` that a resume has not restored yet.

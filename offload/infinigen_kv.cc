@@ -18,7 +18,7 @@ const KvPolicy& infinigen_kv_policy() {
       "all KV in host memory, each layer loads the tokens speculated at the layer before",
       {"alpha", "partial_ratio", "partial_index_rule", "partial_key_dtype", "fetch_rule",
        "max_num_kv", "dense_layers", "kv_pool_limit", "eviction", "check_recall",
-       "kv_block_tokens"},
+       "kv_block_tokens", "share_prefix"},
       /*exact=*/false,
       /*selects_loads=*/true,
       // Speculation and the partial key cache live on the host.
@@ -144,9 +144,13 @@ void InfinigenKv::append(int64_t layer, const Tensor& keys, const Tensor& values
     if (dense(layer)) return;
     const AttentionInput& in = *prefill_input_;
     const int64_t r = partial_columns(options_.partial_ratio, head_dim_);
+    // A shared prefix is a batch of one, its partial keys kept once for every sequence.
+    static const std::vector<int32_t> unpadded = {0};
     partial_[l].build({in.queries, keys, in.q_weight, in.q_bias, in.rope_inv_freq, in.skew},
-                      first_valid(), heads_, kv_heads_, slots_, r, options_.index_rule,
-                      limited() ? &position_tokens_[l] : nullptr, options_.partial_key_dtype);
+                      sharing_pass() ? unpadded : first_valid(), heads_, kv_heads_, slots_, r,
+                      options_.index_rule, limited() ? &position_tokens_[l] : nullptr,
+                      options_.partial_key_dtype);
+    if (sharing_pass()) partial_[l].share_prefix(batch(), shared_rows());
     return;
   }
   if (!compact(layer)) {
@@ -329,7 +333,8 @@ void InfinigenKv::select_and_load(int64_t layer, const Tensor& x,
   if (dry_run()) {
     std::vector<int64_t> valid(static_cast<size_t>(batch()));
     for (int64_t b = 0; b < batch(); ++b) {
-      valid[static_cast<size_t>(b)] = used_positions() - first_valid()[static_cast<size_t>(b)];
+      valid[static_cast<size_t>(b)] =
+          used_positions() - first_valid()[static_cast<size_t>(b)] + shared_rows();
     }
     replay_take =
         replay_->take(length() - prompt_tokens_ + 1, layer, std::ssize(partial_),
@@ -362,21 +367,40 @@ void InfinigenKv::load_selection(int64_t layer) {
   std::vector<CopyChunk> chunks;
   chunks.reserve(static_cast<size_t>(2 * B * H * sel.fetch));
   LayerTraffic& traffic = stats_.current().layers[l];
+  // A shared prefix's row crosses the link once, for the first sequence that selected it: (head,
+  // position) -> that sequence's staging row. A dry run cannot know which selections coincide
+  // (they are replayed, not speculated) and prices every sequence's fetch.
+  std::vector<CopyChunk>& copies = shared_row_copies_[p];
+  copies.clear();
+  std::vector<int64_t> first_staged(static_cast<size_t>(H * shared_rows()), -1);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t take = sel.take[static_cast<size_t>(b)];
     for (int64_t h = 0; h < H; ++h) {
       const int32_t* positions = sel.tokens.data() + (b * H + h) * sel.fetch;
       for (int64_t j = 0; j < take; ++j) {
-        const size_t dst_row = static_cast<size_t>((b * H + h) * cap + sel.fetch - take + j);
-        chunks.push_back({static_cast<char*>(keys.raw()) + dst_row * row_bytes,
-                          pool_.row(layer, KvKind::Key, b, h, positions[j]), row_bytes});
-        chunks.push_back({static_cast<char*>(values.raw()) + dst_row * row_bytes,
-                          pool_.row(layer, KvKind::Value, b, h, positions[j]), row_bytes});
+        const int64_t dst_row = (b * H + h) * cap + sel.fetch - take + j;
+        char* key_dst = static_cast<char*>(keys.raw()) + static_cast<size_t>(dst_row) * row_bytes;
+        char* value_dst =
+            static_cast<char*>(values.raw()) + static_cast<size_t>(dst_row) * row_bytes;
+        if (positions[j] < shared_rows() && !dry_run()) {
+          int64_t& first = first_staged[static_cast<size_t>(h * shared_rows() + positions[j])];
+          if (first >= 0) {
+            const size_t at = static_cast<size_t>(first) * row_bytes;
+            copies.push_back({key_dst, static_cast<const char*>(keys.raw()) + at, row_bytes});
+            copies.push_back({value_dst, static_cast<const char*>(values.raw()) + at, row_bytes});
+            continue;
+          }
+          first = dst_row;
+        }
+        chunks.push_back({key_dst, pool_.row(layer, KvKind::Key, b, h, positions[j]), row_bytes});
+        chunks.push_back(
+            {value_dst, pool_.row(layer, KvKind::Value, b, h, positions[j]), row_bytes});
       }
     }
     traffic.tokens_fetched += static_cast<uint64_t>(take * H);
-    // The pool's valid entries of this sequence: its tokens, or its valid positions when capped.
-    int64_t valid = length() - first_valid()[static_cast<size_t>(b)];
+    // The pool's valid entries of this sequence: its tokens (a shared prefix's included), or its
+    // valid positions when capped.
+    int64_t valid = length() - first_valid()[static_cast<size_t>(b)] + shared_rows();
     if (limited()) {
       valid = 0;
       for (int64_t q = 0; q < used_positions(); ++q) {
@@ -396,6 +420,10 @@ KvStore::View InfinigenKv::view(int64_t layer) {
   if (!compact(layer)) return OffloadedKv::view(layer);
   const size_t l = static_cast<size_t>(layer), p = l % 2;
   wait_for_load(layer);
+  for (const CopyChunk& copy : shared_row_copies_[p]) {  // shared rows loaded once
+    device_copy(copy.dst, staging_keys_[p].device(), copy.src, staging_keys_[p].device(),
+                copy.bytes);
+  }
   LayerTraffic& traffic = stats_.current().layers[l];
   const PartialLayer::Selection& sel = selection_[l];
   compact_first_valid_.resize(static_cast<size_t>(batch()));
@@ -436,7 +464,7 @@ double InfinigenKv::measure_recall(int64_t layer) const {
         for (int64_t pos = 0; pos < used_positions(); ++pos) {
           const int32_t token = token_at(layer, b, g, pos);
           // The current token, already placed in a capped pool, is counted below.
-          if (token >= first_valid()[static_cast<size_t>(b)] && token < length()) {
+          if (holds_token(b, token) && token < length()) {
             logits[static_cast<size_t>(pos)] = logit(pool_.row(layer, KvKind::Key, b, g, pos));
           }
         }

@@ -17,6 +17,7 @@
 // attention instead (the entries within alpha of the top logit).
 #pragma once
 
+#include <array>
 #include <optional>
 #include <vector>
 
@@ -41,8 +42,8 @@ class InfinigenKv : public OffloadedKv {
               const SpeculationOptions& options, bool check_recall, const KvPoolLimit& limit = {},
               const FetchReplay* replay = nullptr);
 
-  // Not yet: speculation and the fetch read each sequence's rows from its own first_valid.
-  bool can_share_prefix() const override { return false; }
+  // A capped pool keeps positions, not tokens: nothing to share there.
+  bool can_share_prefix() const override { return !limited(); }
   void start_layer(int64_t layer) override;
   void observe(int64_t layer, const AttentionInput& input) override;
   void append(int64_t layer, const Tensor& keys, const Tensor& values) override;
@@ -109,6 +110,9 @@ class InfinigenKv : public OffloadedKv {
   Tensor decode_queries_;  // (B, H * d) of the current layer: recall, dense counters
   std::vector<PartialLayer::Selection> selection_;  // per layer: this step's selection
   std::vector<int32_t> compact_first_valid_;        // (B): left padding of the staged rows
+  // Per layer parity: rows of a shared prefix that several sequences selected, loaded once into
+  // the first one's staging row and copied on the device to the others' once the load is done.
+  std::array<std::vector<CopyChunk>, 2> shared_row_copies_;
   // Under a pool limit: per layer, the token at each position ((B, H_kv, S), -1 empty), and the
   // eviction bookkeeping of the layer's B * H_kv rows.
   std::vector<std::vector<int32_t>> position_tokens_;

@@ -89,9 +89,10 @@ void OffloadedKv::issue_load(int64_t layer) {
   const uint64_t bytes = total_bytes(chunks);
   LayerTraffic& traffic = stats_.current().layers[static_cast<size_t>(layer)];
   traffic.kv_h2d_bytes += bytes;
-  traffic.tokens_fetched += static_cast<uint64_t>(shared_rows() * keys.dim(1));
+  // Rows each sequence's attention reads (a shared row once per sequence that reads it).
   for (int32_t start : first_valid()) {
-    traffic.tokens_fetched += static_cast<uint64_t>((length() - start) * keys.dim(1));
+    traffic.tokens_fetched +=
+        static_cast<uint64_t>((shared_rows() + length() - start) * keys.dim(1));
   }
   traffic.tokens_stored = traffic.tokens_fetched;
   stats_.current().h2d_bytes += bytes;

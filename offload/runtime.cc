@@ -80,12 +80,14 @@ MemoryPlan plan_offloaded_run(MemoryRequest memory, const OffloadOptions& option
 namespace {
 
 // `request` with the prefix its prompts share in whole KV blocks, when the policy can keep it
-// once and the options ask for it (a conversation keeps every sequence's rows its own).
+// once and the options ask for it (a conversation keeps every sequence's rows its own; a capped
+// pool keeps positions, not tokens).
 GenerationRequest with_shared_prefix(const GenerationRequest& request,
                                      const OffloadOptions& options,
                                      const Conversation* conversation) {
   GenerationRequest shared = request;
-  if (options.share_prefix && !conversation && policy_reads_option(options.policy, "share_prefix")) {
+  if (options.share_prefix && !conversation && options.kv_pool_limit == 0 &&
+      policy_reads_option(options.policy, "share_prefix")) {
     shared.shared_prefix = common_prefix_rows(request.prompts, options.kv_block_tokens);
   }
   return shared;

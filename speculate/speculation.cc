@@ -267,6 +267,18 @@ void PartialLayer::partial_of(const float* key, int64_t g, float* out) const {
   }
 }
 
+void PartialLayer::share_prefix(int64_t batch, int64_t shared_rows) {
+  INFINIGEN_CHECK(batch_ == 1 && shared_rows > 0 && shared_rows <= capacity_,
+                  "speculation: a shared prefix of ", shared_rows,
+                  " positions needs a layer built from it alone");
+  batch_ = batch;
+  shared_rows_ = shared_rows;
+  // Sequence 0's slot already holds the prefix; the others' slots follow it.
+  if (!keys_.empty()) {
+    keys_.resize(static_cast<size_t>(batch_ * kv_heads_ * capacity_ * r_) * dtype_size(key_dtype_));
+  }
+}
+
 void PartialLayer::append(const Tensor& keys, int64_t position,
                           const std::vector<int32_t>* positions) {
   const int64_t KV = kv_heads_ * head_dim_, n = keys.dim(0) / batch_;
@@ -353,7 +365,7 @@ std::vector<float> PartialLayer::estimate_logits(
               position_tokens
                   ? (*position_tokens)[static_cast<size_t>((b * kv_heads_ + g) * capacity_ + p)]
                   : p;
-          if (token < first_valid[static_cast<size_t>(b)]) continue;  // -inf: padding or empty
+          if (!holds_token(token, first_valid, b)) continue;  // -inf: padding or empty
           const char* stored = keys_.data() + key_offset(b, g, p);
           const float* key = reinterpret_cast<const float*>(stored);
           if (key_dtype_ != DType::F32) {
@@ -389,26 +401,27 @@ PartialLayer::Selection PartialLayer::replayed(const std::vector<int32_t>& take,
                                                const std::vector<int32_t>* position_tokens) const {
   const int64_t H = kv_heads_;
   // The valid positions of a row: [first_valid[b], used) when every position holds its own
-  // token, else those whose token is not padding.
+  // token and nothing is shared, else those whose token is one of the sequence's.
+  const bool listed = position_tokens || shared_rows_ > 0;
   const auto valid_positions = [&](int64_t row) {
     const int64_t b = row / H;
     std::vector<int32_t> valid;
-    for (int64_t p = position_tokens ? 0 : first_valid[static_cast<size_t>(b)]; p < used; ++p) {
+    for (int64_t p = 0; p < used; ++p) {
       const int64_t token =
           position_tokens ? (*position_tokens)[static_cast<size_t>(row * capacity_ + p)] : p;
-      if (token >= first_valid[static_cast<size_t>(b)]) valid.push_back(static_cast<int32_t>(p));
+      if (holds_token(token, first_valid, b)) valid.push_back(static_cast<int32_t>(p));
     }
     return valid;
   };
   Selection sel;
   sel.take.resize(static_cast<size_t>(batch_));
   std::vector<std::vector<int32_t>> valid;
-  if (position_tokens) {
+  if (listed) {
     for (int64_t row = 0; row < batch_ * H; ++row) valid.push_back(valid_positions(row));
   }
   for (int64_t b = 0; b < batch_; ++b) {
     int64_t fewest = std::max<int64_t>(0, used - first_valid[static_cast<size_t>(b)]);
-    if (position_tokens) {
+    if (listed) {
       fewest = used;
       for (int64_t g = 0; g < H; ++g) {
         fewest = std::min<int64_t>(fewest, std::ssize(valid[static_cast<size_t>(b * H + g)]));
@@ -425,7 +438,7 @@ PartialLayer::Selection PartialLayer::replayed(const std::vector<int32_t>& take,
   for (int64_t row = 0; row < batch_ * H; ++row) {
     const int64_t n = sel.take[static_cast<size_t>(row / H)];
     int32_t* out = sel.tokens.data() + row * sel.fetch;
-    if (position_tokens) {
+    if (listed) {
       std::copy_n(valid[static_cast<size_t>(row)].begin(), n, out);
     } else {
       std::iota(out, out + n, first_valid[static_cast<size_t>(row / H)]);

@@ -111,6 +111,10 @@ class PartialLayer {
              int64_t num_heads, int64_t num_kv_heads, int64_t capacity, int64_t r,
              PartialIndexRule rule, const std::vector<int32_t>* position_tokens = nullptr,
              DType key_dtype = DType::F32);
+  // After a build from a prompt prefix that a batch of `batch` sequences shares (a batch of one):
+  // positions [0, shared_rows) of every sequence read sequence 0's partial keys, kept once, and
+  // count as tokens whatever first_valid says; later appends write each sequence's own.
+  void share_prefix(int64_t batch, int64_t shared_rows);
   // Writes the partial keys of one new token per sequence, keys (B, H_kv * d) (rotated), at
   // `position` of every (sequence, KV head), or at positions[b * H_kv + g] when given (a pool
   // with a memory limit overwrites a different victim in each row).
@@ -176,6 +180,7 @@ class PartialLayer {
 
  private:
   int64_t batch_ = 0, heads_ = 0, kv_heads_ = 0, group_ = 1, head_dim_ = 0, capacity_ = 0, r_ = 0;
+  int64_t shared_rows_ = 0;  // positions every sequence reads from sequence 0 (share_prefix)
   std::vector<int32_t> columns_;  // (H_kv, r), ascending within a KV head
   std::vector<float> skew_;       // (H_kv, d, d) row-major A per KV head; empty: no skew
   std::vector<float> inv_freq_;   // (d / 2) rotary frequencies; empty: no rotation
@@ -188,9 +193,16 @@ class PartialLayer {
   DType key_dtype_ = DType::F32;
   std::vector<char> keys_;  // (B, H_kv, capacity, r) in key_dtype_
 
-  // Offset in keys_ of position p of (b, g); writes r fp32 values there in key_dtype_.
+  // Offset in keys_ of position p of (b, g) (sequence 0's for a shared position); writes r fp32
+  // values there in key_dtype_.
   size_t key_offset(int64_t b, int64_t g, int64_t p) const {
-    return static_cast<size_t>(((b * kv_heads_ + g) * capacity_ + p) * r_) * dtype_size(key_dtype_);
+    const int64_t sequence = p < shared_rows_ ? 0 : b;
+    return static_cast<size_t>(((sequence * kv_heads_ + g) * capacity_ + p) * r_) *
+           dtype_size(key_dtype_);
+  }
+  // Whether `token` (a position's, -1 when empty) is one sequence b attends to.
+  bool holds_token(int64_t token, const std::vector<int32_t>& first_valid, int64_t b) const {
+    return token >= first_valid[static_cast<size_t>(b)] || (token >= 0 && token < shared_rows_);
   }
   void write_key(size_t offset, const float* values);
   // needed_ and head_rows_ from the columns: every query dimension under a skew, else the

@@ -45,6 +45,11 @@ OffloadOptions options_for(const std::string& policy, bool share) {
   options.policy = policy;
   options.kv_block_tokens = kBlock;
   options.share_prefix = share;
+  if (policy == "infinigen") {
+    // Every token within alpha of the top one: InfiniGen must then equal the full cache.
+    options.speculation.alpha = 1000.0;
+    options.speculation.max_num_kv = 100000;
+  }
   return options;
 }
 
@@ -65,7 +70,7 @@ TEST_P(SharedPrefix, TokensEqualAnUnsharedRun) {
   // Staging rows the loads do not bring are NaN: a sequence that read sequence 0's prefix rows
   // anywhere but from sequence 0 would turn its tokens into garbage.
   set_debug_poison(true);
-  for (const std::string policy : {"full", "gpu"}) {
+  for (const std::string policy : {"full", "gpu", "infinigen"}) {
     const OffloadRun unshared =
         run_offloaded(source_, request_, options_for(policy, false), Device::Cpu);
     const OffloadRun shared =
@@ -122,6 +127,30 @@ TEST_P(SharedPrefix, ThePoolAndTheLinkCarryThePrefixOnce) {
   // The prefill stores the prefix once.
   EXPECT_EQ(steps[0].d2h_bytes, row_bytes * (P + B * (longest - P)) * c.num_layers);
   EXPECT_EQ(unshared.stats.steps()[0].d2h_bytes, row_bytes * B * longest * c.num_layers);
+}
+
+TEST_P(SharedPrefix, InfinigenFetchesASharedRowOnceForTheBatch) {
+  // Every sequence selects every token (alpha 1000), the 8 shared rows among them.
+  const OffloadRun unshared =
+      run_offloaded(source_, request_, options_for("infinigen", false), Device::Cpu);
+  const OffloadRun shared =
+      run_offloaded(source_, request_, options_for("infinigen", true), Device::Cpu);
+  const ModelConfig& c = source_.config;
+  const uint64_t row_bytes = static_cast<uint64_t>(2 * c.kv_heads() * c.head_dim() * 2);
+  const uint64_t B = 3, P = 8;
+  const std::vector<uint64_t> prompt = {12, 15, 10};  // prompt tokens per sequence
+  const int64_t dense = SpeculationOptions{}.dense_layers;
+  for (size_t s = 1; s < shared.stats.steps().size(); ++s) {
+    const auto& layers = shared.stats.steps()[s].layers;
+    const auto& unshared_layers = unshared.stats.steps()[s].layers;
+    uint64_t tokens = 0;  // rows of every sequence before the step, padding excluded
+    for (uint64_t n : prompt) tokens += n + s - 1;
+    for (size_t l = static_cast<size_t>(dense); l < layers.size(); ++l) {
+      EXPECT_EQ(unshared_layers[l].kv_h2d_bytes, row_bytes * tokens) << "step " << s;
+      EXPECT_EQ(layers[l].kv_h2d_bytes, row_bytes * (tokens - (B - 1) * P)) << "step " << s;
+      EXPECT_EQ(layers[l].tokens_fetched, unshared_layers[l].tokens_fetched);
+    }
+  }
 }
 
 TEST_P(SharedPrefix, ABatchThatSharesNothingCostsNothingExtra) {
