@@ -73,12 +73,13 @@ std::string number(double value) {
 void metric_cells(std::vector<std::string>& row, const std::optional<PointMetrics>& m,
                   double speedup, double slowdown) {
   if (!m) {
-    row.insert(row.end(), 13, "");
+    row.insert(row.end(), 14, "");
     return;
   }
   for (double v :
        {m->prefill_s, m->decode_s, m->total_s, m->throughput_tok_s, 1e3 * m->decode_step_s,
-        m->h2d_bytes_per_step / (1024.0 * 1024.0), m->fetched_fraction, 1e3 * m->block_s,
+        m->h2d_bytes_per_step / (1024.0 * 1024.0), m->host_kv_bytes / (1024.0 * 1024.0),
+        m->fetched_fraction, 1e3 * m->block_s,
         1e3 * m->block_transfer_s, 1e3 * m->block_compute_s}) {
     row.push_back(number(v));
   }
@@ -163,7 +164,7 @@ std::string bench_csv(const BenchReport& report) {
   for (const char* side : {"measured", "predicted"}) {
     for (const char* column :
          {"prefill_s", "decode_s", "total_s", "throughput_tok_s", "decode_step_ms",
-          "h2d_mib_per_step", "fetched_fraction", "block_ms", "block_transfer_ms",
+          "h2d_mib_per_step", "host_kv_mib", "fetched_fraction", "block_ms", "block_transfer_ms",
           "block_compute_ms", "speedup_vs_full", "slowdown_vs_gpu", "decode_share"}) {
       header.push_back(std::string(side) + "_" + column);
     }

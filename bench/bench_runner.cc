@@ -194,6 +194,7 @@ PointMetrics measure(const RunInputs& in, Device device, int repeats) {
 
 PointMetrics metrics_of(const PredictedRun& p) {
   PointMetrics m;
+  m.host_kv_bytes = static_cast<double>(p.host_kv_bytes);
   m.prefill_s = p.prefill_s;
   m.decode_s = p.decode_s;
   m.total_s = p.prefill_s + p.decode_s;

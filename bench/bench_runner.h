@@ -43,7 +43,7 @@ struct PointMetrics {
   double decode_step_s = 0;  // median decode step
   double h2d_bytes_per_step = 0;
   double d2h_bytes_per_step = 0;
-  double host_kv_bytes = 0;     // the host pool after the run (measured runs of `full` pools)
+  double host_kv_bytes = 0;     // the host KV pool after the run (pools of full, infinigen)
   double fetched_fraction = 0;  // KV rows loaded / rows in the pool, over decode steps
   double block_s = 0;
   double block_transfer_s = 0;

@@ -64,9 +64,13 @@ class Trace {
                    TransferContent content, int32_t after);
   // The host thread waits for op `op` (-1: nothing).
   void host_waits(int32_t op);
+  // KV bytes the run's host pool held at its end (recorded by the runtime; 0: no pool).
+  uint64_t host_kv_bytes() const { return host_kv_bytes_; }
+  void set_host_kv_bytes(uint64_t bytes) { host_kv_bytes_ = bytes; }
 
  private:
   bool dry_;
+  uint64_t host_kv_bytes_ = 0;
   int32_t step_ = 0;
   int32_t layer_ = -1;
   int32_t last_compute_ = -1;

@@ -147,6 +147,7 @@ Trace dry_run_trace(const ModelConfig& config, const GenerationRequest& request,
     OffloadRun run;
     generate_offloaded(source, request, options, device, memory.kv_pool_tokens, replay, {}, run,
                        conversation);
+    if (!run.stats.steps().empty()) trace.set_host_kv_bytes(run.stats.steps().back().host_kv_bytes);
   }
   return trace;
 }

@@ -28,6 +28,7 @@ PredictedRun predict_run(const CostModelInput& input, const HardwareProfile& pro
   }
 
   const Schedule schedule = run_schedule(input);
+  run.host_kv_bytes = schedule.host_kv_bytes;
   const std::vector<OpTiming> timing = simulate(schedule, profile);
   const int64_t L = input.config.num_layers;
   run.steps.resize(static_cast<size_t>(schedule.steps));

@@ -40,6 +40,7 @@ struct PredictedRun {
   PredictedStep prefill;
   PredictedStep middle_decode_step;  // step max(1, gen_len / 2) (empty when gen_len = 1)
   double mean_h2d_bytes_per_decode_step = 0;
+  uint64_t host_kv_bytes = 0;  // the host KV pool at the end, as the runtime allocates it
   std::vector<PredictedStep> steps;  // every step, steps[0] = prefill
 };
 

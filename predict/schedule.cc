@@ -30,6 +30,7 @@ const char* lane_name(Lane lane) {
 
 Schedule schedule_from_trace(const Trace& trace) {
   Schedule schedule;
+  schedule.host_kv_bytes = trace.host_kv_bytes();
   schedule.ops.reserve(trace.ops().size());
   for (const TracedOp& traced : trace.ops()) {
     ScheduledOp op;

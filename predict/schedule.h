@@ -77,6 +77,7 @@ struct Schedule {
   int64_t steps = 0;                 // prefill + decode steps
   std::vector<int32_t> step_end;     // per step: the op whose end closes it (the sampling)
   std::vector<int32_t> prefill_end;  // the prefill pass's last compute op (before the LM head)
+  uint64_t host_kv_bytes = 0;        // the host KV pool at the end (Trace::host_kv_bytes)
 };
 
 // The schedule of a trace: its ops priced, on their lanes, with their dependencies.

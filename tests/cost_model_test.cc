@@ -62,6 +62,7 @@ class CostModelSchedule : public testing_util::SmallRunTest {
     const auto bytes = schedule_bytes(schedule, source_.config.num_layers);
     const std::string policy = options.policy;
     ASSERT_EQ(bytes.size(), steps.size()) << policy;
+    EXPECT_EQ(schedule.host_kv_bytes, steps.back().host_kv_bytes) << policy;
     uint64_t moved = 0;
     for (size_t s = 0; s < steps.size(); ++s) {
       uint64_t h2d = 0, d2h = 0;
