@@ -134,12 +134,13 @@ int64_t check_request(const ModelConfig& config, const GenerationRequest& reques
 namespace {
 
 // The first pass of a turn that continues a conversation: per sequence its history, then its
-// prompt, left-padded to the longest; the pass covers the last n rows (n: the longest prompt),
-// so a sequence with a shorter prompt computes its last history tokens again. Returns the
-// pass's tokens (B, n) and fills first_valid (B) and the rows stored before the pass.
+// prompt, left-padded to the longest (after the `shared` prefix rows, when the conversation
+// shares some: a sequence's own tokens follow them); the pass covers the last n rows (n: the
+// longest prompt), so a sequence with a shorter prompt computes its last history tokens again.
+// Returns the pass's tokens (B, n) and fills first_valid (B) and the rows stored before the pass.
 std::vector<int32_t> continuation_pass(const std::vector<std::vector<int32_t>>& history,
                                        const std::vector<std::vector<int32_t>>& prompts,
-                                       int32_t pad_id, int64_t longest,
+                                       int32_t pad_id, int64_t longest, int64_t shared,
                                        std::vector<int32_t>* first_valid, int64_t* stored) {
   const size_t B = prompts.size();
   int64_t n = 0;
@@ -148,14 +149,15 @@ std::vector<int32_t> continuation_pass(const std::vector<std::vector<int32_t>>& 
   first_valid->assign(B, 0);
   std::vector<int32_t> tokens(B * static_cast<size_t>(n), pad_id);
   for (size_t b = 0; b < B; ++b) {
-    const int64_t h = static_cast<int64_t>(history[b].size());
+    const int64_t h = static_cast<int64_t>(history[b].size()) - shared;  // its own history
     const int64_t start = longest - h - static_cast<int64_t>(prompts[b].size());
     (*first_valid)[b] = static_cast<int32_t>(start);
     for (int64_t i = 0; i < n; ++i) {
-      const int64_t j = *stored + i - start;  // index in the sequence's conversation
+      const int64_t j = *stored + i - start;  // index in the sequence's own conversation
       if (j < 0) continue;
       tokens[b * static_cast<size_t>(n) + static_cast<size_t>(i)] =
-          j < h ? history[b][static_cast<size_t>(j)] : prompts[b][static_cast<size_t>(j - h)];
+          j < h ? history[b][static_cast<size_t>(shared + j)]
+                : prompts[b][static_cast<size_t>(j - h)];
     }
   }
   return tokens;
@@ -213,10 +215,11 @@ GenerationResult generate(Model& model, const GenerationRequest& request,
   if (request.score_tokens) result.token_log_probs.assign(static_cast<size_t>(B), {});
   std::vector<int32_t> first_valid;
   int64_t stored = 0;  // rows per sequence stored before the first pass
-  const int64_t shared = request.shared_prefix;
+  // A conversation's turns share what its first turn shared.
+  const int64_t shared = history ? conversation->shared_prefix() : request.shared_prefix;
   const std::vector<int32_t> tokens =
       history      ? continuation_pass(*history, request.prompts, config.pad_token_id, longest,
-                                       &first_valid, &stored)
+                                       shared, &first_valid, &stored)
       : shared > 0 ? own_tokens_after(request.prompts, shared, config.pad_token_id, &first_valid)
                    : left_pad(request.prompts, config.pad_token_id, &first_valid);
   const int64_t capacity = longest + request.gen_len;
@@ -224,17 +227,15 @@ GenerationResult generate(Model& model, const GenerationRequest& request,
       make_store ? make_store(B, capacity)
                  : std::make_unique<KvCache>(config, B, capacity, request.kv_dtype, model.device());
   KvStore& cache = *store;
-  // Where each sequence's rows of this turn start: after its history.
+  if (shared > 0) cache.share_prefix(shared, first_valid);
+  // Where each sequence's rows of this turn start: after its own history.
   std::vector<int32_t> turn_rows(first_valid);
   if (history) {
-    for (int64_t b = 0; b < B; ++b) turn_rows[b] += static_cast<int32_t>((*history)[b].size());
+    for (int64_t b = 0; b < B; ++b) {
+      turn_rows[b] += static_cast<int32_t>(static_cast<int64_t>((*history)[b].size()) - shared);
+    }
     cache.resume(stored, first_valid, config.num_layers,
                  [conversation](int64_t layer, KvStore& s) { conversation->restore_layer(layer, s); });
-  }
-  if (shared > 0) {
-    // A conversation keeps each sequence's rows from its first_valid: none of them shared.
-    INFINIGEN_CHECK(!conversation, "a conversation cannot share a prompt prefix yet");
-    cache.share_prefix(shared, first_valid);
   }
 
   int64_t emitted = 0;  // token positions generated so far, for an interruption's message
@@ -244,7 +245,7 @@ GenerationResult generate(Model& model, const GenerationRequest& request,
           auto start = std::chrono::steady_clock::now();
           trace_step(0);
           if (conversation) conversation->begin();
-          if (shared > 0) {
+          if (shared > 0 && !history) {
             const auto& prompt = request.prompts[0];
             model.prefill_shared({prompt.begin(), prompt.begin() + shared}, cache);
           }

@@ -56,13 +56,18 @@ class Conversation {
   // Per sequence, the tokens whose keys and values the conversation holds, in order; empty for
   // a new conversation.
   virtual const std::vector<std::vector<int32_t>>& history() const = 0;
+  // Leading history tokens that every sequence shares, kept once (KvStore::share_prefix): its
+  // turns keep sharing them. 0: none.
+  virtual int64_t shared_prefix() const { return 0; }
   // Called before the turn's first pass; a conversation may start reading ahead here.
   virtual void begin() {}
   // Writes layer `layer`'s history into `store` (KvStore::resume): history token j of sequence
-  // b at row store.first_valid()[b] + j.
+  // b at row store.first_valid()[b] + j, or, after a shared prefix of P tokens, the prefix at
+  // rows [0, P) of sequence 0 and token j >= P at row store.first_valid()[b] + j - P.
   virtual void restore_layer(int64_t layer, KvStore& store) = 0;
-  // After the turn's first pass: sequence b's new rows are [rows_from[b], store.length()) and
-  // stay unchanged while later passes run (they may be saved now, in the background).
+  // After the turn's first pass: sequence b's new rows are [rows_from[b], store.length()) (and,
+  // in a first turn that shares a prefix, rows [0, store.shared_rows()) of sequence 0) and stay
+  // unchanged while later passes run (they may be saved now, in the background).
   virtual void after_first_pass(const KvStore& store, const std::vector<int32_t>& rows_from) = 0;
   // After the last pass, with the store's stores finished: sequence b's rows
   // [rows_from[b], store.length()) are the decode steps', and `generated` the turn's new tokens

@@ -526,6 +526,7 @@ void InfinigenKv::restore_layer_state(int64_t layer, const LayerState& state) {
   INFINIGEN_CHECK(!state.empty(), "layer ", layer, ": the session keeps no speculation state");
   partial_[static_cast<size_t>(layer)].restore(state, batch(), heads_, kv_heads_, head_dim_,
                                                slots_, options_.partial_key_dtype);
+  if (shared_rows() > 0) partial_[static_cast<size_t>(layer)].share_prefix(batch(), shared_rows());
 }
 
 }  // namespace infinigen

@@ -132,6 +132,7 @@ void OffloadedKv::append(int64_t layer, const Tensor& keys, const Tensor& values
 void OffloadedKv::resume(int64_t length, std::vector<int32_t> first_valid, int64_t num_layers,
                          LayerRestorer restore) {
   PipelinedKv::resume(length, std::move(first_valid), num_layers, std::move(restore));
+  if (shared_rows() > 0) pool_.reserve_shared(shared_rows());
   pool_.reserve(length);
 }
 

@@ -80,13 +80,14 @@ MemoryPlan plan_offloaded_run(MemoryRequest memory, const OffloadOptions& option
 namespace {
 
 // `request` with the prefix its prompts share in whole KV blocks, when the policy can keep it
-// once and the options ask for it (a conversation keeps every sequence's rows its own; a capped
-// pool keeps positions, not tokens).
+// once and the options ask for it (a capped pool keeps positions, not tokens). A conversation's
+// later turns share what its first turn shared (Conversation::shared_prefix).
 GenerationRequest with_shared_prefix(const GenerationRequest& request,
                                      const OffloadOptions& options,
                                      const Conversation* conversation) {
   GenerationRequest shared = request;
-  if (options.share_prefix && !conversation && options.kv_pool_limit == 0 &&
+  const bool continued = conversation && !conversation->history().empty();
+  if (options.share_prefix && !continued && options.kv_pool_limit == 0 &&
       policy_reads_option(options.policy, "share_prefix")) {
     shared.shared_prefix = common_prefix_rows(request.prompts, options.kv_block_tokens);
   }
@@ -120,7 +121,9 @@ void generate_offloaded(const ModelSource& source, const GenerationRequest& requ
                               pool_positions, engine, run.stats, replay});
   };
   const GenerationRequest shared = with_shared_prefix(request, options, conversation);
-  run.shared_prefix = shared.shared_prefix;
+  run.shared_prefix = conversation && !conversation->history().empty()
+                          ? conversation->shared_prefix()
+                          : shared.shared_prefix;
   run.result = generate(*model, shared, progress, make_store, conversation);
   engine.synchronize();
   run.totals = engine.counters();

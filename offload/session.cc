@@ -187,6 +187,7 @@ struct DiskSession::ReadLayer {
   bool ready = false;
   std::exception_ptr error;
   std::vector<std::shared_ptr<const SafetensorsFile>> segments;  // (segments)
+  std::shared_ptr<const SafetensorsFile> prefix;                 // null: none shared
   std::shared_ptr<const SafetensorsFile> state;                  // null: none
 };
 
@@ -278,6 +279,25 @@ std::unique_ptr<DiskSession> DiskSession::open(const fs::path& directory, const 
     const size_t B = s.tokens_.size();
     INFINIGEN_CHECK(B >= 1, where, ": no sequences");
     std::vector<int64_t> stored(B, 0);
+    if (manifest.contains("prefix")) {
+      const json& entry = manifest.at("prefix");
+      s.prefix_.rows = int32_list(entry.at("rows"), where, "the shared prefix's rows");
+      INFINIGEN_CHECK(s.prefix_.rows.size() == 1 && s.prefix_.rows[0] >= 1, where,
+                      ": malformed shared prefix rows");
+      const int64_t P = s.prefix_.rows[0];
+      for (size_t b = 0; b < B; ++b) {
+        const auto& tokens = s.tokens_[b];
+        INFINIGEN_CHECK(std::ssize(tokens) > P &&
+                            std::equal(tokens.begin(), tokens.begin() + P, s.tokens_[0].begin()),
+                        where, ": sequence ", b + 1, " does not start with the ", P,
+                        "-token prefix the session shares (the session is corrupt)");
+        stored[b] += P;
+      }
+      for (const json& file : entry.at("files")) s.prefix_.layers.push_back(file_record(file, where));
+      INFINIGEN_CHECK(static_cast<int64_t>(s.prefix_.layers.size()) == L, where,
+                      ": the shared prefix has ", s.prefix_.layers.size(), " layer files for ", L,
+                      " layers");
+    }
     for (const json& entry : manifest.at("segments")) {
       Segment segment;
       segment.rows = int32_list(entry.at("rows"), where, "a segment's rows");
@@ -308,8 +328,10 @@ std::unique_ptr<DiskSession> DiskSession::open(const fs::path& directory, const 
                     where, ": malformed next_segment");
     s.next_segment_ = next.get<int64_t>();
     // Every file the manifest names must be there, whole, before anything is computed.
-    for (const Segment& segment : s.segments_) {
-      for (const FileRecord& file : segment.layers) {
+    std::vector<const Segment*> named = {&s.prefix_};
+    for (const Segment& segment : s.segments_) named.push_back(&segment);
+    for (const Segment* segment : named) {
+      for (const FileRecord& file : segment->layers) {
         const fs::path p = directory / file.path;
         INFINIGEN_CHECK(fs::is_regular_file(p), p.string(),
                         ": missing (the session is incomplete)");
@@ -334,6 +356,7 @@ void DiskSession::verify() const {
   for (const Segment& segment : segments_) {
     for (const FileRecord& file : segment.layers) check(file);
   }
+  for (const FileRecord& file : prefix_.layers) check(file);
   for (const FileRecord& file : state_) check(file);
 }
 
@@ -376,6 +399,7 @@ void DiskSession::read_ahead() {
         stats_.bytes_read += bytes;
         return SafetensorsFile::open(path.string());
       };
+      if (!prefix_.layers.empty()) layer.prefix = read(prefix_.layers[static_cast<size_t>(l)]);
       for (const Segment& segment : segments_) {
         layer.segments.push_back(read(segment.layers[static_cast<size_t>(l)]));
       }
@@ -414,12 +438,12 @@ void DiskSession::restore_layer(int64_t layer, KvStore& store) {
   }
   store.restore_layer_state(layer, state);
   const std::vector<KvStore::TokenStream> streams = store.token_streams(layer);
-  const int64_t B = store.batch(), H = key_.kv_heads;
-  std::vector<int64_t> done(static_cast<size_t>(B), 0);  // rows of earlier segments
-  for (size_t s = 0; s < segments_.size(); ++s) {
-    const SafetensorsFile& file = *read.segments[s];
-    const std::vector<int32_t>& rows = segments_[s].rows;
-    const int64_t R = *std::max_element(rows.begin(), rows.end());
+  const int64_t H = key_.kv_heads;
+  // Rows rows[b] of the file's sequences b into the store's rows from first[b], up to what the
+  // pass computes again (those need no restoring).
+  const auto restore_rows = [&](const SafetensorsFile& file, const std::vector<int32_t>& rows,
+                                const std::vector<int64_t>& first) {
+    const int64_t B = std::ssize(rows), R = *std::max_element(rows.begin(), rows.end());
     for (size_t k = 0; k < streams.size(); ++k) {
       const KvStore::TokenStream& stream = streams[k];
       const SafetensorsEntry* entry = file.find(stream.name);
@@ -430,18 +454,26 @@ void DiskSession::restore_layer(int64_t layer, KvStore& store) {
       const size_t row_bytes = static_cast<size_t>(stream.width) * dtype_size(stream.dtype);
       const char* data = static_cast<const char*>(file.bytes(*entry));
       for (int64_t b = 0; b < B; ++b) {
-        const int64_t first = store.first_valid()[static_cast<size_t>(b)] + done[b];
-        // Rows the pass computes again need no restoring.
-        const int64_t count = std::min<int64_t>(rows[b], store.length() - first);
+        const int64_t count = std::min<int64_t>(rows[b], store.length() - first[b]);
         for (int64_t h = 0; h < H; ++h) {
           for (int64_t j = 0; j < count; ++j) {
-            std::memcpy(store.mutable_token_row(layer, k, b, h, first + j),
+            std::memcpy(store.mutable_token_row(layer, k, b, h, first[b] + j),
                         data + static_cast<size_t>((b * H + h) * R + j) * row_bytes, row_bytes);
           }
         }
       }
     }
-    for (int64_t b = 0; b < B; ++b) done[b] += rows[b];
+  };
+  if (read.prefix) {  // kept once: sequence 0's rows [0, P), which every sequence reads
+    INFINIGEN_CHECK(store.shared_rows() == shared_prefix(), "the store does not share the ",
+                    shared_prefix(), "-token prefix of the session");
+    restore_rows(*read.prefix, prefix_.rows, {0});
+  }
+  const int64_t B = store.batch();
+  std::vector<int64_t> first(store.first_valid().begin(), store.first_valid().end());
+  for (size_t s = 0; s < segments_.size(); ++s) {
+    restore_rows(*read.segments[s], segments_[s].rows, first);
+    for (int64_t b = 0; b < B; ++b) first[b] += segments_[s].rows[b];
   }
   {
     std::lock_guard lock(mutex_);
@@ -452,9 +484,11 @@ void DiskSession::restore_layer(int64_t layer, KvStore& store) {
 
 void DiskSession::write_segment(const KvStore& store, const std::vector<int32_t>& rows_from,
                                 const Segment& segment, const std::string& directory,
-                                bool with_state, std::vector<FileRecord>* state_files) {
+                                bool with_state, std::vector<FileRecord>* layer_files,
+                                std::vector<FileRecord>* state_files) {
   const auto start = std::chrono::steady_clock::now();
-  const int64_t B = store.batch(), R = *std::max_element(segment.rows.begin(), segment.rows.end());
+  const int64_t B = std::ssize(segment.rows);
+  const int64_t R = *std::max_element(segment.rows.begin(), segment.rows.end());
   fs::create_directories(directory_ / directory);
   const auto record = [&](const std::string& relative) {
     const auto [crc, bytes] = checksum_file(directory_ / relative);
@@ -490,7 +524,7 @@ void DiskSession::write_segment(const KvStore& store, const std::vector<int32_t>
       writer.write(streams[k].name, buffer.data(), buffer.size());
     }
     writer.finish();
-    new_segments_.back().layers.push_back(record(relative));
+    layer_files->push_back(record(relative));
     if (with_state) {
       const KvStore::LayerState state = store.layer_state(l);
       if (state.empty()) {
@@ -514,6 +548,9 @@ void DiskSession::after_first_pass(const KvStore& store, const std::vector<int32
   for (const Segment& segment : segments_) {
     named.push_back(fs::path(segment.layers.front().path).parent_path().string());
   }
+  if (!prefix_.layers.empty()) {
+    named.push_back(fs::path(prefix_.layers.front().path).parent_path().string());
+  }
   for (const fs::directory_entry& entry : fs::directory_iterator(directory_)) {
     const std::string name = entry.path().filename().string();
     if (name.rfind("seg-", 0) == 0 &&
@@ -530,10 +567,23 @@ void DiskSession::after_first_pass(const KvStore& store, const std::vector<int32
   }
   new_segments_.push_back(segment);
   const bool with_state = segments_.empty();
+  // A first turn that shares a prefix keeps it once, in a segment of its own.
+  new_prefix_ = {};
+  std::string prefix_directory;
+  if (segments_.empty() && store.shared_rows() > 0) {
+    new_prefix_.rows = {static_cast<int32_t>(store.shared_rows())};
+    prefix_directory = segment_name(next_segment_++);
+  }
   const std::string directory = segment_name(next_segment_++);
-  writer_ = std::thread([this, &store, rows_from, segment, directory, with_state] {
+  writer_ = std::thread([this, &store, rows_from, segment, directory, prefix_directory,
+                         with_state] {
     try {
-      write_segment(store, rows_from, segment, directory, with_state, &new_state_);
+      if (!prefix_directory.empty()) {
+        write_segment(store, {0}, new_prefix_, prefix_directory, false, &new_prefix_.layers,
+                      nullptr);
+      }
+      write_segment(store, rows_from, segment, directory, with_state,
+                    &new_segments_.front().layers, &new_state_);
     } catch (...) {
       writer_error_ = std::current_exception();
     }
@@ -563,7 +613,8 @@ void DiskSession::finish(const KvStore& store, const std::vector<int32_t>& rows_
   }
   if (any) {
     new_segments_.push_back(segment);
-    write_segment(store, rows_from, segment, segment_name(next_segment_++), false, nullptr);
+    write_segment(store, rows_from, segment, segment_name(next_segment_++), false,
+                  &new_segments_.back().layers, nullptr);
   }
   // The conversation now: what it held, this turn's prompts and what was generated.
   if (tokens_.empty()) tokens_.assign(prompts_.size(), {});
@@ -573,7 +624,10 @@ void DiskSession::finish(const KvStore& store, const std::vector<int32_t>& rows_
     tokens_[b].insert(tokens_[b].end(), from, prompts_[b].end());
     tokens_[b].insert(tokens_[b].end(), generated[b].begin(), generated[b].end());
   }
-  if (segments_.empty()) state_ = new_state_;
+  if (segments_.empty()) {
+    state_ = new_state_;
+    prefix_ = new_prefix_;
+  }
   segments_.insert(segments_.end(), new_segments_.begin(), new_segments_.end());
   new_segments_.clear();
   commit();
@@ -589,6 +643,11 @@ void DiskSession::commit() {
     segments.push_back({{"rows", segment.rows}, {"files", files}});
   }
   manifest["segments"] = segments;
+  if (!prefix_.layers.empty()) {
+    json files = json::array();
+    for (const FileRecord& file : prefix_.layers) files.push_back(file_json(file));
+    manifest["prefix"] = {{"rows", prefix_.rows}, {"files", files}};
+  }
   json state = json::array();
   for (const FileRecord& file : state_) state.push_back(file_json(file));
   manifest["state"] = state;

@@ -15,6 +15,9 @@
 //                                    token order, R the largest rows[b]
 //   seg-NNNNNN/state-LLL.safetensors the layer's state beyond its rows (InfiniGen's partial
 //                                    columns and query weights), written with the first segment
+// A first turn whose prompts shared a prefix (KvStore::share_prefix) keeps it once: the
+// manifest's "prefix" segment holds its P rows as (1, H_kv, P, width) per stream, every
+// sequence's tokens start with the same P, and the other segments hold each sequence's own rows.
 // A save writes new files only, each fsynced, then replaces manifest.json atomically (a hidden
 // sibling written, fsynced and renamed, the directory fsynced): a crash or kill at any point
 // leaves the previous manifest and every file it names. Files no manifest names (a save that was
@@ -85,6 +88,7 @@ class DiskSession : public Conversation {
   std::vector<std::vector<int32_t>> turn_prompts(const std::vector<std::vector<int32_t>>& new_prompts);
 
   const std::vector<std::vector<int32_t>>& history() const override { return history_; }
+  int64_t shared_prefix() const override { return prefix_.rows.empty() ? 0 : prefix_.rows[0]; }
   void begin() override;
   void restore_layer(int64_t layer, KvStore& store) override;
   void after_first_pass(const KvStore& store, const std::vector<int32_t>& rows_from) override;
@@ -112,10 +116,11 @@ class DiskSession : public Conversation {
   // restore_layer.
   void read_ahead();
   // Writes segment `segment` (and the state files when `with_state`) of the rows
-  // [rows_from[b], rows_from[b] + rows[b]) of `store`.
+  // [rows_from[b], rows_from[b] + rows[b]) of `store`'s sequences b < segment.rows.size() (one
+  // for a shared prefix, sequence 0's rows), its layer files into `layer_files`.
   void write_segment(const KvStore& store, const std::vector<int32_t>& rows_from,
                      const Segment& segment, const std::string& directory, bool with_state,
-                     std::vector<FileRecord>* state_files);
+                     std::vector<FileRecord>* layer_files, std::vector<FileRecord>* state_files);
   void commit();
 
   std::filesystem::path directory_;
@@ -124,6 +129,7 @@ class DiskSession : public Conversation {
   std::vector<std::vector<int32_t>> history_;  // (B): tokens whose rows are stored
   std::vector<std::vector<int32_t>> prompts_;  // (B): this turn's prompts, for the save
   std::vector<Segment> segments_;
+  Segment prefix_;  // the prefix the conversations share, kept once: rows {P}; empty: none
   std::vector<FileRecord> state_;  // (L): path empty where a layer keeps no state
   int64_t next_segment_ = 1;
   SessionStats stats_;
@@ -141,6 +147,7 @@ class DiskSession : public Conversation {
   std::thread writer_;
   std::exception_ptr writer_error_;
   std::vector<Segment> new_segments_;
+  Segment new_prefix_;
   std::vector<FileRecord> new_state_;
 };
 

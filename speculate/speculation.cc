@@ -268,9 +268,9 @@ void PartialLayer::partial_of(const float* key, int64_t g, float* out) const {
 }
 
 void PartialLayer::share_prefix(int64_t batch, int64_t shared_rows) {
-  INFINIGEN_CHECK(batch_ == 1 && shared_rows > 0 && shared_rows <= capacity_,
+  INFINIGEN_CHECK((batch_ == 1 || batch_ == batch) && shared_rows > 0 && shared_rows <= capacity_,
                   "speculation: a shared prefix of ", shared_rows,
-                  " positions needs a layer built from it alone");
+                  " positions needs a layer built from it alone, or restored for the batch");
   batch_ = batch;
   shared_rows_ = shared_rows;
   // Sequence 0's slot already holds the prefix; the others' slots follow it.

@@ -111,9 +111,10 @@ class PartialLayer {
              int64_t num_heads, int64_t num_kv_heads, int64_t capacity, int64_t r,
              PartialIndexRule rule, const std::vector<int32_t>* position_tokens = nullptr,
              DType key_dtype = DType::F32);
-  // After a build from a prompt prefix that a batch of `batch` sequences shares (a batch of one):
-  // positions [0, shared_rows) of every sequence read sequence 0's partial keys, kept once, and
-  // count as tokens whatever first_valid says; later appends write each sequence's own.
+  // After a build from a prompt prefix that a batch of `batch` sequences shares (a batch of one),
+  // or a restore for the batch: positions [0, shared_rows) of every sequence read sequence 0's
+  // partial keys, kept once, and count as tokens whatever first_valid says; later appends write
+  // each sequence's own.
   void share_prefix(int64_t batch, int64_t shared_rows);
   // Writes the partial keys of one new token per sequence, keys (B, H_kv * d) (rotated), at
   // `position` of every (sequence, KV head), or at positions[b * H_kv + g] when given (a pool

@@ -43,8 +43,14 @@ OffloadOptions options_for(const std::string& policy) {
   return options;
 }
 
-// Turn prompts of different lengths per sequence, ids the vocabulary holds.
-std::vector<std::vector<int32_t>> turn_prompts(int turn) {
+// Turn prompts of different lengths per sequence, ids the vocabulary holds. With `shared`, the
+// first turn's prompts start with the same 9 tokens (two blocks of 4 shared).
+std::vector<std::vector<int32_t>> turn_prompts(int turn, bool shared = false) {
+  if (turn == 1 && shared) {
+    return {{2, 20, 21, 22, 23, 24, 25, 26, 27, 10, 11, 12, 13},
+            {2, 20, 21, 22, 23, 24, 25, 26, 27, 500, 600, 700, 800, 900, 1000, 1100, 1200},
+            {2, 20, 21, 22, 23, 24, 25, 26, 27, 7, 8}};
+  }
   if (turn == 1) return {{2, 10, 11, 12, 13}, {2, 500, 600, 700, 800, 900, 1000, 1100, 1200}, {2, 7, 8}};
   if (turn == 2) return {{40, 41}, {42, 43, 44, 45, 46}, {47}};
   return {{60, 61, 62, 63}, {64}, {65, 66}};
@@ -56,16 +62,17 @@ struct Turns {
 
 // Three turns of 5 tokens each, saved in `directory`, each after the first resumed from it.
 Turns run_session(const ModelSource& source, const OffloadOptions& options,
-                  const fs::path& directory) {
+                  const fs::path& directory, bool shared = false) {
   const SessionKey key = session_key(source, options, DType::F16, Device::Cpu);
   Turns turns;
   for (int turn = 1; turn <= 3; ++turn) {
     auto session = turn == 1 ? DiskSession::create(directory, key) : DiskSession::open(directory, key);
     GenerationRequest request;
-    request.prompts = session->turn_prompts(turn_prompts(turn));
+    request.prompts = session->turn_prompts(turn_prompts(turn, shared));
     request.gen_len = 5;
     const OffloadRun run = run_offloaded(source, request, options, Device::Cpu, {}, session.get());
     turns.generated.push_back(run.result.tokens);
+    EXPECT_EQ(run.shared_prefix, shared ? 8 : 0);  // the later turns keep sharing
   }
   return turns;
 }
@@ -73,13 +80,13 @@ Turns run_session(const ModelSource& source, const OffloadOptions& options,
 // The tokens of turn `turn` from one run over every earlier turn's prompts and outputs.
 std::vector<std::vector<int32_t>> uninterrupted(const ModelSource& source,
                                                 const OffloadOptions& options, const Turns& turns,
-                                                int turn) {
+                                                int turn, bool shared = false) {
   GenerationRequest request;
   request.gen_len = 5;
   request.prompts.assign(3, {});
   for (int t = 1; t <= turn; ++t) {
     for (size_t b = 0; b < 3; ++b) {
-      const auto prompt = turn_prompts(t)[b];
+      const auto prompt = turn_prompts(t, shared)[b];
       request.prompts[b].insert(request.prompts[b].end(), prompt.begin(), prompt.end());
       if (t < turn) {
         const auto& out = turns.generated[static_cast<size_t>(t - 1)][b];
@@ -103,6 +110,27 @@ TEST_P(ResumedTurns, EqualOneRunOverTheConcatenatedTurns) {
               uninterrupted(source, options, turns, turn))
         << model << ", " << policy << ", turn " << turn;
   }
+}
+
+TEST_P(ResumedTurns, KeepTheirSharedPrefixOnceAndEqualAnUnsharedRun) {
+  const auto& [model, policy] = GetParam();
+  const ModelSource source = tiny(model);
+  OffloadOptions options = options_for(policy);
+  options.kv_block_tokens = 4;
+  TempDir dir("session");
+  const Turns turns = run_session(source, options, dir.path() / "s", /*shared=*/true);
+  OffloadOptions unshared = options;
+  unshared.share_prefix = false;
+  for (int turn = 2; turn <= 3; ++turn) {
+    EXPECT_EQ(turns.generated[static_cast<size_t>(turn - 1)],
+              uninterrupted(source, unshared, turns, turn, /*shared=*/true))
+        << model << ", " << policy << ", turn " << turn;
+  }
+  // The prefix is one segment of (1, H_kv, 8, d) rows; the others hold each sequence's own.
+  const auto session =
+      DiskSession::open(dir.path() / "s", session_key(source, options, DType::F16, Device::Cpu));
+  EXPECT_EQ(session->shared_prefix(), 8);
+  session->verify();
 }
 
 INSTANTIATE_TEST_SUITE_P(Policies, ResumedTurns,
