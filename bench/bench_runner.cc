@@ -134,8 +134,9 @@ GenerationRequest generation_request(const RunInputs& in) {
       synthetic_prompts(in.settings.batch, in.settings.prompt_len, in.source.config.bos_token_id,
                         static_cast<int32_t>(in.source.config.vocab_size), in.seed);
   const auto shared = static_cast<std::ptrdiff_t>(in.settings.shared_prefix_len);
-  for (auto& prompt : request.prompts) {
-    std::copy(request.prompts[0].begin(), request.prompts[0].begin() + shared, prompt.begin());
+  for (size_t b = 1; b < request.prompts.size(); ++b) {
+    std::copy(request.prompts[0].begin(), request.prompts[0].begin() + shared,
+              request.prompts[b].begin());
   }
   request.gen_len = in.settings.gen_len;
   request.kv_dtype = DType::F16;

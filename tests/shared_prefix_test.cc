@@ -3,6 +3,9 @@
 // shares nothing costs nothing extra.
 #include "core/generation.h"
 
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
 #include <string_view>
 
 #include "core/model.h"
@@ -179,6 +182,40 @@ TEST_P(SharedPrefix, APromptThatDoesNotContinueThePrefixIsRefused) {
   request_.shared_prefix = 10;  // beyond what the prompts share
   testing_util::expect_error([&] { generate(*model, request_); },
                              {"prompt 2 does not continue the 10-token prefix"});
+}
+
+TEST(SharedPrefixCli, AStatedPrefixIsKeptOnceAndChangesNoToken) {
+  // The first 2000 characters of a held-out text before each of three questions: at least one
+  // whole block of 128 tokens is shared.
+  testing_util::TempDir dir("shared-prefix");
+  std::ifstream text(std::string(INFINIGEN_FIXTURES_DIR) + "/heldout/kjv_Hosea.txt");
+  std::string prefix(2000, '\0');
+  text.read(prefix.data(), static_cast<std::streamsize>(prefix.size()));
+  const std::string prefix_file = (dir.path() / "prefix.txt").string();
+  const std::string prompt_file = (dir.path() / "prompts.txt").string();
+  std::ofstream(prefix_file) << prefix;
+  std::ofstream(prompt_file) << "Who is the prophet?\nWhat did the LORD say?\nAnd then\n";
+  const auto run = [&](const std::string& share) {
+    const testing_util::CommandResult result = testing_util::run_infinigen(
+        {"run", "--shared-prefix", prefix_file, "--prompt-file", prompt_file, "--gen-len", "6",
+         "--temperature", "0", "--policy", "full", "--share-prefix", share, "--json"});
+    EXPECT_EQ(result.exit_code, 0) << result.err;
+    return nlohmann::json::parse(result.out);
+  };
+  const nlohmann::json shared = run("on"), unshared = run("off");
+  EXPECT_GE(shared["transfer"]["shared_prefix_tokens"].get<int64_t>(), 128);
+  EXPECT_EQ(unshared["transfer"]["shared_prefix_tokens"].get<int64_t>(), 0);
+  EXPECT_LT(shared["transfer"]["host_kv_bytes"].get<double>(),
+            unshared["transfer"]["host_kv_bytes"].get<double>());
+  for (size_t b = 0; b < 3; ++b) {
+    EXPECT_EQ(shared["outputs"][b]["tokens"], unshared["outputs"][b]["tokens"]);
+    EXPECT_EQ(shared["outputs"][b]["prompt"], unshared["outputs"][b]["prompt"]);
+  }
+  const testing_util::CommandResult missing =
+      testing_util::run_infinigen({"run", "--shared-prefix", (dir.path() / "none").string()});
+  EXPECT_NE(missing.exit_code, 0);
+  EXPECT_NE(missing.err.find("--shared-prefix"), std::string::npos) << missing.err;
+  EXPECT_EQ(std::count(missing.err.begin(), missing.err.end(), '\n'), 1) << missing.err;
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, SharedPrefix, ::testing::Values("opt-tiny", "llama-tiny"),
