@@ -75,6 +75,7 @@ void KvStore::start_pass(int64_t n_new) {
 }
 
 void KvStore::end_pass(int64_t n_new) {
+  follows_sharing_pass_ = sharing_pass();
   length_ += n_new;
   pass_tokens_ = 0;
   ++passes_;

@@ -74,7 +74,7 @@ class KvStore {
   int64_t pass_batch() const { return sharing_pass() ? 1 : batch_; }
   // Whether the open pass starts, and whether it ends, one step of a run's statistics: the
   // prompt is one step even when a shared prefix takes it two passes.
-  bool pass_opens_step() const { return passes_ != 1 || shared_rows_ == 0; }
+  bool pass_opens_step() const { return !follows_sharing_pass_; }
   bool pass_closes_step() const { return !sharing_pass(); }
 
   // Keys and values a decode step's attention reads for one layer: (B, H_kv, capacity, d) each,
@@ -149,7 +149,7 @@ class KvStore {
   // Whether this pass extends stored tokens by more than one (a resumed conversation's turn), or
   // is the prompt's own tokens after a shared prefix (however many).
   bool extending() const {
-    return length_ > 0 && (pass_tokens_ > 1 || (shared_rows_ > 0 && passes_ == 1));
+    return length_ > 0 && (pass_tokens_ > 1 || follows_sharing_pass_);
   }
   // Whether sequence b's row t holds one of its tokens (not padding).
   bool holds_token(int64_t b, int64_t t) const {
@@ -167,6 +167,7 @@ class KvStore {
   int64_t length_ = 0;
   int64_t pass_tokens_ = 0;
   int64_t shared_rows_ = 0;
+  bool follows_sharing_pass_ = false;  // the open (or next) pass comes right after it
   int64_t passes_ = 0;  // passes ended so far
   std::vector<int32_t> first_valid_;
 };

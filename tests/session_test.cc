@@ -73,6 +73,7 @@ Turns run_session(const ModelSource& source, const OffloadOptions& options,
     const OffloadRun run = run_offloaded(source, request, options, Device::Cpu, {}, session.get());
     turns.generated.push_back(run.result.tokens);
     EXPECT_EQ(run.shared_prefix, shared ? 8 : 0);  // the later turns keep sharing
+    EXPECT_EQ(std::ssize(run.stats.steps()), request.gen_len);  // the prompt, then each step
   }
   return turns;
 }
