@@ -132,7 +132,13 @@ void OffloadedKv::append(int64_t layer, const Tensor& keys, const Tensor& values
 void OffloadedKv::resume(int64_t length, std::vector<int32_t> first_valid, int64_t num_layers,
                          LayerRestorer restore) {
   PipelinedKv::resume(length, std::move(first_valid), num_layers, std::move(restore));
-  if (shared_rows() > 0) pool_.reserve_shared(shared_rows());
+  if (shared_rows() > 0) {
+    const int64_t block = pool_.shape().block_tokens;
+    INFINIGEN_CHECK(shared_rows() % block == 0, "the conversation shares a ", shared_rows(),
+                    "-token prefix, which is not whole blocks of ", option("kv_block_tokens"),
+                    " ", block, ": continue it with the block size it was saved with");
+    pool_.reserve_shared(shared_rows());
+  }
   pool_.reserve(length);
 }
 

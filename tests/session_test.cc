@@ -98,6 +98,15 @@ std::vector<std::vector<int32_t>> uninterrupted(const ModelSource& source,
   return run_offloaded(source, request, options, Device::Cpu).result.tokens;
 }
 
+std::string read_bytes(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+void write_bytes(const fs::path& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+}
+
 class ResumedTurns : public ::testing::TestWithParam<std::tuple<std::string, std::string>> {};
 
 TEST_P(ResumedTurns, EqualOneRunOverTheConcatenatedTurns) {
@@ -132,6 +141,21 @@ TEST_P(ResumedTurns, KeepTheirSharedPrefixOnceAndEqualAnUnsharedRun) {
       DiskSession::open(dir.path() / "s", session_key(source, options, DType::F16, Device::Cpu));
   EXPECT_EQ(session->shared_prefix(), 8);
   session->verify();
+  if (policy != "gpu") {  // a pool of other blocks cannot hold it: one line, nothing written
+    options.kv_block_tokens = 3;
+    const std::string manifest = read_bytes(dir.path() / "s" / "manifest.json");
+    testing_util::expect_error(
+        [&] {
+          auto resumed = DiskSession::open(dir.path() / "s",
+                                           session_key(source, options, DType::F16, Device::Cpu));
+          GenerationRequest request;
+          request.prompts = resumed->turn_prompts(turn_prompts(2));
+          request.gen_len = 2;
+          run_offloaded(source, request, options, Device::Cpu, {}, resumed.get());
+        },
+        {"8-token prefix", "kv-block-tokens 3"});
+    EXPECT_EQ(read_bytes(dir.path() / "s" / "manifest.json"), manifest);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Policies, ResumedTurns,
@@ -149,15 +173,6 @@ fs::path saved_session(const TempDir& dir, const std::string& policy = "full") {
   request.gen_len = 4;
   run_offloaded(source, request, options, Device::Cpu, {}, session.get());
   return path;
-}
-
-std::string read_bytes(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
-
-void write_bytes(const fs::path& path, const std::string& bytes) {
-  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
 }
 
 // Resumes the session at `path` with opt-tiny and `policy`.
