@@ -63,6 +63,17 @@ void check_context(const ModelConfig& config, int64_t longest, int64_t gen_len) 
                   config.max_positions, " positions");
 }
 
+void check_conversation_context(const ModelConfig& config, size_t sequence, int64_t total,
+                                int64_t gen_len) {
+  // Learned positions (OPT) cannot be shifted to make room; rotary ones could be, by re-rotating
+  // the kept keys (not done yet).
+  INFINIGEN_CHECK(total < config.max_positions && gen_len <= config.max_positions - total,
+                  "sequence ", sequence + 1, ": the conversation reaches ", total,
+                  " tokens with this turn's prompt, and ", gen_len,
+                  " more exceed the model's context of ", config.max_positions,
+                  " positions; start a new session");
+}
+
 int64_t check_request(const ModelConfig& config, const GenerationRequest& request,
                       const std::vector<std::vector<int32_t>>* history) {
   INFINIGEN_CHECK(!request.prompts.empty(), option("batch"), " must be at least 1");
@@ -91,13 +102,7 @@ int64_t check_request(const ModelConfig& config, const GenerationRequest& reques
       }
       const int64_t total =
           static_cast<int64_t>((*history)[b].size() + request.prompts[b].size());
-      // Learned positions (OPT) cannot be shifted to make room; rotary ones could be, by
-      // re-rotating the kept keys (not done yet).
-      INFINIGEN_CHECK(total < config.max_positions && request.gen_len <= config.max_positions - total,
-                      "sequence ", b + 1, ": the conversation reaches ", total,
-                      " tokens with this turn's prompt, and ", request.gen_len,
-                      " more exceed the model's context of ", config.max_positions,
-                      " positions; start a new session");
+      check_conversation_context(config, b, total, request.gen_len);
       longest = std::max(longest, total);
     }
   }

@@ -106,6 +106,10 @@ int64_t check_request(const ModelConfig& config, const GenerationRequest& reques
 // One-line Error unless a prompt of `longest` tokens plus `gen_len` generated ones fit in the
 // model's context (no overflow for lengths near the int64 limit).
 void check_context(const ModelConfig& config, int64_t longest, int64_t gen_len);
+// One-line Error unless sequence `sequence`'s (0-based) conversation, `total` tokens with this
+// turn's prompt, leaves room for `gen_len` more in the model's context.
+void check_conversation_context(const ModelConfig& config, size_t sequence, int64_t total,
+                                int64_t gen_len);
 
 // `batch` prompts of `prompt_len` ids each: BOS, then ids drawn uniformly from [4, vocab_limit)
 // (the special tokens excluded) by a generator seeded with `seed`; the same on every machine.

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
 
@@ -231,14 +232,13 @@ int run(const RunOptions& o) {
       const int64_t added = prompt_plan.texts.empty()
                                 ? prompt_plan.longest
                                 : std::ssize(prompt_plan.texts[b % prompt_plan.texts.size()]);
-      longest = std::max(longest, std::ssize(resumed->tokens()[b]) + added);
+      const int64_t held = std::ssize(resumed->tokens()[b]);
+      const int64_t total = added > std::numeric_limits<int64_t>::max() - held
+                                ? std::numeric_limits<int64_t>::max()  // no overflow
+                                : held + added;
+      check_conversation_context(loaded.config, static_cast<size_t>(b), total, o.gen_len);
+      longest = std::max(longest, total);
     }
-    INFINIGEN_CHECK(longest < loaded.config.max_positions &&
-                        o.gen_len <= loaded.config.max_positions - longest,
-                    o.resume, ": the longest conversation reaches ", longest,
-                    " tokens with this turn's prompt, and --gen-len ", o.gen_len,
-                    " more exceed the model's context of ", loaded.config.max_positions,
-                    " positions (learned positions cannot be shifted); start a new session");
   }
   check_context(loaded.config, longest, o.gen_len);
   const MemoryPlan plan = plan_offloaded_run(
