@@ -72,6 +72,12 @@ class KvStore {
   bool sharing_pass() const { return shared_rows_ > 0 && length_ == 0; }
   // Sequences the open pass computes: 1 in the sharing pass, else batch().
   int64_t pass_batch() const { return sharing_pass() ? 1 : batch_; }
+  // The left padding of the open pass's sequences (pass_batch()): {0} in the sharing pass, else
+  // first_valid().
+  const std::vector<int32_t>& pass_first_valid() const {
+    static const std::vector<int32_t> unpadded = {0};
+    return sharing_pass() ? unpadded : first_valid_;
+  }
   // Whether the open pass starts, and whether it ends, one step of a run's statistics: the
   // prompt is one step even when a shared prefix takes it two passes.
   bool pass_opens_step() const { return !follows_sharing_pass_; }

@@ -58,9 +58,8 @@ std::vector<int32_t> Model::token_positions(const KvStore& cache, int64_t n_new,
 void Model::attend(int64_t layer, const Tensor& q, const Tensor& k, const Tensor& v, KvStore& cache,
                    Tensor& out) const {
   if (cache.length() == 0) {
-    static const std::vector<int32_t> unpadded = {0};  // the shared prefix, a batch of one
     ops::attention_prefill(q, k, v, out, cache.pass_batch(), config_.num_heads,
-                           cache.sharing_pass() ? unpadded : cache.first_valid());
+                           cache.pass_first_valid());
     return;
   }
   const KvStore::View kv = cache.view(layer);

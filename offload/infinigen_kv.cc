@@ -145,11 +145,9 @@ void InfinigenKv::append(int64_t layer, const Tensor& keys, const Tensor& values
     const AttentionInput& in = *prefill_input_;
     const int64_t r = partial_columns(options_.partial_ratio, head_dim_);
     // A shared prefix is a batch of one, its partial keys kept once for every sequence.
-    static const std::vector<int32_t> unpadded = {0};
     partial_[l].build({in.queries, keys, in.q_weight, in.q_bias, in.rope_inv_freq, in.skew},
-                      sharing_pass() ? unpadded : first_valid(), heads_, kv_heads_, slots_, r,
-                      options_.index_rule, limited() ? &position_tokens_[l] : nullptr,
-                      options_.partial_key_dtype);
+                      pass_first_valid(), heads_, kv_heads_, slots_, r, options_.index_rule,
+                      limited() ? &position_tokens_[l] : nullptr, options_.partial_key_dtype);
     if (sharing_pass()) partial_[l].share_prefix(batch(), shared_rows());
     return;
   }

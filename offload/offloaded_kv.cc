@@ -165,6 +165,10 @@ void OffloadedKv::store_shared_prefix(int64_t layer, const Tensor& keys, const T
                               shared_rows(), &chunks);
   pool_.scatter_shared_chunks(layer, KvKind::Value, first_values.raw(), capacity(), 0, 0,
                               shared_rows(), &chunks);
+  submit_store(layer, std::move(chunks));
+}
+
+void OffloadedKv::submit_store(int64_t layer, std::vector<CopyChunk> chunks) {
   const uint64_t bytes = total_bytes(chunks);
   stats_.current().layers[static_cast<size_t>(layer)].kv_d2h_bytes += bytes;
   stats_.current().d2h_bytes += bytes;
@@ -188,11 +192,7 @@ void OffloadedKv::issue_store(int64_t layer, const Tensor& keys, const Tensor& v
   pool_.scatter_chunks(layer, KvKind::Key, keys.raw(), src_capacity, row0, length(), n, &chunks);
   pool_.scatter_chunks(layer, KvKind::Value, values.raw(), src_capacity, row0, length(), n,
                        &chunks);
-  const uint64_t bytes = total_bytes(chunks);
-  stats_.current().layers[static_cast<size_t>(layer)].kv_d2h_bytes += bytes;
-  stats_.current().d2h_bytes += bytes;
-  stored_[static_cast<size_t>(layer)] =
-      engine_.store(std::move(chunks), nullptr, {"kv_store", layer});
+  submit_store(layer, std::move(chunks));
 }
 
 void OffloadedKv::end_pass(int64_t n_new) {

@@ -55,6 +55,9 @@ class OffloadedKv : public PipelinedKv {
   void store_new_token(int64_t layer, const Tensor& keys, const Tensor& values);
   // The sharing pass: the prefix's rows (shared_rows(), H * d) into the pool's shared blocks.
   void store_shared_prefix(int64_t layer, const Tensor& keys, const Tensor& values);
+  // Enqueues a store of `chunks` into the pool as layer `layer`'s latest (stored_), counted in
+  // the step's device->host bytes.
+  void submit_store(int64_t layer, std::vector<CopyChunk> chunks);
   // Stores rows [row0, row0 + n) of src K/V buffers (B, H, src_capacity, d) into the pool at
   // tokens [length(), length() + n).
   void issue_store(int64_t layer, const Tensor& keys, const Tensor& values, int64_t row0,
