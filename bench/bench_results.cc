@@ -12,10 +12,8 @@ using nlohmann::json;
 
 // Every setting by its key; options whose text is a number as JSON numbers.
 json settings_json(const BenchSettings& s) {
-  json j = {
-      {"model", s.model},     {"batch", s.batch},         {"prompt_len", s.prompt_len},
-      {"gen_len", s.gen_len}, {"history_len", s.history_len},
-      {"shared_prefix_len", s.shared_prefix_len}};
+  json j = {{"model", s.model}};
+  for (const IntegerSetting& setting : integer_settings()) j[setting.key] = s.*(setting.member);
   for (const OptionSpec<OffloadOptions>& spec : offload_option_table()) {
     const std::string text = spec.format(s.offload);
     double value = 0;
@@ -76,11 +74,10 @@ void metric_cells(std::vector<std::string>& row, const std::optional<PointMetric
     row.insert(row.end(), 14, "");
     return;
   }
-  for (double v :
-       {m->prefill_s, m->decode_s, m->total_s, m->throughput_tok_s, 1e3 * m->decode_step_s,
-        m->h2d_bytes_per_step / (1024.0 * 1024.0), m->host_kv_bytes / (1024.0 * 1024.0),
-        m->fetched_fraction, 1e3 * m->block_s,
-        1e3 * m->block_transfer_s, 1e3 * m->block_compute_s}) {
+  for (double v : {m->prefill_s, m->decode_s, m->total_s, m->throughput_tok_s,
+                   1e3 * m->decode_step_s, m->h2d_bytes_per_step / (1024.0 * 1024.0),
+                   m->host_kv_bytes / (1024.0 * 1024.0), m->fetched_fraction, 1e3 * m->block_s,
+                   1e3 * m->block_transfer_s, 1e3 * m->block_compute_s}) {
     row.push_back(number(v));
   }
   row.push_back(speedup > 0 ? number(speedup) : "");

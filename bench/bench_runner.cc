@@ -1,20 +1,21 @@
 // bench: measuring and predicting an experiment's points.
 #include "bench/bench_runner.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
-#include <unistd.h>
 
 #include "core/error.h"
 #include "core/generation.h"
 #include "core/model_loader.h"
-#include "predict/cost_model.h"
-#include "predict/hardware_profile.h"
 #include "offload/kv_policy.h"
 #include "offload/run_summary.h"
 #include "offload/runtime.h"
 #include "offload/session.h"
+#include "predict/cost_model.h"
+#include "predict/hardware_profile.h"
 
 namespace infinigen {
 namespace {
@@ -86,9 +87,8 @@ PointMetrics median_metrics(const std::vector<PointMetrics>& runs) {
        {&PointMetrics::prefill_s, &PointMetrics::decode_s, &PointMetrics::total_s,
         &PointMetrics::throughput_tok_s, &PointMetrics::decode_step_s,
         &PointMetrics::h2d_bytes_per_step, &PointMetrics::d2h_bytes_per_step,
-        &PointMetrics::host_kv_bytes,
-        &PointMetrics::fetched_fraction, &PointMetrics::block_s, &PointMetrics::block_transfer_s,
-        &PointMetrics::block_compute_s}) {
+        &PointMetrics::host_kv_bytes, &PointMetrics::fetched_fraction, &PointMetrics::block_s,
+        &PointMetrics::block_transfer_s, &PointMetrics::block_compute_s}) {
     m.*field = pick(field);
   }
   const auto closest =
@@ -133,11 +133,8 @@ GenerationRequest generation_request(const RunInputs& in) {
   request.prompts =
       synthetic_prompts(in.settings.batch, in.settings.prompt_len, in.source.config.bos_token_id,
                         static_cast<int32_t>(in.source.config.vocab_size), in.seed);
-  const auto shared = static_cast<std::ptrdiff_t>(in.settings.shared_prefix_len);
-  for (size_t b = 1; b < request.prompts.size(); ++b) {
-    std::copy(request.prompts[0].begin(), request.prompts[0].begin() + shared,
-              request.prompts[b].begin());
-  }
+  share_leading_tokens(request.prompts, in.settings.shared_prefix_len,
+                       in.settings.shared_prefix_groups);
   request.gen_len = in.settings.gen_len;
   request.kv_dtype = DType::F16;
   return request;
@@ -148,8 +145,8 @@ GenerationRequest generation_request(const RunInputs& in) {
 // prompt_len tokens (the first turn's last token and prompt_len - 1 new ones) resumed from it.
 OffloadRun run_resumed_turn(const RunInputs& in, Device device, int repeat) {
   namespace fs = std::filesystem;
-  const fs::path directory = fs::temp_directory_path() /
-                             cat("infinigen-bench-session-", getpid(), "-", repeat);
+  const fs::path directory =
+      fs::temp_directory_path() / cat("infinigen-bench-session-", getpid(), "-", repeat);
   fs::remove_all(directory);
   struct Cleanup {
     fs::path path;
@@ -323,6 +320,7 @@ BenchReport run_experiment(const Experiment& experiment, const BenchOptions& opt
       model.gen_len = scaled.settings.gen_len;
       model.history_len = scaled.settings.history_len;
       model.shared_prefix_len = scaled.settings.shared_prefix_len;
+      model.shared_prefix_groups = scaled.settings.shared_prefix_groups;
       model.kv_dtype = DType::F16;
       model.options = in.options;
       if (kv_policy(in.options.policy).selects_loads) {

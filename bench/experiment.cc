@@ -17,17 +17,27 @@
 namespace infinigen {
 namespace {
 
-// The settings keys of a run besides the offload options.
-const std::set<std::string> kRunKeys = {"model",   "batch",       "prompt_len",
-                                         "gen_len", "history_len", "shared_prefix_len"};
-
-// Whether `key` names a setting (a run key or an offload option).
-bool is_setting(const std::string& key) {
-  return kRunKeys.contains(key) || find_option(offload_option_table(), key) != nullptr;
+const IntegerSetting* find_integer_setting(const std::string& key) {
+  for (const IntegerSetting& setting : integer_settings()) {
+    if (key == setting.key) return &setting;
+  }
+  return nullptr;
 }
 
-const std::set<std::string> kPlots = {"latency", "speedup", "fetched", "block", "ttft",
-                                      "transfer"};
+// Whether `key` names a setting (the model, an integer setting or an offload option).
+bool is_setting(const std::string& key) {
+  return key == "model" || find_integer_setting(key) != nullptr ||
+         find_option(offload_option_table(), key) != nullptr;
+}
+
+// "model, batch, prompt_len, ...": the run's keys, for messages.
+std::string run_keys() {
+  std::string keys = "model";
+  for (const IntegerSetting& setting : integer_settings()) keys += cat(", ", setting.key);
+  return keys;
+}
+
+const std::set<std::string> kPlots = {"latency", "speedup", "fetched", "block", "ttft", "transfer"};
 
 // Reads scalars with one-line errors naming the file and key.
 class Reader {
@@ -52,16 +62,8 @@ class Reader {
       const std::string path = where + "." + key;
       if (key == "model") {
         s.model = scalar<std::string>(item.second, path);
-      } else if (key == "batch") {
-        s.batch = scalar<int64_t>(item.second, path);
-      } else if (key == "prompt_len") {
-        s.prompt_len = scalar<int64_t>(item.second, path);
-      } else if (key == "gen_len") {
-        s.gen_len = scalar<int64_t>(item.second, path);
-      } else if (key == "history_len") {
-        s.history_len = scalar<int64_t>(item.second, path);
-      } else if (key == "shared_prefix_len") {
-        s.shared_prefix_len = scalar<int64_t>(item.second, path);
+      } else if (const IntegerSetting* setting = find_integer_setting(key)) {
+        s.*(setting->member) = scalar<int64_t>(item.second, path);
       } else if (const OptionSpec<OffloadOptions>* spec =
                      find_option(offload_option_table(), key)) {
         try {
@@ -70,8 +72,7 @@ class Reader {
           fail(source_, ": ", where, ": ", e.what());  // option keys as the file spells them
         }
       } else if (key != "panel") {
-        fail(source_, ": unknown setting '", path,
-             "' (known: model, batch, prompt_len, gen_len, history_len, shared_prefix_len, ",
+        fail(source_, ": unknown setting '", path, "' (known: ", run_keys(), ", ",
              option_keys(offload_option_table()), ")");
       }
     }
@@ -89,6 +90,8 @@ class Reader {
          s.shared_prefix_len, "must be at least 0 and below prompt_len");
     need(s.shared_prefix_len == 0 || s.history_len == 0, "shared_prefix_len", s.shared_prefix_len,
          "cannot be combined with history_len (a conversation's turn shares nothing)");
+    need(s.shared_prefix_groups >= 1 && s.shared_prefix_groups <= s.batch, "shared_prefix_groups",
+         s.shared_prefix_groups, "must be at least 1 and at most batch");
     try {
       s.offload.validate();  // the runtime's own rules
     } catch (const Error& e) {
@@ -223,13 +226,22 @@ int64_t scaled(int64_t value, double scale, int64_t minimum) {
 
 }  // namespace
 
+const std::vector<IntegerSetting>& integer_settings() {
+  static const std::vector<IntegerSetting> settings = {
+      {"batch", &BenchSettings::batch},
+      {"prompt_len", &BenchSettings::prompt_len},
+      {"gen_len", &BenchSettings::gen_len},
+      {"history_len", &BenchSettings::history_len},
+      {"shared_prefix_len", &BenchSettings::shared_prefix_len},
+      {"shared_prefix_groups", &BenchSettings::shared_prefix_groups}};
+  return settings;
+}
+
 std::string settings_value(const BenchSettings& s, const std::string& key) {
   if (key == "model") return s.model;
-  if (key == "batch") return std::to_string(s.batch);
-  if (key == "prompt_len") return std::to_string(s.prompt_len);
-  if (key == "gen_len") return std::to_string(s.gen_len);
-  if (key == "history_len") return std::to_string(s.history_len);
-  if (key == "shared_prefix_len") return std::to_string(s.shared_prefix_len);
+  if (const IntegerSetting* setting = find_integer_setting(key)) {
+    return std::to_string(s.*(setting->member));
+  }
   if (key == "total_len") return std::to_string(s.prompt_len + s.gen_len);
   if (const OptionSpec<OffloadOptions>* spec = find_option(offload_option_table(), key)) {
     return spec->format(s.offload);
@@ -320,9 +332,10 @@ ScaledPoint scale_point(const ModelConfig& config, const BenchSettings& settings
   p.settings.prompt_len = scaled(settings.prompt_len, scale, 16);
   p.settings.gen_len = scaled(settings.gen_len, scale, 4);
   if (settings.history_len > 0) p.settings.history_len = scaled(settings.history_len, scale, 16);
+  p.settings.shared_prefix_groups = std::min(settings.shared_prefix_groups, p.settings.batch);
   if (settings.shared_prefix_len > 0) {
-    p.settings.shared_prefix_len = std::min(scaled(settings.shared_prefix_len, scale, 1),
-                                            p.settings.prompt_len - 1);
+    p.settings.shared_prefix_len =
+        std::min(scaled(settings.shared_prefix_len, scale, 1), p.settings.prompt_len - 1);
   }
   return p;
 }

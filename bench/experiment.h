@@ -13,9 +13,9 @@
 
 namespace infinigen {
 
-// The settings of one generation run. YAML keys: model, batch, prompt_len, gen_len, history_len,
-// shared_prefix_len,
-// and every option of offload_option_table() by its key (policy, alpha, h2o_budget, ...).
+// The settings of one generation run. YAML keys: model, those of integer_settings() (batch,
+// prompt_len, gen_len, history_len, shared_prefix_len, shared_prefix_groups), and every option
+// of offload_option_table() by its key (policy, alpha, h2o_budget, ...).
 struct BenchSettings {
   std::string model = "opt-13b";  // a preset (synthetic weights) or a checkpoint directory
   int64_t batch = 1;
@@ -28,8 +28,18 @@ struct BenchSettings {
   // > 0: the synthetic prompts share their first shared_prefix_len tokens (a system prompt or a
   // document), which a policy with share_prefix on computes and keeps once in whole KV blocks.
   int64_t shared_prefix_len = 0;
+  // The prompts sharing a prefix form this many groups, each with a prefix of its own (sequence
+  // b in group b % shared_prefix_groups); 1: the whole batch shares one.
+  int64_t shared_prefix_groups = 1;
   OffloadOptions offload;  // the runtime's options, with its defaults
 };
+
+// The integer settings of a run by their YAML keys, in file order.
+struct IntegerSetting {
+  const char* key;
+  int64_t BenchSettings::*member;
+};
+const std::vector<IntegerSetting>& integer_settings();
 
 // One point of a figure: the settings it runs, and where it is drawn.
 struct ExperimentPoint {

@@ -40,20 +40,6 @@ std::vector<int32_t> left_pad(const std::vector<std::vector<int32_t>>& prompts, 
   return tokens;
 }
 
-int64_t common_prefix_rows(const std::vector<std::vector<int32_t>>& prompts, int64_t granularity) {
-  INFINIGEN_CHECK(granularity > 0, "a shared prefix's granularity must be positive, got ",
-                  granularity);
-  if (prompts.size() < 2) return 0;
-  size_t common = prompts[0].size();
-  for (const auto& prompt : prompts) {
-    common = std::min(common, prompt.size() - std::min<size_t>(prompt.size(), 1));
-    const auto differ = std::mismatch(prompt.begin(), prompt.begin() + static_cast<long>(common),
-                                      prompts[0].begin());
-    common = static_cast<size_t>(differ.first - prompt.begin());
-  }
-  return static_cast<int64_t>(common) / granularity * granularity;
-}
-
 void check_context(const ModelConfig& config, int64_t longest, int64_t gen_len) {
   INFINIGEN_CHECK(longest < config.max_positions, "a prompt of ", longest,
                   " tokens leaves no room to generate in the model's context of ",
@@ -100,23 +86,25 @@ int64_t check_request(const ModelConfig& config, const GenerationRequest& reques
                         ": the conversation holds token id ", id,
                         ", outside the model's vocabulary of ", config.vocab_size);
       }
-      const int64_t total =
-          static_cast<int64_t>((*history)[b].size() + request.prompts[b].size());
+      const int64_t total = static_cast<int64_t>((*history)[b].size() + request.prompts[b].size());
       check_conversation_context(config, b, total, request.gen_len);
       longest = std::max(longest, total);
     }
   }
   check_context(config, longest, request.gen_len);
-  if (request.shared_prefix != 0) {
+  const SharedPrefixes& shared = request.shared_prefixes;
+  if (!shared.empty()) {
     INFINIGEN_CHECK(!history, "a conversation's turn cannot share a prompt prefix");
-    const size_t shared = static_cast<size_t>(request.shared_prefix);
+    INFINIGEN_CHECK(shared.batch() == std::ssize(request.prompts), "shared prefixes of ",
+                    shared.batch(), " sequences for ", request.prompts.size(), " prompts");
     for (size_t b = 0; b < request.prompts.size(); ++b) {
       const auto& prompt = request.prompts[b];
-      INFINIGEN_CHECK(request.shared_prefix > 0 && prompt.size() > shared &&
-                          std::equal(prompt.begin(), prompt.begin() + static_cast<long>(shared),
-                                     request.prompts[0].begin()),
-                      "prompt ", b + 1, " does not continue the ", request.shared_prefix,
-                      "-token prefix shared by the batch");
+      const auto& leader = request.prompts[static_cast<size_t>(shared.source(b))];
+      const int64_t length = shared.prefix_length(b);
+      INFINIGEN_CHECK(std::ssize(prompt) > length && std::ssize(leader) >= length &&
+                          std::equal(prompt.begin(), prompt.begin() + length, leader.begin()),
+                      "prompt ", b + 1, " does not continue the ", length,
+                      "-token prefix it is said to share with prompt ", shared.source(b) + 1);
     }
   }
   if (!request.forced_tokens.empty()) {
@@ -139,46 +127,71 @@ int64_t check_request(const ModelConfig& config, const GenerationRequest& reques
 namespace {
 
 // The first pass of a turn that continues a conversation: per sequence its history, then its
-// prompt, left-padded to the longest (after the `shared` prefix rows, when the conversation
-// shares some: a sequence's own tokens follow them); the pass covers the last n rows (n: the
+// prompt, left-padded to the longest (after the shared prefixes' rows, when the conversation
+// shares some: a sequence's own history follows them); the pass covers the last n rows (n: the
 // longest prompt), so a sequence with a shorter prompt computes its last history tokens again.
-// Returns the pass's tokens (B, n) and fills first_valid (B) and the rows stored before the pass.
+// Returns the pass's tokens (B, n) and fills first_valid (B), the rows stored before the pass and
+// the rows after it.
 std::vector<int32_t> continuation_pass(const std::vector<std::vector<int32_t>>& history,
                                        const std::vector<std::vector<int32_t>>& prompts,
-                                       int32_t pad_id, int64_t longest, int64_t shared,
-                                       std::vector<int32_t>* first_valid, int64_t* stored) {
+                                       int32_t pad_id, const SharedPrefixes& shared,
+                                       std::vector<int32_t>* first_valid, int64_t* stored,
+                                       int64_t* rows) {
   const size_t B = prompts.size();
   int64_t n = 0;
-  for (const auto& p : prompts) n = std::max<int64_t>(n, static_cast<int64_t>(p.size()));
-  *stored = longest - n;
+  *rows = 0;
+  for (size_t b = 0; b < B; ++b) {
+    n = std::max<int64_t>(n, std::ssize(prompts[b]));
+    const int64_t own = std::ssize(history[b]) - shared.prefix_length(static_cast<int64_t>(b)) +
+                        std::ssize(prompts[b]);
+    *rows = std::max(*rows, shared.rows() + own);
+  }
+  *stored = *rows - n;
   first_valid->assign(B, 0);
   std::vector<int32_t> tokens(B * static_cast<size_t>(n), pad_id);
   for (size_t b = 0; b < B; ++b) {
-    const int64_t h = static_cast<int64_t>(history[b].size()) - shared;  // its own history
-    const int64_t start = longest - h - static_cast<int64_t>(prompts[b].size());
+    const int64_t prefix = shared.prefix_length(static_cast<int64_t>(b));
+    const int64_t h = std::ssize(history[b]) - prefix;  // its own history
+    const int64_t start = *rows - h - std::ssize(prompts[b]);
     (*first_valid)[b] = static_cast<int32_t>(start);
     for (int64_t i = 0; i < n; ++i) {
       const int64_t j = *stored + i - start;  // index in the sequence's own conversation
       if (j < 0) continue;
       tokens[b * static_cast<size_t>(n) + static_cast<size_t>(i)] =
-          j < h ? history[b][static_cast<size_t>(shared + j)]
+          j < h ? history[b][static_cast<size_t>(prefix + j)]
                 : prompts[b][static_cast<size_t>(j - h)];
     }
   }
   return tokens;
 }
 
-// The first pass's tokens when the prompts share a prefix of `shared` tokens: each sequence's
-// own tokens (B, n) left-padded to the longest, n the longest own part; fills first_valid (B):
-// where each sequence's own tokens start, after the shared rows.
+// The sharing pass's tokens (G, shared.rows()): each group's prefix, from its leader's prompt,
+// left-padded (SharedPrefixes::leader_first_valid).
+std::vector<int32_t> shared_prefix_tokens(const std::vector<std::vector<int32_t>>& prompts,
+                                          const SharedPrefixes& shared, int32_t pad_id) {
+  const int64_t S = shared.rows();
+  std::vector<int32_t> tokens(static_cast<size_t>(shared.num_groups() * S), pad_id);
+  for (int64_t g = 0; g < shared.num_groups(); ++g) {
+    const auto& prompt = prompts[static_cast<size_t>(shared.leaders()[static_cast<size_t>(g)])];
+    std::copy_n(prompt.begin(), shared.length(g), tokens.begin() + (g + 1) * S - shared.length(g));
+  }
+  return tokens;
+}
+
+// The first pass's tokens when groups of the prompts share prefixes: each sequence's own tokens
+// (B, n) left-padded to the longest, n the longest own part; fills first_valid (B): where each
+// sequence's own tokens start, after the shared rows.
 std::vector<int32_t> own_tokens_after(const std::vector<std::vector<int32_t>>& prompts,
-                                      int64_t shared, int32_t pad_id,
+                                      const SharedPrefixes& shared, int32_t pad_id,
                                       std::vector<int32_t>* first_valid) {
   std::vector<std::vector<int32_t>> own;
   own.reserve(prompts.size());
-  for (const auto& prompt : prompts) own.emplace_back(prompt.begin() + shared, prompt.end());
+  for (size_t b = 0; b < prompts.size(); ++b) {
+    own.emplace_back(prompts[b].begin() + shared.prefix_length(static_cast<int64_t>(b)),
+                     prompts[b].end());
+  }
   std::vector<int32_t> tokens = left_pad(own, pad_id, first_valid);
-  for (int32_t& start : *first_valid) start += static_cast<int32_t>(shared);
+  for (int32_t& start : *first_valid) start += static_cast<int32_t>(shared.rows());
   return tokens;
 }
 
@@ -219,28 +232,36 @@ GenerationResult generate(Model& model, const GenerationRequest& request,
   };
   if (request.score_tokens) result.token_log_probs.assign(static_cast<size_t>(B), {});
   std::vector<int32_t> first_valid;
-  int64_t stored = 0;  // rows per sequence stored before the first pass
+  int64_t stored = 0;      // rows per sequence stored before the first pass
+  int64_t rows = longest;  // rows per sequence after the first pass
   // A conversation's turns share what its first turn shared.
-  const int64_t shared = history ? conversation->shared_prefix() : request.shared_prefix;
-  const std::vector<int32_t> tokens =
-      history      ? continuation_pass(*history, request.prompts, config.pad_token_id, longest,
-                                       shared, &first_valid, &stored)
-      : shared > 0 ? own_tokens_after(request.prompts, shared, config.pad_token_id, &first_valid)
-                   : left_pad(request.prompts, config.pad_token_id, &first_valid);
-  const int64_t capacity = longest + request.gen_len;
+  const SharedPrefixes& shared =
+      history ? conversation->shared_prefixes() : request.shared_prefixes;
+  std::vector<int32_t> tokens;
+  if (history) {
+    tokens = continuation_pass(*history, request.prompts, config.pad_token_id, shared, &first_valid,
+                               &stored, &rows);
+  } else if (!shared.empty()) {
+    tokens = own_tokens_after(request.prompts, shared, config.pad_token_id, &first_valid);
+    rows = shared.rows() + std::ssize(tokens) / B;
+  } else {
+    tokens = left_pad(request.prompts, config.pad_token_id, &first_valid);
+  }
+  const int64_t capacity = rows + request.gen_len;
   std::unique_ptr<KvStore> store =
       make_store ? make_store(B, capacity)
                  : std::make_unique<KvCache>(config, B, capacity, request.kv_dtype, model.device());
   KvStore& cache = *store;
-  if (shared > 0) cache.share_prefix(shared, first_valid);
+  if (!shared.empty()) cache.share_prefixes(shared, first_valid);
   // Where each sequence's rows of this turn start: after its own history.
   std::vector<int32_t> turn_rows(first_valid);
   if (history) {
     for (int64_t b = 0; b < B; ++b) {
-      turn_rows[b] += static_cast<int32_t>(static_cast<int64_t>((*history)[b].size()) - shared);
+      turn_rows[b] += static_cast<int32_t>(std::ssize((*history)[b]) - shared.prefix_length(b));
     }
-    cache.resume(stored, first_valid, config.num_layers,
-                 [conversation](int64_t layer, KvStore& s) { conversation->restore_layer(layer, s); });
+    cache.resume(stored, first_valid, config.num_layers, [conversation](int64_t layer, KvStore& s) {
+      conversation->restore_layer(layer, s);
+    });
   }
 
   int64_t emitted = 0;  // token positions generated so far, for an interruption's message
@@ -250,12 +271,13 @@ GenerationResult generate(Model& model, const GenerationRequest& request,
           auto start = std::chrono::steady_clock::now();
           trace_step(0);
           if (conversation) conversation->begin();
-          if (shared > 0 && !history) {
-            const auto& prompt = request.prompts[0];
-            model.prefill_shared({prompt.begin(), prompt.begin() + shared}, cache);
+          if (!shared.empty() && !history) {
+            model.prefill_shared(shared_prefix_tokens(request.prompts, shared, config.pad_token_id),
+                                 cache);
           }
-          result.last_logits = history || shared > 0 ? model.extend(tokens, cache)
-                                                     : model.prefill(tokens, first_valid, cache);
+          result.last_logits = history || !shared.empty()
+                                   ? model.extend(tokens, cache)
+                                   : model.prefill(tokens, first_valid, cache);
           if (conversation) {
             cache.finish_stores();
             cache.allocate_all();
@@ -277,16 +299,17 @@ GenerationResult generate(Model& model, const GenerationRequest& request,
           result.decode_seconds = seconds_since(start);
           if (conversation) {
             cache.finish_stores();
-            conversation->finish(cache, std::vector<int32_t>(static_cast<size_t>(B),
-                                                             static_cast<int32_t>(longest)),
-                                 result.tokens);
+            conversation->finish(
+                cache, std::vector<int32_t>(static_cast<size_t>(B), static_cast<int32_t>(rows)),
+                result.tokens);
           }
           return result;
         },
         [&] {
-          return emitted == 0 ? std::string(" during the prefill")
-                              : cat(" after ", emitted, " of ", request.gen_len,
-                                    " tokens per sequence (prefill ", result.prefill_seconds, " s)");
+          return emitted == 0
+                     ? std::string(" during the prefill")
+                     : cat(" after ", emitted, " of ", request.gen_len,
+                           " tokens per sequence (prefill ", result.prefill_seconds, " s)");
         });
   } catch (...) {
     if (conversation) conversation->abandon();  // before the store goes

@@ -12,6 +12,7 @@
 
 #include "core/model.h"
 #include "core/sampler.h"
+#include "core/shared_prefixes.h"
 
 namespace infinigen {
 
@@ -25,9 +26,10 @@ struct GenerationRequest {
   std::vector<std::vector<int32_t>> forced_tokens;
   // Also return, per emitted token, its log-probability under the logits it was chosen from.
   bool score_tokens = false;
-  // Leading tokens every prompt shares (common_prefix_rows), computed and kept once in a store
-  // that can share them (KvStore::share_prefix); 0: none. Every prompt must be longer.
-  int64_t shared_prefix = 0;
+  // Prompt prefixes that groups of the sequences share (find_shared_prefixes), each computed and
+  // kept once in a store that can share them (KvStore::share_prefixes); empty: none. Every member
+  // of a group starts with its leader's prefix and has tokens of its own after it.
+  SharedPrefixes shared_prefixes;
 };
 
 struct GenerationResult {
@@ -56,17 +58,21 @@ class Conversation {
   // Per sequence, the tokens whose keys and values the conversation holds, in order; empty for
   // a new conversation.
   virtual const std::vector<std::vector<int32_t>>& history() const = 0;
-  // Leading history tokens that every sequence shares, kept once (KvStore::share_prefix): its
-  // turns keep sharing them. 0: none.
-  virtual int64_t shared_prefix() const { return 0; }
+  // Leading history tokens that groups of its sequences share, kept once
+  // (KvStore::share_prefixes): its turns keep sharing them. Empty: none.
+  virtual const SharedPrefixes& shared_prefixes() const {
+    static const SharedPrefixes none;
+    return none;
+  }
   // Called before the turn's first pass; a conversation may start reading ahead here.
   virtual void begin() {}
   // Writes layer `layer`'s history into `store` (KvStore::resume): history token j of sequence
-  // b at row store.first_valid()[b] + j, or, after a shared prefix of P tokens, the prefix at
-  // rows [0, P) of sequence 0 and token j >= P at row store.first_valid()[b] + j - P.
+  // b at row store.first_valid()[b] + j, or, after a shared prefix of P tokens, the prefix in its
+  // group leader's rows [S - P, S) (S: the shared rows) and token j >= P at row
+  // store.first_valid()[b] + j - P.
   virtual void restore_layer(int64_t layer, KvStore& store) = 0;
   // After the turn's first pass: sequence b's new rows are [rows_from[b], store.length()) (and,
-  // in a first turn that shares a prefix, rows [0, store.shared_rows()) of sequence 0) and stay
+  // in a first turn that shares prefixes, each group's in its leader's rows) and stay
   // unchanged while later passes run (they may be saved now, in the background).
   virtual void after_first_pass(const KvStore& store, const std::vector<int32_t>& rows_from) = 0;
   // After the last pass, with the store's stores finished: sequence b's rows
@@ -116,11 +122,6 @@ void check_conversation_context(const ModelConfig& config, size_t sequence, int6
 std::vector<std::vector<int32_t>> synthetic_prompts(int64_t batch, int64_t prompt_len,
                                                     int32_t bos_token_id, int32_t vocab_limit,
                                                     uint64_t seed);
-
-// The leading tokens all of several `prompts` share, in whole multiples of `granularity` (a KV
-// block), leaving every prompt at least one token of its own; 0 for a single prompt or when they
-// share less than `granularity`.
-int64_t common_prefix_rows(const std::vector<std::vector<int32_t>>& prompts, int64_t granularity);
 
 // Left-pads `prompts` into (B, n) with `pad_id`; returns the padded tokens and first_valid (B).
 std::vector<int32_t> left_pad(const std::vector<std::vector<int32_t>>& prompts, int32_t pad_id,

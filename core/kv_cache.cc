@@ -18,17 +18,20 @@ void KvStore::set_first_valid(std::vector<int32_t> first_valid) {
   first_valid_ = std::move(first_valid);
 }
 
-void KvStore::share_prefix(int64_t rows, std::vector<int32_t> first_valid) {
+void KvStore::share_prefixes(SharedPrefixes shared, std::vector<int32_t> first_valid) {
   INFINIGEN_CHECK(can_share_prefix(), "this KV policy's store cannot share a prompt prefix");
-  INFINIGEN_CHECK(length_ == 0 && passes_ == 0, "a prefix is shared before the first pass");
-  INFINIGEN_CHECK(rows > 0 && rows < capacity_, "a shared prefix of ", rows,
-                  " tokens in a KV store of ", capacity_);
+  INFINIGEN_CHECK(length_ == 0 && passes_ == 0, "prefixes are shared before the first pass");
+  INFINIGEN_CHECK(shared.batch() == batch_, "shared prefixes of ", shared.batch(),
+                  " sequences for a batch of ", batch_);
+  INFINIGEN_CHECK(shared.rows() > 0 && shared.rows() < capacity_, "shared prefixes of ",
+                  shared.rows(), " rows in a KV store of ", capacity_);
   for (int32_t start : first_valid) {
-    INFINIGEN_CHECK(start >= rows && start < capacity_, "a sequence's own tokens start at row ",
-                    start, ", inside the ", rows, "-token shared prefix or past the capacity");
+    INFINIGEN_CHECK(start >= shared.rows() && start < capacity_,
+                    "a sequence's own tokens start at row ", start, ", inside the ", shared.rows(),
+                    " rows of shared prefixes or past the capacity");
   }
   set_first_valid(std::move(first_valid));
-  shared_rows_ = rows;
+  shared_ = std::move(shared);
 }
 
 void KvStore::begin_pass(int64_t n_new) {
@@ -94,10 +97,15 @@ KvCache::KvCache(const ModelConfig& config, int64_t batch, int64_t capacity, DTy
 void KvCache::append(int64_t layer, const Tensor& keys, const Tensor& values) {
   Tensor& layer_keys = keys_[static_cast<size_t>(layer)];
   Tensor& layer_values = values_[static_cast<size_t>(layer)];
-  if (sharing_pass()) {  // the shared prefix: sequence 0's rows only
-    Tensor first_keys = layer_keys.slice_rows(0, 1), first_values = layer_values.slice_rows(0, 1);
-    ops::cache_store(keys, first_keys, 0);
-    ops::cache_store(values, first_values, 0);
+  if (sharing_pass()) {  // the shared prefixes: each into its leader's rows only
+    const int64_t n = pass_tokens();
+    for (int64_t i = 0; i < pass_batch(); ++i) {
+      const int64_t leader = pass_sequence(i);
+      Tensor leader_keys = layer_keys.slice_rows(leader, leader + 1);
+      Tensor leader_values = layer_values.slice_rows(leader, leader + 1);
+      ops::cache_store(keys.slice_rows(i * n, (i + 1) * n), leader_keys, 0);
+      ops::cache_store(values.slice_rows(i * n, (i + 1) * n), leader_values, 0);
+    }
     return;
   }
   ops::cache_store(keys, layer_keys, length());
@@ -107,7 +115,7 @@ void KvCache::append(int64_t layer, const Tensor& keys, const Tensor& values) {
 KvStore::View KvCache::view(int64_t layer) {
   // The pass's own rows were appended already; attention reads them too.
   return {&keys_[static_cast<size_t>(layer)], &values_[static_cast<size_t>(layer)],
-          length() + pass_tokens(), nullptr, shared_rows()};
+          length() + pass_tokens(), nullptr, &shared()};
 }
 
 }  // namespace infinigen

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "core/model_config.h"
+#include "core/shared_prefixes.h"
 #include "core/tensor.h"
 
 namespace infinigen {
@@ -58,25 +59,30 @@ class KvStore {
   const std::vector<int32_t>& first_valid() const { return first_valid_; }
   void set_first_valid(std::vector<int32_t> first_valid);
 
-  // A prompt prefix the batch shares: rows [0, shared_rows()) hold the same tokens in every
-  // sequence, computed once and kept once (a store keeps them in sequence 0's rows, or in shared
-  // blocks); sequence b's own tokens are rows [first_valid[b], length), first_valid[b] >=
-  // shared_rows(), and the rows between are padding. Token positions count the prefix, then the
-  // sequence's own tokens (Model::token_positions). 0: nothing shared.
-  int64_t shared_rows() const { return shared_rows_; }
+  // Prompt prefixes that groups of the batch share (core/shared_prefixes.h), computed once per
+  // group and kept once (a store keeps them in each group leader's rows, or in shared blocks):
+  // rows [0, shared().rows()) hold them, and sequence b's own tokens are rows [first_valid[b],
+  // length), first_valid[b] >= shared().rows(). Empty: nothing shared.
+  const SharedPrefixes& shared() const { return shared_; }
+  int64_t shared_rows() const { return shared_.rows(); }
   // Before the first pass, on a store that can_share_prefix(): the first pass computes the
-  // `rows` shared tokens as a batch of one; later passes are the sequences' own (first_valid).
-  void share_prefix(int64_t rows, std::vector<int32_t> first_valid);
+  // groups' prefixes as a batch of their leaders; later passes are the sequences' own
+  // (first_valid).
+  void share_prefixes(SharedPrefixes shared, std::vector<int32_t> first_valid);
   virtual bool can_share_prefix() const { return false; }
-  // Whether the open (or next) pass is the one that computes the shared prefix.
-  bool sharing_pass() const { return shared_rows_ > 0 && length_ == 0; }
-  // Sequences the open pass computes: 1 in the sharing pass, else batch().
-  int64_t pass_batch() const { return sharing_pass() ? 1 : batch_; }
-  // The left padding of the open pass's sequences (pass_batch()): {0} in the sharing pass, else
-  // first_valid().
+  // Whether the open (or next) pass is the one that computes the shared prefixes.
+  bool sharing_pass() const { return !shared_.empty() && length_ == 0; }
+  // Sequences the open pass computes: the groups' leaders in the sharing pass, else batch().
+  int64_t pass_batch() const { return sharing_pass() ? shared_.num_groups() : batch_; }
+  // The store's sequence that the open pass's sequence i is: the leader of group i in the
+  // sharing pass, else i.
+  int64_t pass_sequence(int64_t i) const {
+    return sharing_pass() ? shared_.leaders()[static_cast<size_t>(i)] : i;
+  }
+  // The left padding of the open pass's sequences (pass_batch()): where each leader's prefix
+  // starts in the sharing pass, else first_valid().
   const std::vector<int32_t>& pass_first_valid() const {
-    static const std::vector<int32_t> unpadded = {0};
-    return sharing_pass() ? unpadded : first_valid_;
+    return sharing_pass() ? shared_.leader_first_valid() : first_valid_;
   }
   // Whether the open pass starts, and whether it ends, one step of a run's statistics: the
   // prompt is one step even when a shared prefix takes it two passes.
@@ -84,8 +90,8 @@ class KvStore {
   bool pass_closes_step() const { return !sharing_pass(); }
 
   // Keys and values a decode step's attention reads for one layer: (B, H_kv, capacity, d) each,
-  // rows [first_valid[b], length) valid, the token appended in this pass included, after rows
-  // [0, shared_rows) of sequence 0 that every sequence reads.
+  // rows [first_valid[b], length) valid, the token appended in this pass included, after the
+  // rows of its shared prefix, [shared->begin(b), shared->rows()) of sequence shared->source(b).
   struct View {
     const Tensor* keys;
     const Tensor* values;
@@ -93,7 +99,7 @@ class KvStore {
     // Left padding of the rows in `keys`/`values`; null means first_valid() (rows stored at
     // their token positions). Stores that stage a compact selection of rows set their own.
     const std::vector<int32_t>* first_valid = nullptr;
-    int64_t shared_rows = 0;
+    const SharedPrefixes* shared = nullptr;  // null: nothing shared
   };
 
   // What layer `layer` computes from, before its attention. Stores that speculate on the next
@@ -112,9 +118,10 @@ class KvStore {
 
   // Continuing a conversation (offload/session.h), before the first pass: `length` tokens per
   // sequence are stored already, sequence b's real ones from first_valid[b]. `restore(l, store)`
-  // for each of the model's `num_layers` layers writes layer l's stored rows and state (through the accessors below); it is called once per
-  // layer, in order, just before a pass needs the layer (before begin_pass runs for layer 0,
-  // before begin_layer(l - 1) runs for layer l), so reading a session overlaps the pass.
+  // for each of the model's `num_layers` layers writes layer l's stored rows and state (through the
+  // accessors below); it is called once per layer, in order, just before a pass needs the layer
+  // (before begin_pass runs for layer 0, before begin_layer(l - 1) runs for layer l), so reading a
+  // session overlaps the pass.
   using LayerRestorer = std::function<void(int64_t layer, KvStore& store)>;
   virtual void resume(int64_t length, std::vector<int32_t> first_valid, int64_t num_layers,
                       LayerRestorer restore);
@@ -141,7 +148,10 @@ class KvStore {
   void* mutable_token_row(int64_t layer, size_t stream, int64_t b, int64_t h, int64_t t) {
     return const_cast<void*>(std::as_const(*this).token_row(layer, stream, b, h, t));
   }
-  virtual LayerState layer_state(int64_t layer) const { (void)layer; return {}; }
+  virtual LayerState layer_state(int64_t layer) const {
+    (void)layer;
+    return {};
+  }
   virtual void restore_layer_state(int64_t layer, const LayerState& state);
   // Waits until every row a pass stored is readable through token_row.
   virtual void finish_stores() {}
@@ -154,12 +164,10 @@ class KvStore {
   virtual void start_layer(int64_t layer) { (void)layer; }
   // Whether this pass extends stored tokens by more than one (a resumed conversation's turn), or
   // is the prompt's own tokens after a shared prefix (however many).
-  bool extending() const {
-    return length_ > 0 && (pass_tokens_ > 1 || follows_sharing_pass_);
-  }
+  bool extending() const { return length_ > 0 && (pass_tokens_ > 1 || follows_sharing_pass_); }
   // Whether sequence b's row t holds one of its tokens (not padding).
   bool holds_token(int64_t b, int64_t t) const {
-    return t >= first_valid_[static_cast<size_t>(b)] || (t >= 0 && t < shared_rows_);
+    return t >= first_valid_[static_cast<size_t>(b)] || (t >= 0 && shared_.in_prefix(b, t));
   }
 
  private:
@@ -172,9 +180,9 @@ class KvStore {
   int64_t capacity_;
   int64_t length_ = 0;
   int64_t pass_tokens_ = 0;
-  int64_t shared_rows_ = 0;
+  SharedPrefixes shared_;
   bool follows_sharing_pass_ = false;  // the open (or next) pass comes right after it
-  int64_t passes_ = 0;  // passes ended so far
+  int64_t passes_ = 0;                 // passes ended so far
   std::vector<int32_t> first_valid_;
 };
 

@@ -39,17 +39,22 @@ Model::Model(ModelConfig config, ModelWeights weights, Device device,
 
 std::vector<int32_t> Model::token_positions(const KvStore& cache, int64_t n_new, int32_t offset,
                                             int32_t padding) {
-  const int64_t B = cache.pass_batch(), past = cache.length(), shared = cache.shared_rows();
+  const int64_t B = cache.pass_batch(), past = cache.length();
+  const SharedPrefixes& shared = cache.shared();
+  const bool after_prefixes = !cache.sharing_pass();
   std::vector<int32_t> positions(static_cast<size_t>(B * n_new));
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t start = cache.sharing_pass() ? 0 : cache.first_valid()[static_cast<size_t>(b)];
-    for (int64_t i = 0; i < n_new; ++i) {
-      const int64_t t = past + i;
-      // The shared prefix's rows, then the sequence's own after its padding.
-      positions[static_cast<size_t>(b * n_new + i)] =
-          t < shared  ? static_cast<int32_t>(offset + t)
+  for (int64_t i = 0; i < B; ++i) {
+    const int64_t b = cache.pass_sequence(i);
+    const int64_t start = cache.pass_first_valid()[static_cast<size_t>(i)];
+    const int64_t prefix = after_prefixes ? shared.prefix_length(b) : 0;
+    for (int64_t j = 0; j < n_new; ++j) {
+      const int64_t t = past + j;
+      // The sequence's shared prefix, then its own tokens after its padding.
+      positions[static_cast<size_t>(i * n_new + j)] =
+          after_prefixes && shared.in_prefix(b, t)
+              ? static_cast<int32_t>(offset + t - shared.begin(b))
           : t < start ? padding
-                      : static_cast<int32_t>(offset + shared + t - start);
+                      : static_cast<int32_t>(offset + prefix + t - start);
     }
   }
   return positions;
@@ -62,35 +67,10 @@ void Model::attend(int64_t layer, const Tensor& q, const Tensor& k, const Tensor
                            cache.pass_first_valid());
     return;
   }
+  // A decode step, or an extension of the stored tokens by the pass's rows (causal).
   const KvStore::View kv = cache.view(layer);
   const std::vector<int32_t>& first_valid = kv.first_valid ? *kv.first_valid : cache.first_valid();
-  const int64_t n = cache.pass_tokens();
-  if (n == 1) {
-    ops::attention_decode(q, *kv.keys, *kv.values, out, kv.length, first_valid, kv.shared_rows);
-    return;
-  }
-  // Extension by n rows: row i of each sequence attends to the rows before it and itself, one
-  // decode-shaped attention per row (B rows of q gathered, the view's length cut at the row). A
-  // padding row attends to itself alone; nothing reads its output.
-  const int64_t B = cache.batch(), width = q.dim(1);
-  const size_t row_bytes = static_cast<size_t>(width) * sizeof(float);
-  Tensor q_row = Tensor::empty({B, width}, DType::F32, device_);
-  Tensor out_row = Tensor::empty({B, width}, DType::F32, device_);
-  std::vector<int32_t> row_first_valid(first_valid.size());
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t length = kv.length - n + i + 1;
-    for (int64_t b = 0; b < B; ++b) {
-      device_copy(static_cast<char*>(q_row.raw()) + b * row_bytes, device_,
-                  static_cast<const char*>(q.raw()) + (b * n + i) * row_bytes, device_, row_bytes);
-      row_first_valid[b] = static_cast<int32_t>(std::min<int64_t>(first_valid[b], length - 1));
-    }
-    ops::attention_decode(q_row, *kv.keys, *kv.values, out_row, length, row_first_valid,
-                          kv.shared_rows);
-    for (int64_t b = 0; b < B; ++b) {
-      device_copy(static_cast<char*>(out.raw()) + (b * n + i) * row_bytes, device_,
-                  static_cast<const char*>(out_row.raw()) + b * row_bytes, device_, row_bytes);
-    }
-  }
+  ops::attention_decode(q, *kv.keys, *kv.values, out, kv.length, first_valid, kv.shared);
 }
 
 const Tensor& Model::attention_skew(int64_t l) const {
@@ -118,20 +98,21 @@ Tensor Model::prefill(const std::vector<int32_t>& tokens, const std::vector<int3
   return run_pass(tokens, cache, all_positions);
 }
 
-void Model::prefill_shared(const std::vector<int32_t>& prefix, KvStore& cache) {
-  INFINIGEN_CHECK(cache.sharing_pass() && std::ssize(prefix) == cache.shared_rows(),
-                  "prefill_shared: the store does not expect a shared prefix of ", prefix.size(),
-                  " tokens");
+void Model::prefill_shared(const std::vector<int32_t>& prefixes, KvStore& cache) {
+  const SharedPrefixes& shared = cache.shared();
+  INFINIGEN_CHECK(
+      cache.sharing_pass() && std::ssize(prefixes) == shared.num_groups() * shared.rows(),
+      "prefill_shared: the store does not expect ", prefixes.size(), " tokens of shared prefixes");
   trace_layer(-1);
-  forward(prefix, std::ssize(prefix), cache);
+  forward(prefixes, shared.rows(), cache);
   trace_layer(-1);
 }
 
 Tensor Model::extend(const std::vector<int32_t>& tokens, KvStore& cache) {
   const int64_t B = cache.batch();
   INFINIGEN_CHECK(cache.length() > 0, "extend needs a KV cache that holds tokens");
-  INFINIGEN_CHECK(!tokens.empty() && static_cast<int64_t>(tokens.size()) % B == 0, "extend: ",
-                  tokens.size(), " tokens do not form a batch of ", B);
+  INFINIGEN_CHECK(!tokens.empty() && static_cast<int64_t>(tokens.size()) % B == 0,
+                  "extend: ", tokens.size(), " tokens do not form a batch of ", B);
   return run_pass(tokens, cache, false);
 }
 

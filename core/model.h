@@ -44,9 +44,11 @@ class Model {
                  KvStore& cache, bool all_positions = false);
   // Appends one token per sequence, tokens (B); returns fp32 logits (B, V) on the CPU.
   Tensor decode(const std::vector<int32_t>& tokens, KvStore& cache);
-  // The prompt prefix every sequence shares (KvStore::share_prefix), computed once: the store's
-  // first pass. The sequences' own prompt tokens follow with extend().
-  void prefill_shared(const std::vector<int32_t>& prefix, KvStore& cache);
+  // The prompt prefixes groups of sequences share (KvStore::share_prefixes), each computed once:
+  // the store's first pass, a batch of the groups' leaders, `prefixes` (G, shared rows)
+  // row-major, each left-padded (SharedPrefixes::leader_first_valid). The sequences' own prompt
+  // tokens follow with extend().
+  void prefill_shared(const std::vector<int32_t>& prefixes, KvStore& cache);
   // Appends n tokens per sequence to a cache that holds some already (a resumed conversation,
   // or the sequences' own tokens after a shared prefix),
   // tokens (B, n) row-major, padding rows where a row is before the sequence's first_valid;
@@ -66,8 +68,9 @@ class Model {
   virtual Tensor lm_head(const Tensor& hidden) const = 0;
 
   // The shared steps of a forward pass. Each new row's position among its sequence's real tokens
-  // (B * n_new, row-major): offset + (t - first_valid[b]) for token t, `padding` for a padding
-  // row. Called before the pass's tokens are stored.
+  // (pass_batch() * n_new, row-major): offset + the tokens before it (its shared prefix's, then
+  // its own from first_valid[b]), `padding` for a padding row. Called before the pass's tokens
+  // are stored.
   static std::vector<int32_t> token_positions(const KvStore& cache, int64_t n_new, int32_t offset,
                                               int32_t padding);
   // A layer's attention into out (B * n_new, H * d): over the new rows alone at prefill (causal,

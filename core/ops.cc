@@ -295,54 +295,76 @@ void attention_prefill(const Tensor& q, const Tensor& k, const Tensor& v, Tensor
 
 void attention_decode(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, Tensor& out,
                       int64_t length, const std::vector<int32_t>& first_valid,
-                      int64_t shared_rows) {
+                      const SharedPrefixes* shared) {
   const Device device = common_device("attention_decode", {&q, &k_cache, &v_cache, &out});
   const int64_t B = k_cache.dim(0), kv_heads = k_cache.dim(1), capacity = k_cache.dim(2);
-  const int64_t d = k_cache.dim(3), H = q.dim(1) / d;
+  const int64_t d = k_cache.dim(3), H = q.dim(1) / d, n = B > 0 ? q.dim(0) / B : 0;
   INFINIGEN_CHECK(q.dim(1) == H * d && H % kv_heads == 0, "attention_decode: queries of width ",
                   q.dim(1), " do not group over ", kv_heads, " KV heads of size ", d);
-  check_shape("attention_decode", q, {B, H * d});
-  check_shape("attention_decode", out, {B, H * d});
+  INFINIGEN_CHECK(n >= 1 && n <= length, "attention_decode: ", q.dim(0),
+                  " query rows for a batch of ", B, " and ", length, " cache rows");
+  check_shape("attention_decode", q, {B * n, H * d});
+  check_shape("attention_decode", out, {B * n, H * d});
   check_shape("attention_decode", v_cache, k_cache.shape());
   INFINIGEN_CHECK(k_cache.dtype() == v_cache.dtype(), "attention_decode: K and V dtypes differ");
   INFINIGEN_CHECK(length <= capacity, "attention_decode: length ", length, " beyond capacity ",
                   capacity);
-  INFINIGEN_CHECK(shared_rows >= 0 && shared_rows <= length, "attention_decode: ", shared_rows,
-                  " shared rows in a length of ", length);
+  // The kernels read first_valid[b] (and the prefix's rows) for every b: a short array would be
+  // read past its end.
+  INFINIGEN_CHECK(std::ssize(first_valid) == B, "attention_decode: ", first_valid.size(),
+                  " first_valid entries for a batch of ", B);
+  if (shared != nullptr && shared->empty()) shared = nullptr;
+  const int64_t prefix_end = shared ? shared->rows() : 0;
+  INFINIGEN_CHECK(!shared || (shared->batch() == B && prefix_end <= length),
+                  "attention_decode: shared prefixes of ", shared ? shared->batch() : 0,
+                  " sequences and ", prefix_end, " rows for a batch of ", B, " and ", length,
+                  " rows");
   for (int32_t start : first_valid) {
-    INFINIGEN_CHECK(start >= shared_rows, "attention_decode: a sequence's rows start at ", start,
-                    ", inside the ", shared_rows, " shared rows");
+    INFINIGEN_CHECK(start >= prefix_end, "attention_decode: a sequence's rows start at ", start,
+                    ", inside the ", prefix_end, " rows of shared prefixes");
   }
   if (active_trace() != nullptr) {
-    // Rows attention reads, over the batch: the shared ones, then each sequence's from its first
-    // valid one.
-    int64_t rows = 0;
-    for (int64_t b = 0; b < B && b < static_cast<int64_t>(first_valid.size()); ++b) {
-      rows += shared_rows + length - std::min<int64_t>(length, first_valid[static_cast<size_t>(b)]);
+    // Rows attention reads over the batch, each (sequence, KV head)'s once: its prefix's, then
+    // its own from its first valid one; and the (query, row) pairs it scores.
+    int64_t rows = 0, pairs = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t prefix = shared ? shared->prefix_length(b) : 0;
+      const int64_t start = first_valid[static_cast<size_t>(b)];
+      rows += prefix + length - std::min<int64_t>(length, start);
+      for (int64_t t = std::max(length - n, start); t < length; ++t)
+        pairs += prefix + t + 1 - start;
     }
-    if (traced("attention_decode", {B, H, rows, d, kv_heads}, k_cache.dtype())) return;
+    if (n == 1 ? traced("attention_decode", {B, H, rows, d, kv_heads}, k_cache.dtype())
+               : traced("attention_extend", {H, kv_heads, pairs, rows, d}, k_cache.dtype())) {
+      return;
+    }
   }
+  const int32_t* prefix_begin = shared ? shared->begin().data() : nullptr;
+  const int32_t* prefix_source = shared ? shared->source().data() : nullptr;
   if (device == Device::Cuda) {
 #ifdef INFINIGEN_CUDA
     INFINIGEN_CHECK(d <= gpu::kMaxHeadDim, "attention_decode: head size ", d,
                     " is beyond the CUDA kernel's ", gpu::kMaxHeadDim);
-    // The kernel reads first_valid[b] for every b: a short array would be read past its end.
-    INFINIGEN_CHECK(static_cast<int64_t>(first_valid.size()) == B,
-                    "attention_decode: ", first_valid.size(),
-                    " first_valid entries for a batch of ", B);
-    const Tensor first_valid_d = indices_on_cuda(first_valid);
-    check_cuda(
-        "attention_decode",
-        gpu::attention_decode(q.data<float>(), k_cache.raw(), v_cache.raw(),
-                              gpu_element(k_cache.dtype()), out.data<float>(), B, H, kv_heads, d,
-                              capacity, length, first_valid_d.data<int32_t>(), shared_rows,
-                              kDefaultStream));
+    // first_valid, then the prefixes' first rows and sources: (3, B) in one copy.
+    std::vector<int32_t> rows(first_valid);
+    if (shared) {
+      rows.insert(rows.end(), shared->begin().begin(), shared->begin().end());
+      rows.insert(rows.end(), shared->source().begin(), shared->source().end());
+    }
+    const Tensor rows_d = indices_on_cuda(rows);
+    const int32_t* first_valid_d = rows_d.data<int32_t>();
+    check_cuda("attention_decode",
+               gpu::attention_decode(
+                   q.data<float>(), k_cache.raw(), v_cache.raw(), gpu_element(k_cache.dtype()),
+                   out.data<float>(), B, n, H, kv_heads, d, capacity, length, first_valid_d,
+                   shared ? first_valid_d + B : nullptr, shared ? first_valid_d + 2 * B : nullptr,
+                   prefix_end, kDefaultStream));
 #endif
     return;
   }
   cpu::attention_decode(q.data<float>(), k_cache.raw(), v_cache.raw(), element(k_cache.dtype()),
-                        out.data<float>(), B, H, kv_heads, d, capacity, length, first_valid.data(),
-                        shared_rows);
+                        out.data<float>(), B, n, H, kv_heads, d, capacity, length,
+                        first_valid.data(), prefix_begin, prefix_source, prefix_end);
 }
 
 void cache_store(const Tensor& rows, Tensor& cache, int64_t offset) {

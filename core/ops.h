@@ -4,7 +4,9 @@
 // In a trace (core/trace.h) each op records its name and sizes (and the dtype named):
 //   embed {rows, width}; layer_norm {rows, width}; linear {M, N, K} (weights' dtype);
 //   add {elements}; scale {elements}; attention_prefill {B, H, n, d, H_kv};
-//   attention_decode {B, H, KV rows read over the batch, d, H_kv} (KV dtype);
+//   attention_decode {B, H, KV rows read over the batch, d, H_kv} (KV dtype; one new row each);
+//   attention_extend {H, H_kv, (query, row) pairs over the batch, KV rows read over the batch,
+//   d} (KV dtype; n > 1 new rows each);
 //   cache_store {rows, width} (cache dtype); rms_norm {rows, width}; rope {rows, width};
 //   silu_mul {elements}.
 #pragma once
@@ -12,6 +14,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/shared_prefixes.h"
 #include "core/tensor.h"
 
 namespace infinigen::ops {
@@ -50,12 +53,15 @@ void scale_inplace(Tensor& y, float factor);
 void attention_prefill(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
                        int64_t batch, int64_t num_heads, const std::vector<int32_t>& first_valid);
 
-// q, out: (B, H * d); caches (B, H_kv, capacity, d), H_kv dividing H; sequence b attends rows
-// [0, shared_rows) of sequence 0 (a prefix the batch shares, stored once) and its own rows
-// [first_valid[b], length), first_valid[b] >= shared_rows.
+// Attention of n new rows per sequence over caches that hold them already (a decode step: n = 1;
+// an extension of stored tokens: n > 1, causal). q, out: (B * n, H * d); caches (B, H_kv,
+// capacity, d), H_kv dividing H. Row i of sequence b is cache row length - n + i; it attends to
+// its shared prefix's rows, [shared->begin(b), shared->rows()) of sequence shared->source(b)
+// (none when `shared` is null or empty), then to its own rows [first_valid[b], length - n + i + 1);
+// a row before first_valid[b] (padding) gets zeros.
 void attention_decode(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, Tensor& out,
                       int64_t length, const std::vector<int32_t>& first_valid,
-                      int64_t shared_rows = 0);
+                      const SharedPrefixes* shared = nullptr);
 
 // Writes rows (B * n, H * d) into cache (B, H, capacity, d) at tokens [offset, offset + n).
 void cache_store(const Tensor& rows, Tensor& cache, int64_t offset);

@@ -17,8 +17,8 @@ const KvPolicy& infinigen_kv_policy() {
       "infinigen",
       "all KV in host memory, each layer loads the tokens speculated at the layer before",
       {"alpha", "partial_ratio", "partial_index_rule", "partial_key_dtype", "fetch_rule",
-       "max_num_kv", "dense_layers", "kv_pool_limit", "eviction", "check_recall",
-       "kv_block_tokens", "share_prefix"},
+       "max_num_kv", "dense_layers", "kv_pool_limit", "eviction", "check_recall", "kv_block_tokens",
+       "share_prefix"},
       /*exact=*/false,
       /*selects_loads=*/true,
       // Speculation and the partial key cache live on the host.
@@ -144,11 +144,12 @@ void InfinigenKv::append(int64_t layer, const Tensor& keys, const Tensor& values
     if (dense(layer)) return;
     const AttentionInput& in = *prefill_input_;
     const int64_t r = partial_columns(options_.partial_ratio, head_dim_);
-    // A shared prefix is a batch of one, its partial keys kept once for every sequence.
+    // Shared prefixes are a batch of their groups' leaders, their partial keys kept once for
+    // every member.
     partial_[l].build({in.queries, keys, in.q_weight, in.q_bias, in.rope_inv_freq, in.skew},
                       pass_first_valid(), heads_, kv_heads_, slots_, r, options_.index_rule,
                       limited() ? &position_tokens_[l] : nullptr, options_.partial_key_dtype);
-    if (sharing_pass()) partial_[l].share_prefix(batch(), shared_rows());
+    if (sharing_pass()) partial_[l].share_prefixes(shared(), /*from_leaders=*/true);
     return;
   }
   if (!compact(layer)) {
@@ -332,7 +333,7 @@ void InfinigenKv::select_and_load(int64_t layer, const Tensor& x,
     std::vector<int64_t> valid(static_cast<size_t>(batch()));
     for (int64_t b = 0; b < batch(); ++b) {
       valid[static_cast<size_t>(b)] =
-          used_positions() - first_valid()[static_cast<size_t>(b)] + shared_rows();
+          used_positions() - first_valid()[static_cast<size_t>(b)] + shared().prefix_length(b);
     }
     replay_take =
         replay_->take(length() - prompt_tokens_ + 1, layer, std::ssize(partial_),
@@ -365,12 +366,14 @@ void InfinigenKv::load_selection(int64_t layer) {
   std::vector<CopyChunk> chunks;
   chunks.reserve(static_cast<size_t>(2 * B * H * sel.fetch));
   LayerTraffic& traffic = stats_.current().layers[l];
-  // A shared prefix's row crosses the link once, for the first sequence that selected it: (head,
-  // position) -> that sequence's staging row. A dry run cannot know which selections coincide
-  // (they are replayed, not speculated) and prices every sequence's fetch.
+  // A shared prefix's row crosses the link once, for the first member of its group that selected
+  // it: (group, head, position) -> that sequence's staging row. A dry run cannot know which
+  // selections coincide (they are replayed, not speculated) and prices every sequence's fetch.
   std::vector<CopyChunk>& copies = shared_row_copies_[p];
   copies.clear();
-  std::vector<int64_t> first_staged(static_cast<size_t>(H * shared_rows()), -1);
+  const SharedPrefixes& shared = this->shared();
+  std::vector<int64_t> first_staged(static_cast<size_t>(shared.num_groups() * H * shared.rows()),
+                                    -1);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t take = sel.take[static_cast<size_t>(b)];
     for (int64_t h = 0; h < H; ++h) {
@@ -380,8 +383,9 @@ void InfinigenKv::load_selection(int64_t layer) {
         char* key_dst = static_cast<char*>(keys.raw()) + static_cast<size_t>(dst_row) * row_bytes;
         char* value_dst =
             static_cast<char*>(values.raw()) + static_cast<size_t>(dst_row) * row_bytes;
-        if (positions[j] < shared_rows() && !dry_run()) {
-          int64_t& first = first_staged[static_cast<size_t>(h * shared_rows() + positions[j])];
+        if (shared.in_prefix(b, positions[j]) && !dry_run()) {
+          int64_t& first = first_staged[static_cast<size_t>(
+              (shared.group(b) * H + h) * shared.rows() + positions[j])];
           if (first >= 0) {
             const size_t at = static_cast<size_t>(first) * row_bytes;
             copies.push_back({key_dst, static_cast<const char*>(keys.raw()) + at, row_bytes});
@@ -398,7 +402,7 @@ void InfinigenKv::load_selection(int64_t layer) {
     traffic.tokens_fetched += static_cast<uint64_t>(take * H);
     // The pool's valid entries of this sequence: its tokens (a shared prefix's included), or its
     // valid positions when capped.
-    int64_t valid = length() - first_valid()[static_cast<size_t>(b)] + shared_rows();
+    int64_t valid = length() - first_valid()[static_cast<size_t>(b)] + shared.prefix_length(b);
     if (limited()) {
       valid = 0;
       for (int64_t q = 0; q < used_positions(); ++q) {
@@ -522,9 +526,11 @@ void InfinigenKv::restore_layer_state(int64_t layer, const LayerState& state) {
     return;
   }
   INFINIGEN_CHECK(!state.empty(), "layer ", layer, ": the session keeps no speculation state");
-  partial_[static_cast<size_t>(layer)].restore(state, batch(), heads_, kv_heads_, head_dim_,
-                                               slots_, options_.partial_key_dtype);
-  if (shared_rows() > 0) partial_[static_cast<size_t>(layer)].share_prefix(batch(), shared_rows());
+  partial_[static_cast<size_t>(layer)].restore(state, batch(), heads_, kv_heads_, head_dim_, slots_,
+                                               options_.partial_key_dtype);
+  if (!shared().empty()) {
+    partial_[static_cast<size_t>(layer)].share_prefixes(shared(), /*from_leaders=*/false);
+  }
 }
 
 }  // namespace infinigen

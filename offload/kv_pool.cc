@@ -29,20 +29,18 @@ KvPool::KvPool(const KvPoolShape& shape) : shape_(shape) {
                   "KV pool: invalid shape (layers ", shape.num_layers, ", batch ", shape.batch,
                   ", heads ", shape.num_heads, ", head_dim ", shape.head_dim, ", max_tokens ",
                   shape.max_tokens, ", block_tokens ", shape.block_tokens, ")");
-  // One block: (B, H, bt, d) elements.
-  shared_block_bytes_ = static_cast<size_t>(shape.num_heads * shape.block_tokens *
-                                            shape.head_dim) *
-                        dtype_size(shape.dtype);
-  block_bytes_ = static_cast<size_t>(shape.batch) * shared_block_bytes_;
-  block_table_.resize(static_cast<size_t>(2 * shape.num_layers));
+  // One block: (H, bt, d) elements.
+  block_bytes_ = static_cast<size_t>(shape.num_heads * shape.block_tokens * shape.head_dim) *
+                 dtype_size(shape.dtype);
+  tables_.resize(static_cast<size_t>(2 * shape.num_layers * shape.batch));
 }
 
 KvPool::~KvPool() {
-  for (void* block : blocks_) pinned_free(block);
+  for (const Allocation& allocation : allocations_) pinned_free(allocation.data);
 }
 
 int64_t KvPool::num_blocks() const {
-  return static_cast<int64_t>(block_table_.front().size());
+  return static_cast<int64_t>(tables_.front().size());
 }
 
 size_t KvPool::capacity_bytes(const KvPoolShape& s) {
@@ -57,6 +55,11 @@ size_t KvPool::allocated_bytes() const {
   return allocated_bytes_;
 }
 
+void KvPool::check_layer(int64_t layer) const {
+  INFINIGEN_CHECK(layer >= 0 && layer < shape_.num_layers, "KV pool: layer ", layer,
+                  " out of range [0, ", shape_.num_layers, ")");
+}
+
 void KvPool::reserve(int64_t tokens) {
   INFINIGEN_CHECK(tokens >= 0 && tokens <= shape_.max_tokens, "KV pool: cannot hold ", tokens,
                   " tokens per sequence (max_tokens ", shape_.max_tokens, ")");
@@ -65,91 +68,142 @@ void KvPool::reserve(int64_t tokens) {
   if (needed <= have) return;
   // Every table grows by the same count, so the tables stay equally long even if an allocation
   // throws half way: blocks are added to the tables only once all of them exist.
+  const int64_t B = shape_.batch;
   const size_t added = static_cast<size_t>((needed - have) * 2 * shape_.num_layers);
-  blocks_.reserve(blocks_.size() + added);
-  for (auto& table : block_table_) table.reserve(static_cast<size_t>(needed));
-  const size_t first = blocks_.size();
+  const size_t first = allocations_.size();
+  const size_t batch_bytes = static_cast<size_t>(B) * block_bytes_;
+  allocations_.reserve(first + added);
   try {
-    for (size_t i = 0; i < added; ++i) blocks_.push_back(pinned_alloc(block_bytes_, "a KV pool block"));
+    for (size_t i = 0; i < added; ++i) {
+      allocations_.push_back({pinned_alloc(batch_bytes, "a KV pool block"), batch_bytes});
+    }
   } catch (...) {
-    for (size_t i = first; i < blocks_.size(); ++i) pinned_free(blocks_[i]);
-    blocks_.resize(first);
+    for (size_t i = first; i < allocations_.size(); ++i) pinned_free(allocations_[i].data);
+    allocations_.resize(first);
     throw;
   }
-  shared_.resize(blocks_.size(), false);
-  allocated_bytes_ += added * block_bytes_;
+  allocated_bytes_ += added * batch_bytes;
+  blocks_.reserve(blocks_.size() + added * static_cast<size_t>(B));
   size_t next = first;
   for (int64_t logical = have; logical < needed; ++logical) {
-    for (auto& table : block_table_) table.push_back(static_cast<int64_t>(next++));
+    for (int64_t lk = 0; lk < 2 * shape_.num_layers; ++lk) {
+      // One allocation (B, H, bt, d): sequence b's block is its b-th (H, bt, d).
+      char* data = static_cast<char*>(allocations_[next++].data);
+      for (int64_t b = 0; b < B; ++b) {
+        tables_[static_cast<size_t>(lk * B + b)].push_back(static_cast<int32_t>(blocks_.size()));
+        blocks_.push_back(
+            {data + static_cast<size_t>(b) * block_bytes_, 1, static_cast<int32_t>(b), -1});
+      }
+    }
   }
 }
 
-void KvPool::reserve_shared(int64_t tokens) {
-  const int64_t bt = shape_.block_tokens;
-  INFINIGEN_CHECK(num_blocks() == 0, "KV pool: a shared prefix goes into an empty pool");
-  INFINIGEN_CHECK(tokens > 0 && tokens % bt == 0 && tokens <= shape_.max_tokens,
-                  "KV pool: a shared prefix of ", tokens, " tokens is not whole blocks of ", bt,
-                  " within max_tokens ", shape_.max_tokens);
-  const size_t added = static_cast<size_t>(tokens / bt * 2 * shape_.num_layers);
-  blocks_.reserve(added);
+int32_t KvPool::allocate_block(int32_t owner, int32_t references, const char* purpose) {
+  void* data = pinned_alloc(block_bytes_, purpose);
+  allocations_.push_back({data, block_bytes_});
+  allocated_bytes_ += block_bytes_;
+  blocks_.push_back(
+      {static_cast<char*>(data), references, owner, static_cast<int64_t>(allocations_.size()) - 1});
+  return static_cast<int32_t>(blocks_.size()) - 1;
+}
+
+void KvPool::release_allocation(int64_t allocation) {
+  Allocation& a = allocations_[static_cast<size_t>(allocation)];
+  pinned_free(a.data);
+  allocated_bytes_ -= a.bytes;
+  a = {};
+}
+
+void KvPool::share(const SharedPrefixes& shared) {
+  const int64_t bt = shape_.block_tokens, B = shape_.batch;
+  INFINIGEN_CHECK(num_blocks() == 0, "KV pool: shared prefixes go into an empty pool");
+  INFINIGEN_CHECK(shared.batch() == B, "KV pool: shared prefixes of ", shared.batch(),
+                  " sequences for a batch of ", B);
+  INFINIGEN_CHECK(shared.rows() <= shape_.max_tokens, "KV pool: shared prefixes of ", shared.rows(),
+                  " rows beyond max_tokens ", shape_.max_tokens);
+  for (int64_t g = 0; g < shared.num_groups(); ++g) {
+    INFINIGEN_CHECK(shared.length(g) % bt == 0 && shared.rows() % bt == 0,
+                    "KV pool: a shared prefix of ", shared.length(g),
+                    " tokens is not whole blocks of ", bt);
+  }
+  const int64_t blocks = shared.rows() / bt;
+  std::vector<int32_t> members(static_cast<size_t>(shared.num_groups()), 0);
+  for (int32_t g : shared.groups()) {
+    if (g >= 0) ++members[static_cast<size_t>(g)];
+  }
+  for (auto& table : tables_) table.assign(static_cast<size_t>(blocks), kPadding);
   try {
-    for (size_t i = 0; i < added; ++i) {
-      blocks_.push_back(pinned_alloc(shared_block_bytes_, "a shared KV pool block"));
+    for (int64_t lk = 0; lk < 2 * shape_.num_layers; ++lk) {
+      for (int64_t g = 0; g < shared.num_groups(); ++g) {
+        const int32_t leader = shared.leaders()[static_cast<size_t>(g)];
+        for (int64_t logical = (shared.rows() - shared.length(g)) / bt; logical < blocks;
+             ++logical) {
+          const int32_t block =
+              allocate_block(leader, members[static_cast<size_t>(g)], "a shared KV pool block");
+          for (int64_t b = 0; b < B; ++b) {
+            if (shared.group(b) == g) {
+              tables_[static_cast<size_t>(lk * B + b)][static_cast<size_t>(logical)] = block;
+            }
+          }
+        }
+      }
     }
   } catch (...) {
-    for (void* block : blocks_) pinned_free(block);
+    for (auto& table : tables_) table.clear();
+    for (size_t a = 0; a < allocations_.size(); ++a) {
+      if (allocations_[a].data != nullptr) release_allocation(static_cast<int64_t>(a));
+    }
+    allocations_.clear();
     blocks_.clear();
     throw;
   }
-  shared_.assign(blocks_.size(), true);
-  allocated_bytes_ += added * shared_block_bytes_;
-  size_t next = 0;
-  for (int64_t logical = 0; logical < tokens / bt; ++logical) {
-    for (auto& table : block_table_) table.push_back(static_cast<int64_t>(next++));
-  }
 }
 
-int64_t KvPool::shared_tokens() const {
-  int64_t blocks = num_blocks();
-  for (int64_t l = 0; l < shape_.num_layers; ++l) {
-    for (KvKind kind : {KvKind::Key, KvKind::Value}) {
-      int64_t shared = 0;
-      while (shared < blocks && is_shared(l, kind, shared)) ++shared;
-      blocks = shared;
+int32_t KvPool::references(int64_t layer, KvKind kind, int64_t b, int64_t t) const {
+  check_layer(layer);
+  INFINIGEN_CHECK(b >= 0 && b < shape_.batch && t >= 0 && t < num_blocks() * shape_.block_tokens,
+                  "KV pool: token ", t, " of sequence ", b, " is not reserved");
+  const int32_t block = table(layer, kind, b)[static_cast<size_t>(t / shape_.block_tokens)];
+  return block == kPadding ? 0 : blocks_[static_cast<size_t>(block)].references;
+}
+
+void KvPool::make_private(int64_t layer, KvKind kind, int64_t b, int64_t logical) {
+  int32_t& entry = table(layer, kind, b)[static_cast<size_t>(logical)];
+  const int32_t copy =
+      allocate_block(static_cast<int32_t>(b), 1, "a private copy of a KV pool block");
+  if (entry != kPadding) {
+    Block& shared = blocks_[static_cast<size_t>(entry)];
+    if (!dry_run()) std::memcpy(blocks_[static_cast<size_t>(copy)].data, shared.data, block_bytes_);
+    if (--shared.references == 0) {
+      if (shared.allocation >= 0) release_allocation(shared.allocation);
+      shared.data = nullptr;
+    } else if (shared.owner == b) {  // the next member fills it now
+      for (int64_t other = 0; other < shape_.batch; ++other) {
+        if (table(layer, kind, other)[static_cast<size_t>(logical)] == entry && other != b) {
+          shared.owner = static_cast<int32_t>(other);
+          break;
+        }
+      }
     }
   }
-  return blocks * shape_.block_tokens;
-}
-
-void KvPool::make_private(int64_t layer, KvKind kind, int64_t logical) {
-  const size_t physical = static_cast<size_t>(table(layer, kind)[static_cast<size_t>(logical)]);
-  void* copy = pinned_alloc(block_bytes_, "a KV pool block copied from a shared one");
-  // (1, H, bt, d) -> (B, H, bt, d): the same rows for every sequence.
-  for (int64_t b = 0; b < shape_.batch && !dry_run(); ++b) {
-    std::memcpy(static_cast<char*>(copy) + static_cast<size_t>(b) * shared_block_bytes_,
-                blocks_[physical], shared_block_bytes_);
-  }
-  pinned_free(blocks_[physical]);
-  blocks_[physical] = copy;
-  shared_[physical] = false;
-  allocated_bytes_ += block_bytes_ - shared_block_bytes_;
+  entry = copy;
 }
 
 const void* KvPool::row(int64_t layer, KvKind kind, int64_t b, int64_t h, int64_t t) const {
-  INFINIGEN_CHECK(layer >= 0 && layer < shape_.num_layers, "KV pool: layer ", layer,
-                  " out of range [0, ", shape_.num_layers, ")");
+  check_layer(layer);
   INFINIGEN_CHECK(b >= 0 && b < shape_.batch && h >= 0 && h < shape_.num_heads,
                   "KV pool: sequence ", b, " head ", h, " out of range (batch ", shape_.batch,
                   ", heads ", shape_.num_heads, ")");
   const int64_t bt = shape_.block_tokens;
   INFINIGEN_CHECK(t >= 0 && t < num_blocks() * bt, "KV pool: token ", t, " is not reserved (",
                   num_blocks() * bt, " tokens reserved)");
-  const size_t physical = static_cast<size_t>(table(layer, kind)[static_cast<size_t>(t / bt)]);
-  const auto* block = static_cast<const char*>(blocks_[physical]);
-  // Inside the block (B, H, bt, d), or (1, H, bt, d) when shared: row (b, h, t % bt).
-  const int64_t sequence = shared_[physical] ? 0 : b;
-  const int64_t element = ((sequence * shape_.num_heads + h) * bt + t % bt) * shape_.head_dim;
-  return block + static_cast<size_t>(element) * dtype_size(shape_.dtype);
+  const int32_t block = table(layer, kind, b)[static_cast<size_t>(t / bt)];
+  INFINIGEN_CHECK(block != kPadding, "KV pool: token ", t, " of sequence ", b,
+                  " is padding; nothing is stored there");
+  // Inside the block (H, bt, d): row (h, t % bt).
+  const int64_t element = (h * bt + t % bt) * shape_.head_dim;
+  return blocks_[static_cast<size_t>(block)].data +
+         static_cast<size_t>(element) * dtype_size(shape_.dtype);
 }
 
 void* KvPool::row(int64_t layer, KvKind kind, int64_t b, int64_t h, int64_t t) {
@@ -158,8 +212,7 @@ void* KvPool::row(int64_t layer, KvKind kind, int64_t b, int64_t h, int64_t t) {
 
 void KvPool::scatter_chunks(int64_t layer, KvKind kind, const void* src, int64_t src_capacity,
                             int64_t src_row0, int64_t t0, int64_t n, std::vector<CopyChunk>* out) {
-  INFINIGEN_CHECK(layer >= 0 && layer < shape_.num_layers, "KV pool: layer ", layer,
-                  " out of range [0, ", shape_.num_layers, ")");
+  check_layer(layer);
   INFINIGEN_CHECK(t0 >= 0 && n >= 0, "KV pool: invalid ", kind_name(kind), " store of ", n,
                   " tokens at token ", t0);
   INFINIGEN_CHECK(t0 + n <= shape_.max_tokens, "KV pool: storing ", kind_name(kind), " tokens [",
@@ -169,8 +222,13 @@ void KvPool::scatter_chunks(int64_t layer, KvKind kind, const void* src, int64_t
   if (n == 0) return;
   reserve(t0 + n);
   const int64_t bt = shape_.block_tokens;
-  for (int64_t logical = t0 / bt; logical <= (t0 + n - 1) / bt; ++logical) {
-    if (is_shared(layer, kind, logical)) make_private(layer, kind, logical);
+  for (int64_t b = 0; b < shape_.batch; ++b) {
+    for (int64_t logical = t0 / bt; logical <= (t0 + n - 1) / bt; ++logical) {
+      const int32_t block = table(layer, kind, b)[static_cast<size_t>(logical)];
+      if (block == kPadding || blocks_[static_cast<size_t>(block)].references > 1) {
+        make_private(layer, kind, b, logical);
+      }
+    }
   }
   const size_t row_bytes = static_cast<size_t>(shape_.head_dim) * dtype_size(shape_.dtype);
   const auto* base = static_cast<const char*>(src);
@@ -192,8 +250,7 @@ void KvPool::scatter_chunks(int64_t layer, KvKind kind, const void* src, int64_t
 void KvPool::gather_chunks(int64_t layer, KvKind kind, int64_t t0, int64_t t1, void* dst,
                            int64_t dst_capacity, int64_t dst_row0,
                            std::vector<CopyChunk>* out) const {
-  INFINIGEN_CHECK(layer >= 0 && layer < shape_.num_layers, "KV pool: layer ", layer,
-                  " out of range [0, ", shape_.num_layers, ")");
+  check_layer(layer);
   INFINIGEN_CHECK(t0 >= 0 && t0 <= t1, "KV pool: invalid ", kind_name(kind), " token range [", t0,
                   ", ", t1, ")");
   INFINIGEN_CHECK(t1 <= shape_.max_tokens, "KV pool: loading ", kind_name(kind), " tokens [", t0,
@@ -208,12 +265,14 @@ void KvPool::gather_chunks(int64_t layer, KvKind kind, int64_t t0, int64_t t1, v
   const size_t row_bytes = static_cast<size_t>(shape_.head_dim) * dtype_size(shape_.dtype);
   auto* base = static_cast<char*>(dst);
   for (int64_t b = 0; b < shape_.batch; ++b) {
+    const std::vector<int32_t>& blocks = table(layer, kind, b);
     for (int64_t h = 0; h < shape_.num_heads; ++h) {
       // dst (B, H, dst_capacity, d): rows of (b, h) start at this row.
       const int64_t dst_row = (b * shape_.num_heads + h) * dst_capacity + dst_row0;
       for (int64_t t = t0; t < t1;) {
         const int64_t run = std::min(t1, (t / bt + 1) * bt) - t;
-        if (b == 0 || !is_shared(layer, kind, t / bt)) {
+        const int32_t block = blocks[static_cast<size_t>(t / bt)];
+        if (block != kPadding && blocks_[static_cast<size_t>(block)].owner == b) {
           out->push_back({base + static_cast<size_t>(dst_row + t - t0) * row_bytes,
                           row(layer, kind, b, h, t), static_cast<size_t>(run) * row_bytes});
         }
@@ -224,27 +283,29 @@ void KvPool::gather_chunks(int64_t layer, KvKind kind, int64_t t0, int64_t t1, v
 }
 
 void KvPool::scatter_shared_chunks(int64_t layer, KvKind kind, const void* src,
-                                   int64_t src_capacity, int64_t src_row0, int64_t t0, int64_t n,
+                                   int64_t src_capacity, int64_t t0, int64_t t1,
                                    std::vector<CopyChunk>* out) {
+  check_layer(layer);
   const int64_t bt = shape_.block_tokens;
-  INFINIGEN_CHECK(layer >= 0 && layer < shape_.num_layers && t0 >= 0 && n >= 0 &&
-                      t0 + n <= num_blocks() * bt,
-                  "KV pool: shared ", kind_name(kind), " tokens [", t0, ", ", t0 + n,
-                  ") of layer ", layer, " are not reserved");
-  INFINIGEN_CHECK(src_row0 >= 0 && src_row0 + n <= src_capacity, "KV pool: source rows [", src_row0,
-                  ", ", src_row0 + n, ") exceed the source capacity ", src_capacity);
+  INFINIGEN_CHECK(t0 >= 0 && t0 <= t1 && t1 <= num_blocks() * bt && t1 <= src_capacity,
+                  "KV pool: shared ", kind_name(kind), " tokens [", t0, ", ", t1, ") of layer ",
+                  layer, " are not reserved, or beyond the source");
   const size_t row_bytes = static_cast<size_t>(shape_.head_dim) * dtype_size(shape_.dtype);
   const auto* base = static_cast<const char*>(src);
-  for (int64_t h = 0; h < shape_.num_heads; ++h) {
-    const int64_t src_row = h * src_capacity + src_row0;  // src (1, H, src_capacity, d)
-    for (int64_t t = t0; t < t0 + n;) {
-      INFINIGEN_CHECK(is_shared(layer, kind, t / bt), "KV pool: token ", t,
-                      " is not in a shared block");
-      const int64_t run = std::min(t0 + n, (t / bt + 1) * bt) - t;
-      out->push_back({row(layer, kind, 0, h, t),
-                      base + static_cast<size_t>(src_row + t - t0) * row_bytes,
-                      static_cast<size_t>(run) * row_bytes});
-      t += run;
+  for (int64_t b = 0; b < shape_.batch; ++b) {
+    const std::vector<int32_t>& blocks = table(layer, kind, b);
+    for (int64_t h = 0; h < shape_.num_heads; ++h) {
+      const int64_t src_row = (b * shape_.num_heads + h) * src_capacity;  // src (B, H, cap, d)
+      for (int64_t t = t0; t < t1;) {
+        const int64_t run = std::min(t1, (t / bt + 1) * bt) - t;
+        const int32_t block = blocks[static_cast<size_t>(t / bt)];
+        if (block != kPadding && blocks_[static_cast<size_t>(block)].owner == b) {
+          out->push_back({row(layer, kind, b, h, t),
+                          base + static_cast<size_t>(src_row + t) * row_bytes,
+                          static_cast<size_t>(run) * row_bytes});
+        }
+        t += run;
+      }
     }
   }
 }

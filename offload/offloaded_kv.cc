@@ -82,7 +82,7 @@ void OffloadedKv::issue_load(int64_t layer) {
     fill_nan(keys);
     fill_nan(values);
   }
-  // A shared prefix's blocks come once, into sequence 0's rows, which every sequence reads.
+  // A shared prefix's blocks come once, into its group leader's rows, which every member reads.
   std::vector<CopyChunk> chunks;
   pool_.gather_chunks(layer, KvKind::Key, 0, length(), keys.raw(), capacity(), 0, &chunks);
   pool_.gather_chunks(layer, KvKind::Value, 0, length(), values.raw(), capacity(), 0, &chunks);
@@ -90,9 +90,10 @@ void OffloadedKv::issue_load(int64_t layer) {
   LayerTraffic& traffic = stats_.current().layers[static_cast<size_t>(layer)];
   traffic.kv_h2d_bytes += bytes;
   // Rows each sequence's attention reads (a shared row once per sequence that reads it).
-  for (int32_t start : first_valid()) {
+  for (int64_t b = 0; b < batch(); ++b) {
+    const int64_t own = length() - first_valid()[static_cast<size_t>(b)];
     traffic.tokens_fetched +=
-        static_cast<uint64_t>((shared_rows() + length() - start) * keys.dim(1));
+        static_cast<uint64_t>((shared().prefix_length(b) + own) * keys.dim(1));
   }
   traffic.tokens_stored = traffic.tokens_fetched;
   stats_.current().h2d_bytes += bytes;
@@ -108,7 +109,7 @@ void OffloadedKv::append(int64_t layer, const Tensor& keys, const Tensor& values
     // It was last read by the store of layer - 2.
     if (layer >= 2) stored_[static_cast<size_t>(layer - 2)]->wait();
     if (sharing_pass()) {
-      store_shared_prefix(layer, keys, values);
+      store_shared_prefixes(layer, keys, values);
       return;
     }
     ops::cache_store(keys, staging_keys_[p], 0);
@@ -132,12 +133,14 @@ void OffloadedKv::append(int64_t layer, const Tensor& keys, const Tensor& values
 void OffloadedKv::resume(int64_t length, std::vector<int32_t> first_valid, int64_t num_layers,
                          LayerRestorer restore) {
   PipelinedKv::resume(length, std::move(first_valid), num_layers, std::move(restore));
-  if (shared_rows() > 0) {
+  if (!shared().empty()) {
     const int64_t block = pool_.shape().block_tokens;
-    INFINIGEN_CHECK(shared_rows() % block == 0, "the conversation shares a ", shared_rows(),
-                    "-token prefix, which is not whole blocks of ", option("kv_block_tokens"),
-                    " ", block, ": continue it with the block size it was saved with");
-    pool_.reserve_shared(shared_rows());
+    for (int64_t prefix : shared().lengths()) {
+      INFINIGEN_CHECK(prefix % block == 0, "the conversation shares a ", prefix,
+                      "-token prefix, which is not whole blocks of ", option("kv_block_tokens"),
+                      " ", block, ": continue it with the block size it was saved with");
+    }
+    pool_.share(shared());
   }
   pool_.reserve(length);
 }
@@ -152,18 +155,22 @@ const void* OffloadedKv::token_row(int64_t layer, size_t stream, int64_t b, int6
   return pool_.row(layer, stream == 0 ? KvKind::Key : KvKind::Value, b, h, t);
 }
 
-void OffloadedKv::store_shared_prefix(int64_t layer, const Tensor& keys, const Tensor& values) {
-  if (pool_.num_blocks() == 0) pool_.reserve_shared(shared_rows());
+void OffloadedKv::store_shared_prefixes(int64_t layer, const Tensor& keys, const Tensor& values) {
+  if (pool_.num_blocks() == 0) pool_.share(shared());
   const size_t p = static_cast<size_t>(layer % 2);
-  // Sequence 0's rows of staging[p] carry the prefix (1, H, capacity, d) to its shared blocks.
-  Tensor first_keys = staging_keys_[p].slice_rows(0, 1);
-  Tensor first_values = staging_values_[p].slice_rows(0, 1);
-  ops::cache_store(keys, first_keys, 0);
-  ops::cache_store(values, first_values, 0);
+  // Each leader's rows of staging[p] carry its group's prefix to the group's shared blocks.
+  const int64_t n = pass_tokens();
+  for (int64_t i = 0; i < pass_batch(); ++i) {
+    const int64_t leader = pass_sequence(i);
+    Tensor leader_keys = staging_keys_[p].slice_rows(leader, leader + 1);
+    Tensor leader_values = staging_values_[p].slice_rows(leader, leader + 1);
+    ops::cache_store(keys.slice_rows(i * n, (i + 1) * n), leader_keys, 0);
+    ops::cache_store(values.slice_rows(i * n, (i + 1) * n), leader_values, 0);
+  }
   std::vector<CopyChunk> chunks;
-  pool_.scatter_shared_chunks(layer, KvKind::Key, first_keys.raw(), capacity(), 0, 0,
+  pool_.scatter_shared_chunks(layer, KvKind::Key, staging_keys_[p].raw(), capacity(), 0,
                               shared_rows(), &chunks);
-  pool_.scatter_shared_chunks(layer, KvKind::Value, first_values.raw(), capacity(), 0, 0,
+  pool_.scatter_shared_chunks(layer, KvKind::Value, staging_values_[p].raw(), capacity(), 0,
                               shared_rows(), &chunks);
   submit_store(layer, std::move(chunks));
 }
@@ -203,8 +210,7 @@ void OffloadedKv::end_pass(int64_t n_new) {
 KvStore::View OffloadedKv::view(int64_t layer) {
   wait_for_load(layer);
   const size_t p = static_cast<size_t>(layer % 2);
-  return {&staging_keys_[p], &staging_values_[p], length() + pass_tokens(), nullptr,
-          shared_rows()};
+  return {&staging_keys_[p], &staging_values_[p], length() + pass_tokens(), nullptr, &shared()};
 }
 
 ResidentKv::ResidentKv(const ModelConfig& config, int64_t batch, int64_t capacity, DType kv_dtype,

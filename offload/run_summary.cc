@@ -13,7 +13,10 @@ TransferSummary summarize(const OffloadRun& run) {
     s.prefill_d2h_bytes = steps[0].d2h_bytes;
     s.host_kv_bytes = steps.back().host_kv_bytes;
   }
-  s.shared_prefix_tokens = run.shared_prefix;
+  const SharedPrefixes& shared = run.shared_prefixes;
+  s.shared_prefix_tokens = shared.kept_tokens();
+  s.shared_prefix_groups = shared.num_groups();
+  for (int32_t group : shared.groups()) s.shared_prefix_sequences += group >= 0 ? 1 : 0;
   double busy = 0, wait = 0, fetched = 0, stored = 0, recall_sum = 0;
   int64_t recall_count = 0;
   std::vector<double> layer_recall, layer_recall_n, layer_fetched, layer_stored, step_seconds;

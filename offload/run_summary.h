@@ -17,8 +17,12 @@ struct TransferSummary {
   double load_busy_per_step = 0;  // seconds the load stream was transferring
   double load_wait_per_step = 0;  // seconds compute waited on loads
   double hidden_fraction = 0;     // share of load time overlapped with compute
-  uint64_t host_kv_bytes = 0;        // the host pool after the last step (`full` pools)
-  int64_t shared_prefix_tokens = 0;  // prompt tokens the batch shared, kept once
+  uint64_t host_kv_bytes = 0;     // the host pool after the last step (`full` pools)
+  // Shared prompt prefixes (core/shared_prefixes.h): their tokens, each kept once, how many
+  // there are, and the sequences that read them.
+  int64_t shared_prefix_tokens = 0;
+  int64_t shared_prefix_groups = 0;
+  int64_t shared_prefix_sequences = 0;
   uint64_t prefill_h2d_bytes = 0;
   uint64_t prefill_d2h_bytes = 0;
   uint64_t total_h2d_bytes = 0;

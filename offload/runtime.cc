@@ -79,9 +79,9 @@ MemoryPlan plan_offloaded_run(MemoryRequest memory, const OffloadOptions& option
 
 namespace {
 
-// `request` with the prefix its prompts share in whole KV blocks, when the policy can keep it
-// once and the options ask for it (a capped pool keeps positions, not tokens). A conversation's
-// later turns share what its first turn shared (Conversation::shared_prefix).
+// `request` with the prefixes groups of its prompts share in whole KV blocks, when the policy can
+// keep them once and the options ask for it (a capped pool keeps positions, not tokens). A
+// conversation's later turns share what its first turn shared (Conversation::shared_prefixes).
 GenerationRequest with_shared_prefix(const GenerationRequest& request,
                                      const OffloadOptions& options,
                                      const Conversation* conversation) {
@@ -89,7 +89,7 @@ GenerationRequest with_shared_prefix(const GenerationRequest& request,
   const bool continued = conversation && !conversation->history().empty();
   if (options.share_prefix && !continued && options.kv_pool_limit == 0 &&
       policy_reads_option(options.policy, "share_prefix")) {
-    shared.shared_prefix = common_prefix_rows(request.prompts, options.kv_block_tokens);
+    shared.shared_prefixes = find_shared_prefixes(request.prompts, options.kv_block_tokens);
   }
   return shared;
 }
@@ -121,9 +121,9 @@ void generate_offloaded(const ModelSource& source, const GenerationRequest& requ
                               pool_positions, engine, run.stats, replay});
   };
   const GenerationRequest shared = with_shared_prefix(request, options, conversation);
-  run.shared_prefix = conversation && !conversation->history().empty()
-                          ? conversation->shared_prefix()
-                          : shared.shared_prefix;
+  run.shared_prefixes = conversation && !conversation->history().empty()
+                            ? conversation->shared_prefixes()
+                            : shared.shared_prefixes;
   run.result = generate(*model, shared, progress, make_store, conversation);
   engine.synchronize();
   run.totals = engine.counters();

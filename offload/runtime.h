@@ -26,7 +26,7 @@ bool policy_runs_on(const std::string& policy, Device device);
 
 struct OffloadRun {
   GenerationResult result;
-  int64_t shared_prefix = 0;  // prompt tokens the batch shared, computed and kept once
+  SharedPrefixes shared_prefixes;  // the prompts' prefixes computed and kept once per group
   OffloadStats stats;
   MemoryPlan plan;
   TransferCounters totals;

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <numeric>
 #include <sstream>
 
 #include "core/error.h"
@@ -80,6 +81,13 @@ std::string segment_name(int64_t index) {
   return name;
 }
 
+// Sequences 0, 1, ..., batch - 1.
+std::vector<int32_t> all_sequences(int64_t batch) {
+  std::vector<int32_t> sequences(static_cast<size_t>(batch));
+  std::iota(sequences.begin(), sequences.end(), 0);
+  return sequences;
+}
+
 std::string layer_file(const std::string& prefix, int64_t layer) {
   char name[48];
   std::snprintf(name, sizeof name, "%s-%03lld.safetensors", prefix.c_str(),
@@ -90,12 +98,9 @@ std::string layer_file(const std::string& prefix, int64_t layer) {
 json key_json(const SessionKey& key) {
   json options = json::object();
   for (const auto& [name, value] : key.options) options[name] = value;
-  return {{"model", key.model},
-          {"identity", key.identity},
-          {"policy", key.policy},
-          {"kv_dtype", std::string(dtype_name(key.kv_dtype))},
-          {"options", options},
-          {"layers", key.num_layers}};
+  return {{"model", key.model},   {"identity", key.identity},
+          {"policy", key.policy}, {"kv_dtype", std::string(dtype_name(key.kv_dtype))},
+          {"options", options},   {"layers", key.num_layers}};
 }
 
 json file_json(const DiskSession::FileRecord& file) {
@@ -113,10 +118,10 @@ DiskSession::FileRecord file_record(const json& entry, const std::string& where)
                   where, ": malformed file entry");
   file.path = entry["path"].get<std::string>();
   const fs::path path(file.path);
-  INFINIGEN_CHECK(!file.path.empty() && path.is_relative() &&
-                      std::none_of(path.begin(), path.end(),
-                                   [](const fs::path& part) { return part == ".."; }),
-                  where, ": file path ", file.path, " leaves the session directory");
+  INFINIGEN_CHECK(
+      !file.path.empty() && path.is_relative() &&
+          std::none_of(path.begin(), path.end(), [](const fs::path& part) { return part == ".."; }),
+      where, ": file path ", file.path, " leaves the session directory");
   file.bytes = entry["bytes"].get<uint64_t>();
   const std::string crc = entry["crc32"].get<std::string>();
   INFINIGEN_CHECK(crc.size() == 8 && crc.find_first_not_of("0123456789abcdef") == std::string::npos,
@@ -126,13 +131,16 @@ DiskSession::FileRecord file_record(const json& entry, const std::string& where)
 }
 
 // A list of non-negative 32-bit integers (token ids, row counts).
-std::vector<int32_t> int32_list(const json& value, const std::string& where, const char* what) {
+// A list of counts or token ids (>= 0), or of group indices (>= -1: none) when `groups`.
+std::vector<int32_t> int32_list(const json& value, const std::string& where, const char* what,
+                                bool groups = false) {
   INFINIGEN_CHECK(value.is_array(), where, ": ", what, " must be a list");
   std::vector<int32_t> out;
   for (const json& item : value) {
-    INFINIGEN_CHECK(item.is_number_integer() && item.get<int64_t>() >= 0 &&
+    INFINIGEN_CHECK(item.is_number_integer() && item.get<int64_t>() >= (groups ? -1 : 0) &&
                         item.get<int64_t>() <= std::numeric_limits<int32_t>::max(),
-                    where, ": ", what, " hold ", item.dump(), ", not a count or token id");
+                    where, ": ", what, " hold ", item.dump(), ", not ",
+                    groups ? "a group index or -1" : "a count or token id");
     out.push_back(static_cast<int32_t>(item.get<int64_t>()));
   }
   return out;
@@ -157,10 +165,10 @@ SessionKey session_key(const ModelSource& source, const OffloadOptions& options,
                   " cannot be used with a session yet");
   const ModelConfig& c = source.config;
   std::ostringstream text;
-  text << "family=" << c.family << " layers=" << c.num_layers
-       << " hidden=" << c.hidden_size << " heads=" << c.num_heads << " kv_heads=" << c.kv_heads()
-       << " head_dim=" << c.head_dim() << " ffn=" << c.ffn_dim << " vocab=" << c.vocab_size
-       << " positions=" << c.max_positions << " dtype=" << dtype_name(c.dtype) << "\n";
+  text << "family=" << c.family << " layers=" << c.num_layers << " hidden=" << c.hidden_size
+       << " heads=" << c.num_heads << " kv_heads=" << c.kv_heads() << " head_dim=" << c.head_dim()
+       << " ffn=" << c.ffn_dim << " vocab=" << c.vocab_size << " positions=" << c.max_positions
+       << " dtype=" << dtype_name(c.dtype) << "\n";
   if (source.directory.empty()) {
     text << "synthetic seed=" << source.seed << "\n";
   } else {
@@ -257,11 +265,11 @@ std::unique_ptr<DiskSession> DiskSession::open(const fs::path& directory, const 
     const json expected = key_json(key);
     INFINIGEN_CHECK(saved.at("identity") == expected["identity"], directory.string(),
                     ": saved with another model (", saved.at("model").get<std::string>(),
-                    ", identity ", saved["identity"].get<std::string>(), "), not ", key.model,
-                    " (", key.identity, ")");
-    INFINIGEN_CHECK(saved.at("policy") == expected["policy"], directory.string(),
-                    ": saved with ", option("policy"), " ", saved["policy"].get<std::string>(),
-                    ", not ", key.policy);
+                    ", identity ", saved["identity"].get<std::string>(), "), not ", key.model, " (",
+                    key.identity, ")");
+    INFINIGEN_CHECK(saved.at("policy") == expected["policy"], directory.string(), ": saved with ",
+                    option("policy"), " ", saved["policy"].get<std::string>(), ", not ",
+                    key.policy);
     INFINIGEN_CHECK(saved.at("kv_dtype") == expected["kv_dtype"], directory.string(),
                     ": saved with KV dtype ", saved["kv_dtype"].get<std::string>(), ", not ",
                     expected["kv_dtype"].get<std::string>());
@@ -281,19 +289,41 @@ std::unique_ptr<DiskSession> DiskSession::open(const fs::path& directory, const 
     std::vector<int64_t> stored(B, 0);
     if (manifest.contains("prefix")) {
       const json& entry = manifest.at("prefix");
-      s.prefix_.rows = int32_list(entry.at("rows"), where, "the shared prefix's rows");
-      INFINIGEN_CHECK(s.prefix_.rows.size() == 1 && s.prefix_.rows[0] >= 1, where,
-                      ": malformed shared prefix rows");
-      const int64_t P = s.prefix_.rows[0];
+      s.prefix_.rows = int32_list(entry.at("rows"), where, "the shared prefixes' rows");
+      const int64_t G = std::ssize(s.prefix_.rows);
+      // Each sequence's group; a session saved before groups shares one prefix with the batch.
+      const std::vector<int32_t> groups =
+          entry.contains("groups")
+              ? int32_list(entry.at("groups"), where, "the prefix groups", true)
+              : std::vector<int32_t>(B, 0);
+      INFINIGEN_CHECK(G >= 1 && groups.size() == B, where, ": malformed shared prefixes");
+      std::vector<int64_t> lengths;
+      std::vector<int64_t> leader(static_cast<size_t>(G), -1);
+      for (int32_t rows : s.prefix_.rows) {
+        INFINIGEN_CHECK(rows >= 1, where, ": malformed shared prefix rows");
+        lengths.push_back(rows);
+      }
       for (size_t b = 0; b < B; ++b) {
+        const int32_t g = groups[b];
+        INFINIGEN_CHECK(g >= -1 && g < G, where, ": sequence ", b + 1,
+                        " is in shared prefix group ", g, " of ", G);
+        if (g < 0) continue;
+        if (leader[static_cast<size_t>(g)] < 0)
+          leader[static_cast<size_t>(g)] = static_cast<int64_t>(b);
+        const int64_t P = lengths[static_cast<size_t>(g)];
         const auto& tokens = s.tokens_[b];
-        INFINIGEN_CHECK(std::ssize(tokens) > P &&
-                            std::equal(tokens.begin(), tokens.begin() + P, s.tokens_[0].begin()),
-                        where, ": sequence ", b + 1, " does not start with the ", P,
-                        "-token prefix the session shares (the session is corrupt)");
+        const auto& first = s.tokens_[static_cast<size_t>(leader[static_cast<size_t>(g)])];
+        INFINIGEN_CHECK(
+            std::ssize(tokens) > P && std::equal(tokens.begin(), tokens.begin() + P, first.begin()),
+            where, ": sequence ", b + 1, " does not start with the ", P,
+            "-token prefix it shares (the session is corrupt)");
         stored[b] += P;
       }
-      for (const json& file : entry.at("files")) s.prefix_.layers.push_back(file_record(file, where));
+      INFINIGEN_CHECK(std::none_of(leader.begin(), leader.end(), [](int64_t b) { return b < 0; }),
+                      where, ": a shared prefix no sequence shares");
+      s.shared_ = SharedPrefixes(groups, lengths);
+      for (const json& file : entry.at("files"))
+        s.prefix_.layers.push_back(file_record(file, where));
       INFINIGEN_CHECK(static_cast<int64_t>(s.prefix_.layers.size()) == L, where,
                       ": the shared prefix has ", s.prefix_.layers.size(), " layer files for ", L,
                       " layers");
@@ -318,14 +348,14 @@ std::unique_ptr<DiskSession> DiskSession::open(const fs::path& directory, const 
     for (size_t b = 0; b < B; ++b) {
       // Every token but the last generated one has its rows stored.
       INFINIGEN_CHECK(stored[b] + 1 == static_cast<int64_t>(s.tokens_[b].size()), where,
-                      ": sequence ", b + 1, " has ", s.tokens_[b].size(), " tokens but ",
-                      stored[b], " stored rows");
+                      ": sequence ", b + 1, " has ", s.tokens_[b].size(), " tokens but ", stored[b],
+                      " stored rows");
       s.history_.emplace_back(s.tokens_[b].begin(), s.tokens_[b].end() - 1);
     }
     const json& next = manifest.at("next_segment");
-    INFINIGEN_CHECK(next.is_number_integer() && next.get<int64_t>() >= 1 &&
-                        next.get<int64_t>() < 1000000,
-                    where, ": malformed next_segment");
+    INFINIGEN_CHECK(
+        next.is_number_integer() && next.get<int64_t>() >= 1 && next.get<int64_t>() < 1000000,
+        where, ": malformed next_segment");
     s.next_segment_ = next.get<int64_t>();
     // Every file the manifest names must be there, whole, before anything is computed.
     std::vector<const Segment*> named = {&s.prefix_};
@@ -430,8 +460,8 @@ void DiskSession::restore_layer(int64_t layer, KvStore& store) {
   }
   if (read.error) std::rethrow_exception(read.error);
   KvStore::LayerState state;  // empty where the layer keeps none
-  for (const SafetensorsEntry& entry : read.state ? read.state->entries()
-                                                  : std::vector<SafetensorsEntry>{}) {
+  for (const SafetensorsEntry& entry :
+       read.state ? read.state->entries() : std::vector<SafetensorsEntry>{}) {
     Tensor tensor = Tensor::empty(entry.shape, entry.dtype);
     std::memcpy(tensor.raw(), read.state->bytes(entry), entry.nbytes);
     state.emplace_back(entry.name, std::move(tensor));
@@ -439,10 +469,11 @@ void DiskSession::restore_layer(int64_t layer, KvStore& store) {
   store.restore_layer_state(layer, state);
   const std::vector<KvStore::TokenStream> streams = store.token_streams(layer);
   const int64_t H = key_.kv_heads;
-  // Rows rows[b] of the file's sequences b into the store's rows from first[b], up to what the
-  // pass computes again (those need no restoring).
+  // Rows rows[i] of the file's sequences i into the rows from first[i] of the store's sequence
+  // sequences[i], up to what the pass computes again (those need no restoring).
   const auto restore_rows = [&](const SafetensorsFile& file, const std::vector<int32_t>& rows,
-                                const std::vector<int64_t>& first) {
+                                const std::vector<int64_t>& first,
+                                const std::vector<int32_t>& sequences) {
     const int64_t B = std::ssize(rows), R = *std::max_element(rows.begin(), rows.end());
     for (size_t k = 0; k < streams.size(); ++k) {
       const KvStore::TokenStream& stream = streams[k];
@@ -457,22 +488,24 @@ void DiskSession::restore_layer(int64_t layer, KvStore& store) {
         const int64_t count = std::min<int64_t>(rows[b], store.length() - first[b]);
         for (int64_t h = 0; h < H; ++h) {
           for (int64_t j = 0; j < count; ++j) {
-            std::memcpy(store.mutable_token_row(layer, k, b, h, first[b] + j),
+            std::memcpy(store.mutable_token_row(layer, k, sequences[b], h, first[b] + j),
                         data + static_cast<size_t>((b * H + h) * R + j) * row_bytes, row_bytes);
           }
         }
       }
     }
   };
-  if (read.prefix) {  // kept once: sequence 0's rows [0, P), which every sequence reads
-    INFINIGEN_CHECK(store.shared_rows() == shared_prefix(), "the store does not share the ",
-                    shared_prefix(), "-token prefix of the session");
-    restore_rows(*read.prefix, prefix_.rows, {0});
+  if (read.prefix) {  // kept once: each group's in its leader's rows, which every member reads
+    INFINIGEN_CHECK(store.shared() == shared_,
+                    "the store does not share the prefixes of the session");
+    const std::vector<int32_t>& begin = shared_.leader_first_valid();
+    restore_rows(*read.prefix, prefix_.rows, {begin.begin(), begin.end()}, shared_.leaders());
   }
   const int64_t B = store.batch();
+  const std::vector<int32_t> sequences = all_sequences(B);
   std::vector<int64_t> first(store.first_valid().begin(), store.first_valid().end());
   for (size_t s = 0; s < segments_.size(); ++s) {
-    restore_rows(*read.segments[s], segments_[s].rows, first);
+    restore_rows(*read.segments[s], segments_[s].rows, first, sequences);
     for (int64_t b = 0; b < B; ++b) first[b] += segments_[s].rows[b];
   }
   {
@@ -482,9 +515,10 @@ void DiskSession::restore_layer(int64_t layer, KvStore& store) {
   changed_.notify_all();
 }
 
-void DiskSession::write_segment(const KvStore& store, const std::vector<int32_t>& rows_from,
-                                const Segment& segment, const std::string& directory,
-                                bool with_state, std::vector<FileRecord>* layer_files,
+void DiskSession::write_segment(const KvStore& store, const std::vector<int32_t>& sequences,
+                                const std::vector<int32_t>& rows_from, const Segment& segment,
+                                const std::string& directory, bool with_state,
+                                std::vector<FileRecord>* layer_files,
                                 std::vector<FileRecord>* state_files) {
   const auto start = std::chrono::steady_clock::now();
   const int64_t B = std::ssize(segment.rows);
@@ -517,7 +551,7 @@ void DiskSession::write_segment(const KvStore& store, const std::vector<int32_t>
         for (int64_t h = 0; h < H; ++h) {
           for (int64_t j = 0; j < segment.rows[b]; ++j) {
             std::memcpy(buffer.data() + static_cast<size_t>((b * H + h) * R + j) * row_bytes,
-                        store.token_row(l, k, b, h, rows_from[b] + j), row_bytes);
+                        store.token_row(l, k, sequences[b], h, rows_from[b] + j), row_bytes);
           }
         }
       }
@@ -553,8 +587,7 @@ void DiskSession::after_first_pass(const KvStore& store, const std::vector<int32
   }
   for (const fs::directory_entry& entry : fs::directory_iterator(directory_)) {
     const std::string name = entry.path().filename().string();
-    if (name.rfind("seg-", 0) == 0 &&
-        std::find(named.begin(), named.end(), name) == named.end()) {
+    if (name.rfind("seg-", 0) == 0 && std::find(named.begin(), named.end(), name) == named.end()) {
       fs::remove_all(entry.path());
     }
   }
@@ -567,27 +600,31 @@ void DiskSession::after_first_pass(const KvStore& store, const std::vector<int32
   }
   new_segments_.push_back(segment);
   const bool with_state = segments_.empty();
-  // A first turn that shares a prefix keeps it once, in a segment of its own.
+  // A first turn that shares prefixes keeps each once, in a segment of its own: group g's rows
+  // from its leader.
   new_prefix_ = {};
+  new_shared_ = {};
   std::string prefix_directory;
-  if (segments_.empty() && store.shared_rows() > 0) {
-    new_prefix_.rows = {static_cast<int32_t>(store.shared_rows())};
+  if (segments_.empty() && !store.shared().empty()) {
+    new_shared_ = store.shared();
+    for (int64_t length : new_shared_.lengths())
+      new_prefix_.rows.push_back(static_cast<int32_t>(length));
     prefix_directory = segment_name(next_segment_++);
   }
   const std::string directory = segment_name(next_segment_++);
-  writer_ = std::thread([this, &store, rows_from, segment, directory, prefix_directory,
-                         with_state] {
-    try {
-      if (!prefix_directory.empty()) {
-        write_segment(store, {0}, new_prefix_, prefix_directory, false, &new_prefix_.layers,
-                      nullptr);
-      }
-      write_segment(store, rows_from, segment, directory, with_state,
-                    &new_segments_.front().layers, &new_state_);
-    } catch (...) {
-      writer_error_ = std::current_exception();
-    }
-  });
+  writer_ =
+      std::thread([this, &store, rows_from, segment, directory, prefix_directory, with_state] {
+        try {
+          if (!prefix_directory.empty()) {
+            write_segment(store, new_shared_.leaders(), new_shared_.leader_first_valid(),
+                          new_prefix_, prefix_directory, false, &new_prefix_.layers, nullptr);
+          }
+          write_segment(store, all_sequences(store.batch()), rows_from, segment, directory,
+                        with_state, &new_segments_.front().layers, &new_state_);
+        } catch (...) {
+          writer_error_ = std::current_exception();
+        }
+      });
 }
 
 void DiskSession::abandon() {
@@ -608,13 +645,14 @@ void DiskSession::finish(const KvStore& store, const std::vector<int32_t>& rows_
   Segment segment;
   bool any = false;
   for (int64_t b = 0; b < store.batch(); ++b) {
-    segment.rows.push_back(static_cast<int32_t>(store.length() - rows_from[static_cast<size_t>(b)]));
+    segment.rows.push_back(
+        static_cast<int32_t>(store.length() - rows_from[static_cast<size_t>(b)]));
     any = any || segment.rows.back() > 0;
   }
   if (any) {
     new_segments_.push_back(segment);
-    write_segment(store, rows_from, segment, segment_name(next_segment_++), false,
-                  &new_segments_.back().layers, nullptr);
+    write_segment(store, all_sequences(store.batch()), rows_from, segment,
+                  segment_name(next_segment_++), false, &new_segments_.back().layers, nullptr);
   }
   // The conversation now: what it held, this turn's prompts and what was generated.
   if (tokens_.empty()) tokens_.assign(prompts_.size(), {});
@@ -627,6 +665,7 @@ void DiskSession::finish(const KvStore& store, const std::vector<int32_t>& rows_
   if (segments_.empty()) {
     state_ = new_state_;
     prefix_ = new_prefix_;
+    shared_ = new_shared_;
   }
   segments_.insert(segments_.end(), new_segments_.begin(), new_segments_.end());
   new_segments_.clear();
@@ -646,7 +685,7 @@ void DiskSession::commit() {
   if (!prefix_.layers.empty()) {
     json files = json::array();
     for (const FileRecord& file : prefix_.layers) files.push_back(file_json(file));
-    manifest["prefix"] = {{"rows", prefix_.rows}, {"files", files}};
+    manifest["prefix"] = {{"rows", prefix_.rows}, {"groups", shared_.groups()}, {"files", files}};
   }
   json state = json::array();
   for (const FileRecord& file : state_) state.push_back(file_json(file));
@@ -659,7 +698,8 @@ void DiskSession::commit() {
 
 DrySessionTurn::DrySessionTurn(int64_t batch, int64_t history_len, int64_t num_layers,
                                int64_t kv_heads)
-    : history_(static_cast<size_t>(batch), std::vector<int32_t>(static_cast<size_t>(history_len), 0)),
+    : history_(static_cast<size_t>(batch),
+               std::vector<int32_t>(static_cast<size_t>(history_len), 0)),
       num_layers_(num_layers),
       kv_heads_(kv_heads) {}
 

@@ -15,9 +15,11 @@
 //                                    token order, R the largest rows[b]
 //   seg-NNNNNN/state-LLL.safetensors the layer's state beyond its rows (InfiniGen's partial
 //                                    columns and query weights), written with the first segment
-// A first turn whose prompts shared a prefix (KvStore::share_prefix) keeps it once: the
-// manifest's "prefix" segment holds its P rows as (1, H_kv, P, width) per stream, every
-// sequence's tokens start with the same P, and the other segments hold each sequence's own rows.
+// A first turn whose prompts shared prefixes (KvStore::share_prefixes) keeps each once: the
+// manifest's "prefix" segment names each sequence's group ("groups", -1 for none) and each
+// group's prefix length ("rows", P_g), and holds group g's rows from its leader as (G, H_kv,
+// max P_g, width) per stream; every member's tokens start with its leader's first P_g, and the
+// other segments hold each sequence's own rows.
 // A save writes new files only, each fsynced, then replaces manifest.json atomically (a hidden
 // sibling written, fsynced and renamed, the directory fsynced): a crash or kill at any point
 // leaves the previous manifest and every file it names. Files no manifest names (a save that was
@@ -59,10 +61,10 @@ SessionKey session_key(const ModelSource& source, const OffloadOptions& options,
 // Time and bytes of a turn's session I/O.
 struct SessionStats {
   uint64_t bytes_read = 0;
-  double read_seconds = 0.0;     // reading and checking the history (the read-ahead thread)
+  double read_seconds = 0.0;          // reading and checking the history (the read-ahead thread)
   double restore_wait_seconds = 0.0;  // the first pass waiting for a layer not read yet
   uint64_t bytes_written = 0;
-  double write_seconds = 0.0;    // writing the turn's segments (partly while decoding)
+  double write_seconds = 0.0;  // writing the turn's segments (partly while decoding)
 };
 
 class DiskSession : public Conversation {
@@ -85,10 +87,11 @@ class DiskSession : public Conversation {
   // The prompts a turn's request carries for `new_prompts` (one per sequence): for a resumed
   // session each sequence's last generated token (not yet through the model) then its new
   // prompt; for a new session the prompts themselves. Remembered for the save.
-  std::vector<std::vector<int32_t>> turn_prompts(const std::vector<std::vector<int32_t>>& new_prompts);
+  std::vector<std::vector<int32_t>> turn_prompts(
+      const std::vector<std::vector<int32_t>>& new_prompts);
 
   const std::vector<std::vector<int32_t>>& history() const override { return history_; }
-  int64_t shared_prefix() const override { return prefix_.rows.empty() ? 0 : prefix_.rows[0]; }
+  const SharedPrefixes& shared_prefixes() const override { return shared_; }
   void begin() override;
   void restore_layer(int64_t layer, KvStore& store) override;
   void after_first_pass(const KvStore& store, const std::vector<int32_t>& rows_from) override;
@@ -115,11 +118,12 @@ class DiskSession : public Conversation {
   // Reads and checks every file of layers [0, L) in order, at most kReadAhead layers ahead of
   // restore_layer.
   void read_ahead();
-  // Writes segment `segment` (and the state files when `with_state`) of the rows
-  // [rows_from[b], rows_from[b] + rows[b]) of `store`'s sequences b < segment.rows.size() (one
-  // for a shared prefix, sequence 0's rows), its layer files into `layer_files`.
-  void write_segment(const KvStore& store, const std::vector<int32_t>& rows_from,
-                     const Segment& segment, const std::string& directory, bool with_state,
+  // Writes segment `segment` (and the state files when `with_state`): its sequence i holds rows
+  // [rows_from[i], rows_from[i] + rows[i]) of `store`'s sequence sequences[i] (every sequence, or
+  // for the shared prefixes each group's leader), its layer files into `layer_files`.
+  void write_segment(const KvStore& store, const std::vector<int32_t>& sequences,
+                     const std::vector<int32_t>& rows_from, const Segment& segment,
+                     const std::string& directory, bool with_state,
                      std::vector<FileRecord>* layer_files, std::vector<FileRecord>* state_files);
   void commit();
 
@@ -129,7 +133,8 @@ class DiskSession : public Conversation {
   std::vector<std::vector<int32_t>> history_;  // (B): tokens whose rows are stored
   std::vector<std::vector<int32_t>> prompts_;  // (B): this turn's prompts, for the save
   std::vector<Segment> segments_;
-  Segment prefix_;  // the prefix the conversations share, kept once: rows {P}; empty: none
+  Segment prefix_;  // the prefixes groups of the conversations share, each kept once: rows (G)
+  SharedPrefixes shared_;          // those groups; empty: none
   std::vector<FileRecord> state_;  // (L): path empty where a layer keeps no state
   int64_t next_segment_ = 1;
   SessionStats stats_;
@@ -148,6 +153,7 @@ class DiskSession : public Conversation {
   std::exception_ptr writer_error_;
   std::vector<Segment> new_segments_;
   Segment new_prefix_;
+  SharedPrefixes new_shared_;
   std::vector<FileRecord> new_state_;
 };
 
@@ -173,8 +179,8 @@ class DrySessionTurn : public Conversation {
   std::vector<std::vector<int32_t>> history_;
   int64_t num_layers_;
   int64_t kv_heads_;
-  std::vector<int32_t> reads_;      // per layer: its traced read
-  std::vector<uint64_t> bytes_;     // per layer: bytes read
+  std::vector<int32_t> reads_;   // per layer: its traced read
+  std::vector<uint64_t> bytes_;  // per layer: bytes read
 };
 
 }  // namespace infinigen

@@ -64,6 +64,20 @@ const std::pair<std::string_view, Pricing> kPrices[] = {
                      0,
                      0};
      }},
+    // An extension's attention over the cache: s = {H, H_kv, (query, row) pairs scored over the
+    // batch, KV rows read over the batch, d}; each (sequence, KV head)'s rows read once for all
+    // of its new rows, as the CPU kernel widens them once (the CUDA kernel, one block per new
+    // row, reads them once per row: an extension on a GPU is priced optimistically).
+    {"attention_extend",
+     [](auto& s, double e, DType) {
+       return OpWork{OpClass::AttentionDecode,
+                     4 * f(s[0] * s[2] * s[4]),
+                     2 * f(s[1] * s[3] * s[4]) * e,
+                     0,
+                     0,
+                     0,
+                     0};
+     }},
     {"sample", [](auto& s, double, DType) { return elementwise(4 * f(s[0] * s[1])); }},
     // speculate/speculation.h: partial columns, weights and key cache from the prompt
     {"partial_build",

@@ -69,9 +69,9 @@ Schedule schedule_from_trace(const Trace& trace) {
     schedule.ops.push_back(std::move(op));
   }
   schedule.steps = static_cast<int64_t>(schedule.step_end.size());
-  INFINIGEN_CHECK(std::find(schedule.step_end.begin(), schedule.step_end.end(), -1) ==
-                      schedule.step_end.end(),
-                  "cost model: a step of the trace has no compute op");
+  INFINIGEN_CHECK(
+      std::find(schedule.step_end.begin(), schedule.step_end.end(), -1) == schedule.step_end.end(),
+      "cost model: a step of the trace has no compute op");
   return schedule;
 }
 
@@ -85,17 +85,16 @@ Schedule run_schedule(const CostModelInput& in) {
   INFINIGEN_CHECK(in.shared_prefix_len >= 0 && in.shared_prefix_len <= in.prompt_len,
                   "cost model: the shared prefix (", in.shared_prefix_len,
                   " tokens) must be within the prompt (", in.prompt_len, ")");
-  // Prompts of equal length, of ids any vocabulary holds, the same up to shared_prefix_len and
-  // different from there on; beyond that the tokens do not matter to a dry run.
+  // Prompts of equal length, of ids any vocabulary holds, different in every token but for the
+  // prefixes their groups share; beyond that the tokens do not matter to a dry run.
   GenerationRequest request;
-  std::vector<int32_t> prompt(static_cast<size_t>(in.prompt_len), 0);
-  prompt[0] = in.config.bos_token_id;
   for (int64_t b = 0; b < in.batch; ++b) {
-    if (in.shared_prefix_len < in.prompt_len) {
-      prompt[static_cast<size_t>(in.shared_prefix_len)] =
-          1 + static_cast<int32_t>(b % std::max<int64_t>(in.config.vocab_size - 1, 1));
-    }
-    request.prompts.push_back(prompt);
+    request.prompts.emplace_back(
+        static_cast<size_t>(in.prompt_len),
+        1 + static_cast<int32_t>(b % std::max<int64_t>(in.config.vocab_size - 1, 1)));
+  }
+  if (in.shared_prefix_len > 0) {
+    share_leading_tokens(request.prompts, in.shared_prefix_len, in.shared_prefix_groups);
   }
   request.gen_len = in.gen_len;
   request.sampling.temperature = 0;
@@ -106,8 +105,7 @@ Schedule run_schedule(const CostModelInput& in) {
     session.emplace(in.batch, in.history_len, in.config.num_layers, in.config.kv_heads());
   }
   const Trace trace = dry_run_trace(in.config, request, in.options, Device::Cpu,
-                                    replays ? &in.fetched : nullptr,
-                                    session ? &*session : nullptr);
+                                    replays ? &in.fetched : nullptr, session ? &*session : nullptr);
   return schedule_from_trace(trace);
 }
 

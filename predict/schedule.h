@@ -32,9 +32,11 @@ struct CostModelInput {
   // > 0: a resumed conversation's turn (offload/session.h): each sequence holds history_len
   // tokens on disk, read back while the turn's first pass extends them by prompt_len tokens.
   int64_t history_len = 0;
-  // The leading tokens every prompt shares (the rest differ between sequences): a policy that
-  // shares a prefix (option share_prefix) computes and keeps its whole KV blocks once.
+  // The leading tokens the prompts share, in shared_prefix_groups groups (sequence b in group
+  // b % groups; the rest of the prompts differ between sequences): a policy that shares prefixes
+  // (option share_prefix) computes and keeps their whole KV blocks once per group.
   int64_t shared_prefix_len = 0;
+  int64_t shared_prefix_groups = 1;
   DType kv_dtype = DType::F16;
   OffloadOptions options;  // policy, weights_gpu_percent, kv_block_tokens, speculation, h2o_budget
   // For a policy that selects its loads (infinigen): what a measured run fetched, per layer
@@ -60,7 +62,7 @@ struct ScheduledOp {
   int64_t out_features = 0;
   int64_t in_features = 0;
   double weight_bytes = 0;
-  uint64_t h2d_bytes = 0;  // transfers: bytes over the link (KV and weights)
+  uint64_t h2d_bytes = 0;   // transfers: bytes over the link (KV and weights)
   uint64_t disk_bytes = 0;  // a session read
   uint64_t d2h_bytes = 0;
   bool weights = false;  // a transfer of streamed weights (else KV)

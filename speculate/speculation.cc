@@ -99,6 +99,7 @@ void PartialLayer::build(const PartialSource& source, const std::vector<int32_t>
                   " KV heads do not divide ", num_heads, " heads");
   key_dtype_ = key_dtype;
   batch_ = static_cast<int64_t>(first_valid.size());
+  shared_ = {};
   heads_ = num_heads;
   kv_heads_ = num_kv_heads;
   group_ = num_heads / num_kv_heads;
@@ -267,16 +268,25 @@ void PartialLayer::partial_of(const float* key, int64_t g, float* out) const {
   }
 }
 
-void PartialLayer::share_prefix(int64_t batch, int64_t shared_rows) {
-  INFINIGEN_CHECK((batch_ == 1 || batch_ == batch) && shared_rows > 0 && shared_rows <= capacity_,
-                  "speculation: a shared prefix of ", shared_rows,
-                  " positions needs a layer built from it alone, or restored for the batch");
-  batch_ = batch;
-  shared_rows_ = shared_rows;
-  // Sequence 0's slot already holds the prefix; the others' slots follow it.
-  if (!keys_.empty()) {
-    keys_.resize(static_cast<size_t>(batch_ * kv_heads_ * capacity_ * r_) * dtype_size(key_dtype_));
+void PartialLayer::share_prefixes(const SharedPrefixes& shared, bool from_leaders) {
+  const int64_t B = shared.batch(), G = shared.num_groups();
+  INFINIGEN_CHECK(!shared.empty() && shared.rows() <= capacity_ && batch_ == (from_leaders ? G : B),
+                  "speculation: shared prefixes of ", shared.rows(), " positions need a layer ",
+                  from_leaders ? "built from the groups' leaders" : "restored for the batch");
+  if (from_leaders && !keys_.empty()) {
+    // Slot i (group i's leader's prefix) becomes the leader's; the others' slots follow it.
+    const size_t slot = static_cast<size_t>(kv_heads_ * capacity_ * r_) * dtype_size(key_dtype_);
+    std::vector<char> keys(static_cast<size_t>(B) * slot);
+    for (int64_t i = 0; i < G; ++i) {
+      std::copy_n(
+          keys_.begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(i) * slot), slot,
+          keys.begin() + static_cast<std::ptrdiff_t>(
+                             static_cast<size_t>(shared.leaders()[static_cast<size_t>(i)]) * slot));
+    }
+    keys_ = std::move(keys);
   }
+  batch_ = B;
+  shared_ = shared;
 }
 
 void PartialLayer::append(const Tensor& keys, int64_t position,
@@ -402,7 +412,7 @@ PartialLayer::Selection PartialLayer::replayed(const std::vector<int32_t>& take,
   const int64_t H = kv_heads_;
   // The valid positions of a row: [first_valid[b], used) when every position holds its own
   // token and nothing is shared, else those whose token is one of the sequence's.
-  const bool listed = position_tokens || shared_rows_ > 0;
+  const bool listed = position_tokens || !shared_.empty();
   const auto valid_positions = [&](int64_t row) {
     const int64_t b = row / H;
     std::vector<int32_t> valid;
@@ -521,6 +531,7 @@ void PartialLayer::set_shape(int64_t batch, int64_t num_heads, int64_t num_kv_he
   capacity_ = capacity;
   r_ = r;
   key_dtype_ = key_dtype;
+  shared_ = {};
 }
 
 std::vector<std::pair<std::string, Tensor>> PartialLayer::state() const {
@@ -528,8 +539,9 @@ std::vector<std::pair<std::string, Tensor>> PartialLayer::state() const {
   const bool values = !dry_run();
   Tensor columns = Tensor::empty({kv_heads_, r_}, DType::I32);
   if (values) std::copy(columns_.begin(), columns_.end(), columns.data<int32_t>());
-  std::vector<std::pair<std::string, Tensor>> state = {
-      {"partial_columns", std::move(columns)}, {"partial_weight", weight_}, {"partial_bias", bias_}};
+  std::vector<std::pair<std::string, Tensor>> state = {{"partial_columns", std::move(columns)},
+                                                       {"partial_weight", weight_},
+                                                       {"partial_bias", bias_}};
   if (!skew_.empty()) {
     Tensor skew = Tensor::empty({kv_heads_, head_dim_, head_dim_}, DType::F32);
     if (values) std::copy(skew_.begin(), skew_.end(), skew.data<float>());
@@ -557,7 +569,8 @@ void PartialLayer::restore(const std::vector<std::pair<std::string, Tensor>>& st
   const Tensor* bias = find("partial_bias");
   const Tensor* skew = find("partial_skew");
   const Tensor* freq = find("partial_inv_freq");
-  INFINIGEN_CHECK(columns && weight && bias, "speculation state lacks partial_columns, "
+  INFINIGEN_CHECK(columns && weight && bias,
+                  "speculation state lacks partial_columns, "
                   "partial_weight or partial_bias");
   INFINIGEN_CHECK(columns->dtype() == DType::I32 && columns->rank() == 2 &&
                       columns->dim(0) == num_kv_heads && columns->dim(1) >= 1 &&

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "core/shared_prefixes.h"
 #include "core/tensor.h"
 
 namespace infinigen {
@@ -111,11 +112,12 @@ class PartialLayer {
              int64_t num_heads, int64_t num_kv_heads, int64_t capacity, int64_t r,
              PartialIndexRule rule, const std::vector<int32_t>* position_tokens = nullptr,
              DType key_dtype = DType::F32);
-  // After a build from a prompt prefix that a batch of `batch` sequences shares (a batch of one),
-  // or a restore for the batch: positions [0, shared_rows) of every sequence read sequence 0's
-  // partial keys, kept once, and count as tokens whatever first_valid says; later appends write
-  // each sequence's own.
-  void share_prefix(int64_t batch, int64_t shared_rows);
+  // After a build from the prompt prefixes that groups of a batch share (`from_leaders`: the
+  // sharing pass, a batch of the groups' leaders, whose slots become the leaders'), or a restore
+  // for the batch: each sequence's prefix positions [shared.begin(b), shared.rows()) read its
+  // leader's partial keys, kept once, and count as tokens whatever first_valid says; later
+  // appends write each sequence's own.
+  void share_prefixes(const SharedPrefixes& shared, bool from_leaders);
   // Writes the partial keys of one new token per sequence, keys (B, H_kv * d) (rotated), at
   // `position` of every (sequence, KV head), or at positions[b * H_kv + g] when given (a pool
   // with a memory limit overwrites a different victim in each row).
@@ -171,8 +173,8 @@ class PartialLayer {
   // A dry run's restore (core/trace.h): the shapes of a layer of `hidden`-wide inputs and r
   // columns per KV head (the first r, with their rotary pairs when `rotary`), nothing stored.
   void restore_shapes(int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                      int64_t capacity, int64_t r, bool rotary, int64_t hidden,
-                      DType weight_dtype, DType key_dtype);
+                      int64_t capacity, int64_t r, bool rotary, int64_t hidden, DType weight_dtype,
+                      DType key_dtype);
   // The r partial key elements (in the key dtype) at `position` of (b, g).
   const void* key_row(int64_t b, int64_t g, int64_t position) const {
     return keys_.data() + key_offset(b, g, position);
@@ -181,7 +183,7 @@ class PartialLayer {
 
  private:
   int64_t batch_ = 0, heads_ = 0, kv_heads_ = 0, group_ = 1, head_dim_ = 0, capacity_ = 0, r_ = 0;
-  int64_t shared_rows_ = 0;  // positions every sequence reads from sequence 0 (share_prefix)
+  SharedPrefixes shared_;         // positions read from a group leader's slot (share_prefixes)
   std::vector<int32_t> columns_;  // (H_kv, r), ascending within a KV head
   std::vector<float> skew_;       // (H_kv, d, d) row-major A per KV head; empty: no skew
   std::vector<float> inv_freq_;   // (d / 2) rotary frequencies; empty: no rotation
@@ -194,16 +196,16 @@ class PartialLayer {
   DType key_dtype_ = DType::F32;
   std::vector<char> keys_;  // (B, H_kv, capacity, r) in key_dtype_
 
-  // Offset in keys_ of position p of (b, g) (sequence 0's for a shared position); writes r fp32
-  // values there in key_dtype_.
+  // Offset in keys_ of position p of (b, g) (its group leader's for a shared position).
   size_t key_offset(int64_t b, int64_t g, int64_t p) const {
-    const int64_t sequence = p < shared_rows_ ? 0 : b;
+    const int64_t sequence = shared_.in_prefix(b, p) ? shared_.source(b) : b;
     return static_cast<size_t>(((sequence * kv_heads_ + g) * capacity_ + p) * r_) *
            dtype_size(key_dtype_);
   }
   // Whether `token` (a position's, -1 when empty) is one sequence b attends to.
   bool holds_token(int64_t token, const std::vector<int32_t>& first_valid, int64_t b) const {
-    return token >= first_valid[static_cast<size_t>(b)] || (token >= 0 && token < shared_rows_);
+    return token >= first_valid[static_cast<size_t>(b)] ||
+           (token >= 0 && shared_.in_prefix(b, token));
   }
   void write_key(size_t offset, const float* values);
   // needed_ and head_rows_ from the columns: every query dimension under a skew, else the

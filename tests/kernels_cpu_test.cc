@@ -132,55 +132,95 @@ TEST(Attention, PrefillMatchesNaiveWithPadding) {
   EXPECT_LT(relative_error(out.data(), expected.data(), out.size()), 1e-5);
 }
 
-TEST(Attention, DecodeReadsASharedPrefixFromSequenceZeroOnly) {
-  // Rows [0, 8) are a prefix kept in sequence 0's rows alone (NaN elsewhere: never read); each
-  // sequence's own rows start after its padding.
-  const int64_t B = 3, H = 4, H_kv = 2, d = 8, capacity = 24, length = 20, shared = 8;
+TEST(Attention, ReadsEachGroupsPrefixFromItsLeaderOnly) {
+  // Rows [0, 8) hold two groups' prefixes, each in its leader's rows alone: sequences 0 and 2
+  // share 8 rows (leader 0), sequences 1 and 3 share rows [4, 8) (leader 1), sequence 4 shares
+  // nothing. Every other row below a sequence's first_valid is NaN: never read. Three new rows
+  // per sequence, causal; sequence 3's first new row is padding (zeros).
+  const int64_t B = 5, n = 3, H = 4, H_kv = 2, d = 8, capacity = 24, length = 20, rows = 8;
   const int64_t group = H / H_kv;
-  const std::vector<int32_t> first_valid = {8, 11, 15};
+  const std::vector<int32_t> first_valid = {8, 11, 15, 18, 9};
+  const std::vector<int32_t> begin = {0, 4, 0, 4, 8}, source = {0, 1, 0, 1, 4};
   std::vector<float> k_cache = random_values(B * H_kv * capacity * d, 20);
   std::vector<float> v_cache = random_values(k_cache.size(), 21);
-  for (int64_t b = 1; b < B; ++b) {
+  for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < H_kv; ++h) {
-      for (int64_t i = 0; i < shared * d; ++i) {
-        k_cache[((b * H_kv + h) * capacity) * d + i] = std::nanf("");
-        v_cache[((b * H_kv + h) * capacity) * d + i] = std::nanf("");
+      for (int64_t t = 0; t < first_valid[b]; ++t) {
+        const bool leader_row = source[b] == b && t >= begin[b] && t < rows;
+        for (int64_t c = 0; c < d && !leader_row; ++c) {
+          k_cache[((b * H_kv + h) * capacity + t) * d + c] = std::nanf("");
+          v_cache[((b * H_kv + h) * capacity + t) * d + c] = std::nanf("");
+        }
       }
     }
   }
-  const std::vector<float> q = random_values(B * H * d, 22);
+  const std::vector<float> q = random_values(B * n * H * d, 22);
   std::vector<float> out(q.size(), std::nanf("")), expected(q.size(), 0.0f);
-  attention_decode(q.data(), k_cache.data(), v_cache.data(), Element::F32, out.data(), B, H, H_kv,
-                   d, capacity, length, first_valid.data(), shared);
+  attention_decode(q.data(), k_cache.data(), v_cache.data(), Element::F32, out.data(), B, n, H,
+                   H_kv, d, capacity, length, first_valid.data(), begin.data(), source.data(),
+                   rows);
   for (int64_t b = 0; b < B; ++b) {
-    for (int64_t h = 0; h < H; ++h) {
-      std::vector<const float*> keys, values;  // the rows (b, h) attends to, in order
-      const auto rows_of = [&](int64_t sequence, int64_t t0, int64_t t1) {
-        for (int64_t t = t0; t < t1; ++t) {
-          const size_t at = static_cast<size_t>(((sequence * H_kv + h / group) * capacity + t) * d);
-          keys.push_back(&k_cache[at]);
-          values.push_back(&v_cache[at]);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t row = length - n + i;
+      if (row < first_valid[b]) continue;  // padding: zeros
+      for (int64_t h = 0; h < H; ++h) {
+        std::vector<const float*> keys, values;  // the rows query (b, i, h) attends to, in order
+        const auto rows_of = [&](int64_t sequence, int64_t t0, int64_t t1) {
+          for (int64_t t = t0; t < t1; ++t) {
+            const size_t at =
+                static_cast<size_t>(((sequence * H_kv + h / group) * capacity + t) * d);
+            keys.push_back(&k_cache[at]);
+            values.push_back(&v_cache[at]);
+          }
+        };
+        rows_of(source[b], begin[b], rows);
+        rows_of(b, first_valid[b], row + 1);
+        const float* query = &q[((b * n + i) * H + h) * d];
+        std::vector<double> weights;
+        double top = -1e300, total = 0;
+        for (const float* key : keys) {
+          double dot = 0;
+          for (int64_t c = 0; c < d; ++c) dot += query[c] * key[c];
+          weights.push_back(dot);
+          top = std::max(top, dot);
         }
-      };
-      rows_of(0, 0, shared);
-      rows_of(b, first_valid[b], length);
-      std::vector<double> weights;
-      double top = -1e300, total = 0;
-      for (const float* key : keys) {
-        double dot = 0;
-        for (int64_t c = 0; c < d; ++c) dot += q[(b * H + h) * d + c] * key[c];
-        weights.push_back(dot);
-        top = std::max(top, dot);
-      }
-      for (double& w : weights) total += (w = std::exp(w - top));
-      for (size_t r = 0; r < keys.size(); ++r) {
-        for (int64_t c = 0; c < d; ++c) {
-          expected[(b * H + h) * d + c] += static_cast<float>(weights[r] / total * values[r][c]);
+        for (double& w : weights) total += (w = std::exp(w - top));
+        for (size_t r = 0; r < keys.size(); ++r) {
+          for (int64_t c = 0; c < d; ++c) {
+            expected[((b * n + i) * H + h) * d + c] +=
+                static_cast<float>(weights[r] / total * values[r][c]);
+          }
         }
       }
     }
   }
   EXPECT_LT(relative_error(out.data(), expected.data(), out.size()), 1e-5);
+}
+
+// An extension's rows attend over the cache as the prefill's last rows attend over the prompt:
+// causal among themselves, padding rows zero.
+TEST(Attention, ExtensionOverCacheMatchesLastPrefillRows) {
+  const int64_t B = 2, n = 20, m = 7, H = 4, H_kv = 2, d = 8, capacity = 32;
+  const std::vector<int32_t> first_valid = {0, 15};  // sequence 1: 2 of the last 7 are padding
+  const auto q = random_values(B * n * H * d, 30), k = random_values(B * n * H_kv * d, 31),
+             v = random_values(B * n * H_kv * d, 32);
+  std::vector<float> expected(q.size());
+  attention_prefill(q.data(), k.data(), v.data(), expected.data(), B, n, H, H_kv, d,
+                    first_valid.data());
+  std::vector<float> k_cache(B * H_kv * capacity * d), v_cache(k_cache.size());
+  cache_store(k.data(), k_cache.data(), Element::F32, B, n, H_kv, d, capacity, 0);
+  cache_store(v.data(), v_cache.data(), Element::F32, B, n, H_kv, d, capacity, 0);
+  std::vector<float> q_last(B * m * H * d), out(q_last.size(), std::nanf("")),
+      expected_last(q_last.size());
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t c = 0; c < m * H * d; ++c) {
+      q_last[b * m * H * d + c] = q[(b * n + n - m) * H * d + c];
+      expected_last[b * m * H * d + c] = expected[(b * n + n - m) * H * d + c];
+    }
+  }
+  attention_decode(q_last.data(), k_cache.data(), v_cache.data(), Element::F32, out.data(), B, m, H,
+                   H_kv, d, capacity, n, first_valid.data());
+  EXPECT_LT(relative_error(out.data(), expected_last.data(), out.size()), 1e-5);
 }
 
 TEST(Attention, DecodeOverCacheMatchesLastPrefillRow) {
@@ -204,7 +244,7 @@ TEST(Attention, DecodeOverCacheMatchesLastPrefillRow) {
         expected_last[b * H * d + c] = expected[(b * n + n - 1) * H * d + c];
       }
     }
-    attention_decode(q_last.data(), k_cache, v_cache, type, out.data(), B, H, H, d, capacity, n,
+    attention_decode(q_last.data(), k_cache, v_cache, type, out.data(), B, 1, H, H, d, capacity, n,
                      first_valid.data());
     const double tolerance = type == Element::F32 ? 1e-5 : 2e-3;
     EXPECT_LT(relative_error(out.data(), expected_last.data(), out.size()), tolerance);
@@ -244,7 +284,7 @@ TEST(Attention, GroupedQueriesEqualRepeatedKeysAndValues) {
       expected[b * H * d + c] = repeated[(b * n + n - 1) * H * d + c];
     }
   }
-  attention_decode(q_last.data(), k_cache.data(), v_cache.data(), Element::F32, out.data(), B, H,
+  attention_decode(q_last.data(), k_cache.data(), v_cache.data(), Element::F32, out.data(), B, 1, H,
                    H_kv, d, capacity, n, first_valid.data());
   EXPECT_LT(relative_error(out.data(), expected.data(), out.size()), 1e-5);
 }

@@ -310,15 +310,19 @@ INSTANTIATE_TEST_SUITE_P(
     case_name<PrefillCase>);
 
 struct DecodeCase {
-  int64_t B, H, d, capacity, n;  // n tokens stored by a prefill, then one more
+  int64_t B, H, d, capacity, n;  // n tokens stored by a prefill, then m more (1: a decode step)
   std::vector<int32_t> first_valid;
   DType cache_type;
-  int64_t shared_rows = 0;  // rows every sequence reads from sequence 0
+  // Shared prefixes: each sequence's group (-1: none) and each group's length; none when empty.
+  std::vector<int32_t> prefix_groups = {};
+  std::vector<int64_t> prefix_lengths = {};
+  int64_t m = 1;
 };
 std::ostream& operator<<(std::ostream& out, const DecodeCase& c) {
   out << "B" << c.B << "_H" << c.H << "_d" << c.d << "_cap" << c.capacity << "_n" << c.n << "_pad";
   for (int32_t f : c.first_valid) out << "_" << f;
-  if (c.shared_rows > 0) out << "_shared" << c.shared_rows;
+  for (int64_t length : c.prefix_lengths) out << "_shared" << length;
+  if (c.m > 1) out << "_extend" << c.m;
   return out << "_" << dtype_name(c.cache_type);
 }
 
@@ -326,7 +330,7 @@ class CudaDecode : public CudaOpsWith<DecodeCase> {};
 
 TEST_P(CudaDecode, CacheStoreAndDecodeMatchCpu) {
   const DecodeCase& c = GetParam();
-  const int64_t D = c.H * c.d, length = c.n + 1;
+  const int64_t D = c.H * c.d, length = c.n + c.m;
   const Shape cache_shape = {c.B, c.H, c.capacity, c.d};
   // Caches start as NaN on both devices: a read outside [first_valid, length) poisons the result.
   Tensor k_cache = nan_tensor(cache_shape, Device::Cpu, c.cache_type);
@@ -335,7 +339,8 @@ TEST_P(CudaDecode, CacheStoreAndDecodeMatchCpu) {
   Tensor v_cache_d = nan_tensor(cache_shape, Device::Cuda, c.cache_type);
   const Tensor k_prompt = random_tensor({c.B * c.n, D}, 15),
                v_prompt = random_tensor({c.B * c.n, D}, 16);
-  const Tensor k_step = random_tensor({c.B, D}, 17), v_step = random_tensor({c.B, D}, 18);
+  const Tensor k_step = random_tensor({c.B * c.m, D}, 17),
+               v_step = random_tensor({c.B * c.m, D}, 18);
   ops::cache_store(k_prompt, k_cache, 0);
   ops::cache_store(v_prompt, v_cache, 0);
   ops::cache_store(k_step, k_cache, c.n);
@@ -347,26 +352,35 @@ TEST_P(CudaDecode, CacheStoreAndDecodeMatchCpu) {
   expect_same_values(k_cache_d, k_cache);
   expect_same_values(v_cache_d, v_cache);
 
-  const Tensor q = random_tensor({c.B, D}, 19, 3.0f / std::sqrt(static_cast<float>(c.d)));
-  Tensor out = nan_tensor({c.B, D}, Device::Cpu), out_d = nan_tensor({c.B, D}, Device::Cuda);
-  ops::attention_decode(q, k_cache, v_cache, out, length, c.first_valid, c.shared_rows);
+  const SharedPrefixes shared = c.prefix_lengths.empty()
+                                    ? SharedPrefixes()
+                                    : SharedPrefixes(c.prefix_groups, c.prefix_lengths);
+  const Tensor q = random_tensor({c.B * c.m, D}, 19, 3.0f / std::sqrt(static_cast<float>(c.d)));
+  Tensor out = nan_tensor({c.B * c.m, D}, Device::Cpu),
+         out_d = nan_tensor({c.B * c.m, D}, Device::Cuda);
+  ops::attention_decode(q, k_cache, v_cache, out, length, c.first_valid, &shared);
   ops::attention_decode(q.to(Device::Cuda), k_cache_d, v_cache_d, out_d, length, c.first_valid,
-                        c.shared_rows);
+                        &shared);
   // Both read the same rounded cache values, so fp16 caches need no looser tolerance.
   EXPECT_LT(error_vs_cpu(out_d, out), 1e-5);
 }
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, CudaDecode,
-    ::testing::Values(DecodeCase{1, 1, 64, 8, 1, {0}, DType::F32},  // two rows: most warps idle
-                      DecodeCase{3, 4, 64, 48, 30, {8, 12, 20}, DType::F16, 8},  // shared prefix
-                      DecodeCase{2, 3, 64, 40, 17, {0, 5}, DType::F32},
-                      DecodeCase{2, 3, 64, 40, 17, {0, 5}, DType::F16},
-                      DecodeCase{3, 2, 128, 300, 257, {0, 100, 256}, DType::F16},
-                      DecodeCase{2, 2, 128, 1100, 1033, {7, 0}, DType::F32},
-                      DecodeCase{1, 4, 80, 64, 33, {2}, DType::BF16},
-                      DecodeCase{2, 4, 16, 32, 9, {0, 4}, DType::F16},
-                      DecodeCase{1, 2, 256, 70, 65, {0}, DType::F32}),
+    ::testing::Values(
+        DecodeCase{1, 1, 64, 8, 1, {0}, DType::F32},  // two rows: most warps idle
+        DecodeCase{3, 4, 64, 48, 30, {8, 12, 20}, DType::F16, {0, 0, 0}, {8}},
+        // two groups' prefixes (sequences 0 and 2, 1 and 3) and one unshared
+        DecodeCase{5, 2, 64, 48, 30, {8, 12, 20, 9, 16}, DType::F16, {0, 1, 0, 1, -1}, {8, 4}},
+        // an extension by 6 rows, causal, sequence 1's first 3 of them padding
+        DecodeCase{3, 2, 64, 48, 30, {8, 33, 20}, DType::F32, {0, -1, 0}, {8}, 6},
+        DecodeCase{2, 3, 64, 40, 17, {0, 5}, DType::F32},
+        DecodeCase{2, 3, 64, 40, 17, {0, 5}, DType::F16},
+        DecodeCase{3, 2, 128, 300, 257, {0, 100, 256}, DType::F16},
+        DecodeCase{2, 2, 128, 1100, 1033, {7, 0}, DType::F32},
+        DecodeCase{1, 4, 80, 64, 33, {2}, DType::BF16},
+        DecodeCase{2, 4, 16, 32, 9, {0, 4}, DType::F16},
+        DecodeCase{1, 2, 256, 70, 65, {0}, DType::F32}),
     case_name<DecodeCase>);
 
 // ---- the whole model ----

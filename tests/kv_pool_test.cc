@@ -210,54 +210,111 @@ TEST(KvPool, BadRangesThrowOneLineErrors) {
   expect_error([&] { KvPool pool2(bad); }, "invalid shape");
 }
 
-TEST(KvPool, ASharedPrefixIsKeptOnceAndCopiedBeforeAWrite) {
-  const KvPoolShape shape{2, 3, 2, 4, 16, 4, DType::F16};  // L 2, B 3, H 2, d 4, 16 tokens, bt 4
+// Sequences 0 and 2 share an 8-token prefix, 1 and 3 a 4-token one (rows [4, 8)), 4 nothing.
+SharedPrefixes two_groups() {
+  return SharedPrefixes({0, 1, 0, 1, -1}, {8, 4});
+}
+
+TEST(KvPool, SharedPrefixesAreKeptOncePerGroupWithReferenceCounts) {
+  const KvPoolShape shape{2, 5, 2, 4, 16, 4, DType::F16};  // L 2, B 5, H 2, d 4, 16 tokens, bt 4
   KvPool pool(shape);
-  pool.reserve_shared(8);
-  EXPECT_EQ(pool.shared_tokens(), 8);
-  // 2 blocks x (K, V) x 2 layers of (1, H, bt, d) f16.
-  const size_t shared_block = 2 * 4 * 4 * 2;
-  EXPECT_EQ(pool.allocated_bytes(), 8 * shared_block);
-  // The prefix (1, H, 8, d) goes in once; every sequence's rows read it.
-  std::vector<uint16_t> prefix(static_cast<size_t>(shape.num_heads * 8 * shape.head_dim));
-  for (size_t i = 0; i < prefix.size(); ++i) prefix[i] = static_cast<uint16_t>(i + 1);
+  pool.share(two_groups());
+  // Per layer and K/V: group 0's 2 blocks and group 1's 1, of (H, bt, d) f16; padding: nothing.
+  const size_t block = 2 * 4 * 4 * 2;
+  EXPECT_EQ(pool.allocated_bytes(), 2 * 2 * 3 * block);
+  EXPECT_EQ(pool.references(1, KvKind::Value, 2, 5), 2);
+  EXPECT_EQ(pool.references(1, KvKind::Value, 3, 5), 2);
+  EXPECT_EQ(pool.references(1, KvKind::Value, 1, 2), 0);  // before group 1's prefix: padding
+  EXPECT_EQ(pool.references(1, KvKind::Value, 4, 5), 0);
+  EXPECT_EQ(pool.row(1, KvKind::Value, 2, 1, 5), pool.row(1, KvKind::Value, 0, 1, 5));
+  EXPECT_EQ(pool.row(1, KvKind::Value, 3, 1, 5), pool.row(1, KvKind::Value, 1, 1, 5));
+  EXPECT_NE(pool.row(1, KvKind::Value, 1, 1, 5), pool.row(1, KvKind::Value, 0, 1, 5));
+  testing_util::expect_error([&] { pool.row(1, KvKind::Value, 4, 0, 5); }, {"padding"});
+
+  // The prefixes go in once, each from its leader's rows of a (B, H, 8, d) source.
+  const std::vector<uint16_t> src = make_source(shape, 1, KvKind::Value, 8, 0, 0, 8);
   std::vector<CopyChunk> chunks;
-  pool.scatter_shared_chunks(1, KvKind::Value, prefix.data(), 8, 0, 0, 8, &chunks);
+  pool.scatter_shared_chunks(1, KvKind::Value, src.data(), 8, 0, 8, &chunks);
+  EXPECT_EQ(chunks.size(), static_cast<size_t>((2 + 1) * 2));  // blocks x heads
   run(chunks);
-  for (int64_t b = 0; b < shape.batch; ++b) {
-    EXPECT_EQ(pool.row(1, KvKind::Value, b, 1, 5), pool.row(1, KvKind::Value, 0, 1, 5));
-  }
-  EXPECT_EQ(*static_cast<const uint16_t*>(pool.row(1, KvKind::Value, 2, 1, 5)),
-            prefix[static_cast<size_t>((1 * 8 + 5) * shape.head_dim)]);
-  // A gather brings a shared block once, into sequence 0's rows.
-  chunks.clear();
+  const auto value = [&](int64_t b, int64_t h, int64_t t) {
+    return *static_cast<const uint16_t*>(pool.row(1, KvKind::Value, b, h, t));
+  };
+  EXPECT_EQ(value(2, 1, 5), pattern(1, KvKind::Value, 0, 1, 5, 0));
+  EXPECT_EQ(value(3, 1, 5), pattern(1, KvKind::Value, 1, 1, 5, 0));
+
+  // A gather brings each shared block once, into its leader's rows; padding blocks not at all.
   pool.reserve(12);
-  std::vector<uint16_t> staging(static_cast<size_t>(3 * 2 * 12 * 4));  // (B, H, 12, d)
+  EXPECT_EQ(pool.references(1, KvKind::Value, 4, 9), 1);
+  chunks.clear();
+  std::vector<uint16_t> staging(static_cast<size_t>(5 * 2 * 12 * 4), 0xFFFF);  // (B, H, 12, d)
   pool.gather_chunks(1, KvKind::Value, 0, 12, staging.data(), 12, 0, &chunks);
-  EXPECT_EQ(chunks.size(), static_cast<size_t>(2 * 2 + 3 * 2));  // shared: H x 2; own: B x H
-  // A write of the batch's rows into block 1 of layer 1's values copies it first: the other
-  // rows of every sequence keep the prefix, and layer 0 stays shared.
+  EXPECT_EQ(chunks.size(), static_cast<size_t>((2 + 1) * 2 + 5 * 2));  // shared; then B x H own
+  run(chunks);
+  EXPECT_EQ(staging[static_cast<size_t>(((1 * 2 + 1) * 12 + 5) * 4)], value(1, 1, 5));
+  EXPECT_EQ(staging[static_cast<size_t>(((3 * 2 + 1) * 12 + 5) * 4)], 0xFFFF);  // not a leader
+
+  // A write of the batch's rows into block 1 gives each writer a private copy: every sequence
+  // keeps its prefix, the shared blocks no table refers to any more are freed, and layer 0 and
+  // block 0 stay shared.
+  const size_t before = pool.allocated_bytes();
   std::vector<uint16_t> rows(static_cast<size_t>(shape.batch * shape.num_heads * shape.head_dim),
                              0xABCD);
   chunks.clear();
   pool.scatter_chunks(1, KvKind::Value, rows.data(), 1, 0, 6, 1, &chunks);
   run(chunks);
-  EXPECT_EQ(pool.shared_tokens(), 4);
-  EXPECT_NE(pool.row(1, KvKind::Value, 2, 1, 5), pool.row(1, KvKind::Value, 0, 1, 5));
+  EXPECT_EQ(pool.allocated_bytes(), before + (5 - 2) * block);
   for (int64_t b = 0; b < shape.batch; ++b) {
-    EXPECT_EQ(*static_cast<const uint16_t*>(pool.row(1, KvKind::Value, b, 1, 5)),
-              prefix[static_cast<size_t>((1 * 8 + 5) * shape.head_dim)]);
-    EXPECT_EQ(*static_cast<const uint16_t*>(pool.row(1, KvKind::Value, b, 1, 6)), 0xABCD);
+    EXPECT_EQ(pool.references(1, KvKind::Value, b, 6), 1);
+    EXPECT_EQ(value(b, 1, 6), 0xABCD);
   }
+  EXPECT_EQ(value(2, 1, 5), pattern(1, KvKind::Value, 0, 1, 5, 0));
+  EXPECT_EQ(value(3, 1, 5), pattern(1, KvKind::Value, 1, 1, 5, 0));
+  EXPECT_EQ(pool.references(1, KvKind::Value, 2, 1), 2);
   EXPECT_EQ(pool.row(0, KvKind::Value, 2, 1, 5), pool.row(0, KvKind::Value, 0, 1, 5));
 }
 
-TEST(KvPool, ASharedPrefixNeedsWholeBlocksOfAnEmptyPool) {
+TEST(KvPool, AWriteIntoASharedBlockCopiesItForAllButItsLastMember) {
+  const KvPoolShape shape{1, 3, 1, 4, 16, 4, DType::F16};
+  KvPool pool(shape);
+  pool.share(SharedPrefixes({0, 0, 0}, {4}));
+  const size_t block = 1 * 4 * 4 * 2;
+  const void* shared = pool.row(0, KvKind::Key, 0, 0, 0);
+  const std::vector<uint16_t> src = make_source(shape, 0, KvKind::Key, 4, 0, 0, 4);
+  std::vector<CopyChunk> chunks;
+  pool.scatter_shared_chunks(0, KvKind::Key, src.data(), 4, 0, 4, &chunks);
+  run(chunks);
+  std::vector<uint16_t> rows(static_cast<size_t>(3 * 4));
+  for (int64_t b = 0; b < 3; ++b) rows[static_cast<size_t>(b * 4)] = static_cast<uint16_t>(b + 1);
+  chunks.clear();
+  pool.scatter_chunks(0, KvKind::Key, rows.data(), 1, 0, 2, 1, &chunks);
+  run(chunks);
+  // Sequences 0 and 1 took copies; sequence 2, the last to refer to it, kept the block (and the
+  // values' block is still shared).
+  EXPECT_EQ(pool.allocated_bytes(), (3 + 1) * block);
+  EXPECT_EQ(pool.row(0, KvKind::Key, 2, 0, 0), shared);
+  std::vector<uint16_t> staging(static_cast<size_t>(3 * 4 * 4), 0xFFFF);  // (B, H, 4, d)
+  chunks.clear();
+  pool.gather_chunks(0, KvKind::Key, 0, 4, staging.data(), 4, 0, &chunks);
+  EXPECT_EQ(chunks.size(), 3u);  // one private block each now
+  run(chunks);
+  for (int64_t b = 0; b < 3; ++b) {
+    EXPECT_EQ(pool.references(0, KvKind::Key, b, 0), 1);
+    EXPECT_EQ(staging[static_cast<size_t>((b * 4 + 2) * 4)], b + 1);
+    EXPECT_EQ(staging[static_cast<size_t>((b * 4 + 3) * 4)], pattern(0, KvKind::Key, 0, 0, 3, 0));
+  }
+}
+
+TEST(KvPool, SharedPrefixesNeedWholeBlocksOfAnEmptyPool) {
   const KvPoolShape shape{1, 2, 1, 4, 16, 4, DType::F16};
   KvPool pool(shape);
-  testing_util::expect_error([&] { pool.reserve_shared(6); }, {"not whole blocks"});
+  testing_util::expect_error(
+      [&] {
+        pool.share(SharedPrefixes({0, 0}, {6}));
+      },
+      {"not whole blocks"});
   pool.reserve(4);
-  testing_util::expect_error([&] { pool.reserve_shared(4); }, {"empty pool"});
+  testing_util::expect_error([&] { pool.share(SharedPrefixes({0, 0}, {4})); }, {"empty pool"});
 }
 
 }  // namespace

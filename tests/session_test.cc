@@ -1,6 +1,8 @@
 // tests: conversations kept on disk (offload/session.h): a resumed turn computes what one run
 // over the concatenated turns computes, and a damaged or foreign session is refused with one line
 // without being overwritten.
+#include "offload/session.h"
+
 #include <signal.h>
 
 #include <chrono>
@@ -13,7 +15,6 @@
 #include "offload/infinigen_kv.h"
 #include "offload/kv_policy.h"
 #include "offload/runtime.h"
-#include "offload/session.h"
 #include "predict/cost_model.h"
 #include "predict/hardware_profile.h"
 #include "predict/schedule.h"
@@ -43,15 +44,24 @@ OffloadOptions options_for(const std::string& policy) {
   return options;
 }
 
-// Turn prompts of different lengths per sequence, ids the vocabulary holds. With `shared`, the
-// first turn's prompts start with the same 9 tokens (two blocks of 4 shared).
-std::vector<std::vector<int32_t>> turn_prompts(int turn, bool shared = false) {
-  if (turn == 1 && shared) {
+// What the first turn's prompts share: nothing, 9 tokens for the batch (two blocks of 4
+// shared), or 9 tokens for sequences 1 and 2 only (a group led by sequence 1).
+enum class Sharing { None, Batch, Group };
+
+// Turn prompts of different lengths per sequence, ids the vocabulary holds.
+std::vector<std::vector<int32_t>> turn_prompts(int turn, Sharing sharing = Sharing::None) {
+  if (turn == 1 && sharing == Sharing::Batch) {
     return {{2, 20, 21, 22, 23, 24, 25, 26, 27, 10, 11, 12, 13},
             {2, 20, 21, 22, 23, 24, 25, 26, 27, 500, 600, 700, 800, 900, 1000, 1100, 1200},
             {2, 20, 21, 22, 23, 24, 25, 26, 27, 7, 8}};
   }
-  if (turn == 1) return {{2, 10, 11, 12, 13}, {2, 500, 600, 700, 800, 900, 1000, 1100, 1200}, {2, 7, 8}};
+  if (turn == 1 && sharing == Sharing::Group) {
+    return {{2, 10, 11, 12, 13},
+            {2, 20, 21, 22, 23, 24, 25, 26, 27, 500, 600, 700, 800, 900, 1000, 1100, 1200},
+            {2, 20, 21, 22, 23, 24, 25, 26, 27, 7, 8}};
+  }
+  if (turn == 1)
+    return {{2, 10, 11, 12, 13}, {2, 500, 600, 700, 800, 900, 1000, 1100, 1200}, {2, 7, 8}};
   if (turn == 2) return {{40, 41}, {42, 43, 44, 45, 46}, {47}};
   return {{60, 61, 62, 63}, {64}, {65, 66}};
 }
@@ -62,17 +72,22 @@ struct Turns {
 
 // Three turns of 5 tokens each, saved in `directory`, each after the first resumed from it.
 Turns run_session(const ModelSource& source, const OffloadOptions& options,
-                  const fs::path& directory, bool shared = false) {
+                  const fs::path& directory, Sharing sharing = Sharing::None) {
   const SessionKey key = session_key(source, options, DType::F16, Device::Cpu);
   Turns turns;
   for (int turn = 1; turn <= 3; ++turn) {
-    auto session = turn == 1 ? DiskSession::create(directory, key) : DiskSession::open(directory, key);
+    auto session =
+        turn == 1 ? DiskSession::create(directory, key) : DiskSession::open(directory, key);
     GenerationRequest request;
-    request.prompts = session->turn_prompts(turn_prompts(turn, shared));
+    request.prompts = session->turn_prompts(turn_prompts(turn, sharing));
     request.gen_len = 5;
     const OffloadRun run = run_offloaded(source, request, options, Device::Cpu, {}, session.get());
     turns.generated.push_back(run.result.tokens);
-    EXPECT_EQ(run.shared_prefix, shared ? 8 : 0);  // the later turns keep sharing
+    // The later turns keep sharing.
+    EXPECT_EQ(run.shared_prefixes.kept_tokens(), sharing == Sharing::None ? 0 : 8);
+    if (sharing == Sharing::Group) {
+      EXPECT_EQ(run.shared_prefixes.groups(), std::vector<int32_t>({-1, 0, 0}));
+    }
     EXPECT_EQ(std::ssize(run.stats.steps()), request.gen_len);  // the prompt, then each step
   }
   return turns;
@@ -81,13 +96,13 @@ Turns run_session(const ModelSource& source, const OffloadOptions& options,
 // The tokens of turn `turn` from one run over every earlier turn's prompts and outputs.
 std::vector<std::vector<int32_t>> uninterrupted(const ModelSource& source,
                                                 const OffloadOptions& options, const Turns& turns,
-                                                int turn, bool shared = false) {
+                                                int turn, Sharing sharing = Sharing::None) {
   GenerationRequest request;
   request.gen_len = 5;
   request.prompts.assign(3, {});
   for (int t = 1; t <= turn; ++t) {
     for (size_t b = 0; b < 3; ++b) {
-      const auto prompt = turn_prompts(t, shared)[b];
+      const auto prompt = turn_prompts(t, sharing)[b];
       request.prompts[b].insert(request.prompts[b].end(), prompt.begin(), prompt.end());
       if (t < turn) {
         const auto& out = turns.generated[static_cast<size_t>(t - 1)][b];
@@ -128,18 +143,21 @@ TEST_P(ResumedTurns, KeepTheirSharedPrefixOnceAndEqualAnUnsharedRun) {
   OffloadOptions options = options_for(policy);
   options.kv_block_tokens = 4;
   TempDir dir("session");
-  const Turns turns = run_session(source, options, dir.path() / "s", /*shared=*/true);
-  OffloadOptions unshared = options;
-  unshared.share_prefix = false;
-  for (int turn = 2; turn <= 3; ++turn) {
-    EXPECT_EQ(turns.generated[static_cast<size_t>(turn - 1)],
-              uninterrupted(source, unshared, turns, turn, /*shared=*/true))
-        << model << ", " << policy << ", turn " << turn;
+  for (const Sharing sharing : {Sharing::Group, Sharing::Batch}) {
+    fs::remove_all(dir.path() / "s");
+    const Turns turns = run_session(source, options, dir.path() / "s", sharing);
+    OffloadOptions unshared = options;
+    unshared.share_prefix = false;
+    for (int turn = 2; turn <= 3; ++turn) {
+      EXPECT_EQ(turns.generated[static_cast<size_t>(turn - 1)],
+                uninterrupted(source, unshared, turns, turn, sharing))
+          << model << ", " << policy << ", turn " << turn;
+    }
   }
   // The prefix is one segment of (1, H_kv, 8, d) rows; the others hold each sequence's own.
   const auto session =
       DiskSession::open(dir.path() / "s", session_key(source, options, DType::F16, Device::Cpu));
-  EXPECT_EQ(session->shared_prefix(), 8);
+  EXPECT_EQ(session->shared_prefixes().kept_tokens(), 8);
   session->verify();
   if (policy != "gpu") {  // a pool of other blocks cannot hold it: one line, nothing written
     options.kv_block_tokens = 3;
@@ -250,15 +268,20 @@ TEST(SessionFiles, AnotherModelPolicyOrOptionIsRefused) {
       [&] { DiskSession::open(path, session_key(source, options, DType::F16, Device::Cpu)); },
       {"saved with --partial-ratio 0.3; this run has 0.5"});
   testing_util::expect_error(
-      [&] { DiskSession::open(path, session_key(source, options_for("infinigen"), DType::F32,
-                                               Device::Cpu)); },
+      [&] {
+        DiskSession::open(path,
+                          session_key(source, options_for("infinigen"), DType::F32, Device::Cpu));
+      },
       {"saved with KV dtype F16, not F32"});
   options = options_for("h2o");
+  testing_util::expect_error([&] { session_key(source, options, DType::F16, Device::Cpu); },
+                             {"--policy h2o cannot keep a session"});
   testing_util::expect_error(
-      [&] { session_key(source, options, DType::F16, Device::Cpu); },
-      {"--policy h2o cannot keep a session"});
-  testing_util::expect_error([&] { DiskSession::create(path, session_key(source, options_for("full"), DType::F16, Device::Cpu)); },
-                             {"already holds a session"});
+      [&] {
+        DiskSession::create(path,
+                            session_key(source, options_for("full"), DType::F16, Device::Cpu));
+      },
+      {"already holds a session"});
 }
 
 TEST(SessionFiles, InfinigenStateIsSavedAndRestored) {
@@ -267,10 +290,12 @@ TEST(SessionFiles, InfinigenStateIsSavedAndRestored) {
   // opt-tiny: layers past the two dense ones keep their partial columns and weights.
   EXPECT_FALSE(fs::exists(path / "seg-000001" / "state-000.safetensors"));
   EXPECT_TRUE(fs::exists(path / "seg-000001" / "state-002.safetensors"));
-  const auto state = SafetensorsFile::open((path / "seg-000001" / "state-002.safetensors").string());
+  const auto state =
+      SafetensorsFile::open((path / "seg-000001" / "state-002.safetensors").string());
   EXPECT_NE(state->find("partial_columns"), nullptr);
   EXPECT_NE(state->find("partial_weight"), nullptr);
-  const auto layer = SafetensorsFile::open((path / "seg-000001" / "layer-002.safetensors").string());
+  const auto layer =
+      SafetensorsFile::open((path / "seg-000001" / "layer-002.safetensors").string());
   EXPECT_NE(layer->find("partial_keys"), nullptr);
   // At the default alpha the resumed turn speculates from the restored state.
   const ModelSource source = tiny("opt-tiny");
@@ -298,11 +323,13 @@ TEST(SessionFiles, RestoredPartialKeysAreTheSavedOnes) {
   int64_t longest = 0;
   for (const auto& h : history) longest = std::max<int64_t>(longest, std::ssize(h) + 1);
   std::vector<int32_t> first_valid;
-  for (const auto& h : history) first_valid.push_back(static_cast<int32_t>(longest - std::ssize(h) - 1));
+  for (const auto& h : history)
+    first_valid.push_back(static_cast<int32_t>(longest - std::ssize(h) - 1));
   TransferEngine engine(Device::Cpu, options.link);
   OffloadStats stats;
-  std::unique_ptr<KvStore> store = kv_policy("infinigen").make_store(
-      {source.config, B, longest + 4, DType::F16, Device::Cpu, options, 0, engine, stats});
+  std::unique_ptr<KvStore> store = kv_policy("infinigen")
+                                       .make_store({source.config, B, longest + 4, DType::F16,
+                                                    Device::Cpu, options, 0, engine, stats});
   store->resume(longest - 1, first_valid, L,
                 [&](int64_t layer, KvStore& s) { session->restore_layer(layer, s); });
   session->begin();
@@ -311,7 +338,8 @@ TEST(SessionFiles, RestoredPartialKeysAreTheSavedOnes) {
   engine.synchronize();
 
   const auto& infinigen = dynamic_cast<const InfinigenKv&>(*store);
-  const auto saved = SafetensorsFile::open((path / "seg-000001" / "layer-002.safetensors").string());
+  const auto saved =
+      SafetensorsFile::open((path / "seg-000001" / "layer-002.safetensors").string());
   const SafetensorsEntry& keys = *saved->find("partial_keys");  // (B, H, R, r) f32
   const int64_t H = keys.shape[1], R = keys.shape[2], r = keys.shape[3];
   const float* data = static_cast<const float*>(saved->bytes(keys));
@@ -319,7 +347,8 @@ TEST(SessionFiles, RestoredPartialKeysAreTheSavedOnes) {
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < H; ++h) {
       for (int64_t j = 0; j < std::ssize(prompts[b]); ++j) {
-        const std::vector<float> restored = infinigen.partial(2).partial_key(b, h, first_valid[b] + j);
+        const std::vector<float> restored =
+            infinigen.partial(2).partial_key(b, h, first_valid[b] + j);
         for (int64_t c = 0; c < r; ++c) {
           ASSERT_EQ(restored[c], data[((b * H + h) * R + j) * r + c]) << b << " " << h << " " << j;
         }
@@ -409,8 +438,8 @@ TEST(SessionFiles, AConversationBeyondTheContextIsRefused) {
 TEST(SessionCli, ASaveKilledAtRandomLeavesThePreviousSessionLoadable) {
   TempDir dir("session");
   const std::string path = (dir.path() / "s").string();
-  const std::vector<std::string> common = {"run", "--model", "builtin", "--policy", "full",
-                                           "--gen-len", "16", "--json"};
+  const std::vector<std::string> common = {"run",  "--model",   "builtin", "--policy",
+                                           "full", "--gen-len", "16",      "--json"};
   // Generous: under the sanitizers, beside other tests, a turn takes many times its usual time.
   const auto patient = testing_util::ChildOptions().timeout(600);
   auto args = common;
@@ -454,8 +483,8 @@ TEST(SessionCli, ASaveKilledAtRandomLeavesThePreviousSessionLoadable) {
 TEST(SessionCli, AFullDiskLeavesTheSessionAsItWas) {
   TempDir dir("session");
   const std::string path = (dir.path() / "s").string();
-  const std::vector<std::string> common = {"run", "--model", "builtin", "--policy", "full",
-                                           "--gen-len", "4"};
+  const std::vector<std::string> common = {"run",  "--model",   "builtin", "--policy",
+                                           "full", "--gen-len", "4"};
   auto args = common;
   args.insert(args.end(), {"--prompt-len", "100", "--batch", "2", "--session", path});
   ASSERT_EQ(testing_util::run_infinigen_measured(args, testing_util::ChildOptions().timeout(600))
@@ -464,9 +493,8 @@ TEST(SessionCli, AFullDiskLeavesTheSessionAsItWas) {
   const std::string manifest = read_bytes(fs::path(path) / "manifest.json");
   args = common;
   args.insert(args.end(), {"--prompt-len", "100", "--resume", path});
-  testing_util::expect_one_line_failure(args,
-                                        testing_util::ChildOptions().timeout(600).file_limit(20000),
-                                        {"write failed"});
+  testing_util::expect_one_line_failure(
+      args, testing_util::ChildOptions().timeout(600).file_limit(20000), {"write failed"});
   EXPECT_EQ(read_bytes(fs::path(path) / "manifest.json"), manifest);
   const auto resumed =
       testing_util::run_infinigen_measured(args, testing_util::ChildOptions().timeout(600));
@@ -485,8 +513,8 @@ TEST(SessionCli, AnInterruptedTurnKeepsTheSession) {
   const std::string path = (dir.path() / "s").string();
   const std::vector<std::string> common = {"run", "--model", "builtin", "--policy", "full"};
   auto args = common;
-  args.insert(args.end(), {"--prompt-len", "100", "--batch", "2", "--gen-len", "4", "--session",
-                           path});
+  args.insert(args.end(),
+              {"--prompt-len", "100", "--batch", "2", "--gen-len", "4", "--session", path});
   ASSERT_EQ(testing_util::run_infinigen_measured(args, testing_util::ChildOptions().timeout(600))
                 .exit_code,
             0);
@@ -514,18 +542,18 @@ TEST(SessionCli, BadUsesEndWithOneLine) {
                                       {"no session here"});
   fs::create_directories(dir.path() / "notes");
   std::ofstream(dir.path() / "notes" / "todo.txt") << "keep me\n";
-  testing_util::expect_one_line_error({"run", "--model", "opt-tiny", "--prompt-len", "4",
-                                       "--policy", "full", "--session",
-                                       (dir.path() / "notes").string()},
-                                      {"holds todo.txt", "needs an empty directory"});
+  testing_util::expect_one_line_error(
+      {"run", "--model", "opt-tiny", "--prompt-len", "4", "--policy", "full", "--session",
+       (dir.path() / "notes").string()},
+      {"holds todo.txt", "needs an empty directory"});
   EXPECT_TRUE(fs::exists(dir.path() / "notes" / "todo.txt"));
-  testing_util::expect_one_line_error({"run", "--model", "opt-tiny", "--prompt-len", "4",
-                                       "--policy", "h2o", "--session", path},
-                                      {"--policy h2o cannot keep a session"});
-  testing_util::expect_one_line_error({"run", "--model", "opt-tiny", "--prompt-len", "4",
-                                       "--policy", "full", "--kv-pool-limit", "0.5", "--session",
-                                       path},
-                                      {"--kv-pool-limit"});
+  testing_util::expect_one_line_error(
+      {"run", "--model", "opt-tiny", "--prompt-len", "4", "--policy", "h2o", "--session", path},
+      {"--policy h2o cannot keep a session"});
+  testing_util::expect_one_line_error(
+      {"run", "--model", "opt-tiny", "--prompt-len", "4", "--policy", "full", "--kv-pool-limit",
+       "0.5", "--session", path},
+      {"--kv-pool-limit"});
 }
 
 }  // namespace

@@ -23,6 +23,8 @@ nlohmann::json transfers_json(const TransferSummary& s) {
           {"prefill_h2d_bytes", s.prefill_h2d_bytes},
           {"host_kv_bytes", s.host_kv_bytes},
           {"shared_prefix_tokens", s.shared_prefix_tokens},
+          {"shared_prefix_groups", s.shared_prefix_groups},
+          {"shared_prefix_sequences", s.shared_prefix_sequences},
           {"prefill_d2h_bytes", s.prefill_d2h_bytes},
           {"total_h2d_bytes", s.total_h2d_bytes},
           {"total_d2h_bytes", s.total_d2h_bytes},
@@ -72,16 +74,20 @@ void print_transfers(const TransferSummary& s, const OffloadRun& run, bool per_l
               mib(s.h2d_bytes_per_step), mib(static_cast<double>(s.prefill_h2d_bytes)));
   std::printf("device->host     %9.2f MiB/step  (decode mean; prefill %.2f MiB)\n",
               mib(s.d2h_bytes_per_step), mib(static_cast<double>(s.prefill_d2h_bytes)));
+  // What the shared prefixes are, in words: one the whole batch shares, or several groups'.
+  std::string shared;
+  if (s.shared_prefix_groups == 1 && s.shared_prefix_sequences == run.result.batch) {
+    shared = cat("the batch's ", s.shared_prefix_tokens, "-token shared prefix");
+  } else if (s.shared_prefix_groups > 0) {
+    shared = cat(s.shared_prefix_groups, " shared prefixes of ", s.shared_prefix_sequences,
+                 " sequences, ", s.shared_prefix_tokens, " tokens in all,");
+  }
   if (s.host_kv_bytes > 0) {
     std::printf("host KV pool     %9.2f MiB", mib(static_cast<double>(s.host_kv_bytes)));
-    if (s.shared_prefix_tokens > 0) {
-      std::printf("  (the batch's %lld-token shared prefix kept once)",
-                  static_cast<long long>(s.shared_prefix_tokens));
-    }
+    if (!shared.empty()) std::printf("  (%s kept once)", shared.c_str());
     std::printf("\n");
-  } else if (s.shared_prefix_tokens > 0) {
-    std::printf("shared prefix    %9lld tokens computed once\n",
-                static_cast<long long>(s.shared_prefix_tokens));
+  } else if (!shared.empty()) {
+    std::printf("shared prefixes  %s computed once\n", shared.c_str());
   }
   if (s.load_busy_per_step > 0) {
     std::printf(

@@ -70,10 +70,13 @@ void attention_prefill(const float* q, const float* k, const float* v, float* ou
 }
 
 void attention_decode(const float* q, const void* k_cache, const void* v_cache, Element cache_type,
-                      float* out, int64_t B, int64_t H, int64_t H_kv, int64_t d, int64_t capacity,
-                      int64_t length, const int32_t* first_valid, int64_t shared_rows) {
-  const int64_t group = H / H_kv;
-#pragma omp parallel if (B * H * length * d >= kParallelWork)
+                      float* out, int64_t B, int64_t n, int64_t H, int64_t H_kv, int64_t d,
+                      int64_t capacity, int64_t length, const int32_t* first_valid,
+                      const int32_t* prefix_begin, const int32_t* prefix_source,
+                      int64_t prefix_end) {
+  const int64_t group = H / H_kv, D = H * d;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+#pragma omp parallel if (B * H * n * length * d >= kParallelWork)
   {
     // Per-thread buffers for the life of the thread: widened rows of a long context are big
     // enough for malloc to map and unmap them at every call, and the page faults then cost more
@@ -84,12 +87,16 @@ void attention_decode(const float* q, const void* k_cache, const void* v_cache, 
     for (int64_t b = 0; b < B; ++b) {
       for (int64_t h = 0; h < H; ++h) {
         const int64_t start = first_valid[b];
-        const int64_t own = length - start;
-        const int64_t rows = shared_rows + own;
-        // The shared rows of sequence 0's slice, then the sequence's own rows.
-        const size_t shared_base = static_cast<size_t>((h / group) * capacity * d);
-        const size_t base = static_cast<size_t>(((b * H_kv + h / group) * capacity + start) * d);
-        const size_t shared_size = static_cast<size_t>(shared_rows * d);
+        const int64_t kv_head = h / group;
+        // The prefix's rows of its leader's slice, then the sequence's own rows.
+        const int64_t from = prefix_end > 0 ? prefix_begin[b] : 0;
+        const int64_t source = prefix_end > 0 ? prefix_source[b] : b;
+        const int64_t shared = prefix_end - from;
+        const int64_t rows = shared + length - start;
+        const size_t shared_base =
+            static_cast<size_t>(((source * H_kv + kv_head) * capacity + from) * d);
+        const size_t base = static_cast<size_t>(((b * H_kv + kv_head) * capacity + start) * d);
+        const size_t shared_size = static_cast<size_t>(shared * d);
         keys.resize(static_cast<size_t>(rows * d));
         values.resize(keys.size());
         widen(k_cache, cache_type, shared_base, keys.data(), shared_size);
@@ -97,10 +104,22 @@ void attention_decode(const float* q, const void* k_cache, const void* v_cache, 
         widen(k_cache, cache_type, base, keys.data() + shared_size, keys.size() - shared_size);
         widen(v_cache, cache_type, base, values.data() + shared_size, values.size() - shared_size);
         const Eigen::Map<const RowMajor> K(keys.data(), rows, d), V(values.data(), rows, d);
-        const Eigen::Map<const Eigen::RowVectorXf> Q(q + (b * H + h) * d, d);
-        scores.noalias() = Q * K.transpose();
-        softmax_rows(scores);
-        Eigen::Map<Eigen::RowVectorXf>(out + (b * H + h) * d, d).noalias() = scores * V;
+        // Queries before the sequence's first row are padding: zero. Query i sees the rows up to
+        // its own, shared + (length - n + i + 1 - start) of them.
+        const int64_t first_query = std::clamp<int64_t>(start - (length - n), 0, n);
+        StridedOut O(out + (b * n) * D + h * d, n, d, Eigen::OuterStride<>(D));
+        O.topRows(first_query).setZero();
+        for (int64_t i0 = first_query; i0 < n; i0 += kQueryBlock) {
+          const int64_t i1 = std::min(n, i0 + kQueryBlock);
+          const Strided Q(q + (b * n + i0) * D + h * d, i1 - i0, d, Eigen::OuterStride<>(D));
+          scores.noalias() = Q * K.transpose();
+          for (int64_t i = i0; i < i1; ++i) {
+            const int64_t visible = shared + length - n + i + 1 - start;
+            scores.row(i - i0).tail(rows - visible).setConstant(neg_inf);
+          }
+          softmax_rows(scores);
+          O.middleRows(i0, i1 - i0).noalias() = scores * V;
+        }
       }
     }
   }

@@ -1,8 +1,8 @@
 // kernels/cuda: attention. Prefill is tiled (flash-attention style, fp32 on CUDA cores): a block
 // owns a tile of queries of one (sequence, head), streams the keys it may see through shared
 // memory a tile at a time and keeps an online softmax per query, so no score matrix is stored.
-// Decode gives one block to each (sequence, head); its warps split the cache rows and merge
-// their partial softmaxes at the end.
+// Attention over the KV cache gives one block to each (sequence, head, new row); its warps split
+// the cache rows and merge their partial softmaxes at the end.
 #include <cmath>
 
 #include "kernels/cuda/attention.h"
@@ -163,29 +163,40 @@ int launch_prefill(const float* q, const float* k, const float* v, float* out, i
 constexpr int kDecodeWarps = 8;
 constexpr int kDecodeThreads = kDecodeWarps * kWarpSize;
 
-// Grid (H, B). The block of (b, h) reads rows [0, shared_rows) of sequence 0's (capacity, d)
-// slice of its KV head h / (H / H_kv) in each cache, then rows [first_valid[b], length) of its
-// own; warp w takes the rows numbered w, w + kDecodeWarps, ... in that order, its lanes covering
-// the dims (coalesced row reads), with an online softmax per warp. The warps' (max, sum, acc)
-// are then merged in shared memory.
+// Grid (H, B, n). The block of query i of (b, h), cache row length - n + i, reads rows
+// [prefix_begin[b], prefix_end) of sequence prefix_source[b]'s (capacity, d) slice of its KV head
+// h / (H / H_kv) in each cache (none when prefix_end is 0), then rows [first_valid[b],
+// length - n + i + 1) of its own; warp w takes the rows numbered w, w + kDecodeWarps, ... in that
+// order, its lanes covering the dims (coalesced row reads), with an online softmax per warp. The
+// warps' (max, sum, acc) are then merged in shared memory. A padding query (its row before
+// first_valid[b]) writes zeros.
 template <typename T, int kPerLane>
 __global__ void __launch_bounds__(kDecodeThreads)
-    decode_kernel(const float* q, const T* k_cache, const T* v_cache, float* out, int64_t H,
-                  int64_t H_kv, int64_t d, int64_t capacity, int64_t length,
-                  const int32_t* first_valid, int64_t shared_rows) {
+    decode_kernel(const float* q, const T* k_cache, const T* v_cache, float* out, int64_t n,
+                  int64_t H, int64_t H_kv, int64_t d, int64_t capacity, int64_t length,
+                  const int32_t* first_valid, const int32_t* prefix_begin,
+                  const int32_t* prefix_source, int64_t prefix_end) {
   __shared__ float warp_m[kDecodeWarps], warp_l[kDecodeWarps];
   __shared__ float warp_acc[kDecodeWarps][kMaxHeadDim];
 
-  const int64_t b = blockIdx.y, h = blockIdx.x;
-  const int64_t head = b * H + h;                     // index of (b, h) in (B, H)
-  const int64_t kv_head = b * H_kv + h / (H / H_kv);  // its KV head in (B, H_kv)
-  const T* keys = k_cache + kv_head * capacity * d;   // (capacity, d)
+  const int64_t b = blockIdx.y, h = blockIdx.x, i = blockIdx.z;
+  const int64_t head = (b * n + i) * H + h;          // index of (b, i, h) in (B, n, H)
+  const int64_t kv_index = h / (H / H_kv);           // the KV head
+  const int64_t kv_head = b * H_kv + kv_index;       // its (b, KV head) in (B, H_kv)
+  const T* keys = k_cache + kv_head * capacity * d;  // (capacity, d)
   const T* values = v_cache + kv_head * capacity * d;
-  const int64_t shared_head = h / (H / H_kv);          // the KV head in sequence 0
-  const T* shared_keys = k_cache + shared_head * capacity * d;
-  const T* shared_values = v_cache + shared_head * capacity * d;
+  const int64_t from = prefix_end > 0 ? prefix_begin[b] : 0;
+  const int64_t source = prefix_end > 0 ? prefix_source[b] : b;
+  const int64_t shared_rows = prefix_end - from;
+  const T* shared_keys = k_cache + (source * H_kv + kv_index) * capacity * d;
+  const T* shared_values = v_cache + (source * H_kv + kv_index) * capacity * d;
   const int64_t start = first_valid[b];
-  const int64_t rows = shared_rows + length - start;
+  const int64_t end = length - n + i + 1;  // the query's own row, included
+  if (end <= start) {                      // a padding query
+    for (int64_t c = threadIdx.x; c < d; c += blockDim.x) out[head * d + c] = 0.0f;
+    return;
+  }
+  const int64_t rows = shared_rows + end - start;
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
 
   float q_part[kPerLane], acc[kPerLane];
@@ -196,9 +207,9 @@ __global__ void __launch_bounds__(kDecodeThreads)
     acc[jj] = 0.0f;
   }
   float m = -INFINITY, l = 0.0f;
-  for (int64_t i = warp; i < rows; i += kDecodeWarps) {
-    const bool shared = i < shared_rows;
-    const int64_t t = shared ? i : start + i - shared_rows;
+  for (int64_t r = warp; r < rows; r += kDecodeWarps) {
+    const bool shared = r < shared_rows;
+    const int64_t t = shared ? from + r : start + r - shared_rows;
     const T* k_row = (shared ? shared_keys : keys) + t * d;
     float dot = 0.0f;
 #pragma unroll
@@ -292,37 +303,41 @@ int attention_prefill(const float* q, const float* k, const float* v, float* out
 }
 
 int attention_decode(const float* q, const void* k_cache, const void* v_cache, Element cache_type,
-                     float* out, int64_t B, int64_t H, int64_t H_kv, int64_t d, int64_t capacity,
-                     int64_t length, const int32_t* first_valid, int64_t shared_rows,
+                     float* out, int64_t B, int64_t n, int64_t H, int64_t H_kv, int64_t d,
+                     int64_t capacity, int64_t length, const int32_t* first_valid,
+                     const int32_t* prefix_begin, const int32_t* prefix_source, int64_t prefix_end,
                      void* stream) {
-  if (B <= 0 || H <= 0 || d <= 0) return cudaSuccess;
+  if (B <= 0 || n <= 0 || H <= 0 || d <= 0) return cudaSuccess;
   if (H_kv <= 0 || H % H_kv != 0) return cudaErrorInvalidValue;
-  if (!grid_fits(H, B, 1) || length > capacity) return cudaErrorInvalidValue;
-  if (shared_rows < 0 || shared_rows > length) return cudaErrorInvalidValue;
+  if (!grid_fits(H, B, n) || n > length || length > capacity) return cudaErrorInvalidValue;
+  if (prefix_end < 0 || prefix_end > length) return cudaErrorInvalidValue;
+  if (prefix_end > 0 && (prefix_begin == nullptr || prefix_source == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
   const int per_lane = values_per_lane(d);
   if (per_lane == 0) return cudaErrorInvalidValue;
   const cudaStream_t s = detail::as_stream(stream);
-  const dim3 grid(static_cast<unsigned>(H), static_cast<unsigned>(B));
+  const dim3 grid(static_cast<unsigned>(H), static_cast<unsigned>(B), static_cast<unsigned>(n));
   return detail::dispatch_element(cache_type, [&](auto tag) {
     using T = decltype(tag);
     const T* keys = static_cast<const T*>(k_cache);
     const T* values = static_cast<const T*>(v_cache);
+    const auto launch = [&](auto kernel) {
+      kernel<<<grid, kDecodeThreads, 0, s>>>(q, keys, values, out, n, H, H_kv, d, capacity, length,
+                                             first_valid, prefix_begin, prefix_source, prefix_end);
+    };
     switch (per_lane) {
       case 1:
-        decode_kernel<T, 1><<<grid, kDecodeThreads, 0, s>>>(q, keys, values, out, H, H_kv, d,
-                                                            capacity, length, first_valid, shared_rows);
+        launch(decode_kernel<T, 1>);
         break;
       case 2:
-        decode_kernel<T, 2><<<grid, kDecodeThreads, 0, s>>>(q, keys, values, out, H, H_kv, d,
-                                                            capacity, length, first_valid, shared_rows);
+        launch(decode_kernel<T, 2>);
         break;
       case 4:
-        decode_kernel<T, 4><<<grid, kDecodeThreads, 0, s>>>(q, keys, values, out, H, H_kv, d,
-                                                            capacity, length, first_valid, shared_rows);
+        launch(decode_kernel<T, 4>);
         break;
       default:
-        decode_kernel<T, 8><<<grid, kDecodeThreads, 0, s>>>(q, keys, values, out, H, H_kv, d,
-                                                            capacity, length, first_valid, shared_rows);
+        launch(decode_kernel<T, 8>);
         break;
     }
     return static_cast<int>(cudaGetLastError());
