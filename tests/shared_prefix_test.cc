@@ -310,6 +310,43 @@ TEST(SharedPrefixCli, AStatedPrefixIsKeptOnceAndChangesNoToken) {
   EXPECT_EQ(std::count(missing.err.begin(), missing.err.end(), '\n'), 1) << missing.err;
 }
 
+TEST(SharedPrefixCli, GroupsOfPromptsSharingDifferentPrefixesKeepEachOnce) {
+  // Two held-out texts, each before two of four questions: two groups, found from the token
+  // ids, each prefix kept once in blocks of 16 tokens.
+  testing_util::TempDir dir("shared-prefix-groups");
+  const auto opening = [](const std::string& name) {
+    std::ifstream text(std::string(INFINIGEN_FIXTURES_DIR) + "/heldout/" + name);
+    std::string prefix(600, '\0');
+    text.read(prefix.data(), static_cast<std::streamsize>(prefix.size()));
+    for (char& c : prefix) c = c == '\n' ? ' ' : c;  // one prompt per line
+    return prefix;
+  };
+  const std::string hosea = opening("kjv_Hosea.txt");
+  const std::string curses = opening("python-doc_howto_curses.rst.txt");
+  const std::string prompt_file = (dir.path() / "prompts.txt").string();
+  std::ofstream(prompt_file) << hosea << " Who is the prophet?\n"
+                             << curses << " What is curses?\n"
+                             << hosea << " And then\n"
+                             << curses << " How do I start?\n";
+  const auto run = [&](const std::string& share) {
+    const testing_util::CommandResult result = testing_util::run_infinigen(
+        {"run", "--prompt-file", prompt_file, "--gen-len", "6", "--temperature", "0", "--policy",
+         "full", "--kv-block-tokens", "16", "--share-prefix", share, "--json"});
+    EXPECT_EQ(result.exit_code, 0) << result.err;
+    return nlohmann::json::parse(result.out);
+  };
+  const nlohmann::json shared = run("on"), unshared = run("off");
+  EXPECT_EQ(shared["transfer"]["shared_prefix_groups"].get<int64_t>(), 2);
+  EXPECT_EQ(shared["transfer"]["shared_prefix_sequences"].get<int64_t>(), 4);
+  EXPECT_GE(shared["transfer"]["shared_prefix_tokens"].get<int64_t>(), 2 * 96);
+  EXPECT_EQ(unshared["transfer"]["shared_prefix_groups"].get<int64_t>(), 0);
+  EXPECT_LT(shared["transfer"]["host_kv_bytes"].get<double>(),
+            unshared["transfer"]["host_kv_bytes"].get<double>());
+  for (size_t b = 0; b < 4; ++b) {
+    EXPECT_EQ(shared["outputs"][b]["tokens"], unshared["outputs"][b]["tokens"]);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Families, SharedPrefix, ::testing::Values("opt-tiny", "llama-tiny"),
                          [](const auto& param) {
                            return param.param == "opt-tiny" ? "Opt" : "Llama";

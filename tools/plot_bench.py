@@ -166,10 +166,17 @@ def plot_ttft(result, axes_for):
 
 def plot_transfer(result, axes_for):
     """Host-to-device MiB per decode step per panel, x value and policy, as bars."""
-    shared = result["experiment"]["x"] == "shared_prefix_len"
+    x_key = result["experiment"]["x"]
+
+    def label(x):
+        if x_key == "shared_prefix_len":
+            return "not shared" if x == "0" else "shared %s" % x
+        if x_key == "shared_prefix_groups":
+            return "1 group" if x == "1" else "%s groups" % x
+        return x
+
     plot_bars(result, axes_for, lambda m: m["h2d_bytes_per_step"] / 2**20,
-              "host->device per decode step (MiB)",
-              lambda x: ("not shared" if x == "0" else "shared %s" % x) if shared else x)
+              "host->device per decode step (MiB)", label)
 
 
 def plot_bars(result, axes_for, value, ylabel, label_of):

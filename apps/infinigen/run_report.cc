@@ -74,20 +74,25 @@ void print_transfers(const TransferSummary& s, const OffloadRun& run, bool per_l
               mib(s.h2d_bytes_per_step), mib(static_cast<double>(s.prefill_h2d_bytes)));
   std::printf("device->host     %9.2f MiB/step  (decode mean; prefill %.2f MiB)\n",
               mib(s.d2h_bytes_per_step), mib(static_cast<double>(s.prefill_d2h_bytes)));
-  // What the shared prefixes are, in words: one the whole batch shares, or several groups'.
-  std::string shared;
-  if (s.shared_prefix_groups == 1 && s.shared_prefix_sequences == run.result.batch) {
-    shared = cat("the batch's ", s.shared_prefix_tokens, "-token shared prefix");
-  } else if (s.shared_prefix_groups > 0) {
-    shared = cat(s.shared_prefix_groups, " shared prefixes of ", s.shared_prefix_sequences,
-                 " sequences, ", s.shared_prefix_tokens, " tokens in all,");
-  }
+  // The shared prefixes, in words: one the whole batch shares, or several groups'.
+  const bool whole_batch =
+      s.shared_prefix_groups == 1 && s.shared_prefix_sequences == run.result.batch;
+  const std::string groups = cat(s.shared_prefix_groups, " groups, ", s.shared_prefix_sequences,
+                                 " sequences, ", s.shared_prefix_tokens, " tokens");
   if (s.host_kv_bytes > 0) {
     std::printf("host KV pool     %9.2f MiB", mib(static_cast<double>(s.host_kv_bytes)));
-    if (!shared.empty()) std::printf("  (%s kept once)", shared.c_str());
+    if (whole_batch) {
+      std::printf("  (the batch's %lld-token shared prefix kept once)",
+                  static_cast<long long>(s.shared_prefix_tokens));
+    } else if (s.shared_prefix_groups > 0) {
+      std::printf("  (shared prefixes kept once: %s)", groups.c_str());
+    }
     std::printf("\n");
-  } else if (!shared.empty()) {
-    std::printf("shared prefixes  %s computed once\n", shared.c_str());
+  } else if (whole_batch) {
+    std::printf("shared prefix    %9lld tokens computed once\n",
+                static_cast<long long>(s.shared_prefix_tokens));
+  } else if (s.shared_prefix_groups > 0) {
+    std::printf("shared prefixes  computed once: %s\n", groups.c_str());
   }
   if (s.load_busy_per_step > 0) {
     std::printf(
