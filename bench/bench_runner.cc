@@ -337,6 +337,7 @@ BenchReport run_experiment(const Experiment& experiment, const BenchOptions& opt
           small.batch =
               std::max<int64_t>(1, std::llround(scaled.settings.batch * options.fractions_scale));
           small.gen_len = std::min(scaled.settings.gen_len, options.fractions_gen_len);
+          small.shared_prefix_groups = std::min(small.shared_prefix_groups, small.batch);
           const ModelConfig narrow = scaled_model_config(preset, options.fractions_scale);
           const RunInputs probe =
               run_inputs(small, narrow, options.fractions_scale, {}, options.seed);

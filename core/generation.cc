@@ -40,6 +40,18 @@ std::vector<int32_t> left_pad(const std::vector<std::vector<int32_t>>& prompts, 
   return tokens;
 }
 
+int64_t first_pass_rows(const std::vector<std::vector<int32_t>>& prompts,
+                        const std::vector<std::vector<int32_t>>* history,
+                        const SharedPrefixes& shared) {
+  int64_t own = 0;
+  for (size_t b = 0; b < prompts.size(); ++b) {
+    const int64_t before = history ? std::ssize((*history)[b]) : 0;
+    own = std::max(own, before + std::ssize(prompts[b]) -
+                            shared.prefix_length(static_cast<int64_t>(b)));
+  }
+  return shared.rows() + own;
+}
+
 void check_context(const ModelConfig& config, int64_t longest, int64_t gen_len) {
   INFINIGEN_CHECK(longest < config.max_positions, "a prompt of ", longest,
                   " tokens leaves no room to generate in the model's context of ",
@@ -130,29 +142,22 @@ namespace {
 // prompt, left-padded to the longest (after the shared prefixes' rows, when the conversation
 // shares some: a sequence's own history follows them); the pass covers the last n rows (n: the
 // longest prompt), so a sequence with a shorter prompt computes its last history tokens again.
-// Returns the pass's tokens (B, n) and fills first_valid (B), the rows stored before the pass and
-// the rows after it.
+// Returns the pass's tokens (B, n) and fills first_valid (B) and the rows stored before the pass
+// (`rows` after it: first_pass_rows).
 std::vector<int32_t> continuation_pass(const std::vector<std::vector<int32_t>>& history,
                                        const std::vector<std::vector<int32_t>>& prompts,
-                                       int32_t pad_id, const SharedPrefixes& shared,
-                                       std::vector<int32_t>* first_valid, int64_t* stored,
-                                       int64_t* rows) {
+                                       int32_t pad_id, const SharedPrefixes& shared, int64_t rows,
+                                       std::vector<int32_t>* first_valid, int64_t* stored) {
   const size_t B = prompts.size();
   int64_t n = 0;
-  *rows = 0;
-  for (size_t b = 0; b < B; ++b) {
-    n = std::max<int64_t>(n, std::ssize(prompts[b]));
-    const int64_t own = std::ssize(history[b]) - shared.prefix_length(static_cast<int64_t>(b)) +
-                        std::ssize(prompts[b]);
-    *rows = std::max(*rows, shared.rows() + own);
-  }
-  *stored = *rows - n;
+  for (const auto& p : prompts) n = std::max<int64_t>(n, std::ssize(p));
+  *stored = rows - n;
   first_valid->assign(B, 0);
   std::vector<int32_t> tokens(B * static_cast<size_t>(n), pad_id);
   for (size_t b = 0; b < B; ++b) {
     const int64_t prefix = shared.prefix_length(static_cast<int64_t>(b));
     const int64_t h = std::ssize(history[b]) - prefix;  // its own history
-    const int64_t start = *rows - h - std::ssize(prompts[b]);
+    const int64_t start = rows - h - std::ssize(prompts[b]);
     (*first_valid)[b] = static_cast<int32_t>(start);
     for (int64_t i = 0; i < n; ++i) {
       const int64_t j = *stored + i - start;  // index in the sequence's own conversation
@@ -232,18 +237,17 @@ GenerationResult generate(Model& model, const GenerationRequest& request,
   };
   if (request.score_tokens) result.token_log_probs.assign(static_cast<size_t>(B), {});
   std::vector<int32_t> first_valid;
-  int64_t stored = 0;      // rows per sequence stored before the first pass
-  int64_t rows = longest;  // rows per sequence after the first pass
+  int64_t stored = 0;  // rows per sequence stored before the first pass
   // A conversation's turns share what its first turn shared.
   const SharedPrefixes& shared =
       history ? conversation->shared_prefixes() : request.shared_prefixes;
+  const int64_t rows = first_pass_rows(request.prompts, history, shared);
   std::vector<int32_t> tokens;
   if (history) {
-    tokens = continuation_pass(*history, request.prompts, config.pad_token_id, shared, &first_valid,
-                               &stored, &rows);
+    tokens = continuation_pass(*history, request.prompts, config.pad_token_id, shared, rows,
+                               &first_valid, &stored);
   } else if (!shared.empty()) {
     tokens = own_tokens_after(request.prompts, shared, config.pad_token_id, &first_valid);
-    rows = shared.rows() + std::ssize(tokens) / B;
   } else {
     tokens = left_pad(request.prompts, config.pad_token_id, &first_valid);
   }

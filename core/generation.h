@@ -109,6 +109,14 @@ GenerationResult generate(Model& model, const GenerationRequest& request,
 // length is its history plus its prompt.
 int64_t check_request(const ModelConfig& config, const GenerationRequest& request,
                       const std::vector<std::vector<int32_t>>* history = nullptr);
+// Rows per sequence a KV store holds after the first pass of `prompts`: the longest prompt, or
+// with `shared` prefixes their rows plus the longest part of a sequence after its prefix, each
+// sequence's `history` (a resumed conversation's, when given) before its prompt. Shared prefixes
+// found for new prompts never need more rows than the longest prompt (find_shared_prefixes); a
+// conversation's later turns may.
+int64_t first_pass_rows(const std::vector<std::vector<int32_t>>& prompts,
+                        const std::vector<std::vector<int32_t>>* history,
+                        const SharedPrefixes& shared);
 // One-line Error unless a prompt of `longest` tokens plus `gen_len` generated ones fit in the
 // model's context (no overflow for lengths near the int64 limit).
 void check_context(const ModelConfig& config, int64_t longest, int64_t gen_len);

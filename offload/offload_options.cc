@@ -51,8 +51,9 @@ OptionTable<OffloadOptions> make_table() {
           [](auto& o) -> auto& { return o.kv_block_tokens; }),
       choice_option<O, bool>(
           "share_prefix",
-          "full, gpu, infinigen: compute and keep once the whole KV blocks of a prompt prefix "
-          "that every sequence of the batch shares (infinigen: without kv_pool_limit)",
+          "full, gpu, infinigen: compute and keep once per group the whole KV blocks of the "
+          "prompt prefixes that groups of the batch's sequences share (infinigen: without "
+          "kv_pool_limit)",
           [](auto& o) -> auto& { return o.share_prefix; }, {{"on", true}, {"off", false}}),
       number_option<O>(
           "alpha", "infinigen: fetch tokens whose speculated logit is within alpha of the top",

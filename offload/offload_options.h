@@ -19,8 +19,9 @@ struct OffloadOptions {
   double weights_gpu_percent = 100.0;  // share of each layer's weights kept on the device
   LinkEmulation link;                  // emulate_link_gbps, emulate_link_latency_us
   int64_t kv_block_tokens = 128;       // tokens per block of the host KV pool
-  // Policies full, gpu and infinigen (uncapped): the whole KV blocks of a prompt prefix every
-  // sequence of the batch shares are computed and kept once (KvStore::share_prefix).
+  // Policies full, gpu and infinigen (uncapped): the whole KV blocks of the prompt prefixes that
+  // groups of the batch's sequences share are computed and kept once per group
+  // (find_shared_prefixes, KvStore::share_prefixes).
   bool share_prefix = true;
   size_t device_memory = 0;            // bytes usable on the device; 0 = what the device has free
   SpeculationOptions speculation;      // policy infinigen

@@ -129,17 +129,27 @@ void generate_offloaded(const ModelSource& source, const GenerationRequest& requ
   run.totals = engine.counters();
 }
 
+// The memory request of `request` (checked against the model first): its rows per sequence are
+// the longest prompt, or more in a conversation's turn after prefixes of different lengths.
+MemoryRequest planned_memory(const ModelConfig& config, const GenerationRequest& request,
+                             const OffloadOptions& options, const Conversation* conversation) {
+  const auto* history =
+      conversation && !conversation->history().empty() ? &conversation->history() : nullptr;
+  const int64_t longest = check_request(config, request, history);
+  const int64_t rows =
+      history ? first_pass_rows(request.prompts, history, conversation->shared_prefixes())
+              : longest;
+  return offload_memory_request(config, static_cast<int64_t>(request.prompts.size()),
+                                std::max(longest, rows), request.gen_len, request.kv_dtype,
+                                options);
+}
+
 }  // namespace
 
 Trace dry_run_trace(const ModelConfig& config, const GenerationRequest& request,
                     const OffloadOptions& options, Device device, const FetchReplay* replay,
                     Conversation* conversation) {
-  const int64_t longest = check_request(
-      config, request,
-      conversation && !conversation->history().empty() ? &conversation->history() : nullptr);
-  const MemoryRequest memory =
-      offload_memory_request(config, static_cast<int64_t>(request.prompts.size()), longest,
-                             request.gen_len, request.kv_dtype, options);
+  const MemoryRequest memory = planned_memory(config, request, options, conversation);
   Trace trace(/*dry=*/true);
   {
     TraceScope scope(trace);
@@ -159,12 +169,7 @@ OffloadRun run_offloaded(const ModelSource& source, const GenerationRequest& req
                          const OffloadOptions& options, Device device,
                          const ProgressCallback& progress, Conversation* conversation) {
   const ModelConfig& config = source.config;
-  const int64_t longest = check_request(
-      config, request,
-      conversation && !conversation->history().empty() ? &conversation->history() : nullptr);
-  const MemoryRequest memory =
-      offload_memory_request(config, static_cast<int64_t>(request.prompts.size()), longest,
-                             request.gen_len, request.kv_dtype, options);
+  const MemoryRequest memory = planned_memory(config, request, options, conversation);
   OffloadRun run;
   run.plan = plan_offloaded_run(memory, options, device);
 
