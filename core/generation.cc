@@ -46,8 +46,8 @@ int64_t first_pass_rows(const std::vector<std::vector<int32_t>>& prompts,
   int64_t own = 0;
   for (size_t b = 0; b < prompts.size(); ++b) {
     const int64_t before = history ? std::ssize((*history)[b]) : 0;
-    own = std::max(own, before + std::ssize(prompts[b]) -
-                            shared.prefix_length(static_cast<int64_t>(b)));
+    own = std::max(own,
+                   before + std::ssize(prompts[b]) - shared.prefix_length(static_cast<int64_t>(b)));
   }
   return shared.rows() + own;
 }

@@ -23,9 +23,9 @@ struct OffloadOptions {
   // groups of the batch's sequences share are computed and kept once per group
   // (find_shared_prefixes, KvStore::share_prefixes).
   bool share_prefix = true;
-  size_t device_memory = 0;            // bytes usable on the device; 0 = what the device has free
-  SpeculationOptions speculation;      // policy infinigen
-  bool check_recall = false;           // policy infinigen: measure the recall of attention weight
+  size_t device_memory = 0;        // bytes usable on the device; 0 = what the device has free
+  SpeculationOptions speculation;  // policy infinigen
+  bool check_recall = false;       // policy infinigen: measure the recall of attention weight
   // Policy infinigen: cap on the host KV pool, as a fraction (<= 1) of the full KV of the
   // request or as bytes (> 1); 0 = no cap.
   double kv_pool_limit = 0.0;
