@@ -34,6 +34,19 @@ void KvStore::share_prefixes(SharedPrefixes shared, std::vector<int32_t> first_v
   shared_ = std::move(shared);
 }
 
+void KvStore::store_pass_rows(const Tensor& rows, Tensor& cache) const {
+  if (!sharing_pass()) {
+    ops::cache_store(rows, cache, length());
+    return;
+  }
+  const int64_t n = pass_tokens();
+  for (int64_t i = 0; i < pass_batch(); ++i) {
+    const int64_t leader = pass_sequence(i);
+    Tensor leader_cache = cache.slice_rows(leader, leader + 1);
+    ops::cache_store(rows.slice_rows(i * n, (i + 1) * n), leader_cache, 0);
+  }
+}
+
 void KvStore::begin_pass(int64_t n_new) {
   restore_through(0);
   start_pass(n_new);
@@ -95,21 +108,9 @@ KvCache::KvCache(const ModelConfig& config, int64_t batch, int64_t capacity, DTy
 }
 
 void KvCache::append(int64_t layer, const Tensor& keys, const Tensor& values) {
-  Tensor& layer_keys = keys_[static_cast<size_t>(layer)];
-  Tensor& layer_values = values_[static_cast<size_t>(layer)];
-  if (sharing_pass()) {  // the shared prefixes: each into its leader's rows only
-    const int64_t n = pass_tokens();
-    for (int64_t i = 0; i < pass_batch(); ++i) {
-      const int64_t leader = pass_sequence(i);
-      Tensor leader_keys = layer_keys.slice_rows(leader, leader + 1);
-      Tensor leader_values = layer_values.slice_rows(leader, leader + 1);
-      ops::cache_store(keys.slice_rows(i * n, (i + 1) * n), leader_keys, 0);
-      ops::cache_store(values.slice_rows(i * n, (i + 1) * n), leader_values, 0);
-    }
-    return;
-  }
-  ops::cache_store(keys, layer_keys, length());
-  ops::cache_store(values, layer_values, length());
+  // The shared prefixes go into their leaders' rows only.
+  store_pass_rows(keys, keys_[static_cast<size_t>(layer)]);
+  store_pass_rows(values, values_[static_cast<size_t>(layer)]);
 }
 
 KvStore::View KvCache::view(int64_t layer) {

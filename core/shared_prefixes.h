@@ -1,5 +1,5 @@
 // core: prompt prefixes that groups of a batch's sequences share, computed and kept once per
-// group (vLLM's prefix sharing; issue "Conversations and shared prompts").
+// group (vLLM's prefix sharing; docs/sessions.md).
 //
 // Row layout, the same in every KV store: rows [0, rows()) of every sequence hold the groups'
 // prefixes, each left-padded to the end of that region. Group g's prefix of length(g) tokens is

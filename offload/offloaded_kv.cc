@@ -108,12 +108,12 @@ void OffloadedKv::append(int64_t layer, const Tensor& keys, const Tensor& values
     // Prefill: attention reads the fresh rows directly; staging[p] only carries them to the pool.
     // It was last read by the store of layer - 2.
     if (layer >= 2) stored_[static_cast<size_t>(layer - 2)]->wait();
+    store_pass_rows(keys, staging_keys_[p]);
+    store_pass_rows(values, staging_values_[p]);
     if (sharing_pass()) {
-      store_shared_prefixes(layer, keys, values);
+      store_shared_prefixes(layer);
       return;
     }
-    ops::cache_store(keys, staging_keys_[p], 0);
-    ops::cache_store(values, staging_values_[p], 0);
     issue_store(layer, staging_keys_[p], staging_values_[p], 0, pass_tokens());
     return;
   }
@@ -155,18 +155,9 @@ const void* OffloadedKv::token_row(int64_t layer, size_t stream, int64_t b, int6
   return pool_.row(layer, stream == 0 ? KvKind::Key : KvKind::Value, b, h, t);
 }
 
-void OffloadedKv::store_shared_prefixes(int64_t layer, const Tensor& keys, const Tensor& values) {
+void OffloadedKv::store_shared_prefixes(int64_t layer) {
   if (pool_.num_blocks() == 0) pool_.share(shared());
   const size_t p = static_cast<size_t>(layer % 2);
-  // Each leader's rows of staging[p] carry its group's prefix to the group's shared blocks.
-  const int64_t n = pass_tokens();
-  for (int64_t i = 0; i < pass_batch(); ++i) {
-    const int64_t leader = pass_sequence(i);
-    Tensor leader_keys = staging_keys_[p].slice_rows(leader, leader + 1);
-    Tensor leader_values = staging_values_[p].slice_rows(leader, leader + 1);
-    ops::cache_store(keys.slice_rows(i * n, (i + 1) * n), leader_keys, 0);
-    ops::cache_store(values.slice_rows(i * n, (i + 1) * n), leader_values, 0);
-  }
   std::vector<CopyChunk> chunks;
   pool_.scatter_shared_chunks(layer, KvKind::Key, staging_keys_[p].raw(), capacity(), 0,
                               shared_rows(), &chunks);

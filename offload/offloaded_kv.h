@@ -53,9 +53,9 @@ class OffloadedKv : public PipelinedKv {
   // Decode: copies the new token's rows (B, H * d) into the layer's store buffer and enqueues
   // their store into the pool at token length().
   void store_new_token(int64_t layer, const Tensor& keys, const Tensor& values);
-  // The sharing pass: the groups' prefixes, rows (G * shared_rows(), H * d) of the groups'
-  // leaders, into the pool's shared blocks.
-  void store_shared_prefixes(int64_t layer, const Tensor& keys, const Tensor& values);
+  // The sharing pass: the groups' prefixes, in their leaders' rows of staging[layer % 2], into
+  // the pool's shared blocks.
+  void store_shared_prefixes(int64_t layer);
   // Enqueues a store of `chunks` into the pool as layer `layer`'s latest (stored_), counted in
   // the step's device->host bytes.
   void submit_store(int64_t layer, std::vector<CopyChunk> chunks);
