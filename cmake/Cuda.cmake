@@ -1,8 +1,16 @@
-# Decides whether the CUDA backend is built (INFINIGEN_CUDA = AUTO | ON | OFF) and sets
-# INFINIGEN_WITH_CUDA accordingly. A binary built with CUDA still runs without a GPU or driver:
-# the CUDA runtime is linked statically and device discovery reports zero devices.
+# Decides whether the CUDA backend is built (INFINIGEN_CUDA = AUTO | ON | OFF | EMULATE) and sets
+# INFINIGEN_WITH_CUDA (the backend is compiled) and INFINIGEN_CUDA_EMULATED (its .cu sources are
+# compiled by the host compiler against the emulated device in kernels/cuda/emulation, so that
+# they run, and are tested, on a machine without a GPU). A binary built with real CUDA still runs
+# without a GPU or driver: the CUDA runtime is linked statically and discovery reports zero
+# devices.
 set(INFINIGEN_WITH_CUDA OFF)
-if(NOT INFINIGEN_CUDA STREQUAL "OFF")
+set(INFINIGEN_CUDA_EMULATED OFF)
+if(INFINIGEN_CUDA STREQUAL "EMULATE")
+  find_package(Boost 1.74 REQUIRED COMPONENTS context)
+  set(INFINIGEN_WITH_CUDA ON)
+  set(INFINIGEN_CUDA_EMULATED ON)
+elseif(NOT INFINIGEN_CUDA STREQUAL "OFF")
   if(NOT CMAKE_CUDA_COMPILER)
     find_program(_infinigen_nvcc nvcc HINTS ENV CUDACXX PATHS /usr/local/cuda/bin NO_CACHE)
     if(_infinigen_nvcc)
@@ -24,4 +32,8 @@ if(NOT INFINIGEN_CUDA STREQUAL "OFF")
     message(FATAL_ERROR "INFINIGEN_CUDA=ON but no CUDA compiler (nvcc) was found")
   endif()
 endif()
-message(STATUS "infinigen: CUDA backend ${INFINIGEN_WITH_CUDA}")
+if(INFINIGEN_CUDA_EMULATED)
+  message(STATUS "infinigen: CUDA backend ON, on the emulated device (no GPU needed)")
+else()
+  message(STATUS "infinigen: CUDA backend ${INFINIGEN_WITH_CUDA}")
+endif()

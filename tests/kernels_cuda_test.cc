@@ -25,23 +25,15 @@ namespace {
 
 using testing_util::relative_error;
 
-// Skips without a GPU or driver; fails when a driver is installed but unusable (too old for
-// this runtime, say), since skipping then would hide that nothing was tested.
-#define SKIP_WITHOUT_CUDA_DEVICE()                                                \
-  do {                                                                            \
-    ASSERT_EQ(cuda_discovery_error(), "") << "CUDA is installed but not usable";  \
-    if (cuda_devices().empty()) GTEST_SKIP() << "no CUDA device on this machine"; \
-  } while (false)
-
 class CudaOps : public ::testing::Test {
  protected:
-  void SetUp() override { SKIP_WITHOUT_CUDA_DEVICE(); }
+  void SetUp() override { INFINIGEN_SKIP_WITHOUT_CUDA_DEVICE(); }
 };
 
 template <typename Param>
 class CudaOpsWith : public ::testing::TestWithParam<Param> {
  protected:
-  void SetUp() override { SKIP_WITHOUT_CUDA_DEVICE(); }
+  void SetUp() override { INFINIGEN_SKIP_WITHOUT_CUDA_DEVICE(); }
 };
 
 // A CPU tensor of `dtype` holding normal(0, scale) values (rounded to dtype).

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 
@@ -290,6 +291,11 @@ CommandResult BackgroundInfinigen::signal_and_wait(int signal, double timeout_s,
   result.out = slurp(capture_.path() / "out");
   result.err = slurp(capture_.path() / "err");
   return result;
+}
+
+bool gpu_required() {
+  const char* value = std::getenv("INFINIGEN_REQUIRE_GPU");
+  return value != nullptr && std::string(value) == "1";
 }
 
 }  // namespace infinigen::testing_util

@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/device.h"
 #include "core/error.h"
 #include "core/generation.h"
 #include "core/model_config.h"
@@ -156,4 +157,21 @@ class BackgroundInfinigen {
 void expect_one_line_error(const std::vector<std::string>& args,
                            const std::vector<std::string>& fragments);
 
+// INFINIGEN_REQUIRE_GPU=1: a gpu-labelled test must not skip (the emulated device, a GPU machine).
+bool gpu_required();
+
 }  // namespace infinigen::testing_util
+
+// For gpu-labelled tests: skips without a CUDA device (a machine without a GPU or driver), fails
+// when one is required (INFINIGEN_REQUIRE_GPU=1) or when a driver is installed but unusable (too
+// old for this runtime, say), since skipping then would hide that nothing was tested.
+#define INFINIGEN_SKIP_WITHOUT_CUDA_DEVICE()                                                  \
+  do {                                                                                        \
+    ASSERT_EQ(::infinigen::cuda_discovery_error(), "") << "CUDA is installed but not usable"; \
+    if (::infinigen::cuda_devices().empty()) {                                                \
+      if (::infinigen::testing_util::gpu_required()) {                                        \
+        FAIL() << "INFINIGEN_REQUIRE_GPU=1 but no CUDA device was found";                     \
+      }                                                                                       \
+      GTEST_SKIP() << "no CUDA device on this machine";                                       \
+    }                                                                                         \
+  } while (false)

@@ -4,6 +4,7 @@
 // Attention over the KV cache gives one block to each (sequence, head, new row); its warps split
 // the cache rows and merge their partial softmaxes at the end.
 #include <cmath>
+#include <type_traits>
 
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/common.cuh"
@@ -50,7 +51,7 @@ template <int kPerLane>
 __global__ void __launch_bounds__(kPrefillThreads)
     prefill_kernel(const float* q, const float* k, const float* v, float* out, int64_t n, int64_t H,
                    int64_t H_kv, int64_t d, const int32_t* first_valid) {
-  extern __shared__ float shared[];
+  INFINIGEN_DYNAMIC_SHARED(float, shared);
   float* q_tile = shared;                       // (kQueryTile, d)
   float* k_tile = q_tile + kQueryTile * d;      // (kKeyTile, d + 1)
   float* v_tile = k_tile + kKeyTile * (d + 1);  // (kKeyTile, d)
@@ -153,8 +154,8 @@ int launch_prefill(const float* q, const float* k, const float* v, float* out, i
   }
   const dim3 grid(static_cast<unsigned>((n + kQueryTile - 1) / kQueryTile),
                   static_cast<unsigned>(H), static_cast<unsigned>(B));
-  prefill_kernel<kPerLane>
-      <<<grid, kPrefillThreads, shared_bytes, stream>>>(q, k, v, out, n, H, H_kv, d, first_valid);
+  INFINIGEN_LAUNCH(grid, kPrefillThreads, shared_bytes, stream, prefill_kernel<kPerLane>)
+  (q, k, v, out, n, H, H_kv, d, first_valid);
   return cudaGetLastError();
 }
 
@@ -322,22 +323,24 @@ int attention_decode(const float* q, const void* k_cache, const void* v_cache, E
     using T = decltype(tag);
     const T* keys = static_cast<const T*>(k_cache);
     const T* values = static_cast<const T*>(v_cache);
-    const auto launch = [&](auto kernel) {
-      kernel<<<grid, kDecodeThreads, 0, s>>>(q, keys, values, out, n, H, H_kv, d, capacity, length,
-                                             first_valid, prefix_begin, prefix_source, prefix_end);
+    const auto launch = [&](auto per_lane_tag) {
+      constexpr int kPerLane = decltype(per_lane_tag)::value;
+      INFINIGEN_LAUNCH(grid, kDecodeThreads, 0, s, decode_kernel<T, kPerLane>)
+      (q, keys, values, out, n, H, H_kv, d, capacity, length, first_valid, prefix_begin,
+       prefix_source, prefix_end);
     };
     switch (per_lane) {
       case 1:
-        launch(decode_kernel<T, 1>);
+        launch(std::integral_constant<int, 1>{});
         break;
       case 2:
-        launch(decode_kernel<T, 2>);
+        launch(std::integral_constant<int, 2>{});
         break;
       case 4:
-        launch(decode_kernel<T, 4>);
+        launch(std::integral_constant<int, 4>{});
         break;
       default:
-        launch(decode_kernel<T, 8>);
+        launch(std::integral_constant<int, 8>{});
         break;
     }
     return static_cast<int>(cudaGetLastError());
@@ -353,8 +356,9 @@ int cache_store(const float* src, void* cache, Element cache_type, int64_t B, in
   const cudaStream_t s = detail::as_stream(stream);
   return detail::dispatch_element(cache_type, [&](auto tag) {
     using T = decltype(tag);
-    cache_store_kernel<T><<<detail::grid_stride_blocks(count, threads), threads, 0, s>>>(
-        src, static_cast<T*>(cache), n, H, d, capacity, offset, count);
+    INFINIGEN_LAUNCH(detail::grid_stride_blocks(count, threads), threads, 0, s,
+                     cache_store_kernel<T>)
+    (src, static_cast<T*>(cache), n, H, d, capacity, offset, count);
     return static_cast<int>(cudaGetLastError());
   });
 }

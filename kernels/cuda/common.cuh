@@ -9,6 +9,20 @@
 
 #include "kernels/cuda/element_type.h"
 
+// A kernel launch, kernel<<<grid, block, shared_bytes, stream>>>(args...), is written
+// INFINIGEN_LAUNCH(grid, block, shared_bytes, stream, kernel)(args...), and a kernel's dynamic
+// shared memory, `extern __shared__ T name[]`, INFINIGEN_DYNAMIC_SHARED(T, name): the same source
+// then also builds against the emulated device (kernels/cuda/emulation), where a launch is a call.
+#ifdef INFINIGEN_CUDA_EMULATION
+#define INFINIGEN_LAUNCH(grid, block, shared_bytes, stream, ...) \
+  INFINIGEN_EMULATED_LAUNCH(grid, block, shared_bytes, stream, __VA_ARGS__)
+#define INFINIGEN_DYNAMIC_SHARED(type, name) INFINIGEN_EMULATED_DYNAMIC_SHARED(type, name)
+#else
+#define INFINIGEN_LAUNCH(grid, block, shared_bytes, stream, ...) \
+  __VA_ARGS__<<<grid, block, shared_bytes, stream>>>
+#define INFINIGEN_DYNAMIC_SHARED(type, name) extern __shared__ type name[]
+#endif
+
 namespace infinigen::kernels::cuda::detail {
 
 inline constexpr int kWarpSize = 32;

@@ -29,22 +29,25 @@ __global__ void silu_mul_kernel(float* gate, const float* up, int64_t n) {
 
 int add_inplace(float* y, const float* x, int64_t n, void* stream) {
   if (n <= 0) return cudaSuccess;  // a launch of zero blocks is an error
-  add_kernel<<<detail::grid_stride_blocks(n, kThreads), kThreads, 0, detail::as_stream(stream)>>>(
-      y, x, n);
+  INFINIGEN_LAUNCH(detail::grid_stride_blocks(n, kThreads), kThreads, 0, detail::as_stream(stream),
+                   add_kernel)
+  (y, x, n);
   return cudaGetLastError();
 }
 
 int scale_inplace(float* y, float factor, int64_t n, void* stream) {
   if (n <= 0) return cudaSuccess;
-  scale_kernel<<<detail::grid_stride_blocks(n, kThreads), kThreads, 0, detail::as_stream(stream)>>>(
-      y, factor, n);
+  INFINIGEN_LAUNCH(detail::grid_stride_blocks(n, kThreads), kThreads, 0, detail::as_stream(stream),
+                   scale_kernel)
+  (y, factor, n);
   return cudaGetLastError();
 }
 
 int silu_mul(float* gate, const float* up, int64_t n, void* stream) {
   if (n <= 0) return cudaSuccess;
-  silu_mul_kernel<<<detail::grid_stride_blocks(n, kThreads), kThreads, 0,
-                    detail::as_stream(stream)>>>(gate, up, n);
+  INFINIGEN_LAUNCH(detail::grid_stride_blocks(n, kThreads), kThreads, 0, detail::as_stream(stream),
+                   silu_mul_kernel)
+  (gate, up, n);
   return cudaGetLastError();
 }
 

@@ -18,8 +18,8 @@ __global__ void embed_kernel(const int32_t* tokens, const int32_t* positions, co
       positions_table ? positions_table + static_cast<int64_t>(positions[i]) * D : nullptr;
   float* row = out + i * D;
   for (int64_t c = threadIdx.x; c < D; c += blockDim.x) {
-    row[c] = detail::to_float(token_row[c]) +
-             (position_row ? detail::to_float(position_row[c]) : 0.0f);
+    row[c] =
+        detail::to_float(token_row[c]) + (position_row ? detail::to_float(position_row[c]) : 0.0f);
   }
 }
 
@@ -31,9 +31,10 @@ int embed(const int32_t* tokens, const int32_t* positions, int64_t n, const void
   if (n > 0x7fffffff) return cudaErrorInvalidValue;  // grid.x limit
   return detail::dispatch_element(table_type, [&](auto tag) {
     using T = decltype(tag);
-    embed_kernel<T><<<static_cast<unsigned>(n), kThreads, 0, detail::as_stream(stream)>>>(
-        tokens, positions, static_cast<const T*>(tokens_table),
-        static_cast<const T*>(positions_table), D, out);
+    INFINIGEN_LAUNCH(static_cast<unsigned>(n), kThreads, 0, detail::as_stream(stream),
+                     embed_kernel<T>)
+    (tokens, positions, static_cast<const T*>(tokens_table), static_cast<const T*>(positions_table),
+     D, out);
     return static_cast<int>(cudaGetLastError());
   });
 }

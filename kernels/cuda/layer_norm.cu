@@ -36,8 +36,9 @@ int layer_norm(const float* x, const float* gamma, const float* beta, float* y, 
                int64_t cols, float eps, void* stream) {
   if (rows <= 0 || cols <= 0) return cudaSuccess;
   if (rows > 0x7fffffff) return cudaErrorInvalidValue;  // grid.x limit
-  layer_norm_kernel<<<static_cast<unsigned>(rows), kThreads, 0, detail::as_stream(stream)>>>(
-      x, gamma, beta, y, cols, eps);
+  INFINIGEN_LAUNCH(static_cast<unsigned>(rows), kThreads, 0, detail::as_stream(stream),
+                   layer_norm_kernel)
+  (x, gamma, beta, y, cols, eps);
   return cudaGetLastError();
 }
 

@@ -113,11 +113,13 @@ int linear(const float* x, const void* w, Element w_type, const float* bias, flo
     code = cudaMallocAsync(&rounded, static_cast<size_t>(count) * sizeof(__half), s);  // or bf16
     if (code != 0) return code;
     if (w_type == Element::F16) {
-      round_kernel<__half><<<detail::grid_stride_blocks(count, kThreads), kThreads, 0, s>>>(
-          x, static_cast<__half*>(rounded), count);
+      INFINIGEN_LAUNCH(detail::grid_stride_blocks(count, kThreads), kThreads, 0, s,
+                       round_kernel<__half>)
+      (x, static_cast<__half*>(rounded), count);
     } else {
-      round_kernel<__nv_bfloat16><<<detail::grid_stride_blocks(count, kThreads), kThreads, 0, s>>>(
-          x, static_cast<__nv_bfloat16*>(rounded), count);
+      INFINIGEN_LAUNCH(detail::grid_stride_blocks(count, kThreads), kThreads, 0, s,
+                       round_kernel<__nv_bfloat16>)
+      (x, static_cast<__nv_bfloat16*>(rounded), count);
     }
     code = cudaGetLastError();
     if (code == 0) {
@@ -129,8 +131,8 @@ int linear(const float* x, const void* w, Element w_type, const float* bias, flo
   }
   if (code != 0) return code;
   if (bias == nullptr && !relu) return cudaSuccess;
-  epilogue_kernel<<<detail::grid_stride_blocks(M * N, kThreads), kThreads, 0, s>>>(y, bias, M, N,
-                                                                                   relu);
+  INFINIGEN_LAUNCH(detail::grid_stride_blocks(M * N, kThreads), kThreads, 0, s, epilogue_kernel)
+  (y, bias, M, N, relu);
   return cudaGetLastError();
 }
 

@@ -26,8 +26,9 @@ int rms_norm(const float* x, const float* gamma, float* y, int64_t rows, int64_t
              void* stream) {
   if (rows <= 0 || cols <= 0) return cudaSuccess;
   if (rows > 0x7fffffff) return cudaErrorInvalidValue;  // grid.x limit
-  rms_norm_kernel<<<static_cast<unsigned>(rows), kThreads, 0, detail::as_stream(stream)>>>(
-      x, gamma, y, cols, eps);
+  INFINIGEN_LAUNCH(static_cast<unsigned>(rows), kThreads, 0, detail::as_stream(stream),
+                   rms_norm_kernel)
+  (x, gamma, y, cols, eps);
   return cudaGetLastError();
 }
 

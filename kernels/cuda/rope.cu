@@ -31,8 +31,9 @@ int rope(float* x, const int32_t* positions, const float* inv_freq, int64_t rows
          int64_t head_dim, void* stream) {
   const int64_t pairs = rows * heads * (head_dim / 2);
   if (pairs <= 0) return cudaSuccess;
-  rope_kernel<<<detail::grid_stride_blocks(pairs, kThreads), kThreads, 0,
-                detail::as_stream(stream)>>>(x, positions, inv_freq, rows, heads, head_dim / 2);
+  INFINIGEN_LAUNCH(detail::grid_stride_blocks(pairs, kThreads), kThreads, 0,
+                   detail::as_stream(stream), rope_kernel)
+  (x, positions, inv_freq, rows, heads, head_dim / 2);
   return cudaGetLastError();
 }
 
