@@ -120,6 +120,12 @@ std::string_view device_name(Device device) {
   return device == Device::Cpu ? "cpu" : "cuda";
 }
 
+std::string device_description(Device device) {
+  if (device == Device::Cpu) return "cpu";
+  const std::vector<CudaDeviceInfo> devices = cuda_devices();
+  return devices.empty() ? "cuda" : cat("cuda (", devices.front().name, ")");
+}
+
 bool cuda_compiled() {
 #ifdef INFINIGEN_CUDA
   return true;
@@ -134,7 +140,8 @@ std::vector<CudaDeviceInfo> cuda_devices() {
   for (int i = 0; i < discovery().count; ++i) {
     kernels::cuda::DeviceProperties prop{};
     if (kernels::cuda::device_properties(i, &prop) != 0) continue;
-    devices.push_back({i, prop.name, prop.total_memory_bytes, prop.major, prop.minor});
+    devices.push_back(
+        {i, prop.name, prop.total_memory_bytes, prop.major, prop.minor, prop.emulated != 0});
   }
 #endif
   return devices;
@@ -182,6 +189,9 @@ Device resolve_device(DeviceRequest request, bool cuda_runs_job, std::string* re
                   " yet; using the CPU");
     return Device::Cpu;
   }
+  // The emulated device runs CUDA code at a fraction of the CPU backend's speed: it is there to
+  // be asked for (tests, --device cuda), never picked by itself.
+  if (cuda_devices().front().emulated) return Device::Cpu;
   return Device::Cuda;
 }
 

@@ -19,6 +19,9 @@ namespace infinigen {
 enum class Device { Cpu, Cuda };
 
 std::string_view device_name(Device device);
+// What a run on `device` runs on, for reports: "cpu", or "cuda" with the device's name
+// ("cuda (CUDA emulated on the CPU (sm_86 limits))" on the emulated device).
+std::string device_description(Device device);
 
 struct CudaDeviceInfo {
   int index = 0;
@@ -26,6 +29,7 @@ struct CudaDeviceInfo {
   size_t total_memory_bytes = 0;
   int compute_capability_major = 0;
   int compute_capability_minor = 0;
+  bool emulated = false;  // the emulated device (an INFINIGEN_CUDA=EMULATE build): CPU speed
 };
 
 // True when this binary contains the CUDA backend.

@@ -249,7 +249,7 @@ int run(const RunOptions& o) {
     std::printf(
         "model: %s\ndevice: %s\npolicy %s, batch %lld, prompt %lld tokens (longest), "
         "%lld generated tokens per sequence: the plan fits\n%s",
-        loaded.description.c_str(), std::string(device_name(device)).c_str(),
+        loaded.description.c_str(), device_description(device).c_str(),
         offload.policy.c_str(), static_cast<long long>(prompt_plan.batch),
         static_cast<long long>(longest), static_cast<long long>(o.gen_len),
         plan.describe().c_str());
@@ -306,6 +306,7 @@ int run(const RunOptions& o) {
     nlohmann::json report = {{"model", loaded.description},
                              {"synthetic_weights", loaded.synthetic},
                              {"device", device_name(device)},
+                             {"device_description", device_description(device)},
                              {"threads", omp_get_max_threads()},
                              {"batch", result.batch},
                              {"prompt_len", result.prompt_len},
@@ -341,7 +342,7 @@ int run(const RunOptions& o) {
     return 0;
   }
   std::printf("model: %s\ndevice: %s (%d threads)\n", loaded.description.c_str(),
-              std::string(device_name(device)).c_str(), omp_get_max_threads());
+              device_description(device).c_str(), omp_get_max_threads());
   std::printf("policy %s, %.0f%% of weights on the device, link %s\n", offload.policy.c_str(),
               offload.weights_gpu_percent,
               offload.link.gbps > 0

@@ -33,6 +33,11 @@ int device_properties(int index, DeviceProperties* out) {
   out->total_memory_bytes = prop.totalGlobalMem;
   out->major = prop.major;
   out->minor = prop.minor;
+#ifdef INFINIGEN_CUDA_EMULATION
+  out->emulated = 1;
+#else
+  out->emulated = 0;
+#endif
   return cudaSuccess;
 }
 

@@ -19,6 +19,7 @@ struct DeviceProperties {
   size_t total_memory_bytes;
   int major;
   int minor;
+  int emulated;  // 1 on the emulated device (kernels/cuda/emulation)
 };
 int device_properties(int index, DeviceProperties* out);
 
