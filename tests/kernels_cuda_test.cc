@@ -259,10 +259,13 @@ std::string case_name(const ::testing::TestParamInfo<Case>& param_info) {
 struct PrefillCase {
   int64_t B, n, H, d;
   std::vector<int32_t> first_valid;
+  int64_t H_kv = 0;  // KV heads (grouped queries when fewer than H); 0: H
+  int64_t kv_heads() const { return H_kv > 0 ? H_kv : H; }
 };
 std::ostream& operator<<(std::ostream& out, const PrefillCase& c) {
   out << "B" << c.B << "_n" << c.n << "_H" << c.H << "_d" << c.d << "_pad";
   for (int32_t f : c.first_valid) out << "_" << f;
+  if (c.kv_heads() != c.H) out << "_kv" << c.kv_heads();
   return out;
 }
 
@@ -270,10 +273,10 @@ class CudaPrefill : public CudaOpsWith<PrefillCase> {};
 
 TEST_P(CudaPrefill, MatchesCpuWithLeftPadding) {
   const PrefillCase& c = GetParam();
-  const int64_t rows = c.B * c.n, D = c.H * c.d;
+  const int64_t rows = c.B * c.n, D = c.H * c.d, D_kv = c.kv_heads() * c.d;
   // Logits of std ~3 after the 1/sqrt(d) scaling: peaked enough to exercise the running max.
   const Tensor q = random_tensor({rows, D}, 12, 3.0f / std::sqrt(static_cast<float>(c.d)));
-  const Tensor k = random_tensor({rows, D}, 13), v = random_tensor({rows, D}, 14);
+  const Tensor k = random_tensor({rows, D_kv}, 13), v = random_tensor({rows, D_kv}, 14);
   Tensor out = nan_tensor({rows, D}, Device::Cpu), out_d = nan_tensor({rows, D}, Device::Cuda);
   ops::attention_prefill(q, k, v, out, c.B, c.H, c.first_valid);
   ops::attention_prefill(q.to(Device::Cuda), k.to(Device::Cuda), v.to(Device::Cuda), out_d, c.B,
@@ -298,7 +301,11 @@ INSTANTIATE_TEST_SUITE_P(
                       PrefillCase{2, 129, 4, 128, {3, 128}},    // n one past a tile boundary
                       PrefillCase{1, 65, 2, 80, {1}},           // d not a multiple of 32 (OPT-2.7B)
                       PrefillCase{2, 45, 2, 16, {0, 2}},        // d below a warp (opt-tiny)
-                      PrefillCase{1, 40, 1, 256, {0}}),         // opt-in shared memory size
+                      PrefillCase{1, 40, 1, 256, {0}},          // opt-in shared memory size
+                      // grouped queries: query head h reads KV head h / (H / H_kv)
+                      PrefillCase{2, 37, 8, 64, {0, 9}, 2},   // 4 query heads per KV head
+                      PrefillCase{1, 20, 6, 128, {3}, 3},     // 2 per KV head
+                      PrefillCase{2, 18, 4, 32, {0, 1}, 1}),  // multi-query: one KV head
     case_name<PrefillCase>);
 
 struct DecodeCase {
@@ -309,12 +316,15 @@ struct DecodeCase {
   std::vector<int32_t> prefix_groups = {};
   std::vector<int64_t> prefix_lengths = {};
   int64_t m = 1;
+  int64_t H_kv = 0;  // KV heads (grouped queries when fewer than H); 0: H
+  int64_t kv_heads() const { return H_kv > 0 ? H_kv : H; }
 };
 std::ostream& operator<<(std::ostream& out, const DecodeCase& c) {
   out << "B" << c.B << "_H" << c.H << "_d" << c.d << "_cap" << c.capacity << "_n" << c.n << "_pad";
   for (int32_t f : c.first_valid) out << "_" << f;
   for (int64_t length : c.prefix_lengths) out << "_shared" << length;
   if (c.m > 1) out << "_extend" << c.m;
+  if (c.kv_heads() != c.H) out << "_kv" << c.kv_heads();
   return out << "_" << dtype_name(c.cache_type);
 }
 
@@ -322,17 +332,17 @@ class CudaDecode : public CudaOpsWith<DecodeCase> {};
 
 TEST_P(CudaDecode, CacheStoreAndDecodeMatchCpu) {
   const DecodeCase& c = GetParam();
-  const int64_t D = c.H * c.d, length = c.n + c.m;
-  const Shape cache_shape = {c.B, c.H, c.capacity, c.d};
+  const int64_t D = c.H * c.d, D_kv = c.kv_heads() * c.d, length = c.n + c.m;
+  const Shape cache_shape = {c.B, c.kv_heads(), c.capacity, c.d};
   // Caches start as NaN on both devices: a read outside [first_valid, length) poisons the result.
   Tensor k_cache = nan_tensor(cache_shape, Device::Cpu, c.cache_type);
   Tensor v_cache = nan_tensor(cache_shape, Device::Cpu, c.cache_type);
   Tensor k_cache_d = nan_tensor(cache_shape, Device::Cuda, c.cache_type);
   Tensor v_cache_d = nan_tensor(cache_shape, Device::Cuda, c.cache_type);
-  const Tensor k_prompt = random_tensor({c.B * c.n, D}, 15),
-               v_prompt = random_tensor({c.B * c.n, D}, 16);
-  const Tensor k_step = random_tensor({c.B * c.m, D}, 17),
-               v_step = random_tensor({c.B * c.m, D}, 18);
+  const Tensor k_prompt = random_tensor({c.B * c.n, D_kv}, 15),
+               v_prompt = random_tensor({c.B * c.n, D_kv}, 16);
+  const Tensor k_step = random_tensor({c.B * c.m, D_kv}, 17),
+               v_step = random_tensor({c.B * c.m, D_kv}, 18);
   ops::cache_store(k_prompt, k_cache, 0);
   ops::cache_store(v_prompt, v_cache, 0);
   ops::cache_store(k_step, k_cache, c.n);
@@ -372,7 +382,13 @@ INSTANTIATE_TEST_SUITE_P(
         DecodeCase{2, 2, 128, 1100, 1033, {7, 0}, DType::F32},
         DecodeCase{1, 4, 80, 64, 33, {2}, DType::BF16},
         DecodeCase{2, 4, 16, 32, 9, {0, 4}, DType::F16},
-        DecodeCase{1, 2, 256, 70, 65, {0}, DType::F32}),
+        DecodeCase{1, 2, 256, 70, 65, {0}, DType::F32},
+        // grouped queries: query head h reads KV head h / (H / H_kv)
+        DecodeCase{2, 8, 64, 40, 21, {0, 6}, DType::F16, {}, {}, 1, 2},
+        DecodeCase{3, 6, 128, 64, 40, {2, 0, 11}, DType::F32, {}, {}, 1, 3},
+        DecodeCase{2, 4, 32, 24, 9, {0, 3}, DType::BF16, {}, {}, 1, 1},
+        // grouped queries with a shared prefix and an extension of 4 rows
+        DecodeCase{3, 8, 64, 48, 30, {8, 12, 20}, DType::F16, {0, 0, -1}, {8}, 4, 2}),
     case_name<DecodeCase>);
 
 // ---- the whole model ----
