@@ -1,6 +1,7 @@
 // kernels/cuda/emulation: the device itself: what discovery reports (one device, named as the
 // emulation, with the limits of the paper's GPU, an sm_86 RTX A6000), kernel launches checked
 // against those limits, and device-wide synchronisation.
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -43,7 +44,9 @@ KernelAttributes& kernel_attributes() {
 }
 
 std::string dims(dim3 d) {
-  return "(" + std::to_string(d.x) + ", " + std::to_string(d.y) + ", " + std::to_string(d.z) + ")";
+  char text[64];
+  std::snprintf(text, sizeof(text), "(%u, %u, %u)", d.x, d.y, d.z);
+  return text;
 }
 
 }  // namespace
