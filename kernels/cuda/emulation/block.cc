@@ -11,6 +11,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <boost/context/fiber.hpp>
 #include <cstdio>
@@ -165,17 +166,29 @@ class Block {
   }
 
   // Runs the block to its end; throws DeviceFault when it cannot finish.
+  //
+  // Schedule: each warp in turn runs as far as it can (its lanes round-robin, since they meet at
+  // collectives) before the next warp starts. A GPU gives no order between warps, and this one is
+  // the least forgiving of a missing barrier: a warp that overwrites shared memory another warp
+  // has yet to read, or reads what another has yet to write, does so before that warp has run.
   void run() {
     current_block = this;
     while (exited_ < static_cast<int>(threads_.size())) {
       bool progressed = false;
-      for (Thread& t : threads_) {
-        if (t.status != Status::Runnable) continue;
-        current_thread = &t;
-        current_indices.thread_idx = t.index;
-        t.fiber = std::move(t.fiber).resume();
-        progressed = true;
-        if (!fault_.empty()) abort_block();
+      for (size_t first = 0; first < threads_.size(); first += kWarp) {
+        const size_t end = std::min(threads_.size(), first + kWarp);
+        for (bool warp_progressed = true; warp_progressed;) {
+          warp_progressed = false;
+          for (size_t id = first; id < end; ++id) {
+            Thread& t = threads_[id];
+            if (t.status != Status::Runnable) continue;
+            current_thread = &t;
+            current_indices.thread_idx = t.index;
+            t.fiber = std::move(t.fiber).resume();
+            warp_progressed = progressed = true;
+            if (!fault_.empty()) abort_block();
+          }
+        }
       }
       if (!progressed) {
         fault_ = deadlock_report();
