@@ -139,6 +139,8 @@ TEST_P(CudaLayerNorm, MatchesCpuAlsoInPlace) {
   const auto [rows, cols] = GetParam();
   Tensor x = random_tensor({rows, cols}, 4, 3.0f);
   x.data<float>()[cols / 2] = 400.0f;  // an outlier channel, as OPT has
+  // A row with a large mean: one-pass statistics (E[x^2] - mean^2) cancel there.
+  for (int64_t c = 0; c < cols; ++c) x.data<float>()[(rows - 1) * cols + c] += 200.0f;
   const Tensor gamma = random_tensor({cols}, 5), beta = random_tensor({cols}, 6);
   const Tensor gamma_d = gamma.to(Device::Cuda), beta_d = beta.to(Device::Cuda);
   Tensor y = nan_tensor({rows, cols}, Device::Cpu), y_d = nan_tensor({rows, cols}, Device::Cuda);
