@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <ostream>
 #include <random>
 #include <sstream>
@@ -438,6 +439,42 @@ TEST_P(CudaModel, MatchesCpu) {
 INSTANTIATE_TEST_SUITE_P(Families, CudaModel, ::testing::Values("opt-tiny", "llama-tiny"),
                          [](const ::testing::TestParamInfo<const char*>& family) {
                            return std::string(family.param) == "opt-tiny" ? "Opt" : "Llama";
+                         });
+
+// ---- the command line ----
+
+// `--device cuda` == `--device cpu`: the built-in model through the CLI, greedy, gives the same
+// tokens for every policy that runs on the device (and the run names the device it used).
+class CudaCli : public CudaOpsWith<const char*> {};
+
+TEST_P(CudaCli, DeviceCudaGivesTheCpuTokens) {
+  const testing_util::TempDir cache("cuda-cli");
+  const auto tokens = [&](const std::string& device, std::string* description) {
+    const testing_util::CommandResult run =
+        testing_util::run_infinigen({"run", "--device", device, "--policy", GetParam(),
+                                     "--temperature", "0", "--gen-len", "6", "--json"},
+                                    {"INFINIGEN_CACHE_DIR=" + cache.str()});
+    EXPECT_EQ(run.exit_code, 0) << run.err;
+    const nlohmann::json report = nlohmann::json::parse(run.out, nullptr, false);
+    EXPECT_FALSE(report.is_discarded()) << run.out;
+    if (report.is_discarded()) return std::vector<std::vector<int>>{};
+    *description = report.value("device_description", "");
+    std::vector<std::vector<int>> out;
+    for (const auto& output : report["outputs"]) out.push_back(output["tokens"]);
+    return out;
+  };
+  std::string cpu_description, cuda_description;
+  const auto cpu = tokens("cpu", &cpu_description);
+  const auto cuda = tokens("cuda", &cuda_description);
+  EXPECT_EQ(cpu_description, "cpu");
+  EXPECT_EQ(cuda_description.rfind("cuda (", 0), 0u) << cuda_description;
+  ASSERT_FALSE(cpu.empty());
+  EXPECT_EQ(cuda, cpu);
+}
+
+INSTANTIATE_TEST_SUITE_P(Policies, CudaCli, ::testing::Values("gpu", "full"),
+                         [](const ::testing::TestParamInfo<const char*>& policy) {
+                           return std::string(policy.param);
                          });
 
 }  // namespace
