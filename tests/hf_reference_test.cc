@@ -153,7 +153,7 @@ TEST_P(HfReference, OffloadedPoliciesComputingFullAttentionPickTransformersGreed
 }
 
 Checkpoint fixture(const char* name) {
-  return {name, std::string(INFINIGEN_FIXTURES_DIR) + "/" + name};
+  return {name, (std::filesystem::path(INFINIGEN_FIXTURES_DIR) / name).string()};
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -469,7 +469,9 @@ class RotarySkewTest : public ::testing::Test {
     delete root_;
   }
   // tools/make_hf_checkpoint.py's Llama-3-style checkpoint: 6 query heads, 2 KV heads.
-  static std::string original() { return std::string(INFINIGEN_FIXTURES_DIR) + "/llama-tiny"; }
+  static std::string original() {
+    return (std::filesystem::path(INFINIGEN_FIXTURES_DIR) / "llama-tiny").string();
+  }
   static std::string skewed() { return (root_->path() / "skewed").string(); }
   static std::string fresh(const std::string& tag) {
     static int counter = 0;
