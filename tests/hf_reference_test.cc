@@ -15,6 +15,7 @@
 
 #include <cctype>
 #include <cstring>
+#include <filesystem>
 
 #include "core/generation.h"
 #include "core/model_loader.h"
