@@ -319,25 +319,10 @@ cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t transa,
                             const void* A, cudaDataType_t Atype, int lda, const void* B,
                             cudaDataType_t Btype, int ldb, const void* beta, void* C,
                             cudaDataType_t Ctype, int ldc, cublasComputeType_t computeType,
-                            cublasGemmAlgo_t) {
-  if (alpha == nullptr || beta == nullptr) return CUBLAS_STATUS_INVALID_VALUE;
-  const emu::Gemm g{transa,
-                    transb,
-                    m,
-                    n,
-                    k,
-                    *static_cast<const float*>(alpha),
-                    *static_cast<const float*>(beta),
-                    A,
-                    Atype,
-                    lda,
-                    B,
-                    Btype,
-                    ldb,
-                    C,
-                    Ctype,
-                    ldc};
-  return emu::gemm(handle, g, 1, 0, 0, 0, computeType);
+                            cublasGemmAlgo_t algo) {
+  // One product is a batch of one.
+  return cublasGemmStridedBatchedEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, 0, B,
+                                    Btype, ldb, 0, beta, C, Ctype, ldc, 0, 1, computeType, algo);
 }
 
 cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t handle, cublasOperation_t transa,
