@@ -20,7 +20,7 @@ enum class Device { Cpu, Cuda };
 
 std::string_view device_name(Device device);
 // What a run on `device` runs on, for reports: "cpu", or "cuda" with the device's name
-// ("cuda (CUDA emulated on the CPU (sm_86 limits))" on the emulated device).
+// ("cuda (CUDA emulated on the CPU, sm_86 limits)" on the emulated device).
 std::string device_description(Device device);
 
 struct CudaDeviceInfo {

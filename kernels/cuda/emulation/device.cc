@@ -117,7 +117,7 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
   if (prop == nullptr) return emu::fail(cudaErrorInvalidValue, "cudaGetDeviceProperties: null");
   if (device != 0) return emu::fail(cudaErrorInvalidDevice, "the emulation has one device, 0");
   std::memset(prop, 0, sizeof(*prop));
-  std::strncpy(prop->name, "CUDA emulated on the CPU (sm_86 limits)", sizeof(prop->name) - 1);
+  std::strncpy(prop->name, "CUDA emulated on the CPU, sm_86 limits", sizeof(prop->name) - 1);
   prop->totalGlobalMem = emu::device_memory_bytes();
   prop->sharedMemPerBlock = emu::kSharedMemoryPerBlock;
   prop->sharedMemPerBlockOptin = emu::kSharedMemoryPerBlockOptin;
