@@ -3,6 +3,7 @@
 // kernel argument, a copy or a cuBLAS matrix in the wrong kind of memory is an error naming the
 // call, as it would be (or worse) on a GPU. Fresh device memory is poisoned with NaN (all bits
 // set) unless INFINIGEN_CUDA_EMULATION_POISON=0, so that reading what nobody wrote shows.
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
