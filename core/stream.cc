@@ -24,7 +24,19 @@ double now_seconds() {
 // task may itself enqueue onto another inline stream (run() saves and restores it around a task).
 thread_local double t_waited_seconds = 0.0;
 
+thread_local void* t_cuda_stream = nullptr;
+
 }  // namespace
+
+void* current_cuda_stream() {
+  return t_cuda_stream;
+}
+
+CudaStreamScope::CudaStreamScope(void* stream) : previous_(std::exchange(t_cuda_stream, stream)) {}
+
+CudaStreamScope::~CudaStreamScope() {
+  t_cuda_stream = previous_;
+}
 
 void Event::wait() const {
   if (Trace* trace = active_trace()) trace->host_waits(traced_op_);

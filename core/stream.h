@@ -53,6 +53,24 @@ class Event {
 
 using EventPtr = std::shared_ptr<Event>;
 
+// The CUDA stream (a cudaStream_t, type-erased) on which the ops called on this thread launch
+// their kernels: the compute stream of the run in progress, or null (CUDA's legacy default
+// stream) outside one. Host code reads it; only the CUDA backend dereferences it.
+void* current_cuda_stream();
+
+// Makes `stream` the current CUDA stream of this thread until the scope ends (then restores the
+// previous one).
+class CudaStreamScope {
+ public:
+  explicit CudaStreamScope(void* stream);
+  ~CudaStreamScope();
+  CudaStreamScope(const CudaStreamScope&) = delete;
+  CudaStreamScope& operator=(const CudaStreamScope&) = delete;
+
+ private:
+  void* previous_;
+};
+
 // An event that is already complete (for "no dependency").
 EventPtr completed_event();
 
