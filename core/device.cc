@@ -13,6 +13,7 @@
 #include <string>
 #include <unordered_map>
 
+#include "core/stream.h"
 #include "core/trace.h"
 
 #ifdef INFINIGEN_CUDA
@@ -235,7 +236,8 @@ void device_copy(void* dst, Device dst_device, const void* src, Device src_devic
   }
 #ifdef INFINIGEN_CUDA
   const int kind = src_device == Device::Cpu ? 0 : dst_device == Device::Cpu ? 1 : 2;
-  check_cuda(kernels::cuda::copy(dst, src, bytes, kind), "copy");
+  // Ordered after the ops enqueued on this thread's stream (the data they write or read).
+  check_cuda(kernels::cuda::copy(dst, src, bytes, kind, current_cuda_stream()), "copy");
 #else
   throw_cuda_not_compiled();
 #endif

@@ -56,7 +56,8 @@ Device resolve_device(DeviceRequest request, bool cuda_runs_job, std::string* re
 // In a dry run (core/trace.h) allocations return dry_address() and copies do nothing.
 void* device_alloc(Device device, size_t bytes);
 void device_free(Device device, void* pointer);
-// Synchronous copy between any two devices.
+// Synchronous copy between any two devices; on CUDA it is ordered after the work enqueued on this
+// thread's current stream (core/stream.h), so it sees what those ops wrote.
 void device_copy(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes);
 
 // Host memory that transfers to the device read directly: page-locked (cudaHostAlloc) when a

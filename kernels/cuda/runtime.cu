@@ -59,10 +59,76 @@ int free_host_pinned(void* pointer) {
   return cudaFreeHost(pointer);
 }
 
-int copy(void* dst, const void* src, size_t bytes, int kind) {
+namespace {
+
+cudaMemcpyKind copy_kind(int kind) {
   const cudaMemcpyKind kinds[] = {cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost,
                                   cudaMemcpyDeviceToDevice};
-  return cudaMemcpy(dst, src, bytes, kinds[kind]);
+  return kinds[kind];
+}
+
+}  // namespace
+
+int copy(void* dst, const void* src, size_t bytes, int kind, void* stream) {
+  const auto s = static_cast<cudaStream_t>(stream);
+  if (const cudaError_t status = cudaMemcpyAsync(dst, src, bytes, copy_kind(kind), s);
+      status != cudaSuccess) {
+    return status;
+  }
+  return cudaStreamSynchronize(s);
+}
+
+int copy_async(void* dst, const void* src, size_t bytes, int kind, void* stream) {
+  return cudaMemcpyAsync(dst, src, bytes, copy_kind(kind), static_cast<cudaStream_t>(stream));
+}
+
+int stream_create(void** stream) {
+  cudaStream_t created = nullptr;
+  const cudaError_t status = cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking);
+  *stream = created;
+  return status;
+}
+
+int stream_destroy(void* stream) {
+  return cudaStreamDestroy(static_cast<cudaStream_t>(stream));
+}
+
+int stream_synchronize(void* stream) {
+  return cudaStreamSynchronize(static_cast<cudaStream_t>(stream));
+}
+
+int stream_wait_event(void* stream, void* event) {
+  return cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(event),
+                             0);
+}
+
+int event_create(void** event) {
+  cudaEvent_t created = nullptr;
+  const cudaError_t status = cudaEventCreate(&created);
+  *event = created;
+  return status;
+}
+
+int event_destroy(void* event) {
+  return cudaEventDestroy(static_cast<cudaEvent_t>(event));
+}
+
+int event_record(void* event, void* stream) {
+  return cudaEventRecord(static_cast<cudaEvent_t>(event), static_cast<cudaStream_t>(stream));
+}
+
+int event_query(void* event, int* ready) {
+  const cudaError_t status = cudaEventQuery(static_cast<cudaEvent_t>(event));
+  *ready = status == cudaSuccess ? 1 : 0;
+  return status == cudaErrorNotReady ? cudaSuccess : status;
+}
+
+int event_synchronize(void* event) {
+  return cudaEventSynchronize(static_cast<cudaEvent_t>(event));
+}
+
+int event_elapsed_ms(void* start, void* end, float* ms) {
+  return cudaEventElapsedTime(ms, static_cast<cudaEvent_t>(start), static_cast<cudaEvent_t>(end));
 }
 
 const char* error_string(int code) {

@@ -29,7 +29,29 @@ int free_device(void* pointer);
 int host_alloc_pinned(void** pointer, size_t bytes);
 int free_host_pinned(void* pointer);
 // kind: 0 host->device, 1 device->host, 2 device->device.
-int copy(void* dst, const void* src, size_t bytes, int kind);
+// A copy ordered after the work already enqueued on `stream` (null: the legacy default stream);
+// returns once it is complete.
+int copy(void* dst, const void* src, size_t bytes, int kind, void* stream);
+// Enqueues the copy on `stream` and returns at once. A host source or destination must be pinned
+// (or the copy is synchronous for the host, as CUDA makes pageable copies).
+int copy_async(void* dst, const void* src, size_t bytes, int kind, void* stream);
+
+// Streams and events as opaque handles (cudaStream_t, cudaEvent_t).
+// A stream that does not synchronise with the legacy default stream (cudaStreamNonBlocking).
+int stream_create(void** stream);
+int stream_destroy(void* stream);
+int stream_synchronize(void* stream);
+// Work enqueued on `stream` after this call starts once `event` has completed.
+int stream_wait_event(void* stream, void* event);
+// An event with timing (for the time between two events).
+int event_create(void** event);
+int event_destroy(void* event);
+int event_record(void* event, void* stream);
+// *ready = 1 when every piece of work before the event's record has run, else 0.
+int event_query(void* event, int* ready);
+int event_synchronize(void* event);
+// Milliseconds from `start` to `end`, both complete.
+int event_elapsed_ms(void* start, void* end, float* ms);
 const char* error_string(int code);
 
 }  // namespace infinigen::kernels::cuda
