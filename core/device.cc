@@ -66,7 +66,7 @@ void release_pinned(void* pointer, const PinnedBlock& block) {
   }
 #endif
   (void)block;
-  device_free(Device::Cpu, pointer);
+  std::free(pointer);  // from host_alloc
 }
 
 std::string mib(size_t bytes) {
@@ -106,6 +106,24 @@ bool pin_with_cuda() {
   return discovery().count > 0;
 }
 #endif
+
+// allocation_counts(): one counter per AllocationCounts field, constant-initialised (zero) so that
+// allocations during static initialisation and destruction count safely.
+enum Counter { kCpuAllocs, kCpuFrees, kCudaAllocs, kCudaFrees, kPinnedAllocs, kPinnedFrees, kCounters };
+constinit std::atomic<uint64_t> g_counters[kCounters] = {};
+
+void count(Counter counter) {
+  g_counters[counter].fetch_add(1, std::memory_order_relaxed);
+}
+
+// 64-byte aligned host memory, uncounted: device_alloc(Cpu) and pinned_alloc count their own.
+void* host_alloc(size_t bytes) {
+  INFINIGEN_CHECK(bytes <= SIZE_MAX - kHostAlignment, "cannot allocate ", bytes, " bytes");
+  const size_t rounded = (bytes + kHostAlignment - 1) / kHostAlignment * kHostAlignment;
+  void* p = std::aligned_alloc(kHostAlignment, rounded == 0 ? kHostAlignment : rounded);
+  if (p == nullptr) fail("out of host memory allocating ", bytes, " bytes");
+  return p;
+}
 
 std::atomic<bool>& debug_poison_flag() {
   static std::atomic<bool> flag{[] {
@@ -199,10 +217,8 @@ Device resolve_device(DeviceRequest request, bool cuda_runs_job, std::string* re
 void* device_alloc(Device device, size_t bytes) {
   if (dry_run()) return dry_address();
   if (device == Device::Cpu) {
-    INFINIGEN_CHECK(bytes <= SIZE_MAX - kHostAlignment, "cannot allocate ", bytes, " bytes");
-    const size_t rounded = (bytes + kHostAlignment - 1) / kHostAlignment * kHostAlignment;
-    void* p = std::aligned_alloc(kHostAlignment, rounded == 0 ? kHostAlignment : rounded);
-    if (p == nullptr) fail("out of host memory allocating ", bytes, " bytes");
+    void* p = host_alloc(bytes);
+    count(kCpuAllocs);
     return p;
   }
 #ifdef INFINIGEN_CUDA
@@ -211,6 +227,7 @@ void* device_alloc(Device device, size_t bytes) {
   if (code != 0) {
     fail("CUDA allocation of ", bytes, " bytes failed: ", kernels::cuda::error_string(code));
   }
+  count(kCudaAllocs);
   return p;
 #else
   throw_cuda_not_compiled();
@@ -218,13 +235,15 @@ void* device_alloc(Device device, size_t bytes) {
 }
 
 void device_free(Device device, void* pointer) {
-  if (pointer == dry_address()) return;
+  if (pointer == nullptr || pointer == dry_address()) return;
   if (device == Device::Cpu) {
     std::free(pointer);
+    count(kCpuFrees);
     return;
   }
 #ifdef INFINIGEN_CUDA
   kernels::cuda::free_device(pointer);  // errors on free cannot be handled meaningfully
+  count(kCudaFrees);
 #endif
 }
 
@@ -296,7 +315,7 @@ void* pinned_alloc(size_t bytes, std::string_view purpose) {
 #endif
   if (p == nullptr) {
     try {
-      p = device_alloc(Device::Cpu, request);
+      p = host_alloc(request);
     } catch (const Error&) {
       refuse("the host allocator is out of memory");
     }
@@ -309,6 +328,7 @@ void* pinned_alloc(size_t bytes, std::string_view purpose) {
     release_pinned(p, block);
     throw;
   }
+  count(kPinnedAllocs);
   return p;
 }
 
@@ -326,12 +346,25 @@ void pinned_free(void* pointer) {
   }
   // Freed outside the lock: cudaFreeHost may wait for the device, and other threads allocate.
   release_pinned(pointer, block);
+  count(kPinnedFrees);
 }
 
 size_t pinned_bytes_in_use() {
   PinnedRegistry& registry = pinned_registry();
   std::lock_guard lock(registry.mutex);
   return registry.bytes_in_use;
+}
+
+AllocationCounts AllocationCounts::since(const AllocationCounts& earlier) const {
+  return {cpu_allocs - earlier.cpu_allocs,       cpu_frees - earlier.cpu_frees,
+          cuda_allocs - earlier.cuda_allocs,     cuda_frees - earlier.cuda_frees,
+          pinned_allocs - earlier.pinned_allocs, pinned_frees - earlier.pinned_frees};
+}
+
+AllocationCounts allocation_counts() {
+  const auto read = [](Counter c) { return g_counters[c].load(std::memory_order_relaxed); };
+  return {read(kCpuAllocs),  read(kCpuFrees),     read(kCudaAllocs),
+          read(kCudaFrees), read(kPinnedAllocs), read(kPinnedFrees)};
 }
 
 bool debug_poison() {

@@ -71,6 +71,27 @@ void* pinned_alloc(size_t bytes, std::string_view purpose);
 void pinned_free(void* pointer);
 size_t pinned_bytes_in_use();  // live bytes from pinned_alloc
 
+// Calls of the functions above that allocated or freed memory since the process started, from
+// every thread: device_alloc and device_free per device, pinned_alloc and pinned_free (whose
+// memory is counted there only, not again as a CPU device allocation). Dry runs, null pointers
+// and pointers that are not ours count nothing. Each count is one relaxed atomic add, cheap
+// enough for every allocation; the difference of two snapshots is what happened between them
+// (offload/offload_stats.h counts a decode step's this way: it should be zero).
+struct AllocationCounts {
+  uint64_t cpu_allocs = 0;
+  uint64_t cpu_frees = 0;
+  uint64_t cuda_allocs = 0;
+  uint64_t cuda_frees = 0;
+  uint64_t pinned_allocs = 0;
+  uint64_t pinned_frees = 0;
+
+  uint64_t allocs() const { return cpu_allocs + cuda_allocs + pinned_allocs; }
+  uint64_t frees() const { return cpu_frees + cuda_frees + pinned_frees; }
+  // Each count of `*this` less `earlier`'s (a snapshot taken before it).
+  AllocationCounts since(const AllocationCounts& earlier) const;
+};
+AllocationCounts allocation_counts();
+
 class PinnedAllocationError : public Error {
  public:
   PinnedAllocationError(const std::string& message, size_t requested, size_t pinned_before);

@@ -14,10 +14,15 @@ void OffloadStats::begin_step(int64_t num_layers, const TransferCounters& counte
   steps_.back().layers.resize(static_cast<size_t>(num_layers));
   counters_at_start_ = counters;
   start_ = std::chrono::steady_clock::now();
+  // Last: the step's own bookkeeping above (its per-layer entries) is not the step's work.
+  allocations_at_start_ = allocation_counts();
 }
 
 void OffloadStats::end_step(const TransferCounters& counters) {
+  const AllocationCounts made = allocation_counts().since(allocations_at_start_);
   StepStats& step = steps_.back();
+  step.allocations = made.allocs();
+  step.frees = made.frees();
   step.load_busy_seconds = counters.h2d_busy_seconds - counters_at_start_.h2d_busy_seconds;
   step.store_busy_seconds = counters.d2h_busy_seconds - counters_at_start_.d2h_busy_seconds;
   step.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/device.h"
 #include "offload/transfer_engine.h"
 
 namespace infinigen {
@@ -27,6 +28,10 @@ struct StepStats {
   double store_busy_seconds = 0.0;
   double load_wait_seconds = 0.0;  // compute stalled on loads: transfer that was not hidden
   uint64_t host_kv_bytes = 0;      // KV bytes the host pool holds after the step (`full` pools)
+  // Device and pinned allocations, and frees, made between begin_step and end_step by any thread
+  // (core/device.h's allocation_counts): a decode step should make none.
+  uint64_t allocations = 0;
+  uint64_t frees = 0;
   std::vector<LayerTraffic> layers;
   // Transfer time that overlapped compute (never negative).
   double hidden_load_seconds() const;
@@ -37,7 +42,7 @@ class OffloadStats {
  public:
   // Opens a step; `counters` are the transfer engine's totals now.
   void begin_step(int64_t num_layers, const TransferCounters& counters);
-  // Closes it: wall time and stream busy time since begin_step.
+  // Closes it: wall time, stream busy time, and allocations and frees since begin_step.
   void end_step(const TransferCounters& counters);
   StepStats& current() { return steps_.back(); }
   const std::vector<StepStats>& steps() const { return steps_; }
@@ -45,6 +50,7 @@ class OffloadStats {
  private:
   std::vector<StepStats> steps_;
   TransferCounters counters_at_start_;
+  AllocationCounts allocations_at_start_;
   std::chrono::steady_clock::time_point start_;
 };
 

@@ -44,6 +44,7 @@ TransferSummary summarize(const OffloadRun& run) {
     }
     s.h2d_bytes_per_step += static_cast<double>(steps[i].h2d_bytes);
     s.d2h_bytes_per_step += static_cast<double>(steps[i].d2h_bytes);
+    s.decode_step_allocations_and_frees += steps[i].allocations + steps[i].frees;
     busy += steps[i].load_busy_seconds;
     wait += steps[i].load_wait_seconds;
   }

@@ -35,6 +35,9 @@ struct TransferSummary {
   // Per layer, over the decode steps: mean seconds compute waited for that layer's loads.
   std::vector<double> layer_load_wait;
   double median_step_seconds = 0;  // median wall time of a decode step
+  // Device and pinned allocations plus frees made inside the decode steps, all of them together
+  // (StepStats::allocations, frees): 0 when the steps run in buffers allocated beforehand.
+  uint64_t decode_step_allocations_and_frees = 0;
 };
 
 TransferSummary summarize(const OffloadRun& run);

@@ -30,7 +30,8 @@ nlohmann::json transfers_json(const TransferSummary& s) {
           {"total_d2h_bytes", s.total_d2h_bytes},
           {"kv_fetched_fraction", s.fetched_fraction},
           {"mean_recall", s.mean_recall},
-          {"min_layer_recall", s.min_layer_recall}};
+          {"min_layer_recall", s.min_layer_recall},
+          {"decode_step_allocations_and_frees", s.decode_step_allocations_and_frees}};
 }
 
 nlohmann::json plan_json(const MemoryPlan& p) {
@@ -64,6 +65,8 @@ nlohmann::json steps_json(const OffloadStats& stats) {
                      {"store_busy_s", step.store_busy_seconds},
                      {"load_wait_s", step.load_wait_seconds},
                      {"hidden_load_s", step.hidden_load_seconds()},
+                     {"allocations", step.allocations},
+                     {"frees", step.frees},
                      {"layers", layers}});
   }
   return steps;
