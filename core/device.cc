@@ -109,7 +109,15 @@ bool pin_with_cuda() {
 
 // allocation_counts(): one counter per AllocationCounts field, constant-initialised (zero) so that
 // allocations during static initialisation and destruction count safely.
-enum Counter { kCpuAllocs, kCpuFrees, kCudaAllocs, kCudaFrees, kPinnedAllocs, kPinnedFrees, kCounters };
+enum Counter {
+  kCpuAllocs,
+  kCpuFrees,
+  kCudaAllocs,
+  kCudaFrees,
+  kPinnedAllocs,
+  kPinnedFrees,
+  kCounters
+};
 constinit std::atomic<uint64_t> g_counters[kCounters] = {};
 
 void count(Counter counter) {
@@ -363,7 +371,7 @@ AllocationCounts AllocationCounts::since(const AllocationCounts& earlier) const 
 
 AllocationCounts allocation_counts() {
   const auto read = [](Counter c) { return g_counters[c].load(std::memory_order_relaxed); };
-  return {read(kCpuAllocs),  read(kCpuFrees),     read(kCudaAllocs),
+  return {read(kCpuAllocs), read(kCpuFrees),     read(kCudaAllocs),
           read(kCudaFrees), read(kPinnedAllocs), read(kPinnedFrees)};
 }
 
