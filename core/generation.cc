@@ -256,6 +256,11 @@ GenerationResult generate(Model& model, const GenerationRequest& request,
       make_store ? make_store(B, capacity)
                  : std::make_unique<KvCache>(config, B, capacity, request.kv_dtype, model.device());
   KvStore& cache = *store;
+  // The activations of the largest pass, allocated before the first: the first pass (the prompt,
+  // or its part after the shared prefixes), the sharing pass (each group's leader), and the
+  // decode steps (one row per sequence) all fit in them.
+  model.reserve_activations(B, std::ssize(tokens) / B);
+  if (!shared.empty()) model.reserve_activations(shared.num_groups(), shared.rows());
   if (!shared.empty()) cache.share_prefixes(shared, first_valid);
   // Where each sequence's rows of this turn start: after its own history.
   std::vector<int32_t> turn_rows(first_valid);
@@ -279,9 +284,12 @@ GenerationResult generate(Model& model, const GenerationRequest& request,
             model.prefill_shared(shared_prefix_tokens(request.prompts, shared, config.pad_token_id),
                                  cache);
           }
-          result.last_logits = history || !shared.empty()
-                                   ? model.extend(tokens, cache)
-                                   : model.prefill(tokens, first_valid, cache);
+          // Kept until the decode steps are done: were the first step to drop the last
+          // reference, it would free memory.
+          const Tensor first_logits = history || !shared.empty()
+                                          ? model.extend(tokens, cache)
+                                          : model.prefill(tokens, first_valid, cache);
+          result.last_logits = first_logits;
           if (conversation) {
             cache.finish_stores();
             cache.allocate_all();
@@ -301,6 +309,8 @@ GenerationResult generate(Model& model, const GenerationRequest& request,
             if (progress) progress(step + 1, request.gen_len);
           }
           result.decode_seconds = seconds_since(start);
+          // A decode step's logits are the model's buffer, which its next pass overwrites.
+          if (request.gen_len > 1) result.last_logits = result.last_logits.clone();
           if (conversation) {
             cache.finish_stores();
             conversation->finish(

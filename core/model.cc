@@ -27,6 +27,7 @@ Model::Model(ModelConfig config, ModelWeights weights, Device device,
              std::unique_ptr<LayerWeightSource> layers)
     : config_(std::move(config)),
       device_(device),
+      activations_(config_, device_),
       weights_(std::move(weights)),
       layers_(std::move(layers)) {
   if (!layers_) {
@@ -95,7 +96,7 @@ Tensor Model::prefill(const std::vector<int32_t>& tokens, const std::vector<int3
     INFINIGEN_CHECK(start >= 0 && start < n, "prefill: every sequence needs at least one token");
   }
   cache.set_first_valid(first_valid);
-  return run_pass(tokens, cache, all_positions);
+  return run_pass(tokens, cache, all_positions).clone();
 }
 
 void Model::prefill_shared(const std::vector<int32_t>& prefixes, KvStore& cache) {
@@ -113,7 +114,7 @@ Tensor Model::extend(const std::vector<int32_t>& tokens, KvStore& cache) {
   INFINIGEN_CHECK(cache.length() > 0, "extend needs a KV cache that holds tokens");
   INFINIGEN_CHECK(!tokens.empty() && static_cast<int64_t>(tokens.size()) % B == 0,
                   "extend: ", tokens.size(), " tokens do not form a batch of ", B);
-  return run_pass(tokens, cache, false);
+  return run_pass(tokens, cache, false).clone();
 }
 
 Tensor Model::run_pass(const std::vector<int32_t>& tokens, KvStore& cache, bool all_positions) {
@@ -122,10 +123,14 @@ Tensor Model::run_pass(const std::vector<int32_t>& tokens, KvStore& cache, bool 
   trace_layer(-1);
   const Tensor hidden = forward(tokens, n, cache);  // (B*n, D)
   trace_layer(-1);
-  if (all_positions) return lm_head(hidden).reshape({B, n, config_.vocab_size});
+  if (all_positions) {
+    // Every row through the LM head: its buffers grow to B * n rows (tests and evaluation ask
+    // for this; generation never does).
+    activations_.reserve(B * n, 1);
+    return lm_head(hidden).reshape({B, n, config_.vocab_size});
+  }
   // Only each sequence's last row feeds the next token.
-  const int64_t D = hidden.dim(1);
-  Tensor last = Tensor::empty({B, D}, DType::F32, device_);
+  Tensor last = activations_.rows(Activation::Last, B);  // (B, D)
   for (int64_t b = 0; b < B; ++b) {
     const Tensor row = hidden.slice_rows(b * n + n - 1, b * n + n);
     device_copy(last.slice_rows(b, b + 1).raw(), device_, row.raw(), device_, row.nbytes());

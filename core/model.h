@@ -4,13 +4,16 @@
 //
 // A forward pass of n new tokens per sequence calls, for each layer, KvStore::begin_layer,
 // observe (the layer's attention input and queries), append (the new keys and values) and, in
-// decode, view (what attention reads); see core/kv_cache.h.
+// decode, view (what attention reads); see core/kv_cache.h. Every pass computes in the model's
+// activation buffers (core/activations.h), allocated once: reserve_activations before the first
+// pass of a run, so that no pass allocates them and a decode step allocates nothing.
 #pragma once
 
 #include <cstdint>
 #include <memory>
 #include <vector>
 
+#include "core/activations.h"
 #include "core/kv_cache.h"
 #include "core/model_config.h"
 #include "core/weights.h"
@@ -36,13 +39,22 @@ class Model {
   const ModelConfig& config() const { return config_; }
   Device device() const { return device_; }
 
+  // Allocates the activation buffers for passes of up to `rows_per_sequence` new tokens for
+  // each of `batch` sequences (the prefill's; a decode step has one). A later pass that is
+  // bigger grows them then, once.
+  void reserve_activations(int64_t batch, int64_t rows_per_sequence) {
+    activations_.reserve(batch, rows_per_sequence);
+  }
+
   // tokens (B, n) row-major, left-padded: sequence b's real tokens start at first_valid[b]
   // (positions count from there). Fills `cache`, which must be empty. Returns fp32 logits on
-  // the CPU: (B, V) of each sequence's last token, or (B, n, V) for every position when
-  // `all_positions`.
+  // the CPU, a tensor of their own: (B, V) of each sequence's last token, or (B, n, V) for every
+  // position when `all_positions`.
   Tensor prefill(const std::vector<int32_t>& tokens, const std::vector<int32_t>& first_valid,
                  KvStore& cache, bool all_positions = false);
-  // Appends one token per sequence, tokens (B); returns fp32 logits (B, V) on the CPU.
+  // Appends one token per sequence, tokens (B); returns fp32 logits (B, V) on the CPU: the
+  // model's logits buffer, which the next pass overwrites (clone() keeps them), so that a decode
+  // step allocates nothing.
   Tensor decode(const std::vector<int32_t>& tokens, KvStore& cache);
   // The prompt prefixes groups of sequences share (KvStore::share_prefixes), each computed once:
   // the store's first pass, a batch of the groups' leaders, `prefixes` (G, shared rows)
@@ -53,7 +65,7 @@ class Model {
   // or the sequences' own tokens after a shared prefix),
   // tokens (B, n) row-major, padding rows where a row is before the sequence's first_valid;
   // attention is over everything stored plus the new rows, causal. Returns fp32 logits (B, V)
-  // of each sequence's last token.
+  // of each sequence's last token, a tensor of their own.
   Tensor extend(const std::vector<int32_t>& tokens, KvStore& cache);
 
  protected:
@@ -61,11 +73,13 @@ class Model {
   Model(ModelConfig config, ModelWeights weights, Device device,
         std::unique_ptr<LayerWeightSource> layers);
 
-  // Runs n_new tokens per sequence through every layer; returns the hidden states (B * n, D)
+  // Runs n_new tokens per sequence through every layer in the activation buffers (reserving
+  // them for the pass first); returns the hidden states (B * n, D), the Hidden buffer's rows,
   // that lm_head turns into logits.
   virtual Tensor forward(const std::vector<int32_t>& tokens, int64_t n_new, KvStore& cache) = 0;
-  // (rows, D) -> fp32 logits (rows, V) on the CPU.
-  virtual Tensor lm_head(const Tensor& hidden) const = 0;
+  // (rows, D) -> fp32 logits (rows, V) on the CPU, in the LM head's activation buffers (reserved
+  // for `rows` sequences by the caller): Activations::host_logits(rows).
+  virtual Tensor lm_head(const Tensor& hidden) = 0;
 
   // The shared steps of a forward pass. Each new row's position among its sequence's real tokens
   // (pass_batch() * n_new, row-major): offset + the tokens before it (its shared prefix's, then
@@ -87,10 +101,11 @@ class Model {
 
   ModelConfig config_;
   Device device_;
+  Activations activations_;
 
  private:
   // Runs a pass of the n = tokens / B new tokens per sequence and returns fp32 logits: (B, V)
-  // of each sequence's last row, or (B, n, V) when `all_positions`.
+  // of each sequence's last row, or (B, n, V) when `all_positions`, in the logits buffer.
   Tensor run_pass(const std::vector<int32_t>& tokens, KvStore& cache, bool all_positions);
 
   ModelWeights weights_;

@@ -8,6 +8,7 @@
 #include <optional>
 #include <vector>
 
+#include "core/activations.h"
 #include "core/error.h"
 #include "core/saturating.h"
 #include "core/weights.h"
@@ -21,7 +22,9 @@ namespace {
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 constexpr double kMiB = 1024.0 * 1024.0;
 
-// Prefill attention scores: one block of query rows per worker thread, fp32.
+// Beyond the model's activation buffers: the CPU attention kernel's prefill scores, one block of
+// 64 query rows by the prompt's keys per worker thread (kernels/cpu/attention.cc's kQueryBlock),
+// fp32, counted for up to 16 workers. They live only while the kernel runs.
 constexpr int64_t kScoreBlockRows = 64;
 constexpr int64_t kScoreThreads = 16;
 // cuBLAS's default workspace on Hopper (32 MiB; 4 MiB before): the larger, for any GPU.
@@ -341,16 +344,14 @@ MemoryPlan compute_memory_plan(const MemoryRequest& r) {
   plan.device_kv = kv.device;
   plan.host_kv_pool = kv.host;
 
-  // Activations: the prefill peak (n = prompt_len), all fp32:
-  //   hidden, normed, q, k, v, attention output   6 * B * n * max(D, H * d) * 4
-  //   FFN intermediate (gate and up when gated)   (1 or 2) * B * n * F * 4
-  //   logits of the last position                 B * V * 4
-  //   attention scores, one 64-row query block per worker (16 workers)   64 * n * 4 * 16
-  const int64_t B = r.batch, n = r.prompt_len, D = std::max(c.hidden_size, c.q_dim()),
-                F = c.ffn_dim, V = c.vocab_size;
-  plan.device_activations = saturating_sum(
-      {saturating_product({6, B, n, D, 4}), saturating_product({c.gated_ffn ? 2 : 1, B, n, F, 4}),
-       saturating_product({B, V, 4}), saturating_product({kScoreBlockRows, n, 4, kScoreThreads})});
+  // Activations: the model's buffers (core/activations.h, the list the forward pass computes
+  // in), sized for the largest pass, the prefill of B sequences of n = prompt_len rows, as the
+  // run allocates them before its first pass; then the attention kernel's score blocks, which
+  // are not the model's.
+  const int64_t B = r.batch, n = r.prompt_len;
+  const size_t model_buffers = activation_bytes(c, B, n);
+  const size_t score_blocks = saturating_product({kScoreBlockRows, n, 4, kScoreThreads});
+  plan.device_activations = saturating_sum({model_buffers, score_blocks});
   // GEMM scratch: the widest prefill input (B * n rows of the FFN's or the attention's width) as
   // 16 bits, when the weights are 16-bit, and the cuBLAS workspace.
   if (r.gemm_scratch) {

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "core/activations.h"
 #include "core/error.h"
 #include "offload/weight_placement.h"
 #include "tests/test_util.h"
@@ -212,9 +213,14 @@ TEST(MemoryPlanner, Opt13bByteCountsMatchTheFormulas) {
   // The pool: 2 * L * B * 2048 * D * 2 bytes (2048 is a whole number of 64-token blocks).
   EXPECT_EQ(plan.host_kv_pool, 33554432000u);
   EXPECT_EQ(plan.host_kv_pool, 2048 * 20 * r.config.kv_bytes_per_token(DType::F16));
-  // Prefill activations, fp32: 6 * B*n*D + B*n*F + B*V + 64*n*16 scores, n = 1920.
-  EXPECT_EQ(plan.device_activations, size_t{4718592000} + size_t{3145728000} + 4021760 + 7864320);
-  EXPECT_EQ(plan.device_total(), 25706946560u + 1677721600u + 7876206080u);
+  // Prefill activations, fp32 (core/activations.h), n = 1920: hidden, normed, q, k, v and the
+  // attention output 6 * B*n*D, the FFN B*n*F; the LM head's last rows and final norm 2 * B*D
+  // and logits B*V; then the attention kernel's scores 64*n*16.
+  EXPECT_EQ(plan.device_activations,
+            size_t{4718592000} + size_t{3145728000} + 819200 + 4021760 + 7864320);
+  EXPECT_EQ(plan.device_activations,
+            activation_bytes(r.config, 20, 1920) + size_t{64} * 1920 * 4 * 16);
+  EXPECT_EQ(plan.device_total(), 25706946560u + 1677721600u + 7877025280u);
   EXPECT_EQ(plan.host_total(), 33554432000u);
 
   const std::string table = plan.describe();

@@ -27,7 +27,7 @@ class LlamaModel : public Model {
 
  private:
   Tensor forward(const std::vector<int32_t>& tokens, int64_t n_new, KvStore& cache) override;
-  Tensor lm_head(const Tensor& hidden) const override;
+  Tensor lm_head(const Tensor& hidden) override;
 
   Tensor inv_freq_;  // (d / 2) fp32 on the device: the rotary frequencies (core/rope.h)
 };
@@ -197,19 +197,23 @@ LlamaModel::LlamaModel(const ModelConfig& config, ModelWeights weights, Device d
 
 Tensor LlamaModel::forward(const std::vector<int32_t>& tokens, int64_t n, KvStore& cache) {
   const ModelConfig& c = config_;
-  const int64_t B = cache.pass_batch(), D = c.hidden_size, rows = B * n;
+  const int64_t B = cache.pass_batch(), rows = B * n;
   // Positions count real tokens from 0; padding rows (never attended) rotate by 0.
   const std::vector<int32_t> positions = token_positions(cache, n, 0, 0);
   cache.begin_pass(n);
 
-  Tensor h = Tensor::empty({rows, D}, DType::F32, device_);           // residual stream
-  Tensor x = Tensor::empty({rows, D}, DType::F32, device_);           // normed input / output
-  Tensor q = Tensor::empty({rows, c.q_dim()}, DType::F32, device_);   // (B, n, H, d)
-  Tensor k = Tensor::empty({rows, c.kv_dim()}, DType::F32, device_);  // (B, n, H_kv, d)
-  Tensor v = Tensor::empty({rows, c.kv_dim()}, DType::F32, device_);
-  Tensor attn = Tensor::empty({rows, c.q_dim()}, DType::F32, device_);
-  Tensor gate = Tensor::empty({rows, c.ffn_dim}, DType::F32, device_);
-  Tensor up = Tensor::empty({rows, c.ffn_dim}, DType::F32, device_);
+  // The pass's rows of the activation buffers (core/activations.h), reserved by the run; a pass
+  // bigger than any before grows them here, once.
+  activations_.reserve(B, n);
+  const auto buffer = [&](Activation id) { return activations_.rows(id, rows); };
+  Tensor h = buffer(Activation::Hidden);        // residual stream (B*n, D)
+  Tensor x = buffer(Activation::Normed);        // normed input / output (B*n, D)
+  Tensor q = buffer(Activation::Query);         // (B, n, H, d)
+  Tensor k = buffer(Activation::Key);           // (B, n, H_kv, d)
+  Tensor v = buffer(Activation::Value);         // (B, n, H_kv, d)
+  Tensor attn = buffer(Activation::Attention);  // (B*n, H * d)
+  Tensor gate = buffer(Activation::Ffn);        // (B*n, F)
+  Tensor up = buffer(Activation::FfnUp);        // (B*n, F)
   const float q_scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim()));
   const auto bias = [](const TensorTable& w, const char* name) {
     const Tensor* b = w.find(name);
@@ -249,15 +253,19 @@ Tensor LlamaModel::forward(const std::vector<int32_t>& tokens, int64_t n, KvStor
   return h;
 }
 
-Tensor LlamaModel::lm_head(const Tensor& hidden) const {
+Tensor LlamaModel::lm_head(const Tensor& hidden) {
   const TensorTable& g = globals();
-  Tensor normed = Tensor::empty(hidden.shape(), DType::F32, device_);
+  const int64_t rows = hidden.dim(0);
+  Tensor normed = activations_.rows(Activation::FinalNormed, rows);  // (rows, D)
   ops::rms_norm(hidden, g.get("model.norm.weight"), config_.norm_eps, normed);
   const Tensor& head =
       g.get(config_.tied_embeddings ? "model.embed_tokens.weight" : "lm_head.weight");
-  Tensor logits = Tensor::empty({hidden.dim(0), config_.vocab_size}, DType::F32, device_);
+  Tensor logits = activations_.rows(Activation::Logits, rows);  // (rows, V)
   ops::linear(normed, head, Tensor(), logits);
-  return device_ == Device::Cpu ? logits : logits.to(Device::Cpu);
+  if (device_ == Device::Cpu) return logits;
+  Tensor host = activations_.host_logits(rows);
+  device_copy(host.raw(), Device::Cpu, logits.raw(), device_, logits.nbytes());
+  return host;
 }
 
 }  // namespace

@@ -29,7 +29,7 @@ class OptModel : public Model {
 
  private:
   Tensor forward(const std::vector<int32_t>& tokens, int64_t n_new, KvStore& cache) override;
-  Tensor lm_head(const Tensor& hidden) const override;
+  Tensor lm_head(const Tensor& hidden) override;
 };
 
 ModelConfig opt_config_from_json(const nlohmann::json& j, const std::string& source) {
@@ -122,13 +122,17 @@ Tensor OptModel::forward(const std::vector<int32_t>& tokens, int64_t n, KvStore&
       token_positions(cache, n, kOptPositionOffset, kOptPositionOffset - 1);
   cache.begin_pass(n);
 
-  Tensor h = Tensor::empty({rows, D}, DType::F32, device_);  // residual stream (B*n, D)
-  Tensor x = Tensor::empty({rows, D}, DType::F32, device_);  // normed input / block output
-  Tensor q = Tensor::empty({rows, D}, DType::F32, device_);  // (B, n, H, d)
-  Tensor k = Tensor::empty({rows, D}, DType::F32, device_);
-  Tensor v = Tensor::empty({rows, D}, DType::F32, device_);
-  Tensor attn = Tensor::empty({rows, D}, DType::F32, device_);
-  Tensor ffn = Tensor::empty({rows, c.ffn_dim}, DType::F32, device_);
+  // The pass's rows of the activation buffers (core/activations.h), reserved by the run; a pass
+  // bigger than any before grows them here, once.
+  activations_.reserve(B, n);
+  const auto buffer = [&](Activation id) { return activations_.rows(id, rows); };
+  Tensor h = buffer(Activation::Hidden);        // residual stream (B*n, D)
+  Tensor x = buffer(Activation::Normed);        // normed input / block output (B*n, D)
+  Tensor q = buffer(Activation::Query);         // (B, n, H, d)
+  Tensor k = buffer(Activation::Key);           // (B, n, H, d)
+  Tensor v = buffer(Activation::Value);         // (B, n, H, d)
+  Tensor attn = buffer(Activation::Attention);  // (B*n, D)
+  Tensor ffn = buffer(Activation::Ffn);         // (B*n, F)
   const float q_scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim()));
   const Tensor none;  // OPT has no rotation, and folds InfiniGen's skew into its weights
 
@@ -138,7 +142,7 @@ Tensor OptModel::forward(const std::vector<int32_t>& tokens, int64_t n, KvStore&
                g.get(global("embed_positions.weight")), h);
   } else {
     // opt-350m: token embeddings (B*n, E) projected to the model width, then positions added.
-    Tensor e = Tensor::empty({rows, c.embed_dim()}, DType::F32, device_);
+    Tensor e = buffer(Activation::Embedding);
     ops::embed(tokens, {}, g.get(global("embed_tokens.weight")), Tensor(), e);
     ops::linear(e, g.get(global("project_in.weight")), Tensor(), h);
     ops::embed(positions, {}, g.get(global("embed_positions.weight")), Tensor(), x);
@@ -189,23 +193,27 @@ Tensor OptModel::forward(const std::vector<int32_t>& tokens, int64_t n, KvStore&
   return h;
 }
 
-Tensor OptModel::lm_head(const Tensor& hidden) const {
+Tensor OptModel::lm_head(const Tensor& hidden) {
   const TensorTable& g = globals();
-  Tensor out = hidden;
+  const int64_t rows = hidden.dim(0);
+  Tensor out = hidden;  // (rows, D), then (rows, E)
   if (config_.final_norm) {
-    out = Tensor::empty(hidden.shape(), DType::F32, device_);
+    out = activations_.rows(Activation::FinalNormed, rows);
     ops::layer_norm(hidden, g.get(global("final_layer_norm.weight")),
                     g.get(global("final_layer_norm.bias")), config_.norm_eps, out);
   }
   if (config_.embed_dim() != config_.hidden_size) {
-    Tensor projected = Tensor::empty({hidden.dim(0), config_.embed_dim()}, DType::F32, device_);
+    Tensor projected = activations_.rows(Activation::Projected, rows);
     ops::linear(out, g.get(global("project_out.weight")), Tensor(), projected);
     out = projected;
   }
   // The LM head is tied to the token embedding.
-  Tensor logits = Tensor::empty({hidden.dim(0), config_.vocab_size}, DType::F32, device_);
+  Tensor logits = activations_.rows(Activation::Logits, rows);  // (rows, V)
   ops::linear(out, g.get(global("embed_tokens.weight")), Tensor(), logits);
-  return device_ == Device::Cpu ? logits : logits.to(Device::Cpu);
+  if (device_ == Device::Cpu) return logits;
+  Tensor host = activations_.host_logits(rows);
+  device_copy(host.raw(), Device::Cpu, logits.raw(), device_, logits.nbytes());
+  return host;
 }
 
 }  // namespace
