@@ -217,7 +217,9 @@ void InfinigenKv::store_prompt_in_capped_pool(int64_t layer, const Tensor& keys,
         first_valid()[static_cast<size_t>(b)], n, d, slots_, options_.alpha, eviction_[l].policy());
   }
 
-  pool_.reserve(std::min(n, slots_));
+  // Every position of the capped pool, now: decode steps write new tokens into free positions,
+  // then into victims', and allocate nothing.
+  pool_.reserve(slots_);
   const int64_t cap = staging_keys_[p].dim(2);
   const size_t row_bytes = static_cast<size_t>(d) * dtype_size(staging_keys_[p].dtype());
   std::vector<CopyChunk> chunks;
@@ -284,8 +286,7 @@ void InfinigenKv::count_dense_fetches(int64_t layer) {
 
 std::vector<int32_t> InfinigenKv::place_new_token(int64_t layer) {
   const size_t l = static_cast<size_t>(layer);
-  const int64_t t = length();
-  if (t < slots_) pool_.reserve(t + 1);
+  const int64_t t = length();  // the prefill reserved every position (store_prompt_in_capped_pool)
   std::vector<int32_t> positions(static_cast<size_t>(batch() * kv_heads_));
   for (int64_t row = 0; row < batch() * kv_heads_; ++row) {
     const int64_t at =

@@ -188,6 +188,7 @@ void PartialLayer::build(const PartialSource& source, const std::vector<int32_t>
   const int64_t rows = head_rows_.back();
   weight_ = Tensor::empty({rows, D}, source.q_weight.dtype());
   bias_ = Tensor::empty({rows}, DType::F32);
+  allocate_query_rows();
   if (dry_run()) return;  // a dry run keeps no partial keys
   const Tensor w = source.q_weight.to(Device::Cpu);
   const Tensor bq =
@@ -287,13 +288,14 @@ void PartialLayer::share_prefixes(const SharedPrefixes& shared, bool from_leader
   }
   batch_ = B;
   shared_ = shared;
+  allocate_query_rows();
 }
 
 void PartialLayer::append(const Tensor& keys, int64_t position,
                           const std::vector<int32_t>* positions) {
   const int64_t KV = kv_heads_ * head_dim_, n = keys.dim(0) / batch_;
   if (traced("partial_append", {batch_ * n, kv_heads_, r_}, key_dtype_)) return;
-  const Tensor host = keys.to(Device::Cpu);
+  const Tensor host = keys.device() == Device::Cpu ? keys : keys.to(Device::Cpu);
   const float* k = host.data<float>();
   INFINIGEN_CHECK(!positions || n == 1, "partial keys at given positions come one per sequence");
   std::vector<float> row(static_cast<size_t>(r_));
@@ -309,6 +311,10 @@ void PartialLayer::append(const Tensor& keys, int64_t position,
       }
     }
   }
+}
+
+void PartialLayer::allocate_query_rows() {
+  query_rows_ = Tensor::empty({batch_, head_rows_.back()}, DType::F32);
 }
 
 void PartialLayer::write_key(size_t offset, const float* values) {
@@ -354,12 +360,19 @@ std::vector<float> PartialLayer::estimate_logits(
                   " does not fit a partial key cache of ", batch_, " x ", capacity_);
   INFINIGEN_CHECK(inv_freq_.empty() || std::ssize(rope_positions) == batch_,
                   "speculation of a rotary model needs the position of every sequence's token");
-  // The needed rows of every head's query (B, head_rows_[H]).
+  // The needed rows of every head's query (B, head_rows_[H]), in query_rows_ on the CPU.
   const int64_t M = head_rows_.back();
-  Tensor rows = Tensor::empty({batch_, M}, DType::F32, x.device());
-  ops::linear(x, weight_.device() == x.device() ? weight_ : weight_.to(x.device()), bias_, rows);
+  if (x.device() == Device::Cpu) {
+    ops::linear(x, weight_, bias_, query_rows_);
+  } else {
+    // Speculation runs on the CPU backend only (the infinigen policy's runs_on): an input on
+    // another device is projected on that device and copied back, allocating as it goes.
+    Tensor rows = Tensor::empty({batch_, M}, DType::F32, x.device());
+    ops::linear(x, weight_.device() == x.device() ? weight_ : weight_.to(x.device()), bias_, rows);
+    device_copy(query_rows_.raw(), Device::Cpu, rows.raw(), x.device(), rows.nbytes());
+  }
   if (traced("speculate", {batch_, kv_heads_, used, r_, heads_}, key_dtype_)) return {};
-  const Tensor host_rows = rows.to(Device::Cpu);
+  const Tensor& host_rows = query_rows_;
   std::vector<float> logits(static_cast<size_t>(batch_ * kv_heads_ * used), -INFINITY);
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < batch_; ++b) {
@@ -598,6 +611,7 @@ void PartialLayer::restore(const std::vector<std::pair<std::string, Tensor>>& st
                   " do not fit its columns (", head_rows_.back(), " rows)");
   weight_ = *weight;
   bias_ = *bias;
+  allocate_query_rows();
   keys_.assign(static_cast<size_t>(batch_ * kv_heads_ * capacity_ * r_) * dtype_size(key_dtype_),
                0);
 }
@@ -616,6 +630,7 @@ void PartialLayer::restore_shapes(int64_t batch, int64_t num_heads, int64_t num_
   weight_ = Tensor::empty({head_rows_.back(), hidden}, weight_dtype);
   bias_ = Tensor::empty({head_rows_.back()}, DType::F32);
   keys_.clear();
+  allocate_query_rows();
 }
 
 }  // namespace infinigen

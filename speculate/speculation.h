@@ -193,6 +193,10 @@ class PartialLayer {
   std::vector<int64_t> head_rows_;
   Tensor weight_;  // (head_rows_[H], D) in W_q's dtype: the needed rows, head by head
   Tensor bias_;    // (head_rows_[H]) fp32
+  // estimate_logits' partial queries before rotation: (B, head_rows_[H]) fp32 on the CPU, the
+  // needed rows of every head, allocated with the layer's shapes so that a decode step's
+  // speculation allocates nothing (allocate_query_rows).
+  mutable Tensor query_rows_;
   DType key_dtype_ = DType::F32;
   std::vector<char> keys_;  // (B, H_kv, capacity, r) in key_dtype_
 
@@ -208,6 +212,8 @@ class PartialLayer {
            (token >= 0 && shared_.in_prefix(b, token));
   }
   void write_key(size_t offset, const float* values);
+  // query_rows_ for the layer's batch and needed rows.
+  void allocate_query_rows();
   // needed_ and head_rows_ from the columns: every query dimension under a skew, else the
   // columns with their rotary pairs when rotated.
   void derive_needed_rows(bool rotary, bool skewed);
