@@ -9,6 +9,7 @@
 #include <chrono>
 #include <utility>
 
+#include "core/cuda_stream.h"
 #include "core/error.h"
 #include "core/trace.h"
 
@@ -38,19 +39,29 @@ CudaStreamScope::~CudaStreamScope() {
   t_cuda_stream = previous_;
 }
 
+Event::~Event() {
+  if (cuda_event_ != nullptr) cuda_stream::release_event(cuda_event_);
+}
+
 void Event::wait() const {
   if (Trace* trace = active_trace()) trace->host_waits(traced_op_);
+  if (cuda_event_ != nullptr) {
+    cuda_stream::synchronize_event(cuda_event_);
+    return;
+  }
   std::unique_lock lock(mutex_);
   done_.wait(lock, [this] { return ready_; });
   if (failure_) std::rethrow_exception(failure_);
 }
 
 bool Event::ready() const {
+  if (cuda_event_ != nullptr) return cuda_stream::ready(cuda_event_);
   std::lock_guard lock(mutex_);
   return ready_;
 }
 
 void Event::complete(std::exception_ptr failure) {
+  INFINIGEN_CHECK(cuda_event_ == nullptr, "a CUDA event completes on the device, not by complete()");
   {
     std::lock_guard lock(mutex_);
     if (ready_) return;  // the first completion wins; waiters may already have seen it
@@ -77,9 +88,11 @@ EventPtr completed_event() {
 
 Stream::Stream(std::string name, Mode mode) : name_(std::move(name)), mode_(mode) {
   if (mode_ == Mode::Worker) worker_ = std::thread([this] { worker_loop(); });
+  if (mode_ == Mode::Cuda) cuda_stream_ = cuda_stream::create_stream();
 }
 
 Stream::~Stream() {
+  if (cuda_stream_ != nullptr) cuda_stream::destroy_stream(cuda_stream_);
   if (!worker_.joinable()) return;
   {
     std::lock_guard lock(mutex_);
@@ -94,6 +107,11 @@ void Stream::enqueue(std::function<void()> task) {
     run(task);
     return;
   }
+  if (mode_ == Mode::Cuda) {
+    CudaStreamScope scope(cuda_stream_);  // what the task issues goes to this stream
+    run(task);
+    return;
+  }
   // Wrapped in run() here rather than in the worker loop so that record()'s markers, which must
   // run even on a poisoned stream, can share the queue unwrapped.
   {
@@ -104,6 +122,19 @@ void Stream::enqueue(std::function<void()> task) {
 }
 
 EventPtr Stream::record() {
+  if (mode_ == Mode::Cuda) {
+    {
+      std::lock_guard lock(mutex_);
+      if (failure_) {  // the work before this point was skipped: the event carries the failure
+        auto failed = std::make_shared<Event>();
+        failed->complete(failure_);
+        return failed;
+      }
+    }
+    auto event = std::make_shared<Event>(cuda_stream::acquire_event());
+    cuda_stream::record(event->cuda_event(), cuda_stream_);
+    return event;
+  }
   auto event = std::make_shared<Event>();
   if (mode_ == Mode::Inline) {
     std::lock_guard lock(mutex_);
@@ -129,6 +160,12 @@ EventPtr Stream::record() {
 
 void Stream::wait(EventPtr event) {
   if (!event) return;
+  if (mode_ == Mode::Cuda && event->cuda_event() != nullptr) {
+    cuda_stream::wait(cuda_stream_, event->cuda_event());  // the device waits, not the host
+    return;
+  }
+  // A host event (or a host stream): a task that blocks until it completes, which on an inline
+  // or Cuda stream is the caller, at once.
   enqueue([event = std::move(event)] {
     const double start = now_seconds();
     try {
@@ -144,6 +181,12 @@ void Stream::wait(EventPtr event) {
 void Stream::synchronize() {
   INFINIGEN_CHECK(worker_.get_id() != std::this_thread::get_id(), "stream '", name_,
                   "': synchronize() called from one of its own tasks would never return");
+  if (mode_ == Mode::Cuda) {
+    cuda_stream::synchronize(cuda_stream_);
+    std::lock_guard lock(mutex_);
+    if (failure_) std::rethrow_exception(failure_);
+    return;
+  }
   record()->wait();
 }
 

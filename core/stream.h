@@ -5,8 +5,14 @@
 // of one stream after a point of another, without blocking the host, so loads, stores and compute
 // overlap and only real dependencies serialise them (no device-wide synchronisation).
 //
-// On the CPU backend a stream is a worker thread with a FIFO queue, or "inline" (tasks run on the
-// calling thread at enqueue time: the compute stream, whose kernels already use OpenMP).
+// Three kinds of stream run the same pipeline code:
+// - Worker (CPU backend): a worker thread with a FIFO queue (the load and store streams);
+// - Inline (CPU backend): tasks run on the calling thread at enqueue time (the compute stream,
+//   whose kernels already use OpenMP); waiting on an event blocks the caller;
+// - Cuda: a non-blocking cudaStream_t. A task runs on the calling thread at enqueue time with the
+//   stream current (core/stream.h's current_cuda_stream), so the kernels and async copies it
+//   issues are queued on the device stream; record() records a device event and wait() makes the
+//   device stream wait for one, so the host never blocks on them.
 // A task that throws poisons its stream: the exception is rethrown to the host by the next
 // `synchronize()` or `Event::wait()` that depends on it, never lost and never a crash.
 #pragma once
@@ -26,6 +32,10 @@ namespace infinigen {
 class Event {
  public:
   Event() = default;
+  // An event recorded on a Cuda stream: it completes when the device reaches it. Takes the CUDA
+  // event (from cuda_stream::acquire_event) and gives it back when destroyed.
+  explicit Event(void* cuda_event) : cuda_event_(cuda_event) {}
+  ~Event();
   Event(const Event&) = delete;
   Event& operator=(const Event&) = delete;
 
@@ -33,10 +43,13 @@ class Event {
   // it was recorded on.
   void wait() const;
   bool ready() const;
-  // Completes the event (failure = the exception of a task before it, or null).
+  // Completes a host event (failure = the exception of a task before it, or null).
   void complete(std::exception_ptr failure = nullptr);
-  // Seconds since the steady clock's epoch at completion (0 before); for statistics.
+  // Seconds since the steady clock's epoch at completion (0 before, and for a CUDA event, whose
+  // times are the device's: cuda_stream::elapsed_seconds); for statistics.
   double completed_at() const;
+  // The CUDA event of an event recorded on a Cuda stream; null for a host event.
+  void* cuda_event() const { return cuda_event_; }
   // The op of a trace (core/trace.h) whose end this event marks, or -1; waiting on the event
   // from the thread that records the trace notes the dependency.
   int32_t traced_op() const { return traced_op_; }
@@ -49,6 +62,7 @@ class Event {
   std::exception_ptr failure_;
   double completed_at_ = 0.0;
   int32_t traced_op_ = -1;
+  void* cuda_event_ = nullptr;
 };
 
 using EventPtr = std::shared_ptr<Event>;
@@ -76,13 +90,16 @@ EventPtr completed_event();
 
 class Stream {
  public:
-  enum class Mode { Worker, Inline };
+  enum class Mode { Worker, Inline, Cuda };
   explicit Stream(std::string name, Mode mode = Mode::Worker);
-  ~Stream();  // runs what is queued, then joins the worker
+  ~Stream();  // runs what is queued, then joins the worker (or lets the device stream drain)
   Stream(const Stream&) = delete;
   Stream& operator=(const Stream&) = delete;
 
   const std::string& name() const { return name_; }
+  Mode mode() const { return mode_; }
+  // The cudaStream_t of a Cuda stream; null for the others.
+  void* cuda_handle() const { return cuda_stream_; }
   void enqueue(std::function<void()> task);
   // An event completed once every task enqueued so far has run.
   EventPtr record();
@@ -90,7 +107,8 @@ class Stream {
   void wait(EventPtr event);
   // Blocks until every task enqueued so far has run; rethrows the first task failure.
   void synchronize();
-  // Wall-clock seconds spent running tasks (waits excluded), since construction.
+  // Wall-clock seconds spent running tasks (waits excluded), since construction. For a Cuda
+  // stream, the host's time issuing them (the device's time is measured with events).
   double busy_seconds() const;
 
  private:
@@ -106,6 +124,7 @@ class Stream {
   std::exception_ptr failure_;  // first failure; later tasks are skipped
   double busy_seconds_ = 0.0;
   std::thread worker_;
+  void* cuda_stream_ = nullptr;  // Mode::Cuda
 };
 
 }  // namespace infinigen

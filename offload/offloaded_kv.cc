@@ -107,7 +107,7 @@ void OffloadedKv::append(int64_t layer, const Tensor& keys, const Tensor& values
   if (length() == 0) {
     // Prefill: attention reads the fresh rows directly; staging[p] only carries them to the pool.
     // It was last read by the store of layer - 2.
-    if (layer >= 2) stored_[static_cast<size_t>(layer - 2)]->wait();
+    if (layer >= 2) engine_.compute_stream().wait(stored_[static_cast<size_t>(layer - 2)]);
     store_pass_rows(keys, staging_keys_[p]);
     store_pass_rows(values, staging_values_[p]);
     if (sharing_pass()) {
@@ -176,7 +176,7 @@ void OffloadedKv::submit_store(int64_t layer, std::vector<CopyChunk> chunks) {
 
 void OffloadedKv::store_new_token(int64_t layer, const Tensor& keys, const Tensor& values) {
   const size_t p = static_cast<size_t>(layer % 2);
-  store_buffer_read_[p]->wait();
+  engine_.compute_stream().wait(store_buffer_read_[p]);
   ops::cache_store(keys, store_keys_[p], 0);
   ops::cache_store(values, store_values_[p], 0);
   issue_store(layer, store_keys_[p], store_values_[p], 0, 1);
@@ -213,7 +213,10 @@ ResidentKv::ResidentKv(const ModelConfig& config, int64_t batch, int64_t capacit
 
 void ResidentKv::start_pass(int64_t n_new) {
   KvCache::start_pass(n_new);
-  if (pass_opens_step()) stats_.begin_step(num_layers_, engine_.counters());
+  if (pass_opens_step()) {
+    engine_.settle_stalls();  // streamed weights' waits, into the previous step's statistics
+    stats_.begin_step(num_layers_, engine_.counters());
+  }
 }
 
 void ResidentKv::end_pass(int64_t n_new) {

@@ -1,8 +1,6 @@
 // offload: the layer pipeline shared by the offloading KV policies.
 #include "offload/pipelined_kv.h"
 
-#include <chrono>
-
 namespace infinigen {
 
 PipelinedKv::PipelinedKv(int64_t batch, int64_t capacity, int64_t num_layers,
@@ -16,7 +14,10 @@ PipelinedKv::PipelinedKv(int64_t batch, int64_t capacity, int64_t num_layers,
 
 void PipelinedKv::start_pass(int64_t n_new) {
   KvStore::start_pass(n_new);
-  if (pass_opens_step()) stats_.begin_step(num_layers_, engine_.counters());
+  if (pass_opens_step()) {
+    engine_.settle_stalls();  // into the previous step's statistics, before they move
+    stats_.begin_step(num_layers_, engine_.counters());
+  }
   if (length() > 0) issue_load(0);  // decode: layer 0's KV starts moving before the embedding
 }
 
@@ -37,12 +38,10 @@ void PipelinedKv::end_pass(int64_t n_new) {
 }
 
 void PipelinedKv::wait_for_load(int64_t layer) {
-  const auto start = std::chrono::steady_clock::now();
-  loaded_[static_cast<size_t>(layer)]->wait();
-  const double waited =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  stats_.current().layers[static_cast<size_t>(layer)].load_wait_seconds += waited;
-  stats_.current().load_wait_seconds += waited;
+  StepStats& step = stats_.current();
+  engine_.compute_waits(
+      loaded_[static_cast<size_t>(layer)],
+      {&step.layers[static_cast<size_t>(layer)].load_wait_seconds, &step.load_wait_seconds});
 }
 
 }  // namespace infinigen

@@ -1,12 +1,15 @@
 // offload: the layer pipeline every offloading KV policy shares (FlexGen's schedule). A decode
 // pass starts loading layer 0's KV before the embedding; while layer l computes, layer l + 1's
-// load fills the other staging buffer; attention waits for its own layer's load, and the wait is
-// counted in the step's statistics. The prefill ends with the store stream drained, because its
-// stores read staging buffers the first decode loads overwrite.
+// load fills the other staging buffer; attention waits for its own layer's load (on the compute
+// stream: on CUDA the host runs on), and the wait is counted in the step's statistics. The
+// prefill ends with the store stream drained, because its stores read staging buffers the first
+// decode loads overwrite.
 //
 // A policy says what a layer's load is (issue_load, which sets loaded_[layer]) and what its view
 // returns; its appends and stores set stored_[layer], which the next step's load of that layer
-// waits for. Derived destructors must synchronise the engine before freeing what transfers read.
+// waits for. Every transfer follows the compute enqueued before it (offload/transfer_engine.h),
+// so a load never overwrites staging that attention still reads. Derived destructors must
+// synchronise the engine before freeing what transfers read.
 #pragma once
 
 #include <cstdint>

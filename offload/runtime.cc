@@ -106,6 +106,8 @@ void generate_offloaded(const ModelSource& source, const GenerationRequest& requ
                                                 [] { return " while loading the weights"; });
   const std::vector<WeightHome> homes = place_weights(config, options.weights_gpu_percent);
   TransferEngine engine(device, options.link);
+  // Every op of the run (weight uploads included) goes to the pipeline's compute stream.
+  const CudaStreamScope compute(engine.compute_stream().cuda_handle());
   std::vector<TensorTable> layers = std::move(weights.layers);
   weights.layers.clear();
   for (auto& [name, tensor] : weights.globals.entries()) {
@@ -126,6 +128,7 @@ void generate_offloaded(const ModelSource& source, const GenerationRequest& requ
                             : shared.shared_prefixes;
   run.result = generate(*model, shared, progress, make_store, conversation);
   engine.synchronize();
+  engine.settle_stalls();
   run.totals = engine.counters();
 }
 

@@ -1,8 +1,6 @@
 // offload: streamed layer weights.
 #include "offload/streamed_weights.h"
 
-#include <chrono>
-
 namespace infinigen {
 
 StreamedLayers::StreamedLayers(const ModelConfig& config, std::vector<TensorTable> layers,
@@ -81,12 +79,9 @@ void StreamedLayers::issue_load(int64_t layer) {
 const TensorTable& StreamedLayers::layer(int64_t layer) {
   const size_t p = static_cast<size_t>(layer % 2);
   if (staged_layer_[p] != layer) issue_load(layer);  // first use: nothing prefetched it
-  const auto start = std::chrono::steady_clock::now();
-  loaded_[p]->wait();
-  const double waited =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  stats_.current().layers[static_cast<size_t>(layer)].load_wait_seconds += waited;
-  stats_.current().load_wait_seconds += waited;
+  StepStats& step = stats_.current();
+  engine_.compute_waits(loaded_[p], {&step.layers[static_cast<size_t>(layer)].load_wait_seconds,
+                                     &step.load_wait_seconds});
   // Prefetch the next layer (after the last one, layer 0 of the next pass) into the other
   // buffer, which layer - 1 finished reading.
   // With an odd layer count, layer 0 shares the last layer's buffer: it loads on first use.

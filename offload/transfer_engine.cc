@@ -1,12 +1,14 @@
 // offload: the transfer engine, one stream task per gather list, with optional link emulation.
 #include "offload/transfer_engine.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
 #include <thread>
 #include <utility>
 
+#include "core/cuda_stream.h"
 #include "core/error.h"
 
 namespace infinigen {
@@ -31,18 +33,70 @@ uint64_t total_bytes(const std::vector<CopyChunk>& chunks) {
   return total;
 }
 
-TransferEngine::TransferEngine(Device device, LinkEmulation link)
-    : device_(device),
-      link_(link),
-      load_stream_("load", Stream::Mode::Worker),
-      store_stream_("store", Stream::Mode::Worker) {
+namespace {
+
+// Fails here rather than inside the first copy task, where it would surface only at the next
+// synchronize(); says whether the streams are CUDA streams.
+bool check_engine(Device device, const LinkEmulation& link) {
   INFINIGEN_CHECK(std::isfinite(link.gbps) && link.gbps >= 0.0, "link emulation: bandwidth ",
                   link.gbps, " GB/s is not a non-negative number");
   INFINIGEN_CHECK(std::isfinite(link.latency_us) && link.latency_us >= 0.0,
                   "link emulation: latency ", link.latency_us, " us is not a non-negative number");
-  // Fail here rather than inside the first copy task, where it would surface only at the next
-  // synchronize().
-  if (device == Device::Cuda && !cuda_compiled() && !dry_run()) throw_cuda_not_compiled();
+  if (device != Device::Cuda || dry_run()) return false;
+  if (!cuda_compiled()) throw_cuda_not_compiled();
+  INFINIGEN_CHECK(link.gbps == 0.0 && link.latency_us == 0.0, option("emulate_link_gbps"), " and ",
+                  option("emulate_link_latency_us"),
+                  " emulate a link on the CPU backend; a CUDA device has a real one");
+  return true;
+}
+
+}  // namespace
+
+TransferEngine::TransferEngine(Device device, LinkEmulation link)
+    : device_(device),
+      link_(link),
+      cuda_(check_engine(device, link)),
+      compute_stream_("compute", cuda_ ? Stream::Mode::Cuda : Stream::Mode::Inline),
+      load_stream_("load", cuda_ ? Stream::Mode::Cuda : Stream::Mode::Worker),
+      store_stream_("store", cuda_ ? Stream::Mode::Cuda : Stream::Mode::Worker) {}
+
+TransferEngine::~TransferEngine() {
+  try {
+    synchronize();
+  } catch (...) {
+    // Reported to the pass that issued the failed transfer.
+  }
+}
+
+void TransferEngine::compute_waits(EventPtr event, std::vector<double*> stall) {
+  if (!event) return;
+  if (!cuda_) {
+    const Clock::time_point start = Clock::now();
+    compute_stream_.wait(std::move(event));  // inline: the caller blocks
+    const double waited = std::chrono::duration<double>(Clock::now() - start).count();
+    for (double* s : stall) *s += waited;
+    return;
+  }
+  if (event->cuda_event() == nullptr) {  // a host event (e.g. "no dependency")
+    compute_stream_.wait(std::move(event));
+    return;
+  }
+  EventPtr reached = compute_stream_.record();
+  compute_stream_.wait(event);
+  stalls_.push_back({std::move(reached), std::move(event), std::move(stall)});
+}
+
+void TransferEngine::settle_stalls() {
+  for (PendingStall& pending : stalls_) {
+    pending.reached->wait();
+    pending.awaited->wait();
+    if (pending.reached->cuda_event() == nullptr) continue;  // recorded on a failed stream
+    const double stalled =
+        std::max(0.0, cuda_stream::elapsed_seconds(pending.reached->cuda_event(),
+                                                    pending.awaited->cuda_event()));
+    for (double* s : pending.stall) *s += stalled;
+  }
+  stalls_.clear();
 }
 
 EventPtr TransferEngine::load(std::vector<CopyChunk> chunks, EventPtr after, TransferTag tag) {
@@ -80,8 +134,27 @@ void TransferEngine::synchronize() {
   if (failure) std::rethrow_exception(failure);
 }
 
+void TransferEngine::settle_transfer_times() const {
+  // Called with counters_mutex_ held. Transfers complete in order per stream, but the list mixes
+  // both streams: keep the ones still running.
+  size_t kept = 0;
+  for (TimedTransfer& t : timed_) {
+    if (!t.end->ready()) {
+      timed_[kept++] = std::move(t);
+      continue;
+    }
+    const double seconds = t.start->cuda_event() != nullptr && t.end->cuda_event() != nullptr
+                               ? cuda_stream::elapsed_seconds(t.start->cuda_event(),
+                                                              t.end->cuda_event())
+                               : 0.0;
+    (t.to_device ? counters_.h2d_busy_seconds : counters_.d2h_busy_seconds) += seconds;
+  }
+  timed_.resize(kept);
+}
+
 TransferCounters TransferEngine::counters() const {
   std::lock_guard lock(counters_mutex_);
+  if (cuda_) settle_transfer_times();
   return counters_;
 }
 
@@ -113,6 +186,27 @@ EventPtr TransferEngine::enqueue(Stream& stream, std::vector<CopyChunk> chunks, 
   if (after) stream.wait(std::move(after));
   const Device dst_device = to_device ? device_ : Device::Cpu;
   const Device src_device = to_device ? Device::Cpu : device_;
+  if (cuda_) {
+    // A load overwrites staging that earlier ops read, a store reads what they wrote: both
+    // follow the compute enqueued so far (on the CPU backend that has run already).
+    stream.wait(compute_stream_.record());
+    EventPtr start = stream.record();
+    stream.enqueue([&chunks, dst_device, src_device, handle = stream.cuda_handle()] {
+      for (const CopyChunk& chunk : chunks) {
+        if (chunk.bytes != 0) {
+          cuda_stream::copy_async(chunk.dst, dst_device, chunk.src, src_device, chunk.bytes,
+                                  handle);
+        }
+      }
+    });
+    EventPtr done = stream.record();
+    done->set_traced_op(traced_op);
+    std::lock_guard lock(counters_mutex_);
+    (to_device ? counters_.h2d_bytes : counters_.d2h_bytes) += bytes;
+    (to_device ? counters_.h2d_transfers : counters_.d2h_transfers) += 1;
+    timed_.push_back({std::move(start), done, to_device});
+    return done;
+  }
   stream.enqueue([this, chunks = std::move(chunks), bytes, to_device, dst_device, src_device] {
     // Emulation is measured from the task's own start, not from enqueue, so time spent queued
     // behind other transfers or waiting on `after` is not counted as link time.

@@ -1,9 +1,17 @@
-// offload: the transfer engine, host <-> device copies on the load (H2D) and store (D2H) streams.
+// offload: the transfer engine: the layer pipeline's streams, and host <-> device copies on the
+// load (H2D) and store (D2H) ones.
 //
-// A transfer is a gather list of chunks moved as one operation (one DMA worth of bytes). Each
-// direction has its own stream, as a PCIe link is full duplex. On the CPU backend the copies run
-// on the streams' worker threads; link emulation makes a transfer of N bytes take at least
-// latency + N / bandwidth, so the CPU backend shows the time a real link would take.
+// Three streams (core/stream.h): compute, where the model's ops run; load; store. A transfer is
+// a gather list of chunks moved as one operation. Each direction has its own stream, as a PCIe
+// link is full duplex.
+// - CPU backend: compute is inline (the caller's thread), the copies run on the transfer streams'
+//   worker threads; link emulation makes a transfer of N bytes take at least latency +
+//   N / bandwidth, so the CPU backend shows the time a real link would take.
+// - CUDA: three non-blocking CUDA streams; a transfer is one cudaMemcpyAsync per chunk on its
+//   stream, timed by a pair of device events. Every transfer is ordered after the compute work
+//   enqueued before it (it reads what compute wrote, or overwrites what compute read), and
+//   compute waits for a transfer with compute_waits(): a device-side wait, the host runs on.
+// The same pipeline code drives both: only the streams differ.
 //
 // With a trace active (core/trace.h) every transfer is recorded with its tag, what it waits for
 // and the compute op it follows; the events it returns carry its op, so host waits on them are
@@ -53,6 +61,7 @@ struct TransferCounters {
 class TransferEngine {
  public:
   TransferEngine(Device device, LinkEmulation link);
+  ~TransferEngine();
 
   // Enqueues a host -> device transfer on the load stream, after `after` (if any) completes.
   // Returns the event of its completion. Chunks must stay valid until then.
@@ -62,6 +71,19 @@ class TransferEngine {
 
   Stream& load_stream() { return load_stream_; }
   Stream& store_stream() { return store_stream_; }
+  // Where the model's ops run. Ops launch on the current CUDA stream of their thread: make this
+  // one current (CudaStreamScope(compute_stream().cuda_handle())) for a run.
+  Stream& compute_stream() { return compute_stream_; }
+
+  // Orders the compute stream after `event` (a transfer whose bytes the next ops read), adding
+  // the time compute stalled on it to each of `stall` (seconds). On the CPU backend compute is
+  // the caller, which blocks and measures at once; on CUDA the device waits, and the stall (from
+  // the device's clocks: how long after compute reached the wait the transfer ended) is added by
+  // settle_stalls().
+  void compute_waits(EventPtr event, std::vector<double*> stall);
+  // Adds the stalls of every compute_waits() so far, blocking until their events complete; call
+  // it before the counters `stall` points into move (the next step's statistics open).
+  void settle_stalls();
   // Waits for every transfer enqueued so far; rethrows a failed one.
   void synchronize();
   // Waits for every store enqueued so far; rethrows a failed one.
@@ -72,13 +94,30 @@ class TransferEngine {
  private:
   EventPtr enqueue(Stream& stream, std::vector<CopyChunk> chunks, EventPtr after, bool to_device,
                    const TransferTag& tag);
+  // Adds to the counters the device time of the CUDA transfers that have completed.
+  void settle_transfer_times() const;
   // Notes in the active trace that the host waits for the last transfer of each stream given.
   void trace_waits(bool loads, bool stores) const;
 
+  // A CUDA transfer's start and end on its stream, for its device time.
+  struct TimedTransfer {
+    EventPtr start, end;
+    bool to_device;
+  };
+  // A compute wait on CUDA: compute reached `reached`, then waited for `awaited`.
+  struct PendingStall {
+    EventPtr reached, awaited;
+    std::vector<double*> stall;
+  };
+
   Device device_;
   LinkEmulation link_;
+  bool cuda_;  // the streams are CUDA streams (a CUDA device, not a dry run)
   mutable std::mutex counters_mutex_;
-  TransferCounters counters_;
+  mutable TransferCounters counters_;
+  mutable std::vector<TimedTransfer> timed_;  // CUDA transfers not yet in the counters' times
+  std::vector<PendingStall> stalls_;
+  Stream compute_stream_;
   Stream load_stream_;
   Stream store_stream_;
   int32_t last_traced_load_ = -1;  // the active trace's op of the latest load / store

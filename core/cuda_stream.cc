@@ -1,0 +1,104 @@
+// core: CUDA streams, events and async copies on the kernels/cuda runtime wrappers.
+#include "core/cuda_stream.h"
+
+#include <mutex>
+#include <vector>
+
+#include "core/error.h"
+#include "kernels/cuda/runtime.h"
+
+namespace infinigen::cuda_stream {
+namespace {
+
+namespace runtime = kernels::cuda;
+
+void check(int code, const char* what) {
+  if (code != 0) fail("CUDA ", what, " failed: ", runtime::error_string(code));
+}
+
+// Events no Event holds now, for reuse. Never destroyed: events released during static
+// destruction still find it.
+struct EventPool {
+  std::mutex mutex;
+  std::vector<void*> free;
+};
+EventPool& event_pool() {
+  static auto* pool = new EventPool;
+  return *pool;
+}
+
+}  // namespace
+
+void* create_stream() {
+  void* stream = nullptr;
+  check(runtime::stream_create(&stream), "stream creation");
+  return stream;
+}
+
+void destroy_stream(void* stream) noexcept {
+  runtime::stream_synchronize(stream);  // nothing to report: the owner synchronised already
+  runtime::stream_destroy(stream);
+}
+
+void synchronize(void* stream) {
+  check(runtime::stream_synchronize(stream), "stream synchronisation");
+}
+
+void wait(void* stream, void* event) {
+  check(runtime::stream_wait_event(stream, event), "stream wait on an event");
+}
+
+void* acquire_event() {
+  EventPool& pool = event_pool();
+  {
+    std::lock_guard lock(pool.mutex);
+    if (!pool.free.empty()) {
+      void* event = pool.free.back();
+      pool.free.pop_back();
+      return event;
+    }
+  }
+  void* event = nullptr;
+  check(runtime::event_create(&event), "event creation");
+  return event;
+}
+
+void release_event(void* event) noexcept {
+  EventPool& pool = event_pool();
+  try {
+    std::lock_guard lock(pool.mutex);
+    pool.free.push_back(event);
+  } catch (...) {
+    runtime::event_destroy(event);
+  }
+}
+
+void record(void* event, void* stream) {
+  check(runtime::event_record(event, stream), "event record");
+}
+
+bool ready(void* event) {
+  int done = 0;
+  check(runtime::event_query(event, &done), "event query");
+  return done != 0;
+}
+
+void synchronize_event(void* event) {
+  check(runtime::event_synchronize(event), "event synchronisation");
+}
+
+double elapsed_seconds(void* start, void* end) {
+  float ms = 0.0f;
+  check(runtime::event_elapsed_ms(start, end, &ms), "event timing");
+  return static_cast<double>(ms) * 1e-3;
+}
+
+void copy_async(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes,
+                void* stream) {
+  INFINIGEN_CHECK(dst_device == Device::Cuda || src_device == Device::Cuda,
+                  "an asynchronous CUDA copy between two host buffers");
+  const int kind = src_device == Device::Cpu ? 0 : dst_device == Device::Cpu ? 1 : 2;
+  check(runtime::copy_async(dst, src, bytes, kind, stream), "asynchronous copy");
+}
+
+}  // namespace infinigen::cuda_stream

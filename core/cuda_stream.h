@@ -1,0 +1,36 @@
+// core: CUDA streams, events and async copies for core/stream.h and the transfer engine, as
+// opaque handles (a cudaStream_t or cudaEvent_t as void*). Failures throw the engine's one-line
+// Error naming the call. Defined by cuda_stream.cc when the CUDA backend is compiled; without it
+// by cuda_stream_none.cc, whose functions throw "CUDA backend not compiled" (nothing asks for a
+// CUDA stream in such a build unless a user asks for --device cuda, which is refused earlier).
+#pragma once
+
+#include <cstddef>
+
+#include "core/device.h"
+
+namespace infinigen::cuda_stream {
+
+// A stream that does not synchronise with CUDA's legacy default stream.
+void* create_stream();
+void destroy_stream(void* stream) noexcept;  // after the work enqueued on it has run
+void synchronize(void* stream);
+// Work enqueued on `stream` after this call starts once `event` has completed (the host does not
+// wait).
+void wait(void* stream, void* event);
+
+// Events come from a pool and go back to it: recording one per transfer creates none in the
+// steady state.
+void* acquire_event();
+void release_event(void* event) noexcept;
+void record(void* event, void* stream);
+bool ready(void* event);
+void synchronize_event(void* event);
+// Seconds from `start` to `end`, both complete.
+double elapsed_seconds(void* start, void* end);
+
+// Enqueues a copy of `bytes` on `stream` (host memory must be pinned for it to be asynchronous).
+void copy_async(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes,
+                void* stream);
+
+}  // namespace infinigen::cuda_stream

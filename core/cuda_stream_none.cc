@@ -1,0 +1,36 @@
+// core: the CUDA stream functions of a build without the CUDA backend: each refuses.
+#include "core/cuda_stream.h"
+
+namespace infinigen::cuda_stream {
+
+void* create_stream() {
+  throw_cuda_not_compiled();
+}
+void destroy_stream(void*) noexcept {}
+void synchronize(void*) {
+  throw_cuda_not_compiled();
+}
+void wait(void*, void*) {
+  throw_cuda_not_compiled();
+}
+void* acquire_event() {
+  throw_cuda_not_compiled();
+}
+void release_event(void*) noexcept {}
+void record(void*, void*) {
+  throw_cuda_not_compiled();
+}
+bool ready(void*) {
+  throw_cuda_not_compiled();
+}
+void synchronize_event(void*) {
+  throw_cuda_not_compiled();
+}
+double elapsed_seconds(void*, void*) {
+  throw_cuda_not_compiled();
+}
+void copy_async(void*, Device, const void*, Device, size_t, void*) {
+  throw_cuda_not_compiled();
+}
+
+}  // namespace infinigen::cuda_stream

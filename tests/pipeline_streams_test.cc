@@ -1,0 +1,126 @@
+// tests: the layer pipeline's streams on a CUDA device (the emulated one in CI): loads, stores and
+// compute on three non-blocking CUDA streams, ordered by device events only.
+//
+// Each test races a transfer of a large buffer against a kernel on the compute stream that reads
+// (or writes) its last rows, which the copy reaches last. Without the dependency the test checks
+// (remove engine.compute_waits(...) below, or the compute wait in TransferEngine::enqueue), the
+// kernel runs while the copy is still on its way and the test reads NaN (the emulated device
+// poisons new device memory) or the old values.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "core/device.h"
+#include "core/ops.h"
+#include "core/stream.h"
+#include "core/tensor.h"
+#include "offload/transfer_engine.h"
+#include "tests/test_util.h"
+
+namespace infinigen {
+namespace {
+
+// Rows of the raced buffer: 64 MiB of fp32, so a copy takes milliseconds even on the emulation.
+constexpr int64_t kRows = 16384;
+constexpr int64_t kWidth = 1024;
+
+// The last `rows` rows of a (kRows, kWidth) fp32 device tensor, as a view.
+Tensor last_rows(Tensor& t, int64_t rows) {
+  float* data = t.data<float>() + (kRows - rows) * kWidth;
+  return Tensor::view(data, {rows, kWidth}, DType::F32, t.device(), nullptr);
+}
+
+// Pinned host memory holding kRows x kWidth floats, all `value`.
+struct PinnedRows {
+  explicit PinnedRows(float value)
+      : data(static_cast<float*>(pinned_alloc(sizeof(float) * kRows * kWidth, "a test buffer"))) {
+    std::fill(data, data + kRows * kWidth, value);
+  }
+  ~PinnedRows() { pinned_free(data); }
+  float* data;
+};
+
+TEST(PipelineStreams, ComputeReadsStagedRowsOnlyAfterTheirLoad) {
+  INFINIGEN_SKIP_WITHOUT_CUDA_DEVICE();
+  TransferEngine engine(Device::Cuda, {});
+  const CudaStreamScope compute(engine.compute_stream().cuda_handle());
+  ASSERT_NE(engine.compute_stream().cuda_handle(), nullptr);
+  const PinnedRows host(3.0f);
+  Tensor staged = Tensor::empty({kRows, kWidth}, DType::F32, Device::Cuda);
+  Tensor sum = Tensor::zeros({4, kWidth}, DType::F32, Device::Cuda);
+
+  const EventPtr loaded =
+      engine.load({{staged.raw(), host.data, sizeof(float) * kRows * kWidth}}, nullptr,
+                  {"kv_load", 0});
+  std::vector<double*> no_stall;
+  engine.compute_waits(loaded, no_stall);
+  ops::add_inplace(sum, last_rows(staged, 4));  // the rows the copy writes last
+
+  const Tensor result = sum.to(Device::Cpu);
+  for (int64_t i = 0; i < result.numel(); ++i) {
+    ASSERT_EQ(result.data<float>()[i], 3.0f) << "element " << i << " read before its load";
+  }
+  engine.synchronize();
+  engine.settle_stalls();
+}
+
+TEST(PipelineStreams, StoreReadsWhatComputeWroteBeforeIt) {
+  INFINIGEN_SKIP_WITHOUT_CUDA_DEVICE();
+  TransferEngine engine(Device::Cuda, {});
+  const CudaStreamScope compute(engine.compute_stream().cuda_handle());
+  PinnedRows host(0.0f);
+  Tensor rows = Tensor::zeros({kRows, kWidth}, DType::F32, Device::Cuda);
+  // Compute writes every row (1.0 after the add), then a store copies the last row to the host:
+  // it must follow the kernel although it runs on another stream.
+  Tensor ones = Tensor::empty({kRows, kWidth}, DType::F32, Device::Cuda);
+  const std::vector<float> one_values(static_cast<size_t>(kRows * kWidth), 1.0f);
+  device_copy(ones.raw(), Device::Cuda, one_values.data(), Device::Cpu, ones.nbytes());
+  ops::add_inplace(rows, ones);
+  const size_t row_bytes = sizeof(float) * kWidth;
+  float* last_host_row = host.data + (kRows - 1) * kWidth;
+  const EventPtr stored = engine.store(
+      {{last_host_row, rows.data<float>() + (kRows - 1) * kWidth, row_bytes}}, nullptr,
+      {"kv_store", 0});
+  stored->wait();
+  for (int64_t i = 0; i < kWidth; ++i) {
+    ASSERT_EQ(last_host_row[i], 1.0f) << "element " << i << " stored before compute wrote it";
+  }
+}
+
+TEST(PipelineStreams, ComputeWaitsAreDeviceSideAndTheirStallIsSettled) {
+  INFINIGEN_SKIP_WITHOUT_CUDA_DEVICE();
+  TransferEngine engine(Device::Cuda, {});
+  const CudaStreamScope compute(engine.compute_stream().cuda_handle());
+  const PinnedRows host(1.0f);
+  Tensor staged = Tensor::empty({kRows, kWidth}, DType::F32, Device::Cuda);
+  const EventPtr loaded =
+      engine.load({{staged.raw(), host.data, sizeof(float) * kRows * kWidth}}, nullptr,
+                  {"kv_load", 0});
+  double stall = 0.0;
+  engine.compute_waits(loaded, {&stall});
+  // On CUDA the host does not wait: the stall is added once the events are complete.
+  EXPECT_EQ(stall, 0.0);
+  engine.settle_stalls();
+  // Compute had nothing else to do, so it stalled from the wait until the copy ended.
+  EXPECT_GT(stall, 0.0);
+  EXPECT_TRUE(loaded->ready());
+  const TransferCounters counters = engine.counters();
+  EXPECT_EQ(counters.h2d_bytes, sizeof(float) * kRows * kWidth);
+  EXPECT_EQ(counters.h2d_transfers, 1u);
+  EXPECT_GT(counters.h2d_busy_seconds, 0.0);  // from the device's events around the copy
+}
+
+TEST(PipelineStreams, LinkEmulationIsRefusedOnACudaDevice) {
+  INFINIGEN_SKIP_WITHOUT_CUDA_DEVICE();
+  try {
+    TransferEngine engine(Device::Cuda, {12.0, 0.0});
+    FAIL() << "a CUDA engine accepted link emulation";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("emulate"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace infinigen
