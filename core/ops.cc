@@ -1,10 +1,12 @@
 // core: op dispatch. Each op checks shapes, records itself in the active trace (core/trace.h; a
-// dry run stops there), then calls the kernel of its tensors' device: kernels/cpu always,
-// kernels/cuda when the CUDA backend is compiled in.
+// dry run stops there), then calls the kernel of its tensors' device: kernels/cpu here, or the
+// CUDA entry point of the same name (core/ops_cuda.h), defined on kernels/cuda by ops_cuda.cc
+// when the CUDA backend is compiled and refused by ops_no_cuda.cc otherwise.
 #include "core/ops.h"
 
 #include <algorithm>
 
+#include "core/ops_cuda.h"
 #include "core/trace.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/elementwise.h"
@@ -13,17 +15,6 @@
 #include "kernels/cpu/linear.h"
 #include "kernels/cpu/rms_norm.h"
 #include "kernels/cpu/rope.h"
-
-#ifdef INFINIGEN_CUDA
-#include "kernels/cuda/attention.h"
-#include "kernels/cuda/elementwise.h"
-#include "kernels/cuda/embedding.h"
-#include "kernels/cuda/layer_norm.h"
-#include "kernels/cuda/linear.h"
-#include "kernels/cuda/rms_norm.h"
-#include "kernels/cuda/rope.h"
-#include "kernels/cuda/status.h"
-#endif
 
 namespace infinigen::ops {
 namespace {
@@ -51,49 +42,8 @@ Device common_device(const char* op, std::initializer_list<const Tensor*> tensor
       INFINIGEN_CHECK(t->device() == device, op, ": tensors on different devices");
     }
   }
-#ifndef INFINIGEN_CUDA
-  if (device != Device::Cpu) throw_op_not_on_device(op, device);
-#endif
   return device;
 }
-
-#ifdef INFINIGEN_CUDA
-namespace gpu = kernels::cuda;
-
-gpu::Element gpu_element(DType dtype) {
-  switch (dtype) {
-    case DType::F32:
-      return gpu::Element::F32;
-    case DType::F16:
-      return gpu::Element::F16;
-    case DType::BF16:
-      return gpu::Element::BF16;
-    default:
-      fail("tensor of ", dtype_name(dtype), " where a floating-point tensor is needed");
-  }
-}
-
-// Kernels return 0 on success, otherwise a CUDA or cuBLAS code, which becomes the engine's
-// one-line Error here.
-void check_cuda(const char* op, int code) {
-  if (code != 0) fail(op, ": CUDA kernel failed: ", gpu::status_string(code));
-}
-
-// A host index array (token ids, positions, first_valid) copied to the device. The copy is
-// synchronous and on the default stream, the stream every CUDA op runs on until the op
-// interface takes streams, so the kernel that reads it is ordered after it; freeing it at the
-// end of the op waits for that kernel (cudaFree synchronises). A per-step device copy kept by the
-// caller would remove both waits, once ops take streams.
-Tensor indices_on_cuda(const std::vector<int32_t>& values) {
-  const Tensor host =
-      Tensor::view(const_cast<int32_t*>(values.data()), {static_cast<int64_t>(values.size())},
-                   DType::I32, Device::Cpu, nullptr);
-  return host.to(Device::Cuda);
-}
-
-// The default stream, as the kernels take it.
-void* const kDefaultStream = nullptr;
-#endif
 
 void check_shape(const char* op, const Tensor& t, const Shape& expected) {
   INFINIGEN_CHECK(t.shape() == expected, op, ": got shape ", shape_string(t.shape()), ", expected ",
@@ -131,21 +81,14 @@ void embed(const std::vector<int32_t>& tokens, const std::vector<int32_t>& posit
     }
   }
   if (traced("embed", {n, D})) return;
-  const void* position_rows = with_positions ? positions_table.raw() : nullptr;
   if (device == Device::Cuda) {
-#ifdef INFINIGEN_CUDA
-    const Tensor tokens_d = indices_on_cuda(tokens);
-    const Tensor positions_d = with_positions ? indices_on_cuda(positions) : Tensor();
-    check_cuda(
-        "embed",
-        gpu::embed(tokens_d.data<int32_t>(), with_positions ? positions_d.data<int32_t>() : nullptr,
-                   n, tokens_table.raw(), position_rows, gpu_element(tokens_table.dtype()), D,
-                   out.data<float>(), kDefaultStream));
-#endif
+    cuda::embed(tokens, with_positions ? positions : std::span<const int32_t>(), tokens_table,
+                positions_table, out);
     return;
   }
   cpu::embed(tokens.data(), with_positions ? positions.data() : nullptr, n, tokens_table.raw(),
-             position_rows, element(tokens_table.dtype()), D, out.data<float>());
+             with_positions ? positions_table.raw() : nullptr, element(tokens_table.dtype()), D,
+             out.data<float>());
 }
 
 void layer_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps, Tensor& y) {
@@ -154,17 +97,14 @@ void layer_norm(const Tensor& x, const Tensor& gamma, const Tensor& beta, float 
   check_shape("layer_norm", gamma, {D});
   check_shape("layer_norm", beta, {D});
   check_shape("layer_norm", y, x.shape());
-  if (traced("layer_norm", {x.numel() / D, D})) return;
+  const int64_t rows = x.numel() / D;
+  if (traced("layer_norm", {rows, D})) return;
   if (device == Device::Cuda) {
-#ifdef INFINIGEN_CUDA
-    check_cuda("layer_norm",
-               gpu::layer_norm(x.data<float>(), gamma.data<float>(), beta.data<float>(),
-                               y.data<float>(), x.numel() / D, D, eps, kDefaultStream));
-#endif
+    cuda::layer_norm(x, gamma, beta, eps, y, rows, D);
     return;
   }
-  cpu::layer_norm(x.data<float>(), gamma.data<float>(), beta.data<float>(), y.data<float>(),
-                  x.numel() / D, D, eps);
+  cpu::layer_norm(x.data<float>(), gamma.data<float>(), beta.data<float>(), y.data<float>(), rows,
+                  D, eps);
 }
 
 void rms_norm(const Tensor& x, const Tensor& gamma, float eps, Tensor& y) {
@@ -172,15 +112,13 @@ void rms_norm(const Tensor& x, const Tensor& gamma, float eps, Tensor& y) {
   const int64_t D = x.dim(-1);
   check_shape("rms_norm", gamma, {D});
   check_shape("rms_norm", y, x.shape());
-  if (traced("rms_norm", {x.numel() / D, D})) return;
+  const int64_t rows = x.numel() / D;
+  if (traced("rms_norm", {rows, D})) return;
   if (device == Device::Cuda) {
-#ifdef INFINIGEN_CUDA
-    check_cuda("rms_norm", gpu::rms_norm(x.data<float>(), gamma.data<float>(), y.data<float>(),
-                                         x.numel() / D, D, eps, kDefaultStream));
-#endif
+    cuda::rms_norm(x, gamma, eps, y, rows, D);
     return;
   }
-  cpu::rms_norm(x.data<float>(), gamma.data<float>(), y.data<float>(), x.numel() / D, D, eps);
+  cpu::rms_norm(x.data<float>(), gamma.data<float>(), y.data<float>(), rows, D, eps);
 }
 
 void rope(Tensor& x, const std::vector<int32_t>& positions, const Tensor& inv_freq) {
@@ -193,11 +131,7 @@ void rope(Tensor& x, const std::vector<int32_t>& positions, const Tensor& inv_fr
   if (traced("rope", {rows, width})) return;
   const int64_t head_dim = 2 * half, heads = width / head_dim;
   if (device == Device::Cuda) {
-#ifdef INFINIGEN_CUDA
-    const Tensor positions_d = indices_on_cuda(positions);
-    check_cuda("rope", gpu::rope(x.data<float>(), positions_d.data<int32_t>(),
-                                 inv_freq.data<float>(), rows, heads, head_dim, kDefaultStream));
-#endif
+    cuda::rope(x, positions, inv_freq, rows, heads, head_dim);
     return;
   }
   cpu::rope(x.data<float>(), positions.data(), inv_freq.data<float>(), rows, heads, head_dim);
@@ -208,10 +142,7 @@ void silu_mul(Tensor& gate, const Tensor& up) {
   check_shape("silu_mul", up, gate.shape());
   if (traced("silu_mul", {gate.numel()})) return;
   if (device == Device::Cuda) {
-#ifdef INFINIGEN_CUDA
-    check_cuda("silu_mul",
-               gpu::silu_mul(gate.data<float>(), up.data<float>(), gate.numel(), kDefaultStream));
-#endif
+    cuda::silu_mul(gate, up);
     return;
   }
   cpu::silu_mul(gate.data<float>(), up.data<float>(), gate.numel());
@@ -224,16 +155,12 @@ void linear(const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& y, boo
   check_shape("linear", y, {M, N});
   if (bias.defined()) check_shape("linear", bias, {N});
   if (traced("linear", {M, N, K}, w.dtype())) return;
-  const float* bias_data = bias.defined() ? bias.data<float>() : nullptr;
   if (device == Device::Cuda) {
-#ifdef INFINIGEN_CUDA
-    check_cuda("linear", gpu::linear(x.data<float>(), w.raw(), gpu_element(w.dtype()), bias_data,
-                                     y.data<float>(), M, N, K, relu, kDefaultStream));
-#endif
+    cuda::linear(x, w, bias, y, relu, M, N, K);
     return;
   }
-  cpu::linear(x.data<float>(), w.raw(), element(w.dtype()), bias_data, y.data<float>(), M, N, K,
-              relu);
+  cpu::linear(x.data<float>(), w.raw(), element(w.dtype()),
+              bias.defined() ? bias.data<float>() : nullptr, y.data<float>(), M, N, K, relu);
 }
 
 void add_inplace(Tensor& y, const Tensor& x) {
@@ -241,10 +168,7 @@ void add_inplace(Tensor& y, const Tensor& x) {
   check_shape("add", x, y.shape());
   if (traced("add", {y.numel()})) return;
   if (device == Device::Cuda) {
-#ifdef INFINIGEN_CUDA
-    check_cuda("add",
-               gpu::add_inplace(y.data<float>(), x.data<float>(), y.numel(), kDefaultStream));
-#endif
+    cuda::add_inplace(y, x);
     return;
   }
   cpu::add_inplace(y.data<float>(), x.data<float>(), y.numel());
@@ -254,9 +178,7 @@ void scale_inplace(Tensor& y, float factor) {
   const Device device = common_device("scale", {&y});
   if (traced("scale", {y.numel()})) return;
   if (device == Device::Cuda) {
-#ifdef INFINIGEN_CUDA
-    check_cuda("scale", gpu::scale_inplace(y.data<float>(), factor, y.numel(), kDefaultStream));
-#endif
+    cuda::scale_inplace(y, factor);
     return;
   }
   cpu::scale_inplace(y.data<float>(), factor, y.numel());
@@ -278,15 +200,7 @@ void attention_prefill(const Tensor& q, const Tensor& k, const Tensor& v, Tensor
                   "attention_prefill: batch ", batch, " does not divide ", q.dim(0), " rows");
   if (traced("attention_prefill", {batch, num_heads, n, d, kv_heads})) return;
   if (device == Device::Cuda) {
-#ifdef INFINIGEN_CUDA
-    INFINIGEN_CHECK(d <= gpu::kMaxHeadDim, "attention_prefill: head size ", d,
-                    " is beyond the CUDA kernel's ", gpu::kMaxHeadDim);
-    const Tensor first_valid_d = indices_on_cuda(first_valid);
-    check_cuda("attention_prefill",
-               gpu::attention_prefill(q.data<float>(), k.data<float>(), v.data<float>(),
-                                      out.data<float>(), batch, n, num_heads, kv_heads, d,
-                                      first_valid_d.data<int32_t>(), kDefaultStream));
-#endif
+    cuda::attention_prefill(q, k, v, out, batch, n, num_heads, kv_heads, d, first_valid);
     return;
   }
   cpu::attention_prefill(q.data<float>(), k.data<float>(), v.data<float>(), out.data<float>(),
@@ -339,32 +253,15 @@ void attention_decode(const Tensor& q, const Tensor& k_cache, const Tensor& v_ca
       return;
     }
   }
-  const int32_t* prefix_begin = shared ? shared->begin().data() : nullptr;
-  const int32_t* prefix_source = shared ? shared->source().data() : nullptr;
   if (device == Device::Cuda) {
-#ifdef INFINIGEN_CUDA
-    INFINIGEN_CHECK(d <= gpu::kMaxHeadDim, "attention_decode: head size ", d,
-                    " is beyond the CUDA kernel's ", gpu::kMaxHeadDim);
-    // first_valid, then the prefixes' first rows and sources: (3, B) in one copy.
-    std::vector<int32_t> rows(first_valid);
-    if (shared) {
-      rows.insert(rows.end(), shared->begin().begin(), shared->begin().end());
-      rows.insert(rows.end(), shared->source().begin(), shared->source().end());
-    }
-    const Tensor rows_d = indices_on_cuda(rows);
-    const int32_t* first_valid_d = rows_d.data<int32_t>();
-    check_cuda("attention_decode",
-               gpu::attention_decode(
-                   q.data<float>(), k_cache.raw(), v_cache.raw(), gpu_element(k_cache.dtype()),
-                   out.data<float>(), B, n, H, kv_heads, d, capacity, length, first_valid_d,
-                   shared ? first_valid_d + B : nullptr, shared ? first_valid_d + 2 * B : nullptr,
-                   prefix_end, kDefaultStream));
-#endif
+    cuda::attention_decode(q, k_cache, v_cache, out, B, n, H, kv_heads, d, capacity, length,
+                           first_valid, shared);
     return;
   }
   cpu::attention_decode(q.data<float>(), k_cache.raw(), v_cache.raw(), element(k_cache.dtype()),
                         out.data<float>(), B, n, H, kv_heads, d, capacity, length,
-                        first_valid.data(), prefix_begin, prefix_source, prefix_end);
+                        first_valid.data(), shared ? shared->begin().data() : nullptr,
+                        shared ? shared->source().data() : nullptr, prefix_end);
 }
 
 void cache_store(const Tensor& rows, Tensor& cache, int64_t offset) {
@@ -376,15 +273,18 @@ void cache_store(const Tensor& rows, Tensor& cache, int64_t offset) {
                   capacity);
   if (traced("cache_store", {B * n, H * d}, cache.dtype())) return;
   if (device == Device::Cuda) {
-#ifdef INFINIGEN_CUDA
-    check_cuda("cache_store",
-               gpu::cache_store(rows.data<float>(), cache.raw(), gpu_element(cache.dtype()), B, n,
-                                H, d, capacity, offset, kDefaultStream));
-#endif
+    cuda::cache_store(rows, cache, B, n, H, d, capacity, offset);
     return;
   }
   cpu::cache_store(rows.data<float>(), cache.raw(), element(cache.dtype()), B, n, H, d, capacity,
                    offset);
+}
+
+size_t cuda_linear_scratch_bytes(int64_t rows, int64_t K, DType weights) {
+  // kernels/cuda/linear.h: x (rows, K) rounded to the weights' 16-bit type; fp32 weights are
+  // multiplied as they are.
+  if (weights == DType::F32 || rows <= 0 || K <= 0) return 0;
+  return static_cast<size_t>(rows) * static_cast<size_t>(K) * dtype_size(weights);
 }
 
 }  // namespace infinigen::ops

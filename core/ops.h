@@ -1,5 +1,8 @@
 // core: the ops of the transformer on Tensors. Each checks shapes and dtypes, then dispatches
-// on the tensors' device to kernels/cpu or kernels/cuda.
+// on the tensors' device to kernels/cpu or, through core/ops_cuda.cc, to kernels/cuda. A CUDA op
+// launches on the calling thread's current CUDA stream (core/stream.h, current_cuda_stream) and
+// allocates nothing: host index arrays reach the device through a persistent upload ring and
+// 16-bit GEMMs use a persistent scratch, both per stream (reserve_cuda_scratch below).
 //
 // In a trace (core/trace.h) each op records its name and sizes (and the dtype named):
 //   embed {rows, width}; layer_norm {rows, width}; linear {M, N, K} (weights' dtype);
@@ -11,6 +14,7 @@
 //   silu_mul {elements}.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -65,5 +69,46 @@ void attention_decode(const Tensor& q, const Tensor& k_cache, const Tensor& v_ca
 
 // Writes rows (B * n, H * d) into cache (B, H, capacity, d) at tokens [offset, offset + n).
 void cache_store(const Tensor& rows, Tensor& cache, int64_t offset);
+
+// ---- the CUDA ops' scratch (core/ops_cuda.cc) ----
+//
+// Each CUDA stream that ops run on gets, at its first op, two buffers that later ops reuse:
+// - the upload ring, a pinned host ring and a device ring of the same size through which host
+//   index arrays (token ids, positions, first_valid, shared-prefix rows) reach the kernels, one
+//   async copy per op; 64 KiB at first, doubled (or more) when an op's arrays do not fit;
+// - the GEMM scratch, device memory into which `linear` rounds its input for 16-bit weights,
+//   cuda_linear_scratch_bytes of the largest such input so far.
+// Growing either synchronises the stream and reallocates: the first prefill grows them unless
+// they were reserved.
+
+// Device bytes of GEMM scratch `linear` needs for an input of `rows` x `K` on CUDA with weights
+// of `weights`: the input rounded to their 16-bit type, 0 for fp32 weights. The memory planner's
+// device_scratch (offload/memory_planner.cc) counts it for the widest prefill input.
+size_t cuda_linear_scratch_bytes(int64_t rows, int64_t K, DType weights);
+
+// Makes the scratch of the current CUDA stream (current_cuda_stream) at least this large now, so
+// that no op on it allocates later: `index_bytes` for the upload ring (at least the largest host
+// index arrays of one op, 8 * B * n for a prefill's embed, which also bounds how far the host runs
+// ahead of the device in uploads before it waits), `gemm_bytes` for the GEMM scratch
+// (cuda_linear_scratch_bytes of the widest prefill input). Throws without the CUDA backend.
+void reserve_cuda_scratch(size_t index_bytes, size_t gemm_bytes);
+
+// Waits for `stream` (a cudaStream_t; null: the legacy default stream) and frees its scratch.
+// The owner of a stream calls it before destroying the stream, once no op runs on it any more
+// (a later op on a stream of the same handle would otherwise inherit the scratch). Does nothing
+// when the stream has no scratch or the CUDA backend is not compiled.
+void release_cuda_scratch(void* stream);
+
+struct CudaScratchStats {
+  size_t upload_bytes = 0;     // size of the upload ring (pinned, and as much again on the device)
+  size_t gemm_bytes = 0;       // size of the GEMM scratch
+  const void* gemm = nullptr;  // the GEMM scratch (device memory), null while there is none
+  int64_t uploads = 0;         // op uploads through the ring
+  int64_t wraps = 0;           // times the ring came round to its start
+  int64_t host_waits = 0;      // uploads that waited for the device to finish copying a part
+  int64_t grows = 0;           // reallocations of either buffer (the first allocations included)
+};
+// The scratch of `stream` (all zero when it has none).
+CudaScratchStats cuda_scratch_stats(void* stream);
 
 }  // namespace infinigen::ops

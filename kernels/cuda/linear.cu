@@ -90,7 +90,7 @@ int gemm(cublasHandle_t handle, const void* x, const void* w, cudaDataType_t typ
 }  // namespace
 
 int linear(const float* x, const void* w, Element w_type, const float* bias, float* y, int64_t M,
-           int64_t N, int64_t K, bool relu, void* stream) {
+           int64_t N, int64_t K, bool relu, void* scratch, size_t scratch_bytes, void* stream) {
   if (M <= 0 || N <= 0) return cudaSuccess;
   if (M > INT_MAX || N > INT_MAX || K > INT_MAX || K < 0) return cudaErrorInvalidValue;
   const cudaStream_t s = detail::as_stream(stream);
@@ -106,28 +106,26 @@ int linear(const float* x, const void* w, Element w_type, const float* bias, flo
     code = gemm(handle, x, w, CUDA_R_32F, y, static_cast<int>(M), static_cast<int>(N),
                 static_cast<int>(K));
   } else {
-    // x rounded to w's 16-bit type: allocated and freed in stream order, so concurrent calls on
-    // other streams never share it and no host synchronisation is needed.
+    // x (M, K) rounded to w's 16-bit type in the caller's scratch (__half and __nv_bfloat16 are
+    // both 2 bytes).
     const int64_t count = M * K;  // > 0 here
-    void* rounded = nullptr;
-    code = cudaMallocAsync(&rounded, static_cast<size_t>(count) * sizeof(__half), s);  // or bf16
-    if (code != 0) return code;
+    if (scratch == nullptr || scratch_bytes / sizeof(__half) < static_cast<size_t>(count)) {
+      return cudaErrorInvalidValue;
+    }
     if (w_type == Element::F16) {
       INFINIGEN_LAUNCH(detail::grid_stride_blocks(count, kThreads), kThreads, 0, s,
                        round_kernel<__half>)
-      (x, static_cast<__half*>(rounded), count);
+      (x, static_cast<__half*>(scratch), count);
     } else {
       INFINIGEN_LAUNCH(detail::grid_stride_blocks(count, kThreads), kThreads, 0, s,
                        round_kernel<__nv_bfloat16>)
-      (x, static_cast<__nv_bfloat16*>(rounded), count);
+      (x, static_cast<__nv_bfloat16*>(scratch), count);
     }
     code = cudaGetLastError();
     if (code == 0) {
-      code = gemm(handle, rounded, w, cuda_type(w_type), y, static_cast<int>(M),
+      code = gemm(handle, scratch, w, cuda_type(w_type), y, static_cast<int>(M),
                   static_cast<int>(N), static_cast<int>(K));
     }
-    const int free_code = cudaFreeAsync(rounded, s);
-    if (code == 0) code = free_code;
   }
   if (code != 0) return code;
   if (bias == nullptr && !relu) return cudaSuccess;
