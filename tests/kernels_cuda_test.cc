@@ -1,5 +1,7 @@
-// tests: every op on CUDA tensors against the CPU backend on the same random inputs (label gpu;
-// each test skips when no CUDA device is present).
+// tests: every op on CUDA tensors against the CPU backend on the same random inputs, on the
+// default stream and on a stream of their own, and the ops' persistent scratch (the index upload
+// ring, the GEMM scratch) under growth, wrap-around and two streams (label gpu; each test skips
+// when no CUDA device is present).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -18,7 +20,9 @@
 #include "core/model_config.h"
 #include "core/ops.h"
 #include "core/rope.h"
+#include "core/stream.h"
 #include "core/synthetic_model.h"
+#include "kernels/cuda/runtime.h"
 #include "tests/test_util.h"
 
 namespace infinigen {
@@ -394,15 +398,37 @@ INSTANTIATE_TEST_SUITE_P(
         DecodeCase{3, 8, 64, 48, 30, {8, 12, 20}, DType::F16, {0, 0, -1}, {8}, 4, 2}),
     case_name<DecodeCase>);
 
+// ---- streams ----
+
+// A CUDA stream of the test's own, non-blocking (unordered with the legacy default stream, as the
+// pipeline's are), so that an op or a copy that strays onto the default stream races with it.
+// Releases the ops' scratch of the stream, then destroys it.
+class OwnStream {
+ public:
+  OwnStream() {
+    const int code = kernels::cuda::stream_create(&handle_);
+    if (code != 0) ADD_FAILURE() << "stream_create: " << kernels::cuda::error_string(code);
+  }
+  ~OwnStream() {
+    ops::release_cuda_scratch(handle_);
+    kernels::cuda::stream_destroy(handle_);
+  }
+  OwnStream(const OwnStream&) = delete;
+  OwnStream& operator=(const OwnStream&) = delete;
+  void* get() const { return handle_; }
+
+ private:
+  void* handle_ = nullptr;
+};
+
 // ---- the whole model ----
 
 // A model's forward pass on CUDA tensors against the CPU, on fp16 synthetic weights: a
 // left-padded prefill (logits of every position), then decode steps over the KV cache. OPT
-// (opt-tiny) and the Llama family (llama-tiny: GQA, RoPE, RMSNorm, SwiGLU).
-class CudaModel : public CudaOpsWith<const char*> {};
-
-TEST_P(CudaModel, MatchesCpu) {
-  const ModelConfig config = load_preset(GetParam());
+// (opt-tiny) and the Llama family (llama-tiny: GQA, RoPE, RMSNorm, SwiGLU). Every op of the
+// model runs; the logits come back by a copy on the current stream.
+void expect_model_matches_cpu(const char* family) {
+  const ModelConfig config = load_preset(family);
   const auto cpu = make_model(config, synthetic_weights(config, {}, Device::Cpu), Device::Cpu);
   const auto gpu = make_model(config, synthetic_weights(config, {}, Device::Cuda), Device::Cuda);
   const std::vector<std::vector<int32_t>> prompts = {{2, 10, 11, 12, 13},
@@ -436,10 +462,170 @@ TEST_P(CudaModel, MatchesCpu) {
   }
 }
 
+class CudaModel : public CudaOpsWith<const char*> {};
+
+TEST_P(CudaModel, MatchesCpu) {
+  expect_model_matches_cpu(GetParam());
+}
+
+// The same on a stream of its own: every op launches there (its index uploads go through that
+// stream's ring, none through the default stream's), and reading the logits on it waits for them.
+TEST_P(CudaModel, MatchesCpuOnItsOwnStream) {
+  const int64_t default_stream_uploads = ops::cuda_scratch_stats(nullptr).uploads;
+  OwnStream stream;
+  {
+    const CudaStreamScope scope(stream.get());
+    expect_model_matches_cpu(GetParam());
+  }
+  EXPECT_GT(ops::cuda_scratch_stats(stream.get()).uploads, 0);
+  EXPECT_EQ(ops::cuda_scratch_stats(nullptr).uploads, default_stream_uploads);
+}
+
 INSTANTIATE_TEST_SUITE_P(Families, CudaModel, ::testing::Values("opt-tiny", "llama-tiny"),
                          [](const ::testing::TestParamInfo<const char*>& family) {
                            return std::string(family.param) == "opt-tiny" ? "Opt" : "Llama";
                          });
+
+// ---- the ops' scratch ----
+
+// Random token ids and positions for an embedding, and its outputs on both devices (the CUDA one
+// NaN until the op runs).
+struct EmbedCase {
+  std::vector<int32_t> tokens, positions;
+  Tensor cuda, cpu;
+};
+EmbedCase embed_case(int64_t rows, int64_t vocab, int64_t max_positions, int64_t D, uint64_t seed) {
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  EmbedCase c{std::vector<int32_t>(static_cast<size_t>(rows)),
+              std::vector<int32_t>(static_cast<size_t>(rows)), nan_tensor({rows, D}, Device::Cuda),
+              nan_tensor({rows, D}, Device::Cpu)};
+  for (size_t i = 0; i < c.tokens.size(); ++i) {
+    c.tokens[i] = static_cast<int32_t>(rng() % vocab);
+    c.positions[i] = static_cast<int32_t>(rng() % max_positions);
+  }
+  return c;
+}
+
+// Token and position tables, on both devices.
+struct EmbedTables {
+  Tensor tokens, positions, tokens_d, positions_d;
+  EmbedTables(int64_t vocab, int64_t max_positions, int64_t D, uint64_t seed)
+      : tokens(random_tensor({vocab, D}, seed)),
+        positions(random_tensor({max_positions, D}, seed + 1)),
+        tokens_d(tokens.to(Device::Cuda)),
+        positions_d(positions.to(Device::Cuda)) {}
+  void run_cuda(EmbedCase& c) const {
+    ops::embed(c.tokens, c.positions, tokens_d, positions_d, c.cuda);
+  }
+  void run_cpu(EmbedCase& c) const { ops::embed(c.tokens, c.positions, tokens, positions, c.cpu); }
+};
+
+// An op whose index arrays outgrow the upload ring grows it (after the stream's work on the old
+// one), and the ops before and after it read their own indices.
+TEST_F(CudaOps, IndexUploadsLargerThanTheRingGrowIt) {
+  OwnStream stream;
+  const CudaStreamScope scope(stream.get());
+  const EmbedTables tables(1000, 50, 8, 50);
+  EmbedCase small = embed_case(10, 1000, 50, 8, 52);
+  tables.run_cuda(small);
+  const size_t first_ring = ops::cuda_scratch_stats(stream.get()).upload_bytes;
+  // tokens and positions: 8 bytes a row, more than the first ring holds
+  const int64_t rows = static_cast<int64_t>(first_ring / 8) + 1000;
+  EmbedCase large = embed_case(rows, 1000, 50, 8, 53), after = embed_case(10, 1000, 50, 8, 54);
+  tables.run_cuda(large);
+  tables.run_cuda(after);
+  const ops::CudaScratchStats stats = ops::cuda_scratch_stats(stream.get());
+  EXPECT_GT(first_ring, 0u);
+  EXPECT_GE(stats.upload_bytes, static_cast<size_t>(rows) * 8);
+  EXPECT_EQ(stats.grows, 2);  // the first ring, then the larger one
+  EXPECT_EQ(stats.uploads, 3);
+  for (EmbedCase* c : {&small, &large, &after}) {
+    tables.run_cpu(*c);
+    EXPECT_EQ(error_vs_cpu(c->cuda, c->cpu), 0.0) << c->tokens.size() << " rows";
+  }
+}
+
+// Many uploads in a row queued behind a slow kernel: the ring comes round several times before
+// the device has run the earlier copies, so a part reused before its copy had run would hand a
+// kernel another op's indices. Everything is allocated first: an allocation or a synchronous copy
+// in between would let the device catch up.
+TEST_F(CudaOps, ManyIndexUploadsInARowWrapTheRing) {
+  OwnStream stream;
+  const CudaStreamScope scope(stream.get());
+  const EmbedTables tables(5000, 300, 8, 55);
+  std::vector<EmbedCase> cases;
+  for (uint64_t i = 0; i < 100; ++i) {
+    cases.push_back(embed_case(500, 5000, 300, 8, 100 + i));  // 4000 bytes: 16 to a 64 KiB ring
+  }
+  const Tensor x_d = random_tensor({512, 1024}, 57).to(Device::Cuda);
+  const Tensor w_d = random_tensor({1024, 1024}, 58, 0.05f).to(Device::Cuda);
+  Tensor y_d = nan_tensor({512, 1024}, Device::Cuda);
+  ops::linear(x_d, w_d, Tensor(), y_d);  // keeps the stream busy while the uploads are queued
+  for (EmbedCase& c : cases) tables.run_cuda(c);
+  const ops::CudaScratchStats stats = ops::cuda_scratch_stats(stream.get());
+  EXPECT_EQ(stats.grows, 1);
+  EXPECT_GE(stats.wraps, 5);
+  for (size_t i = 0; i < cases.size(); ++i) {
+    tables.run_cpu(cases[i]);
+    EXPECT_EQ(error_vs_cpu(cases[i].cuda, cases[i].cpu), 0.0) << "upload " << i;
+  }
+}
+
+// 16-bit linears alternating between two streams, never synchronised: each stream rounds its
+// input into its own scratch, so neither GEMM reads the other's input. Inputs and outputs are
+// allocated first (freeing or allocating device memory in between could synchronise the device).
+TEST_F(CudaOps, SixteenBitLinearsOnTwoStreamsKeepTheirOwnScratch) {
+  const int64_t M = 256, N = 128, K = 512;
+  const Tensor w = random_tensor({N, K}, 60, 0.05f, DType::F16);
+  const Tensor w_d = w.to(Device::Cuda);
+  OwnStream a, b;
+  std::vector<Tensor> inputs, inputs_d, outputs_d;
+  for (uint64_t i = 0; i < 8; ++i) {
+    inputs.push_back(random_tensor({M, K}, 61 + i));
+    inputs_d.push_back(inputs.back().to(Device::Cuda));
+    outputs_d.push_back(nan_tensor({M, N}, Device::Cuda));
+  }
+  const auto stream_of = [&](size_t i) { return i % 2 == 0 ? a.get() : b.get(); };
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const CudaStreamScope scope(stream_of(i));
+    ops::linear(inputs_d[i], w_d, Tensor(), outputs_d[i]);
+  }
+  const ops::CudaScratchStats stats_a = ops::cuda_scratch_stats(a.get());
+  const ops::CudaScratchStats stats_b = ops::cuda_scratch_stats(b.get());
+  ASSERT_NE(stats_a.gemm, nullptr);
+  ASSERT_NE(stats_b.gemm, nullptr);
+  EXPECT_NE(stats_a.gemm, stats_b.gemm);
+  EXPECT_EQ(stats_a.gemm_bytes, ops::cuda_linear_scratch_bytes(M, K, DType::F16));
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const CudaStreamScope scope(stream_of(i));
+    Tensor y = nan_tensor({M, N}, Device::Cpu);
+    ops::linear(inputs[i], w, Tensor(), y);
+    EXPECT_LT(error_vs_cpu(outputs_d[i], y), tolerance(DType::F16)) << "linear " << i;
+  }
+}
+
+// Reserved up front, the scratch does not grow for the ops within the reservation.
+TEST_F(CudaOps, ReservedScratchDoesNotGrow) {
+  const int64_t M = 64, N = 32, K = 96;
+  OwnStream stream;
+  const CudaStreamScope scope(stream.get());
+  ops::reserve_cuda_scratch(size_t{1} << 20, ops::cuda_linear_scratch_bytes(M, K, DType::BF16));
+  const ops::CudaScratchStats reserved = ops::cuda_scratch_stats(stream.get());
+  EXPECT_EQ(reserved.upload_bytes, size_t{1} << 20);
+  EXPECT_EQ(reserved.gemm_bytes, ops::cuda_linear_scratch_bytes(M, K, DType::BF16));
+  EXPECT_EQ(reserved.grows, 2);
+  const Tensor x = random_tensor({M, K}, 70), w = random_tensor({N, K}, 71, 0.05f, DType::BF16);
+  Tensor y = nan_tensor({M, N}, Device::Cpu), y_d = nan_tensor({M, N}, Device::Cuda);
+  ops::linear(x.to(Device::Cuda), w.to(Device::Cuda), Tensor(), y_d);
+  ops::linear(x, w, Tensor(), y);
+  const EmbedTables tables(100, 50, 8, 72);
+  EmbedCase c = embed_case(20000, 100, 50, 8, 73);  // 160000 bytes of indices
+  tables.run_cuda(c);
+  tables.run_cpu(c);
+  EXPECT_EQ(ops::cuda_scratch_stats(stream.get()).grows, 2);
+  EXPECT_LT(error_vs_cpu(y_d, y), tolerance(DType::BF16));
+  EXPECT_EQ(error_vs_cpu(c.cuda, c.cpu), 0.0);
+}
 
 // ---- the command line ----
 
