@@ -194,6 +194,9 @@ void OffloadedKv::issue_store(int64_t layer, const Tensor& keys, const Tensor& v
 }
 
 void OffloadedKv::end_pass(int64_t n_new) {
+  // Before the first decode step, every block the run can fill is pinned: no step allocates
+  // (the pool grows in the prompt's passes only).
+  if (!sharing_pass()) pool_.reserve(pool_.shape().max_tokens);
   stats_.current().host_kv_bytes = pool_.allocated_bytes();
   PipelinedKv::end_pass(n_new);
 }

@@ -149,11 +149,9 @@ TEST(DecodeAllocation, CappedInfinigenPoolDecodesWithoutAllocating) {
   }
 }
 
-// Pools of blocks shorter than the run, so that decode steps cross into new blocks. Disabled
-// until OffloadedKv (offload/offloaded_kv.cc, used by `full` and `infinigen`) reserves its pool
-// before the first decode step: today KvPool::scatter_chunks reserves each new block when the
-// first token is written into it, in a decode step.
-TEST(DecodeAllocation, DISABLED_PoolBlocksAreReservedBeforeDecoding) {
+// Pools of blocks shorter than the run, so that decode steps cross into new blocks: OffloadedKv
+// (`full` and `infinigen`) pins every block of the run before the first decode step.
+TEST(DecodeAllocation, PoolBlocksAreReservedBeforeDecoding) {
   const GenerationRequest request = small_request();
   for (const std::string policy : {"full", "infinigen"}) {
     OffloadOptions options;

@@ -216,8 +216,9 @@ TEST_P(SharedPrefix, ThePoolAndTheLinkCarryEachPrefixOnce) {
     // The prefill stores each prefix once.
     EXPECT_EQ(steps[0].d2h_bytes, row_bytes * (k.kept + k.B * (k.longest - k.S)) * c.num_layers);
     EXPECT_EQ(unshared.stats.steps()[0].d2h_bytes, row_bytes * k.B * k.longest * c.num_layers);
-    // The pool: the prefixes' blocks once, then every sequence's blocks of the rows after them.
-    const uint64_t stored = k.longest + k.request.gen_len - 1;
+    // The pool: the prefixes' blocks once, then every sequence's blocks of the rows after them,
+    // pinned for every row the run can hold before its first decode step.
+    const uint64_t stored = k.longest + k.request.gen_len;
     const uint64_t blocks = k.kept / kBlock + k.B * ((stored - k.S + kBlock - 1) / kBlock);
     EXPECT_EQ(steps.back().host_kv_bytes, 2 * c.num_layers * blocks * kBlock * row_bytes / 2);
   }
