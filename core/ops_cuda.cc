@@ -75,8 +75,9 @@ void check_head_dim(const char* op, int64_t d) {
 //
 // Reuse: a pinned part is written again only once its event shows that the copy out of it has
 // run; the host waits for it only when the ring has come round to a part whose copy the device
-// has not reached yet (the host is capacity_ bytes of uploads ahead). A device part needs no
-// event: every later copy into it is queued on the same stream, after the kernels reading it.
+// has not reached yet (the host is capacity_ bytes, or kMaxParts ops, of uploads ahead). A device
+// part needs no event: every later copy into it is queued on the same stream, after the kernels
+// reading it. The events are created with the ring, none per upload.
 //
 // Parts are placed one after another and never straddle the end: a part that would is placed at
 // offset 0, and the parts of the previous lap still in the tail it skips are retired first. So
@@ -100,6 +101,7 @@ class UploadRing {
       ++stats_.wraps;
     }
     retire_parts_over(head_, head_ + part_bytes);
+    if (count_ == parts_.size()) retire_oldest();  // every event in use: the ring of small parts
     char* host = host_ + head_;
     for (std::span<const int32_t> a : arrays) {
       if (a.empty()) continue;  // an empty span's data() may be null
@@ -109,7 +111,6 @@ class UploadRing {
     check_runtime("index upload",
                   gpu::copy_async(device_ + head_, host_ + head_, bytes, 0, stream));
     Part& part = parts_[(first_ + count_) % parts_.size()];
-    if (part.event == nullptr) check_runtime("index upload", gpu::event_create(&part.event));
     check_runtime("index upload", gpu::event_record(part.event, stream));
     part.begin = head_;
     part.end = head_ + part_bytes;
@@ -143,6 +144,9 @@ class UploadRing {
  private:
   static constexpr size_t kPartAlignment = 256;              // each part starts on a 256-byte line
   static constexpr size_t kInitialBytes = size_t{64} << 10;  // 256 parts
+  // Parts in flight at most (events created with the ring): a larger ring holds larger parts,
+  // not more of them.
+  static constexpr size_t kMaxParts = 256;
 
   struct Part {
     size_t begin = 0, end = 0;  // bytes [begin, end) of both rings
@@ -159,15 +163,20 @@ class UploadRing {
     while (count_ > 0) {
       const Part& oldest = parts_[first_];
       if (oldest.begin >= end || oldest.end <= begin) break;
-      int ready = 0;
-      check_runtime("index upload", gpu::event_query(oldest.event, &ready));
-      if (!ready) {
-        ++stats_.host_waits;
-        check_runtime("index upload", gpu::event_synchronize(oldest.event));
-      }
-      first_ = (first_ + 1) % parts_.size();
-      --count_;
+      retire_oldest();
     }
+  }
+
+  void retire_oldest() {
+    const Part& oldest = parts_[first_];
+    int ready = 0;
+    check_runtime("index upload", gpu::event_query(oldest.event, &ready));
+    if (!ready) {
+      ++stats_.host_waits;
+      check_runtime("index upload", gpu::event_synchronize(oldest.event));
+    }
+    first_ = (first_ + 1) % parts_.size();
+    --count_;
   }
 
   // Replaces the rings by larger ones once the stream has run everything that uses them.
@@ -177,8 +186,9 @@ class UploadRing {
     release();
     host_ = static_cast<char*>(pinned_alloc(bytes, "the CUDA ops' index upload ring"));
     device_ = static_cast<char*>(device_alloc(Device::Cuda, bytes));
-    capacity_ = bytes;
-    parts_.resize(bytes / kPartAlignment);  // parts are >= kPartAlignment and never overlap
+    parts_.resize(std::min(bytes / kPartAlignment, kMaxParts));
+    for (Part& part : parts_) check_runtime("index upload", gpu::event_create(&part.event));
+    capacity_ = bytes;  // only now usable: a failure above leaves the ring to be grown again
     ++stats_.grows;
   }
 
