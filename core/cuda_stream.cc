@@ -1,16 +1,24 @@
 // core: CUDA streams, events and async copies on the kernels/cuda runtime wrappers.
 #include "core/cuda_stream.h"
 
+#include <cstddef>
 #include <mutex>
 #include <vector>
 
 #include "core/error.h"
+#include "kernels/cuda/gather.h"
 #include "kernels/cuda/runtime.h"
 
 namespace infinigen::cuda_stream {
 namespace {
 
 namespace runtime = kernels::cuda;
+
+static_assert(sizeof(Piece) == sizeof(kernels::cuda::CopyItem) &&
+                  offsetof(Piece, dst) == offsetof(kernels::cuda::CopyItem, dst) &&
+                  offsetof(Piece, src) == offsetof(kernels::cuda::CopyItem, src) &&
+                  offsetof(Piece, bytes) == offsetof(kernels::cuda::CopyItem, bytes),
+              "a Piece is read by the gather kernel as a CopyItem");
 
 void check(int code, const char* what) {
   if (code != 0) fail("CUDA ", what, " failed: ", runtime::error_string(code));
@@ -99,6 +107,16 @@ void copy_async(void* dst, Device dst_device, const void* src, Device src_device
                   "an asynchronous CUDA copy between two host buffers");
   const int kind = src_device == Device::Cpu ? 0 : dst_device == Device::Cpu ? 1 : 2;
   check(runtime::copy_async(dst, src, bytes, kind, stream), "asynchronous copy");
+}
+
+void host_func(void* stream, void (*fn)(void* data), void* data) {
+  check(runtime::launch_host_func(stream, fn, data), "host function launch");
+}
+
+void copy_pieces(const Piece* pieces, size_t count, void* stream) {
+  check(kernels::cuda::copy_items(reinterpret_cast<const kernels::cuda::CopyItem*>(pieces),
+                                  static_cast<int64_t>(count), stream),
+        "gather kernel");
 }
 
 }  // namespace infinigen::cuda_stream

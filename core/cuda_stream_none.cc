@@ -33,4 +33,11 @@ void copy_async(void*, Device, const void*, Device, size_t, void*) {
   throw_cuda_not_compiled();
 }
 
+void host_func(void*, void (*)(void*), void*) {
+  throw_cuda_not_compiled();
+}
+void copy_pieces(const Piece*, size_t, void*) {
+  throw_cuda_not_compiled();
+}
+
 }  // namespace infinigen::cuda_stream

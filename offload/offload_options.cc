@@ -22,7 +22,7 @@ std::vector<std::pair<std::string, EvictionPolicy>> eviction_choices() {
 // The keys every run reads, whatever its policy.
 const std::vector<std::string> kCommonOptions = {"policy", "weights_gpu_percent",
                                                  "emulate_link_gbps", "emulate_link_latency_us",
-                                                 "device_memory"};
+                                                 "gather", "device_memory"};
 
 OptionTable<OffloadOptions> make_table() {
   using O = OffloadOptions;
@@ -46,6 +46,12 @@ OptionTable<OffloadOptions> make_table() {
       number_option<O>(
           "emulate_link_latency_us", "Per-transfer latency of the emulated link",
           [](auto& o) -> auto& { return o.link.latency_us; }),
+      choice_option<O, GatherMode>(
+          "gather",
+          "CUDA: how KV rows cross the link: device (a kernel reads them from the pinned pool) or "
+          "host (host threads pack them, then one copy)",
+          [](auto& o) -> auto& { return o.gather; },
+          {{"device", GatherMode::Device}, {"host", GatherMode::Host}}),
       integer_option<O>(
           "kv_block_tokens", "Tokens per block of the host KV pool",
           [](auto& o) -> auto& { return o.kv_block_tokens; }),

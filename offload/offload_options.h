@@ -18,6 +18,11 @@ struct OffloadOptions {
   std::string policy = "infinigen";    // a KV policy's name (offload/kv_policy.h)
   double weights_gpu_percent = 100.0;  // share of each layer's weights kept on the device
   LinkEmulation link;                  // emulate_link_gbps, emulate_link_latency_us
+  // CUDA: how a transfer of many small chunks crosses the link (offload/transfer_engine.h).
+  // Device until a GPU measures both: a kernel reading 256-byte rows straight from the mapped pool
+  // makes one pass over them, where the host gather reads and writes them once more in host
+  // memory before the DMA reads them again.
+  GatherMode gather = GatherMode::Device;
   int64_t kv_block_tokens = 128;       // tokens per block of the host KV pool
   // Policies full, gpu and infinigen (uncapped): the whole KV blocks of the prompt prefixes that
   // groups of the batch's sequences share are computed and kept once per group

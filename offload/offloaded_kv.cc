@@ -58,6 +58,12 @@ OffloadedKv::OffloadedKv(const ModelConfig& config, int64_t batch, int64_t capac
              pool_tokens > 0 ? pool_tokens : capacity, block_tokens, kv_dtype}) {
   const Shape staging = {batch, config.kv_heads(), capacity, config.head_dim()};
   const Shape store = {batch, config.kv_heads(), 1, config.head_dim()};
+  // The largest transfer either way: a layer's K and V, one chunk per (sequence, head, block).
+  const int64_t blocks = (capacity + block_tokens - 1) / block_tokens;
+  engine.reserve_gathers(
+      static_cast<size_t>(2 * batch * config.kv_heads() * blocks),
+      static_cast<size_t>(2 * batch * config.kv_heads() * capacity * config.head_dim()) *
+          dtype_size(kv_dtype));
   for (int p = 0; p < 2; ++p) {
     staging_keys_[p] = Tensor::empty(staging, kv_dtype, device);
     staging_values_[p] = Tensor::empty(staging, kv_dtype, device);

@@ -105,7 +105,7 @@ void generate_offloaded(const ModelSource& source, const GenerationRequest& requ
   ModelWeights weights = with_interrupt_context([&] { return load_weights(source, Device::Cpu); },
                                                 [] { return " while loading the weights"; });
   const std::vector<WeightHome> homes = place_weights(config, options.weights_gpu_percent);
-  TransferEngine engine(device, options.link);
+  TransferEngine engine(device, options.link, options.gather);
   // Every op of the run (weight uploads included) goes to the pipeline's compute stream.
   const CudaStreamScope compute(engine.compute_stream().cuda_handle());
   std::vector<TensorTable> layers = std::move(weights.layers);

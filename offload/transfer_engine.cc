@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstddef>
+#include <memory>
 #include <cmath>
 #include <cstring>
 #include <thread>
@@ -10,6 +12,7 @@
 
 #include "core/cuda_stream.h"
 #include "core/error.h"
+#include "offload/row_gather.h"
 
 namespace infinigen {
 
@@ -23,6 +26,78 @@ Clock::duration link_time(const LinkEmulation& link, uint64_t bytes) {
   double seconds = link.latency_us * 1e-6;
   if (link.gbps > 0.0) seconds += static_cast<double>(bytes) / (link.gbps * 1e9);
   return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+}
+
+}  // namespace
+
+namespace {
+
+static_assert(sizeof(CopyChunk) == sizeof(cuda_stream::Piece) &&
+                  offsetof(CopyChunk, dst) == offsetof(cuda_stream::Piece, dst) &&
+                  offsetof(CopyChunk, src) == offsetof(cuda_stream::Piece, src) &&
+                  offsetof(CopyChunk, bytes) == offsetof(cuda_stream::Piece, bytes),
+              "a gather list of CopyChunks is read by the gather kernel");
+
+// Transfers of at most this many chunks, or of chunks this large on average, go as one
+// cudaMemcpyAsync per chunk (a layer's weights: a few tensors of megabytes); the others gather.
+constexpr size_t kDirectCopyChunks = 8;
+constexpr uint64_t kDirectCopyBytes = uint64_t{1} << 16;
+
+// A gather on its way: what the host functions of its stream (cuda_stream::host_func) need,
+// freed by the last one.
+struct GatherJob {
+  std::vector<CopyChunk> chunks;
+  CopyChunk* pieces;  // the stream's gather list
+  char* packed;       // GatherMode::Host
+  char* landing;
+};
+
+// The gather list of GatherMode::Device: the chunks as they are.
+void list_chunks(void* data) {
+  auto* job = static_cast<GatherJob*>(data);
+  std::copy(job->chunks.begin(), job->chunks.end(), job->pieces);
+  delete job;
+}
+
+// GatherMode::Host, a load: the chunks packed back to back in pinned staging (host threads), and
+// the list that places them from the landing buffer.
+void pack_load(void* data) {
+  auto* job = static_cast<GatherJob*>(data);
+  std::vector<CopyChunk> packing;
+  packing.reserve(job->chunks.size());
+  size_t offset = 0;
+  for (size_t i = 0; i < job->chunks.size(); ++i) {
+    const CopyChunk& chunk = job->chunks[i];
+    packing.push_back({job->packed + offset, chunk.src, chunk.bytes});
+    job->pieces[i] = {chunk.dst, job->landing + offset, chunk.bytes};
+    offset += chunk.bytes;
+  }
+  gather_rows(packing);
+  delete job;
+}
+
+// GatherMode::Host, a store: the list that packs the device's pieces into the landing buffer.
+void list_store(void* data) {
+  auto* job = static_cast<GatherJob*>(data);
+  size_t offset = 0;
+  for (size_t i = 0; i < job->chunks.size(); ++i) {
+    job->pieces[i] = {job->landing + offset, job->chunks[i].src, job->chunks[i].bytes};
+    offset += job->chunks[i].bytes;
+  }
+}
+
+// ... and, once the packed bytes are in pinned memory, each piece to its place (host threads).
+void unpack_store(void* data) {
+  auto* job = static_cast<GatherJob*>(data);
+  std::vector<CopyChunk> placing;
+  placing.reserve(job->chunks.size());
+  size_t offset = 0;
+  for (const CopyChunk& chunk : job->chunks) {
+    placing.push_back({chunk.dst, job->packed + offset, chunk.bytes});
+    offset += chunk.bytes;
+  }
+  gather_rows(placing);
+  delete job;
 }
 
 }  // namespace
@@ -52,9 +127,10 @@ bool check_engine(Device device, const LinkEmulation& link) {
 
 }  // namespace
 
-TransferEngine::TransferEngine(Device device, LinkEmulation link)
+TransferEngine::TransferEngine(Device device, LinkEmulation link, GatherMode gather)
     : device_(device),
       link_(link),
+      gather_(gather),
       cuda_(check_engine(device, link)),
       compute_stream_("compute", cuda_ ? Stream::Mode::Cuda : Stream::Mode::Inline),
       load_stream_("load", cuda_ ? Stream::Mode::Cuda : Stream::Mode::Worker),
@@ -66,6 +142,72 @@ TransferEngine::~TransferEngine() {
   } catch (...) {
     // Reported to the pass that issued the failed transfer.
   }
+  for (GatherBuffers* buffers : {&load_gather_, &store_gather_}) {
+    pinned_free(buffers->pieces);
+    pinned_free(buffers->packed);
+    if (buffers->landing != nullptr) device_free(device_, buffers->landing);
+  }
+}
+
+void TransferEngine::reserve_gathers(size_t chunks, size_t bytes) {
+  if (!cuda_) return;
+  grow_gather(load_gather_, load_stream_, chunks, bytes);
+  grow_gather(store_gather_, store_stream_, chunks, bytes);
+}
+
+void TransferEngine::grow_gather(GatherBuffers& buffers, Stream& stream, size_t chunks,
+                                 size_t bytes) {
+  const bool packs = gather_ == GatherMode::Host;
+  if (chunks <= buffers.piece_capacity && (!packs || bytes <= buffers.byte_capacity)) return;
+  stream.synchronize();  // the buffers are in use until the stream's last gather has run
+  if (chunks > buffers.piece_capacity) {
+    const size_t capacity = std::max(chunks, 2 * buffers.piece_capacity);
+    pinned_free(buffers.pieces);
+    buffers.pieces = nullptr;
+    buffers.piece_capacity = 0;
+    buffers.pieces = static_cast<CopyChunk*>(
+        pinned_alloc(capacity * sizeof(CopyChunk), "a gather list of the transfer engine"));
+    buffers.piece_capacity = capacity;
+  }
+  if (packs && bytes > buffers.byte_capacity) {
+    const size_t capacity = std::max(bytes, 2 * buffers.byte_capacity);
+    pinned_free(buffers.packed);
+    if (buffers.landing != nullptr) device_free(device_, buffers.landing);
+    buffers.packed = nullptr;
+    buffers.landing = nullptr;
+    buffers.byte_capacity = 0;
+    buffers.packed = static_cast<char*>(pinned_alloc(capacity, "the host gather's staging"));
+    buffers.landing = static_cast<char*>(device_alloc(device_, capacity));
+    buffers.byte_capacity = capacity;
+  }
+}
+
+void TransferEngine::enqueue_gather(Stream& stream, GatherBuffers& buffers,
+                                    std::vector<CopyChunk> chunks, uint64_t bytes,
+                                    bool to_device) {
+  grow_gather(buffers, stream, chunks.size(), bytes);
+  void* handle = stream.cuda_handle();
+  const size_t count = chunks.size();
+  auto job = std::make_unique<GatherJob>(
+      GatherJob{std::move(chunks), buffers.pieces, buffers.packed, buffers.landing});
+  if (gather_ == GatherMode::Device) {
+    cuda_stream::host_func(handle, list_chunks, job.release());
+    cuda_stream::copy_pieces(reinterpret_cast<const cuda_stream::Piece*>(buffers.pieces), count,
+                             handle);
+    return;
+  }
+  const auto* pieces = reinterpret_cast<const cuda_stream::Piece*>(buffers.pieces);
+  if (to_device) {
+    cuda_stream::host_func(handle, pack_load, job.release());
+    cuda_stream::copy_async(buffers.landing, device_, buffers.packed, Device::Cpu, bytes, handle);
+    cuda_stream::copy_pieces(pieces, count, handle);
+    return;
+  }
+  GatherJob* owned = job.release();  // freed by unpack_store
+  cuda_stream::host_func(handle, list_store, owned);
+  cuda_stream::copy_pieces(pieces, count, handle);
+  cuda_stream::copy_async(buffers.packed, Device::Cpu, buffers.landing, device_, bytes, handle);
+  cuda_stream::host_func(handle, unpack_store, owned);
 }
 
 void TransferEngine::compute_waits(EventPtr event, std::vector<double*> stall) {
@@ -191,14 +333,22 @@ EventPtr TransferEngine::enqueue(Stream& stream, std::vector<CopyChunk> chunks, 
     // follow the compute enqueued so far (on the CPU backend that has run already).
     stream.wait(compute_stream_.record());
     EventPtr start = stream.record();
-    stream.enqueue([&chunks, dst_device, src_device, handle = stream.cuda_handle()] {
-      for (const CopyChunk& chunk : chunks) {
-        if (chunk.bytes != 0) {
-          cuda_stream::copy_async(chunk.dst, dst_device, chunk.src, src_device, chunk.bytes,
-                                  handle);
+    const size_t count = chunks.size();
+    if (count <= kDirectCopyChunks || bytes >= count * kDirectCopyBytes) {
+      stream.enqueue([&chunks, dst_device, src_device, handle = stream.cuda_handle()] {
+        for (const CopyChunk& chunk : chunks) {
+          if (chunk.bytes != 0) {
+            cuda_stream::copy_async(chunk.dst, dst_device, chunk.src, src_device, chunk.bytes,
+                                    handle);
+          }
         }
-      }
-    });
+      });
+    } else {
+      stream.enqueue([&] {
+        enqueue_gather(stream, to_device ? load_gather_ : store_gather_, std::move(chunks), bytes,
+                       to_device);
+      });
+    }
     EventPtr done = stream.record();
     done->set_traced_op(traced_op);
     std::lock_guard lock(counters_mutex_);

@@ -7,8 +7,10 @@
 // - CPU backend: compute is inline (the caller's thread), the copies run on the transfer streams'
 //   worker threads; link emulation makes a transfer of N bytes take at least latency +
 //   N / bandwidth, so the CPU backend shows the time a real link would take.
-// - CUDA: three non-blocking CUDA streams; a transfer is one cudaMemcpyAsync per chunk on its
-//   stream, timed by a pair of device events. Every transfer is ordered after the compute work
+// - CUDA: three non-blocking CUDA streams; a transfer is timed by a pair of device events. A
+//   few large chunks (weights) go as one cudaMemcpyAsync each; a gather of many small ones (KV
+//   rows and block runs) goes the way GatherMode says, a constant number of operations per
+//   transfer whatever its chunk count. Every transfer is ordered after the compute work
 //   enqueued before it (it reads what compute wrote, or overwrites what compute read), and
 //   compute waits for a transfer with compute_waits(): a device-side wait, the host runs on.
 // The same pipeline code drives both: only the streams differ.
@@ -49,6 +51,16 @@ struct LinkEmulation {
   double latency_us = 0.0;  // per transfer
 };
 
+// How a CUDA transfer of many small chunks crosses the link (--gather).
+enum class GatherMode {
+  // Host threads pack the chunks into pinned staging, one cudaMemcpyAsync moves it, and a kernel
+  // places the pieces on the device (stores: the reverse).
+  Host,
+  // A kernel reads (or, for stores, writes) the chunks straight from the mapped pinned pool: no
+  // packing pass over host memory, the link carries only the rows.
+  Device,
+};
+
 struct TransferCounters {
   uint64_t h2d_bytes = 0;
   uint64_t d2h_bytes = 0;
@@ -60,7 +72,7 @@ struct TransferCounters {
 
 class TransferEngine {
  public:
-  TransferEngine(Device device, LinkEmulation link);
+  TransferEngine(Device device, LinkEmulation link, GatherMode gather = GatherMode::Device);
   ~TransferEngine();
 
   // Enqueues a host -> device transfer on the load stream, after `after` (if any) completes.
@@ -84,6 +96,10 @@ class TransferEngine {
   // Adds the stalls of every compute_waits() so far, blocking until their events complete; call
   // it before the counters `stall` points into move (the next step's statistics open).
   void settle_stalls();
+  // Sizes the CUDA gathers' persistent buffers for transfers of up to `chunks` pieces and `bytes`
+  // in each direction, so that no later transfer allocates (a transfer beyond them grows them,
+  // after draining its stream). Nothing on the CPU backend.
+  void reserve_gathers(size_t chunks, size_t bytes);
   // Waits for every transfer enqueued so far; rethrows a failed one.
   void synchronize();
   // Waits for every store enqueued so far; rethrows a failed one.
@@ -96,6 +112,20 @@ class TransferEngine {
                    const TransferTag& tag);
   // Adds to the counters the device time of the CUDA transfers that have completed.
   void settle_transfer_times() const;
+
+  // The persistent buffers of one direction's CUDA gathers, used in that stream's order.
+  struct GatherBuffers {
+    CopyChunk* pieces = nullptr;  // mapped pinned: the gather kernel's list
+    size_t piece_capacity = 0;
+    char* packed = nullptr;   // pinned (GatherMode::Host): the chunks back to back
+    char* landing = nullptr;  // device (GatherMode::Host): the packed bytes on the device
+    size_t byte_capacity = 0;
+  };
+  // Grows `buffers` to `chunks` pieces and `bytes` packed bytes, after draining `stream`.
+  void grow_gather(GatherBuffers& buffers, Stream& stream, size_t chunks, size_t bytes);
+  // Enqueues a gather of `chunks` on the CUDA `stream` (GatherMode).
+  void enqueue_gather(Stream& stream, GatherBuffers& buffers, std::vector<CopyChunk> chunks,
+                      uint64_t bytes, bool to_device);
   // Notes in the active trace that the host waits for the last transfer of each stream given.
   void trace_waits(bool loads, bool stores) const;
 
@@ -112,11 +142,13 @@ class TransferEngine {
 
   Device device_;
   LinkEmulation link_;
+  GatherMode gather_;
   bool cuda_;  // the streams are CUDA streams (a CUDA device, not a dry run)
   mutable std::mutex counters_mutex_;
   mutable TransferCounters counters_;
   mutable std::vector<TimedTransfer> timed_;  // CUDA transfers not yet in the counters' times
   std::vector<PendingStall> stalls_;
+  GatherBuffers load_gather_, store_gather_;
   Stream compute_stream_;
   Stream load_stream_;
   Stream store_stream_;

@@ -4,6 +4,9 @@
 // when no CUDA device is present).
 #include <gtest/gtest.h>
 
+#include <filesystem>
+#include <fstream>
+
 #include <cmath>
 #include <cstdint>
 #include <nlohmann/json.hpp>
@@ -629,17 +632,32 @@ TEST_F(CudaOps, ReservedScratchDoesNotGrow) {
 
 // ---- the command line ----
 
-// `--device cuda` == `--device cpu`: the built-in model through the CLI, greedy, gives the same
-// tokens for every policy that runs on the device (and the run names the device it used).
-class CudaCli : public CudaOpsWith<const char*> {};
+// `--device cuda` == `--device cpu`: a run through the CLI, greedy, gives the same tokens on
+// both for every policy that runs on the device (and the run names the device it used): the
+// built-in model and llama-tiny (RoPE, grouped queries), prompts of different lengths, prefixes
+// shared in whole blocks, weights streamed from the host, and both ways of gathering KV.
+struct CliCase {
+  const char* name;
+  std::vector<std::string> args;
+  std::vector<std::string> prompts = {};  // one per sequence, through --prompt-file; none: default
+};
+
+class CudaCli : public CudaOpsWith<CliCase> {};
 
 TEST_P(CudaCli, DeviceCudaGivesTheCpuTokens) {
   const testing_util::TempDir cache("cuda-cli");
   const auto tokens = [&](const std::string& device, std::string* description) {
+    std::vector<std::string> args = {"run",           "--device", device, "--temperature", "0",
+                                     "--gen-len",     "6",        "--json"};
+    args.insert(args.end(), GetParam().args.begin(), GetParam().args.end());
+    if (!GetParam().prompts.empty()) {
+      const std::filesystem::path file = cache.path() / "prompts.txt";
+      std::ofstream out(file);
+      for (const std::string& prompt : GetParam().prompts) out << prompt << "\n";
+      args.insert(args.end(), {"--prompt-file", file.string()});
+    }
     const testing_util::CommandResult run =
-        testing_util::run_infinigen({"run", "--device", device, "--policy", GetParam(),
-                                     "--temperature", "0", "--gen-len", "6", "--json"},
-                                    {"INFINIGEN_CACHE_DIR=" + cache.str()});
+        testing_util::run_infinigen(args, {"INFINIGEN_CACHE_DIR=" + cache.str()});
     EXPECT_EQ(run.exit_code, 0) << run.err;
     const nlohmann::json report = nlohmann::json::parse(run.out, nullptr, false);
     EXPECT_FALSE(report.is_discarded()) << run.out;
@@ -658,10 +676,30 @@ TEST_P(CudaCli, DeviceCudaGivesTheCpuTokens) {
   EXPECT_EQ(cuda, cpu);
 }
 
-INSTANTIATE_TEST_SUITE_P(Policies, CudaCli, ::testing::Values("gpu", "full"),
-                         [](const ::testing::TestParamInfo<const char*>& policy) {
-                           return std::string(policy.param);
-                         });
+// Prompts of different lengths (left padding), and two that share a prefix of whole 4-token
+// blocks.
+const std::vector<std::string> kMixedPrompts = {
+    "Once upon a time", "The little dog ran to the park and saw a big red ball near the old tree"};
+const std::vector<std::string> kSharedPrompts = {
+    "The little dog ran to the park and saw a big red ball near the old tree, and then",
+    "The little dog ran to the park and saw a big red ball near the old tree, so it"};
+
+INSTANTIATE_TEST_SUITE_P(
+    Runs, CudaCli,
+    ::testing::Values(
+        CliCase{"gpu", {"--policy", "gpu"}}, CliCase{"full", {"--policy", "full"}},
+        CliCase{"full_host_gather", {"--policy", "full", "--gather", "host"}},
+        CliCase{"full_streamed_weights", {"--policy", "full", "--weights-gpu-percent", "50"}},
+        CliCase{"gpu_streamed_weights", {"--policy", "gpu", "--weights-gpu-percent", "50"}},
+        CliCase{"full_llama", {"--model", "llama-tiny", "--policy", "full"}},
+        CliCase{"gpu_llama", {"--model", "llama-tiny", "--policy", "gpu"}},
+        CliCase{"full_mixed_lengths", {"--policy", "full"}, kMixedPrompts},
+        CliCase{"gpu_mixed_lengths", {"--policy", "gpu"}, kMixedPrompts},
+        CliCase{"full_shared_prefix", {"--policy", "full", "--kv-block-tokens", "4"},
+                kSharedPrompts},
+        CliCase{"gpu_shared_prefix", {"--policy", "gpu", "--kv-block-tokens", "4"},
+                kSharedPrompts}),
+    [](const ::testing::TestParamInfo<CliCase>& run) { return std::string(run.param.name); });
 
 }  // namespace
 }  // namespace infinigen

@@ -8,6 +8,7 @@
 // poisons new device memory) or the old values.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -111,6 +112,54 @@ TEST(PipelineStreams, ComputeWaitsAreDeviceSideAndTheirStallIsSettled) {
   EXPECT_EQ(counters.h2d_transfers, 1u);
   EXPECT_GT(counters.h2d_busy_seconds, 0.0);  // from the device's events around the copy
 }
+
+// Gathers of many small chunks, each way, in both modes: rows of 256 bytes (the 16-byte path of
+// the gather kernel) and of 100 bytes (its byte path), scattered over a pinned "pool" in a
+// shuffled order, into or out of a device buffer.
+class PipelineGather : public ::testing::TestWithParam<GatherMode> {};
+
+TEST_P(PipelineGather, ManySmallChunksLandInPlaceBothWays) {
+  INFINIGEN_SKIP_WITHOUT_CUDA_DEVICE();
+  TransferEngine engine(Device::Cuda, {}, GetParam());
+  const CudaStreamScope compute(engine.compute_stream().cuda_handle());
+  for (const size_t row : {size_t{256}, size_t{100}}) {
+    constexpr size_t kPieces = 3000;
+    const size_t bytes = kPieces * row;
+    auto* pool = static_cast<uint8_t*>(pinned_alloc(2 * bytes, "a test pool"));
+    auto* back = static_cast<uint8_t*>(pinned_alloc(2 * bytes, "a test pool"));
+    for (size_t i = 0; i < 2 * bytes; ++i) pool[i] = static_cast<uint8_t>(i * 7 + i / 251);
+    std::fill(back, back + 2 * bytes, uint8_t{0});
+    void* device = device_alloc(Device::Cuda, bytes);
+    // Piece i: pool row 2 * perm(i) + 1 -> device row i -> back row 2 * perm(i) + 1.
+    std::vector<CopyChunk> loads, stores;
+    for (size_t i = 0; i < kPieces; ++i) {
+      const size_t from = 2 * ((i * 1237) % kPieces) + 1;  // 1237 is prime to 3000
+      uint8_t* on_device = static_cast<uint8_t*>(device) + i * row;
+      loads.push_back({on_device, pool + from * row, row});
+      stores.push_back({back + from * row, on_device, row});
+    }
+    const EventPtr loaded = engine.load(loads, nullptr, {"kv_load", 0});
+    engine.compute_waits(loaded, {});
+    const EventPtr stored = engine.store(stores, nullptr, {"kv_store", 0});
+    stored->wait();
+    for (size_t i = 0; i < 2 * bytes; ++i) {
+      const bool moved = (i / row) % 2 == 1;
+      ASSERT_EQ(back[i], moved ? pool[i] : 0) << "byte " << i << " with rows of " << row;
+    }
+    engine.synchronize();
+    device_free(Device::Cuda, device);
+    pinned_free(pool);
+    pinned_free(back);
+    const TransferCounters counters = engine.counters();
+    EXPECT_GT(counters.h2d_busy_seconds, 0.0);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, PipelineGather,
+                         ::testing::Values(GatherMode::Device, GatherMode::Host),
+                         [](const auto& param_info) {
+                           return param_info.param == GatherMode::Device ? "Device" : "Host";
+                         });
 
 TEST(PipelineStreams, LinkEmulationIsRefusedOnACudaDevice) {
   INFINIGEN_SKIP_WITHOUT_CUDA_DEVICE();

@@ -131,6 +131,10 @@ int event_elapsed_ms(void* start, void* end, float* ms) {
   return cudaEventElapsedTime(ms, static_cast<cudaEvent_t>(start), static_cast<cudaEvent_t>(end));
 }
 
+int launch_host_func(void* stream, void (*fn)(void* data), void* data) {
+  return cudaLaunchHostFunc(static_cast<cudaStream_t>(stream), fn, data);
+}
+
 const char* error_string(int code) {
   return cudaGetErrorString(static_cast<cudaError_t>(code));
 }

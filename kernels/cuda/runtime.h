@@ -52,6 +52,8 @@ int event_query(void* event, int* ready);
 int event_synchronize(void* event);
 // Milliseconds from `start` to `end`, both complete.
 int event_elapsed_ms(void* start, void* end, float* ms);
+// fn(data) on a host thread in `stream`'s order (cudaLaunchHostFunc).
+int launch_host_func(void* stream, void (*fn)(void* data), void* data);
 const char* error_string(int code);
 
 }  // namespace infinigen::kernels::cuda

@@ -23,6 +23,9 @@ struct int2 {
 struct int4 {
   int x, y, z, w;
 };
+struct alignas(16) uint4 {  // 16-byte aligned as CUDA's: one vector load or store
+  unsigned int x, y, z, w;
+};
 inline constexpr float2 make_float2(float x, float y) {
   return float2{x, y};
 }
