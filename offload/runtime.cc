@@ -106,8 +106,20 @@ void generate_offloaded(const ModelSource& source, const GenerationRequest& requ
                                                 [] { return " while loading the weights"; });
   const std::vector<WeightHome> homes = place_weights(config, options.weights_gpu_percent);
   TransferEngine engine(device, options.link, options.gather);
-  // Every op of the run (weight uploads included) goes to the pipeline's compute stream.
+  // Every op of the run (weight uploads included) goes to the pipeline's compute stream, whose
+  // scratch is sized for the prompt's pass now (the passes after it fit in it).
   const CudaStreamScope compute(engine.compute_stream().cuda_handle());
+  if (device == Device::Cuda && !dry_run()) {
+    int64_t longest = 1;
+    for (const std::vector<int32_t>& prompt : request.prompts) {
+      longest = std::max<int64_t>(longest, static_cast<int64_t>(prompt.size()));
+    }
+    const int64_t rows = static_cast<int64_t>(request.prompts.size()) * longest;
+    const int64_t widest = std::max({config.hidden_size, config.embed_dim(), config.ffn_dim,
+                                     config.num_heads * config.head_dim()});
+    ops::reserve_cuda_scratch(static_cast<size_t>(8 * rows),
+                              ops::cuda_linear_scratch_bytes(rows, widest, config.dtype));
+  }
   std::vector<TensorTable> layers = std::move(weights.layers);
   weights.layers.clear();
   for (auto& [name, tensor] : weights.globals.entries()) {

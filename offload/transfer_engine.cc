@@ -12,6 +12,7 @@
 
 #include "core/cuda_stream.h"
 #include "core/error.h"
+#include "core/ops.h"
 #include "offload/row_gather.h"
 
 namespace infinigen {
@@ -142,6 +143,8 @@ TransferEngine::~TransferEngine() {
   } catch (...) {
     // Reported to the pass that issued the failed transfer.
   }
+  // The ops' scratch of the compute stream goes with it (a later stream may reuse its handle).
+  if (cuda_) ops::release_cuda_scratch(compute_stream_.cuda_handle());
   for (GatherBuffers* buffers : {&load_gather_, &store_gather_}) {
     pinned_free(buffers->pieces);
     pinned_free(buffers->packed);

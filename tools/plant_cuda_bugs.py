@@ -70,9 +70,9 @@ PLANTS = [
      "  ASSERT_EQ(cudaStreamWaitEvent(b, filled, 0), cudaSuccess);\n",
      "",
      "a stream reads what another writes without waiting for its event"),
-    ("host-pointer-to-kernel", "core/ops.cc",
-     "first_valid_d.data<int32_t>(), kDefaultStream));",
-     "first_valid.data(), kDefaultStream));",
+    ("host-pointer-to-kernel", "core/ops_cuda.cc",
+     "B, n, H, H_kv, d, lease.upload({first_valid}), lease.stream()));",
+     "B, n, H, H_kv, d, first_valid.data(), lease.stream()));",
      "prefill's first_valid handed to the kernel from host memory"),
 ]
 # The one-pass LayerNorm also needs its mean subtracted where the variance is formed.
