@@ -60,7 +60,10 @@ ModelSource model_source(const std::string& model) {
   if (model == "llama") return source;
   source.config.num_layers = 4;
   if (model == "opt-350m-like") {
-    source.config.word_embed_dim = 32;
+    // Wider than the model, not narrower as OPT-350m's: the synthetic generator puts outlier
+    // channels anywhere in [0, D) of the token embedding (core/synthetic_model.cc), past the
+    // end of a narrower one.
+    source.config.word_embed_dim = 96;
     source.config.pre_norm = false;
     source.config.final_norm = false;
   }
