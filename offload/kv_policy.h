@@ -67,6 +67,9 @@ struct KvPolicy {
   // the options a session's turns must keep (what its saved state depends on).
   bool resumable = false;
   std::vector<std::string> session_options = {};
+  // Whether the rows its store's token_row gives are in host memory on every device (a pool in
+  // pinned memory), so a session reads and writes them with the host's copies on CUDA too.
+  bool host_token_rows = false;
 };
 
 // Every registered policy, in the order help texts list them.

@@ -24,7 +24,9 @@ const KvPolicy& full_kv_policy() {
         return std::make_unique<OffloadedKv>(a.config, a.batch, a.capacity, a.kv_dtype, a.device,
                                              a.options.kv_block_tokens, a.engine, a.stats);
       },
-      /*resumable=*/true};
+      /*resumable=*/true,
+      /*session_options=*/{},
+      /*host_token_rows=*/true};
   return policy;
 }
 

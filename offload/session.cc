@@ -160,7 +160,9 @@ SessionKey session_key(const ModelSource& source, const OffloadOptions& options,
   INFINIGEN_CHECK(policy.resumable, option("policy"), " ", policy.name,
                   " cannot keep a session (its store is not saved yet); use full, gpu or "
                   "infinigen");
-  INFINIGEN_CHECK(device == Device::Cpu, "sessions are kept on the CPU backend only for now");
+  INFINIGEN_CHECK(device == Device::Cpu || policy.host_token_rows, "a session on ",
+                  option("device"), " cuda needs a policy that keeps its KV in host memory (",
+                  option("policy"), " full); ", policy.name, " keeps it on the device");
   INFINIGEN_CHECK(options.kv_pool_limit == 0.0, option("kv_pool_limit"),
                   " cannot be used with a session yet");
   const ModelConfig& c = source.config;

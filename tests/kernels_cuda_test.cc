@@ -676,6 +676,33 @@ TEST_P(CudaCli, DeviceCudaGivesTheCpuTokens) {
   EXPECT_EQ(cuda, cpu);
 }
 
+// A conversation kept with --session on CUDA (`full`: its pool is host memory) continues as on
+// the CPU: the same tokens in both turns.
+TEST(CudaSession, FullContinuesAConversationAsTheCpuDoes) {
+  INFINIGEN_SKIP_WITHOUT_CUDA_DEVICE();
+  const testing_util::TempDir dir("cuda-session");
+  const auto turn = [&](const std::string& device, const std::string& flag,
+                        const std::string& prompt) {
+    const testing_util::CommandResult run = testing_util::run_infinigen(
+        {"run", "--device", device, "--policy", "full", "--temperature", "0", "--gen-len", "4",
+         "--json", "--prompt", prompt, flag, (dir.path() / device).string()},
+        {"INFINIGEN_CACHE_DIR=" + dir.str()});
+    EXPECT_EQ(run.exit_code, 0) << run.err;
+    const nlohmann::json report = nlohmann::json::parse(run.out, nullptr, false);
+    std::vector<std::vector<int>> out;
+    if (report.is_discarded()) return out;
+    for (const auto& output : report["outputs"]) out.push_back(output["tokens"]);
+    return out;
+  };
+  for (const std::string device : {"cpu", "cuda"}) {
+    EXPECT_FALSE(turn(device, "--session", "Once upon a time").empty()) << device;
+  }
+  const auto cpu = turn("cpu", "--resume", " and then the dog");
+  const auto cuda = turn("cuda", "--resume", " and then the dog");
+  ASSERT_FALSE(cpu.empty());
+  EXPECT_EQ(cuda, cpu);
+}
+
 // Prompts of different lengths (left padding), and two that share a prefix of whole 4-token
 // blocks.
 const std::vector<std::string> kMixedPrompts = {
