@@ -123,10 +123,14 @@ class Generator {
     Matrix m;
     if (name.ends_with("embed_tokens.weight")) {
       m = gaussian(normal, rows, cols, o_.embed_std);
-      for (size_t i = 0; i < outliers_.size(); ++i) {
+      // The outlier and sink channels are the residual stream's (D wide). A projected embedding
+      // (E != D columns, OPT-350m) is not in the stream's channels: its stream gets its outliers
+      // from the layers' fc2 biases only.
+      const bool in_stream = cols == c_.hidden_size;
+      for (size_t i = 0; in_stream && i < outliers_.size(); ++i) {
         m.col(outliers_[i]).array() += o_.outlier_ratio * stream_std_[0] * outlier_signs_[i];
       }
-      if (sink_channel_ >= 0) {
+      if (in_stream && sink_channel_ >= 0) {
         m.col(sink_channel_).setZero();
         m(c_.bos_token_id, sink_channel_) = o_.outlier_ratio * stream_std_[0];
       }
