@@ -279,12 +279,12 @@ size_t kv_pool_bytes(const MemoryRequest& r, int64_t positions) {
 }
 
 size_t MemoryPlan::device_total() const {
-  return saturating_sum(
-      {device_weights, device_weight_staging, device_kv, device_activations, device_scratch});
+  return saturating_sum({device_weights, device_weight_staging, device_kv, device_activations,
+                         device_scratch, device_gather});
 }
 
 size_t MemoryPlan::host_total() const {
-  return saturating_sum({host_weights, host_kv_pool});
+  return saturating_sum({host_weights, host_kv_pool, host_gather});
 }
 
 std::string MemoryPlan::describe() const {
@@ -300,6 +300,7 @@ std::string MemoryPlan::describe() const {
   row("KV cache", human(device_kv), human(host_kv_pool));
   row("activations", human(device_activations), "-");
   if (device_scratch > 0) row("GEMM scratch", human(device_scratch), "-");
+  if (device_gather > 0) row("host gather", human(device_gather), human(host_gather));
   row("total", human(device_total()), human(host_total()));
   return text;
 }
@@ -359,6 +360,13 @@ MemoryPlan compute_memory_plan(const MemoryRequest& r) {
     plan.device_scratch =
         saturating_sum({c.dtype == DType::F32 ? size_t{0} : saturating_product({B, n, widest, 2}),
                         kCublasWorkspaceBytes});
+    // The host gather lands each way's largest transfer, a layer's K and V at every position (a
+    // pool's store reserves it: OffloadedKv), on the device and in pinned staging: two layers'
+    // staging in all.
+    if (r.options.gather == GatherMode::Host && kv.host > 0) {
+      plan.device_gather = kv_staging_bytes(r, request_positions(r));
+      plan.host_gather = plan.device_gather;
+    }
   }
   return plan;
 }

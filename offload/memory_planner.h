@@ -37,9 +37,9 @@ struct MemoryRequest {
   // Device and host memory are one RAM (the CPU backend): the device part counts against
   // host_capacity too.
   bool shared_memory = false;
-  // The CUDA backend's GEMM scratch: cuBLAS multiplies 16-bit weights by a 16-bit copy of the
-  // fp32 input (made in stream order, so the allocator's pool keeps the largest one), plus the
-  // cuBLAS workspace.
+  // The CUDA backend's scratch: cuBLAS multiplies 16-bit weights by a 16-bit copy of the fp32
+  // input (the compute stream's persistent GEMM scratch, ops::cuda_linear_scratch_bytes of the
+  // widest prefill input), plus the cuBLAS workspace; and the host gather's buffers.
   bool gemm_scratch = false;
   // Bytes of host memory that can be pinned: the plan's host part (weights streamed from the host,
   // the KV pool) must fit in it as well. Unlimited unless a run could pin less than its plan
@@ -57,6 +57,10 @@ struct MemoryPlan {
   size_t device_kv = 0;
   size_t device_activations = 0;
   size_t device_scratch = 0;  // the CUDA backend's GEMM scratch (MemoryRequest::gemm_scratch)
+  // The CUDA host gather's buffers (--gather host): a device landing and a pinned staging as large
+  // as the largest transfer each way (offload/transfer_engine.h).
+  size_t device_gather = 0;
+  size_t host_gather = 0;
   size_t host_weights = 0;
   size_t host_kv_pool = 0;
   size_t device_total() const;

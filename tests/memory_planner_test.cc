@@ -237,6 +237,17 @@ TEST(MemoryPlanner, Opt13bByteCountsMatchTheFormulas) {
   EXPECT_EQ(with_scratch.device_scratch, size_t{20} * 1920 * 20480 * 2 + (size_t{32} << 20));
   EXPECT_EQ(with_scratch.device_total(), plan.device_total() + with_scratch.device_scratch);
   EXPECT_NE(with_scratch.describe().find("GEMM scratch"), std::string::npos);
+  EXPECT_EQ(with_scratch.device_gather, 0u);  // the device gather needs only its lists
+
+  // The host gather lands each way's largest transfer (a layer's K and V at 2048 positions) on
+  // the device and in pinned staging: as much as the double-buffered staging again, each side.
+  cuda.options.gather = GatherMode::Host;
+  const MemoryPlan host_gather = compute_memory_plan(cuda);
+  EXPECT_EQ(host_gather.device_gather, 1677721600u);
+  EXPECT_EQ(host_gather.host_gather, 1677721600u);
+  EXPECT_EQ(host_gather.device_total(), with_scratch.device_total() + 1677721600u);
+  EXPECT_EQ(host_gather.host_total(), plan.host_total() + 1677721600u);
+  EXPECT_NE(host_gather.describe().find("host gather"), std::string::npos);
 }
 
 TEST(MemoryPlanner, GpuPolicyNeedsTheWholeKvOnTheDevice) {
