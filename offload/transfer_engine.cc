@@ -3,10 +3,11 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstddef>
-#include <memory>
 #include <cmath>
+#include <cstddef>
 #include <cstring>
+#include <memory>
+#include <string>
 #include <thread>
 #include <utility>
 
@@ -120,6 +121,11 @@ bool check_engine(Device device, const LinkEmulation& link) {
                   "link emulation: latency ", link.latency_us, " us is not a non-negative number");
   if (device != Device::Cuda || dry_run()) return false;
   if (!cuda_compiled()) throw_cuda_not_compiled();
+  if (cuda_devices().empty()) {
+    const std::string why = cuda_discovery_error();
+    fail("the transfer engine needs a CUDA device: ",
+         why.empty() ? "none is available on this machine" : why);
+  }
   INFINIGEN_CHECK(link.gbps == 0.0 && link.latency_us == 0.0, option("emulate_link_gbps"), " and ",
                   option("emulate_link_latency_us"),
                   " emulate a link on the CPU backend; a CUDA device has a real one");
