@@ -10,6 +10,7 @@ double StepStats::hidden_load_seconds() const {
 }
 
 void OffloadStats::begin_step(int64_t num_layers, const TransferCounters& counters) {
+  settle_transfers(counters);
   steps_.emplace_back();
   steps_.back().layers.resize(static_cast<size_t>(num_layers));
   counters_at_start_ = counters;
@@ -23,9 +24,15 @@ void OffloadStats::end_step(const TransferCounters& counters) {
   StepStats& step = steps_.back();
   step.allocations = made.allocs();
   step.frees = made.frees();
+  step.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  settle_transfers(counters);
+}
+
+void OffloadStats::settle_transfers(const TransferCounters& counters) {
+  if (steps_.empty()) return;
+  StepStats& step = steps_.back();
   step.load_busy_seconds = counters.h2d_busy_seconds - counters_at_start_.h2d_busy_seconds;
   step.store_busy_seconds = counters.d2h_busy_seconds - counters_at_start_.d2h_busy_seconds;
-  step.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
 }
 
 }  // namespace infinigen

@@ -40,10 +40,17 @@ struct StepStats {
 // Everything a run measured: steps[0] is the prefill, then one entry per decode step.
 class OffloadStats {
  public:
-  // Opens a step; `counters` are the transfer engine's totals now.
+  // Opens a step; `counters` are the transfer engine's totals now. The previous step's stream
+  // busy time is settled first (settle_transfers).
   void begin_step(int64_t num_layers, const TransferCounters& counters);
-  // Closes it: wall time, stream busy time, and allocations and frees since begin_step.
+  // Closes it: wall time, allocations and frees since begin_step, and the stream busy time of
+  // the transfers that have completed by now.
   void end_step(const TransferCounters& counters);
+  // Gives the last step the busy time of every transfer that completed since it began. The host
+  // closes a step once it has enqueued the step's work, on CUDA well before the device has run
+  // it: the transfers that complete after end_step belong to the step all the same. Called when
+  // the next step opens and once at the end of the run (after the transfers have completed).
+  void settle_transfers(const TransferCounters& counters);
   StepStats& current() { return steps_.back(); }
   const std::vector<StepStats>& steps() const { return steps_; }
 

@@ -142,6 +142,7 @@ void generate_offloaded(const ModelSource& source, const GenerationRequest& requ
   engine.synchronize();
   engine.settle_stalls();
   run.totals = engine.counters();
+  run.stats.settle_transfers(run.totals);
 }
 
 // The memory request of `request` (checked against the model first): its rows per sequence are

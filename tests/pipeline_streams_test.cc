@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "core/device.h"
@@ -113,16 +114,19 @@ TEST(PipelineStreams, ComputeWaitsAreDeviceSideAndTheirStallIsSettled) {
   EXPECT_GT(counters.h2d_busy_seconds, 0.0);  // from the device's events around the copy
 }
 
-// Gathers of many small chunks, each way, in both modes: rows of 256 bytes (the 16-byte path of
-// the gather kernel) and of 100 bytes (its byte path), scattered over a pinned "pool" in a
-// shuffled order, into or out of a device buffer.
+// Gathers of many small chunks, each way, in both modes, scattered over a pinned "pool" in a
+// shuffled order, into or out of a device buffer. Every path of the gather kernel: rows of 64,
+// 256 and 512 bytes (16-byte words, several rows per warp-wide pass), of 48 (16-byte words, a
+// row at a time), of 100 (bytes) and of 4 KiB + 16 (16-byte words, several per lane in flight);
+// 3000 pieces leave a last group of fewer than 32.
 class PipelineGather : public ::testing::TestWithParam<GatherMode> {};
 
 TEST_P(PipelineGather, ManySmallChunksLandInPlaceBothWays) {
   INFINIGEN_SKIP_WITHOUT_CUDA_DEVICE();
   TransferEngine engine(Device::Cuda, {}, GetParam());
   const CudaStreamScope compute(engine.compute_stream().cuda_handle());
-  for (const size_t row : {size_t{256}, size_t{100}}) {
+  for (const size_t row : {size_t{256}, size_t{64}, size_t{512}, size_t{48}, size_t{100},
+                           size_t{4096 + 16}}) {
     constexpr size_t kPieces = 3000;
     const size_t bytes = kPieces * row;
     auto* pool = static_cast<uint8_t*>(pinned_alloc(2 * bytes, "a test pool"));
@@ -140,6 +144,14 @@ TEST_P(PipelineGather, ManySmallChunksLandInPlaceBothWays) {
     }
     const EventPtr loaded = engine.load(loads, nullptr, {"kv_load", 0});
     engine.compute_waits(loaded, {});
+    // The load on its own (a fault of the load that the store undid would cancel out below).
+    std::vector<uint8_t> landed(bytes);
+    device_copy(landed.data(), Device::Cpu, device, Device::Cuda, bytes);
+    for (size_t i = 0; i < kPieces; ++i) {
+      const size_t from = 2 * ((i * 1237) % kPieces) + 1;
+      ASSERT_EQ(std::memcmp(landed.data() + i * row, pool + from * row, row), 0)
+          << "piece " << i << " with rows of " << row;
+    }
     const EventPtr stored = engine.store(stores, nullptr, {"kv_store", 0});
     stored->wait();
     for (size_t i = 0; i < 2 * bytes; ++i) {

@@ -1,40 +1,119 @@
-// kernels/cuda: the gather kernel, one block per copied piece.
+// kernels/cuda: the gather kernel: many pieces, one launch, a small persistent grid.
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/gather.h"
 
 namespace infinigen::kernels::cuda {
 namespace {
 
-constexpr int kThreads = 256;
+using detail::kFullMask;
+using detail::kWarpSize;
 
-// Block i copies items i, i + gridDim.x, ...; its threads stride over the item's 16-byte words
-// (consecutive threads, consecutive words: each warp reads 512 contiguous bytes), or its bytes
-// when the item is not 16-byte aligned.
+constexpr int kThreads = 512;
+constexpr int kUnroll = 4;  // 16-byte words each lane has in flight before it stores
+
+// A warp copies `words` 16-byte words from `from` to `to`, kUnroll words per lane in flight.
+__device__ __forceinline__ void copy_words(uint4* to, const uint4* from, uint64_t words,
+                                           int lane) {
+  uint64_t w = lane;
+  for (; w + (kUnroll - 1) * kWarpSize < words; w += kUnroll * kWarpSize) {
+    uint4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = from[w + u * kWarpSize];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) to[w + u * kWarpSize] = v[u];
+  }
+  for (; w < words; w += kWarpSize) to[w] = from[w];
+}
+
+// Each warp takes 32 consecutive items at a time (lane i reads item i's descriptor: one coalesced
+// read, a single trip over the link when the list is in mapped host memory), then copies them:
+// - when the 32 are aligned and of one size s of at most 512 bytes dividing 512 (KV rows: 256
+//   bytes for head_dim 128 in fp16), as one flat run of words, 512 / s items per warp-wide pass
+//   and kUnroll passes in flight;
+// - otherwise one item after another, the warp striding over its words (or bytes, unaligned).
+// Warps stride over the list, so the grid can be much smaller than the list: it occupies only
+// `gridDim.x` blocks' worth of multiprocessors, and kernels running beside it keep the rest.
 __global__ void copy_items_kernel(const CopyItem* items, int64_t count) {
-  for (int64_t i = blockIdx.x; i < count; i += gridDim.x) {
-    const CopyItem item = items[i];
-    const auto dst = reinterpret_cast<uintptr_t>(item.dst);
-    const auto src = reinterpret_cast<uintptr_t>(item.src);
-    if (((dst | src | item.bytes) & 15) == 0) {
-      const uint64_t words = item.bytes / 16;
-      uint4* to = static_cast<uint4*>(item.dst);
-      const uint4* from = static_cast<const uint4*>(item.src);
-      for (uint64_t w = threadIdx.x; w < words; w += blockDim.x) to[w] = from[w];
-    } else {
-      char* to = static_cast<char*>(item.dst);
-      const char* from = static_cast<const char*>(item.src);
-      for (uint64_t b = threadIdx.x; b < item.bytes; b += blockDim.x) to[b] = from[b];
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  const int64_t warp =
+      (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / kWarpSize;
+  for (int64_t base = warp * kWarpSize; base < count; base += warps * kWarpSize) {
+    CopyItem mine{nullptr, nullptr, 0};
+    if (base + lane < count) mine = items[base + lane];
+    const int n = static_cast<int>(count - base < kWarpSize ? count - base : kWarpSize);
+    const auto dst_bits = reinterpret_cast<unsigned long long>(mine.dst);
+    const auto src_bits = reinterpret_cast<unsigned long long>(mine.src);
+    const unsigned long long size = mine.bytes;
+    const unsigned long long first_size = __shfl_sync(kFullMask, size, 0);
+    const bool fits = lane >= n || (size == first_size && ((dst_bits | src_bits) & 15) == 0);
+    const bool uniform = __all_sync(kFullMask, fits) && first_size % 16 == 0 &&
+                         first_size != 0 && first_size <= 512 && 512 % first_size == 0;
+    if (uniform) {
+      // Lane l copies word (l % per_item) of item (pass * per_pass + l / per_item).
+      const int per_item = static_cast<int>(first_size / 16);
+      const int per_pass = kWarpSize / per_item;
+      const int slot = lane / per_item, word = lane % per_item;
+      const int passes = (n + per_pass - 1) / per_pass;
+      for (int pass = 0; pass < passes; pass += kUnroll) {
+        uint4 v[kUnroll];
+        uint4* to[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int item = (pass + u) * per_pass + slot;
+          const int source = item < n ? item : 0;
+          const auto d = __shfl_sync(kFullMask, dst_bits, source);
+          const auto s = __shfl_sync(kFullMask, src_bits, source);
+          to[u] = item < n ? reinterpret_cast<uint4*>(d) + word : nullptr;
+          if (to[u] != nullptr) v[u] = reinterpret_cast<const uint4*>(s)[word];
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          if (to[u] != nullptr) *to[u] = v[u];
+        }
+      }
+      continue;
+    }
+    for (int k = 0; k < n; ++k) {
+      const auto d = __shfl_sync(kFullMask, dst_bits, k);
+      const auto s = __shfl_sync(kFullMask, src_bits, k);
+      const auto bytes = __shfl_sync(kFullMask, size, k);
+      if (((d | s | bytes) & 15) == 0) {
+        copy_words(reinterpret_cast<uint4*>(d), reinterpret_cast<const uint4*>(s), bytes / 16,
+                   lane);
+      } else {
+        char* to = reinterpret_cast<char*>(d);
+        const char* from = reinterpret_cast<const char*>(s);
+        for (uint64_t b = lane; b < bytes; b += kWarpSize) to[b] = from[b];
+      }
     }
   }
 }
 
+// The default grid: an eighth of the multiprocessors (at least 2 blocks), enough warps to keep a
+// PCIe 4/5 link's reads in flight while the layer's compute keeps the other seven eighths.
+int default_blocks() {
+  static const int blocks = [] {
+    int device = 0;
+    cudaDeviceProp prop{};
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaGetDeviceProperties(&prop, device) != cudaSuccess) {
+      return 8;
+    }
+    return prop.multiProcessorCount / 8 > 2 ? prop.multiProcessorCount / 8 : 2;
+  }();
+  return blocks;
+}
+
 }  // namespace
 
-int copy_items(const CopyItem* items, int64_t count, void* stream) {
+int copy_items(const CopyItem* items, int64_t count, void* stream, int blocks) {
   if (count <= 0) return cudaSuccess;
-  INFINIGEN_LAUNCH(detail::grid_stride_blocks(count, 1), kThreads, 0, detail::as_stream(stream),
-                   copy_items_kernel)
-  (items, count);
+  if (blocks <= 0) blocks = default_blocks();
+  const int64_t needed = (count + kThreads / kWarpSize * kWarpSize - 1) /
+                         (kThreads / kWarpSize * kWarpSize);  // 32 items per warp at least
+  const unsigned grid = static_cast<unsigned>(needed < blocks ? needed : blocks);
+  INFINIGEN_LAUNCH(grid, kThreads, 0, detail::as_stream(stream), copy_items_kernel)(items, count);
   return cudaGetLastError();
 }
 
