@@ -161,7 +161,6 @@ void link_pinned(benchmark::State& state, bool to_device) {
   state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * bytes));
 }
 
-
 // The device reading mapped pinned memory itself: one kernel copying 64 KiB pieces (the device
 // gather's path, with pieces large enough that the rows' size does not matter).
 void link_mapped(benchmark::State& state) {
@@ -172,7 +171,8 @@ void link_mapped(benchmark::State& state) {
   const size_t count = bytes / piece;
   PinnedBuffer list(count * sizeof(cuda_stream::Piece));
   auto* pieces = reinterpret_cast<cuda_stream::Piece*>(list.data);
-  for (size_t i = 0; i < count; ++i) pieces[i] = {device.data + i * piece, host.data + i * piece, piece};
+  for (size_t i = 0; i < count; ++i)
+    pieces[i] = {device.data + i * piece, host.data + i * piece, piece};
   void* stream = cuda_stream::create_stream();
   {
     StreamTimer timer(stream);
@@ -207,7 +207,8 @@ struct KeyLayer {
     std::vector<int32_t> positions(static_cast<size_t>(s.context));
     std::vector<const char*> rows;
     for (int64_t sh = 0; sh < s.batch * s.heads; ++sh) {
-      for (int64_t t = 0; t < s.context; ++t) positions[static_cast<size_t>(t)] = static_cast<int32_t>(t);
+      for (int64_t t = 0; t < s.context; ++t)
+        positions[static_cast<size_t>(t)] = static_cast<int32_t>(t);
       std::shuffle(positions.begin(), positions.end(), rng);
       std::sort(positions.begin(), positions.begin() + picked);
       for (int64_t i = 0; i < picked; ++i) {
@@ -258,7 +259,6 @@ void gather(benchmark::State& state, GatherKind kind) {
   state.counters["rows"] = static_cast<double>(selected.size());
   state.counters["host_ms"] = 1e3 * host_seconds / static_cast<double>(state.iterations());
 }
-
 
 // The gather kernel alone (kernels/cuda/gather.h), its list prepared in mapped pinned memory, on
 // grids of state.range(1) blocks: `rows`, 10% of the keys' 256-byte rows (InfiniGen's load);
@@ -342,11 +342,11 @@ void compute_beside_gather(benchmark::State& state) {
     alone = solo[solo.size() / 2];
     for (auto _ : state) {
       // The gather first, so that it holds its multiprocessors when the GEMMs arrive.
-      INFINIGEN_CHECK(kernels::cuda::copy_items(
-                          reinterpret_cast<const kernels::cuda::CopyItem*>(mapped),
-                          static_cast<int64_t>(rows.size()), load,
-                          static_cast<int>(state.range(0))) == 0,
-                      "gather kernel launch failed");
+      INFINIGEN_CHECK(
+          kernels::cuda::copy_items(reinterpret_cast<const kernels::cuda::CopyItem*>(mapped),
+                                    static_cast<int64_t>(rows.size()), load,
+                                    static_cast<int>(state.range(0))) == 0,
+          "gather kernel launch failed");
       timer.start();
       for (int repeat = 0; repeat < 8; ++repeat) layer_gemms();
       state.SetIterationTime(timer.stop());
@@ -361,10 +361,8 @@ void compute_beside_gather(benchmark::State& state) {
 
 // ---- ops at OPT-13B shapes ----
 
-
 // Times `op` on a stream of its own: device time per call, the median of the repetitions.
-void time_op(benchmark::State& state, const std::function<void()>& op, double flops,
-             double bytes) {
+void time_op(benchmark::State& state, const std::function<void()>& op, double flops, double bytes) {
   void* stream = cuda_stream::create_stream();
   {
     CudaStreamScope scope(stream);
@@ -393,9 +391,9 @@ void linear_op(benchmark::State& state, int n_out_of_ffn, bool prefill) {
   Tensor w = random_tensor({N, K}, DType::F16, 6);
   Tensor bias = random_tensor({N}, DType::F32, 7);
   Tensor y = Tensor::empty({rows, N}, DType::F32, Device::Cuda);
-  time_op(state, [&] { ops::linear(x, w, bias, y, n_out_of_ffn == 1); },
-          2.0 * static_cast<double>(rows * N * K),
-          static_cast<double>(N * K * 2 + rows * (K + N) * 4));
+  time_op(
+      state, [&] { ops::linear(x, w, bias, y, n_out_of_ffn == 1); },
+      2.0 * static_cast<double>(rows * N * K), static_cast<double>(N * K * 2 + rows * (K + N) * 4));
 }
 
 void layer_norm_op(benchmark::State& state, bool prefill) {
@@ -405,8 +403,9 @@ void layer_norm_op(benchmark::State& state, bool prefill) {
   Tensor gamma = random_tensor({s.d_model}, DType::F32, 9);
   Tensor beta = random_tensor({s.d_model}, DType::F32, 10);
   Tensor y = Tensor::empty({rows, s.d_model}, DType::F32, Device::Cuda);
-  time_op(state, [&] { ops::layer_norm(x, gamma, beta, 1e-5f, y); }, 8.0 * rows * s.d_model,
-          8.0 * rows * s.d_model);
+  time_op(
+      state, [&] { ops::layer_norm(x, gamma, beta, 1e-5f, y); }, 8.0 * rows * s.d_model,
+      8.0 * rows * s.d_model);
 }
 
 void attention_decode_op(benchmark::State& state) {
@@ -417,8 +416,9 @@ void attention_decode_op(benchmark::State& state) {
   Tensor out = Tensor::empty({s.batch, s.heads * s.head_dim}, DType::F32, Device::Cuda);
   const std::vector<int32_t> first_valid(static_cast<size_t>(s.batch), 0);
   const double kv_bytes = 2.0 * static_cast<double>(k.nbytes());
-  time_op(state, [&] { ops::attention_decode(q, k, v, out, s.context, first_valid); },
-          4.0 * static_cast<double>(s.batch * s.heads * s.context * s.head_dim), kv_bytes);
+  time_op(
+      state, [&] { ops::attention_decode(q, k, v, out, s.context, first_valid); },
+      4.0 * static_cast<double>(s.batch * s.heads * s.context * s.head_dim), kv_bytes);
 }
 
 void attention_prefill_op(benchmark::State& state) {
@@ -432,30 +432,33 @@ void attention_prefill_op(benchmark::State& state) {
   // causal: about half of the n^2 score matrix, QK^T and PV
   const double flops = 2.0 * static_cast<double>(s.batch * s.heads * s.head_dim) *
                        static_cast<double>(s.prefill_tokens * s.prefill_tokens);
-  time_op(state, [&] { ops::attention_prefill(q, k, v, out, s.batch, s.heads, first_valid); },
-          flops, 16.0 * static_cast<double>(rows * width));
+  time_op(
+      state, [&] { ops::attention_prefill(q, k, v, out, s.batch, s.heads, first_valid); }, flops,
+      16.0 * static_cast<double>(rows * width));
 }
 
 void cache_store_op(benchmark::State& state) {
   const Opt13b s = shapes();
   Tensor rows = random_tensor({s.batch, s.heads * s.head_dim}, DType::F32, 17);
   Tensor cache = random_tensor({s.batch, s.heads, s.context, s.head_dim}, DType::F16, 18);
-  time_op(state, [&] { ops::cache_store(rows, cache, s.context - 1); }, 0.0,
-          6.0 * static_cast<double>(rows.numel()));
+  time_op(
+      state, [&] { ops::cache_store(rows, cache, s.context - 1); }, 0.0,
+      6.0 * static_cast<double>(rows.numel()));
 }
-
 
 // Registers `run` under `name`; an engine error ends that benchmark with its message, not the
 // program.
 benchmark::internal::Benchmark* add(const std::string& name,
                                     std::function<void(benchmark::State&)> run) {
-  return benchmark::RegisterBenchmark(name.c_str(), [run](benchmark::State& state) {
-           try {
-             run(state);
-           } catch (const std::exception& e) {
-             state.SkipWithError(e.what());
-           }
-         })->UseManualTime();
+  return benchmark::RegisterBenchmark(name.c_str(),
+                                      [run](benchmark::State& state) {
+                                        try {
+                                          run(state);
+                                        } catch (const std::exception& e) {
+                                          state.SkipWithError(e.what());
+                                        }
+                                      })
+      ->UseManualTime();
 }
 
 void register_benchmarks() {
@@ -477,10 +480,14 @@ void register_benchmarks() {
     }
   }
   for (int blocks : {4, 8, 16, 33, 66, 132, 264, 1056}) {
-    add("GatherKernel/rows", [](auto& s) { gather_kernel(s, true); })->Arg(blocks)->Unit(kMillisecond);
+    add("GatherKernel/rows", [](auto& s) { gather_kernel(s, true); })
+        ->Arg(blocks)
+        ->Unit(kMillisecond);
   }
   for (int blocks : {8, 16, 33, 132, 1056}) {
-    add("GatherKernel/blocks", [](auto& s) { gather_kernel(s, false); })->Arg(blocks)->Unit(kMillisecond);
+    add("GatherKernel/blocks", [](auto& s) { gather_kernel(s, false); })
+        ->Arg(blocks)
+        ->Unit(kMillisecond);
   }
   for (int blocks : {0, 8, 16, 33, 66, 132, 1056}) {
     add("ComputeBesideGather", compute_beside_gather)->Arg(blocks)->Unit(kMicrosecond);
@@ -489,10 +496,13 @@ void register_benchmarks() {
   for (bool prefill : {false, true}) {
     const std::string phase = prefill ? "prefill/" : "decode/";
     for (int which = 0; which < 3; ++which) {
-      add("Op/linear/" + phase + linears[which],
-          [=](auto& s) { linear_op(s, which, prefill); })->Unit(kMicrosecond);
+      add("Op/linear/" + phase + linears[which], [=](auto& s) {
+        linear_op(s, which, prefill);
+      })->Unit(kMicrosecond);
     }
-    add("Op/layer_norm/" + phase.substr(0, phase.size() - 1), [=](auto& s) { layer_norm_op(s, prefill); })->Unit(kMicrosecond);
+    add("Op/layer_norm/" + phase.substr(0, phase.size() - 1), [=](auto& s) {
+      layer_norm_op(s, prefill);
+    })->Unit(kMicrosecond);
   }
   add("Op/attention/decode", attention_decode_op)->Unit(kMicrosecond);
   add("Op/attention/prefill", attention_prefill_op)->Unit(kMicrosecond);

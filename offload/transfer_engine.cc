@@ -45,7 +45,7 @@ static_assert(sizeof(CopyChunk) == sizeof(cuda_stream::Piece) &&
 constexpr size_t kDirectCopyChunks = 8;
 constexpr uint64_t kDirectCopyBytes = uint64_t{1} << 16;
 
-// A gather on its way: what the host functions of its stream (cuda_stream::host_func) need,
+// A host gather on its way: what the host functions of its stream (cuda_stream::host_func) need,
 // freed by the last one.
 struct GatherJob {
   std::vector<CopyChunk> chunks;
@@ -53,13 +53,6 @@ struct GatherJob {
   char* packed;       // GatherMode::Host
   char* landing;
 };
-
-// The gather list of GatherMode::Device: the chunks as they are.
-void list_chunks(void* data) {
-  auto* job = static_cast<GatherJob*>(data);
-  std::copy(job->chunks.begin(), job->chunks.end(), job->pieces);
-  delete job;
-}
 
 // GatherMode::Host, a load: the chunks packed back to back in pinned staging (host threads), and
 // the list that places them from the landing buffer.
@@ -174,8 +167,10 @@ void TransferEngine::grow_gather(GatherBuffers& buffers, Stream& stream, size_t 
     pinned_free(buffers.pieces);
     buffers.pieces = nullptr;
     buffers.piece_capacity = 0;
+    buffers.list_read = {};
     buffers.pieces = static_cast<CopyChunk*>(
-        pinned_alloc(capacity * sizeof(CopyChunk), "a gather list of the transfer engine"));
+        pinned_alloc(GatherBuffers::kListSlots * capacity * sizeof(CopyChunk),
+                     "the transfer engine's gather lists"));
     buffers.piece_capacity = capacity;
   }
   if (packs && bytes > buffers.byte_capacity) {
@@ -192,19 +187,25 @@ void TransferEngine::grow_gather(GatherBuffers& buffers, Stream& stream, size_t 
 }
 
 void TransferEngine::enqueue_gather(Stream& stream, GatherBuffers& buffers,
-                                    std::vector<CopyChunk> chunks, uint64_t bytes,
-                                    bool to_device) {
+                                    std::vector<CopyChunk> chunks, uint64_t bytes, bool to_device) {
   grow_gather(buffers, stream, chunks.size(), bytes);
   void* handle = stream.cuda_handle();
   const size_t count = chunks.size();
-  auto job = std::make_unique<GatherJob>(
-      GatherJob{std::move(chunks), buffers.pieces, buffers.packed, buffers.landing});
   if (gather_ == GatherMode::Device) {
-    cuda_stream::host_func(handle, list_chunks, job.release());
-    cuda_stream::copy_pieces(reinterpret_cast<const cuda_stream::Piece*>(buffers.pieces), count,
-                             handle);
+    // The list holds addresses only: written now, it is read by a kernel that the stream runs
+    // after everything this transfer depends on.
+    const size_t slot = buffers.next_list++ % GatherBuffers::kListSlots;
+    if (buffers.list_read[slot]) buffers.list_read[slot]->wait();
+    CopyChunk* list = buffers.pieces + slot * buffers.piece_capacity;
+    std::copy(chunks.begin(), chunks.end(), list);
+    cuda_stream::copy_pieces(reinterpret_cast<const cuda_stream::Piece*>(list), count, handle);
+    buffers.list_read[slot] = stream.record();
     return;
   }
+  // The host gather packs rows that earlier transfers may still be writing: its host functions
+  // run in the stream's order.
+  auto job = std::make_unique<GatherJob>(
+      GatherJob{std::move(chunks), buffers.pieces, buffers.packed, buffers.landing});
   const auto* pieces = reinterpret_cast<const cuda_stream::Piece*>(buffers.pieces);
   if (to_device) {
     cuda_stream::host_func(handle, pack_load, job.release());
@@ -242,9 +243,9 @@ void TransferEngine::settle_stalls() {
     pending.reached->wait();
     pending.awaited->wait();
     if (pending.reached->cuda_event() == nullptr) continue;  // recorded on a failed stream
-    const double stalled =
-        std::max(0.0, cuda_stream::elapsed_seconds(pending.reached->cuda_event(),
-                                                    pending.awaited->cuda_event()));
+    const double stalled = std::max(
+        0.0,
+        cuda_stream::elapsed_seconds(pending.reached->cuda_event(), pending.awaited->cuda_event()));
     for (double* s : pending.stall) *s += stalled;
   }
   stalls_.clear();
@@ -294,10 +295,10 @@ void TransferEngine::settle_transfer_times() const {
       timed_[kept++] = std::move(t);
       continue;
     }
-    const double seconds = t.start->cuda_event() != nullptr && t.end->cuda_event() != nullptr
-                               ? cuda_stream::elapsed_seconds(t.start->cuda_event(),
-                                                              t.end->cuda_event())
-                               : 0.0;
+    const double seconds =
+        t.start->cuda_event() != nullptr && t.end->cuda_event() != nullptr
+            ? cuda_stream::elapsed_seconds(t.start->cuda_event(), t.end->cuda_event())
+            : 0.0;
     (t.to_device ? counters_.h2d_busy_seconds : counters_.d2h_busy_seconds) += seconds;
   }
   timed_.resize(kept);

@@ -20,6 +20,7 @@
 // recorded too. In a dry run nothing is copied and the events are complete at once.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -115,8 +116,15 @@ class TransferEngine {
 
   // The persistent buffers of one direction's CUDA gathers, used in that stream's order.
   struct GatherBuffers {
-    CopyChunk* pieces = nullptr;  // mapped pinned: the gather kernel's list
+    // Mapped pinned: the gather kernel's lists, kListSlots of piece_capacity pieces. The device
+    // gather's caller writes slot i (in turn) once the kernel that read it last has run
+    // (list_read[i]): no host function on the stream, which would hold the link idle while it
+    // wrote the list. The host gather's host functions use slot 0.
+    static constexpr size_t kListSlots = 4;
+    CopyChunk* pieces = nullptr;
     size_t piece_capacity = 0;
+    std::array<EventPtr, kListSlots> list_read;
+    size_t next_list = 0;
     char* packed = nullptr;   // pinned (GatherMode::Host): the chunks back to back
     char* landing = nullptr;  // device (GatherMode::Host): the packed bytes on the device
     size_t byte_capacity = 0;

@@ -53,9 +53,8 @@ TEST(PipelineStreams, ComputeReadsStagedRowsOnlyAfterTheirLoad) {
   Tensor staged = Tensor::empty({kRows, kWidth}, DType::F32, Device::Cuda);
   Tensor sum = Tensor::zeros({4, kWidth}, DType::F32, Device::Cuda);
 
-  const EventPtr loaded =
-      engine.load({{staged.raw(), host.data, sizeof(float) * kRows * kWidth}}, nullptr,
-                  {"kv_load", 0});
+  const EventPtr loaded = engine.load({{staged.raw(), host.data, sizeof(float) * kRows * kWidth}},
+                                      nullptr, {"kv_load", 0});
   std::vector<double*> no_stall;
   engine.compute_waits(loaded, no_stall);
   ops::add_inplace(sum, last_rows(staged, 4));  // the rows the copy writes last
@@ -82,9 +81,9 @@ TEST(PipelineStreams, StoreReadsWhatComputeWroteBeforeIt) {
   ops::add_inplace(rows, ones);
   const size_t row_bytes = sizeof(float) * kWidth;
   float* last_host_row = host.data + (kRows - 1) * kWidth;
-  const EventPtr stored = engine.store(
-      {{last_host_row, rows.data<float>() + (kRows - 1) * kWidth, row_bytes}}, nullptr,
-      {"kv_store", 0});
+  const EventPtr stored =
+      engine.store({{last_host_row, rows.data<float>() + (kRows - 1) * kWidth, row_bytes}}, nullptr,
+                   {"kv_store", 0});
   stored->wait();
   for (int64_t i = 0; i < kWidth; ++i) {
     ASSERT_EQ(last_host_row[i], 1.0f) << "element " << i << " stored before compute wrote it";
@@ -97,9 +96,8 @@ TEST(PipelineStreams, ComputeWaitsAreDeviceSideAndTheirStallIsSettled) {
   const CudaStreamScope compute(engine.compute_stream().cuda_handle());
   const PinnedRows host(1.0f);
   Tensor staged = Tensor::empty({kRows, kWidth}, DType::F32, Device::Cuda);
-  const EventPtr loaded =
-      engine.load({{staged.raw(), host.data, sizeof(float) * kRows * kWidth}}, nullptr,
-                  {"kv_load", 0});
+  const EventPtr loaded = engine.load({{staged.raw(), host.data, sizeof(float) * kRows * kWidth}},
+                                      nullptr, {"kv_load", 0});
   double stall = 0.0;
   engine.compute_waits(loaded, {&stall});
   // On CUDA the host does not wait: the stall is added once the events are complete.
@@ -125,8 +123,8 @@ TEST_P(PipelineGather, ManySmallChunksLandInPlaceBothWays) {
   INFINIGEN_SKIP_WITHOUT_CUDA_DEVICE();
   TransferEngine engine(Device::Cuda, {}, GetParam());
   const CudaStreamScope compute(engine.compute_stream().cuda_handle());
-  for (const size_t row : {size_t{256}, size_t{64}, size_t{512}, size_t{48}, size_t{100},
-                           size_t{4096 + 16}}) {
+  for (const size_t row :
+       {size_t{256}, size_t{64}, size_t{512}, size_t{48}, size_t{100}, size_t{4096 + 16}}) {
     constexpr size_t kPieces = 3000;
     const size_t bytes = kPieces * row;
     auto* pool = static_cast<uint8_t*>(pinned_alloc(2 * bytes, "a test pool"));
@@ -172,6 +170,43 @@ INSTANTIATE_TEST_SUITE_P(Modes, PipelineGather,
                          [](const auto& param_info) {
                            return param_info.param == GatherMode::Device ? "Device" : "Host";
                          });
+
+// More device gathers in flight than the engine has gather lists (it reuses one once the kernel
+// that read it has run): each lands its own rows. The first transfer is a large copy that the
+// gathers queue behind, so the host runs ahead of the device through every list.
+TEST(PipelineStreams, MoreGathersInFlightThanListsEachLandTheirRows) {
+  INFINIGEN_SKIP_WITHOUT_CUDA_DEVICE();
+  TransferEngine engine(Device::Cuda, {}, GatherMode::Device);
+  const CudaStreamScope compute(engine.compute_stream().cuda_handle());
+  constexpr size_t kRow = 256, kPerLoad = 200, kTransfers = 11, kBig = size_t{64} << 20;
+  auto* pool =
+      static_cast<uint8_t*>(pinned_alloc(kTransfers * kPerLoad * kRow + kBig, "a test pool"));
+  for (size_t i = 0; i < kTransfers * kPerLoad * kRow; ++i)
+    pool[i] = static_cast<uint8_t>(i * 13 + i / 509);
+  auto* device =
+      static_cast<uint8_t*>(device_alloc(Device::Cuda, kTransfers * kPerLoad * kRow + kBig));
+  engine.load({{device + kTransfers * kPerLoad * kRow, pool + kTransfers * kPerLoad * kRow, kBig}});
+  for (size_t t = 0; t < kTransfers; ++t) {
+    std::vector<CopyChunk> rows;
+    for (size_t r = 0; r < kPerLoad; ++r) {
+      const size_t from = t * kPerLoad + (r * 7) % kPerLoad;  // 7 is prime to 200
+      rows.push_back({device + (t * kPerLoad + r) * kRow, pool + from * kRow, kRow});
+    }
+    engine.load(std::move(rows));
+  }
+  engine.synchronize();
+  std::vector<uint8_t> landed(kTransfers * kPerLoad * kRow);
+  device_copy(landed.data(), Device::Cpu, device, Device::Cuda, landed.size());
+  for (size_t t = 0; t < kTransfers; ++t) {
+    for (size_t r = 0; r < kPerLoad; ++r) {
+      const size_t from = t * kPerLoad + (r * 7) % kPerLoad;
+      ASSERT_EQ(std::memcmp(landed.data() + (t * kPerLoad + r) * kRow, pool + from * kRow, kRow), 0)
+          << "transfer " << t << ", row " << r;
+    }
+  }
+  device_free(Device::Cuda, device);
+  pinned_free(pool);
+}
 
 TEST(PipelineStreams, LinkEmulationIsRefusedOnACudaDevice) {
   INFINIGEN_SKIP_WITHOUT_CUDA_DEVICE();

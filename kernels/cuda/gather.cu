@@ -12,8 +12,7 @@ constexpr int kThreads = 512;
 constexpr int kUnroll = 4;  // 16-byte words each lane has in flight before it stores
 
 // A warp copies `words` 16-byte words from `from` to `to`, kUnroll words per lane in flight.
-__device__ __forceinline__ void copy_words(uint4* to, const uint4* from, uint64_t words,
-                                           int lane) {
+__device__ __forceinline__ void copy_words(uint4* to, const uint4* from, uint64_t words, int lane) {
   uint64_t w = lane;
   for (; w + (kUnroll - 1) * kWarpSize < words; w += kUnroll * kWarpSize) {
     uint4 v[kUnroll];
@@ -35,8 +34,7 @@ __device__ __forceinline__ void copy_words(uint4* to, const uint4* from, uint64_
 // `gridDim.x` blocks' worth of multiprocessors, and kernels running beside it keep the rest.
 __global__ void copy_items_kernel(const CopyItem* items, int64_t count) {
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
-  const int64_t warp =
-      (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / kWarpSize;
   for (int64_t base = warp * kWarpSize; base < count; base += warps * kWarpSize) {
     CopyItem mine{nullptr, nullptr, 0};
@@ -47,8 +45,8 @@ __global__ void copy_items_kernel(const CopyItem* items, int64_t count) {
     const unsigned long long size = mine.bytes;
     const unsigned long long first_size = __shfl_sync(kFullMask, size, 0);
     const bool fits = lane >= n || (size == first_size && ((dst_bits | src_bits) & 15) == 0);
-    const bool uniform = __all_sync(kFullMask, fits) && first_size % 16 == 0 &&
-                         first_size != 0 && first_size <= 512 && 512 % first_size == 0;
+    const bool uniform = __all_sync(kFullMask, fits) && first_size % 16 == 0 && first_size != 0 &&
+                         first_size <= 512 && 512 % first_size == 0;
     if (uniform) {
       // Lane l copies word (l % per_item) of item (pass * per_pass + l / per_item).
       const int per_item = static_cast<int>(first_size / 16);
@@ -90,26 +88,17 @@ __global__ void copy_items_kernel(const CopyItem* items, int64_t count) {
   }
 }
 
-// The default grid: an eighth of the multiprocessors (at least 2 blocks), enough warps to keep a
-// PCIe 4/5 link's reads in flight while the layer's compute keeps the other seven eighths.
-int default_blocks() {
-  static const int blocks = [] {
-    int device = 0;
-    cudaDeviceProp prop{};
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaGetDeviceProperties(&prop, device) != cudaSuccess) {
-      return 8;
-    }
-    return prop.multiProcessorCount / 8 > 2 ? prop.multiProcessorCount / 8 : 2;
-  }();
-  return blocks;
-}
+// The default grid. The link, not the GPU, sets how many reads must be in flight: on an H200 with
+// PCIe 5 (docs/gpu.md), 8 blocks of 512 threads gathered 256-byte rows at 46 GB/s, as fast as
+// 1056 blocks, and slowed a decode layer's GEMMs running beside them by 13% where a grid of
+// every multiprocessor slowed them by 43%.
+constexpr int kDefaultBlocks = 8;
 
 }  // namespace
 
 int copy_items(const CopyItem* items, int64_t count, void* stream, int blocks) {
   if (count <= 0) return cudaSuccess;
-  if (blocks <= 0) blocks = default_blocks();
+  if (blocks <= 0) blocks = kDefaultBlocks;
   const int64_t needed = (count + kThreads / kWarpSize * kWarpSize - 1) /
                          (kThreads / kWarpSize * kWarpSize);  // 32 items per warp at least
   const unsigned grid = static_cast<unsigned>(needed < blocks ? needed : blocks);

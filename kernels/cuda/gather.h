@@ -17,8 +17,8 @@ struct CopyItem {
 // Copies every item of `items` (count of them, in device-readable memory: device or mapped
 // pinned) with one kernel on `stream`: a warp per item (half or less of one for rows of 256 bytes
 // and less), 16 bytes per lane when an item's addresses and size allow it. Items must not
-// overlap. The grid is `blocks` blocks (0: an eighth of the multiprocessors), whatever `count`:
-// a gather beside the layer's compute leaves it most of the device.
+// overlap. The grid is `blocks` blocks (0: the default, 8), whatever `count`: a gather beside
+// the layer's compute leaves it most of the device.
 int copy_items(const CopyItem* items, int64_t count, void* stream, int blocks = 0);
 
 }  // namespace infinigen::kernels::cuda
