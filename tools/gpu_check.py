@@ -289,7 +289,38 @@ class Check:
                                                 if report else f"error: {row['error']}"))
                 # A policy the CUDA backend refuses is recorded, not a failure of the check.
                 ok = ok and (report is not None or "--device cuda" in row.get("error", ""))
-        self.step("runs", {"points": result}, ok)
+        predicted = {} if self.args.quick else self.predict()
+        for row in result:
+            batch = re.search(r" b(\d+) ", row["point"]).group(1)
+            row.update(predicted.get((batch, row["policy"]), {}))
+        self.step("runs", {"points": result, "profile": self.profile()}, ok)
+
+    def profile(self):
+        if self.args.profile != "auto":
+            return self.args.profile
+        gpu = self.results["steps"].get("env", {}).get("gpu", "")
+        for name, profile in (("H200", "h200-pcie5"), ("H100", "h100-pcie5"),
+                              ("A6000", "rtx-a6000-pcie3")):
+            if name in gpu:
+                return profile
+        return "h100-pcie5"
+
+    def predict(self):
+        """The cost model's decode step and prefill for configs/experiments/gpu-check.yaml."""
+        out = self.out / "predicted"
+        code, _, _ = run([str(self.bin / "infinigen"), "bench", "-e", "gpu-check", "--predict",
+                          self.profile(), "--no-measure", "--no-plot", "-o", str(out)],
+                         self.args.run_timeout, self.env, self.logs / "predict.log")
+        if code != 0 or not (out / "gpu-check.csv").exists():
+            return {}
+        import csv
+        predicted = {}
+        with open(out / "gpu-check.csv") as table:
+            for r in csv.DictReader(table):
+                predicted[(r["batch"], r["policy"])] = {
+                    "predicted_prefill_s": float(r["predicted_prefill_s"] or "nan"),
+                    "predicted_decode_step_ms": float(r["predicted_decode_step_ms"] or "nan")}
+        return predicted
 
     def write(self):
         (self.out / "results.json").write_text(json.dumps(self.results, indent=1))
@@ -359,14 +390,19 @@ def summary_markdown(results):
             lines.append(f"| {r['name']} | {t} | {r['GB/s']:.3g} | {tf} |")
     runs = results["steps"].get("runs")
     if runs:
-        lines += ["", "| point | policy | prefill s | decode ms/step | tok/s |",
-                  "| --- | --- | --- | --- | --- |"]
+        lines += ["", f"Predictions: the cost model with profile {runs.get('profile')}.", "",
+                  "| point | policy | prefill s | predicted | decode ms/step | predicted | tok/s |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
         for r in runs["points"]:
+            pp = r.get("predicted_prefill_s")
+            pd = r.get("predicted_decode_step_ms")
+            pp = f"{pp:.3f}" if pp is not None else ""
+            pd = f"{pd:.2f}" if pd is not None else ""
             if "decode_step_ms" in r:
-                lines.append(f"| {r['point']} | {r['policy']} | {r['prefill_latency_s']:.3f} | "
-                             f"{r['decode_step_ms']:.2f} | {r['throughput_tok_s']:.1f} |")
+                lines.append(f"| {r['point']} | {r['policy']} | {r['prefill_latency_s']:.3f} | {pp} "
+                             f"| {r['decode_step_ms']:.2f} | {pd} | {r['throughput_tok_s']:.1f} |")
             else:
-                lines.append(f"| {r['point']} | {r['policy']} | {r.get('error')} | | |")
+                lines.append(f"| {r['point']} | {r['policy']} | {r.get('error')} | {pp} | | {pd} | |")
     return "\n".join(lines) + "\n"
 
 
@@ -381,6 +417,8 @@ def main():
     parser.add_argument("--steps", default=",".join(STEPS),
                         help=f"comma-separated subset of {','.join(STEPS)}")
     parser.add_argument("--policies", default="gpu,full,int4,h2o,infinigen")
+    parser.add_argument("--profile", default="auto",
+                        help="hardware profile of the predictions (auto: from the GPU's name)")
     parser.add_argument("--points", default="fig14,fig16a",
                         help="throughput points: fig14 (batch 20), fig16a (batch 8)")
     parser.add_argument("--gen-len", type=int, default=16,
