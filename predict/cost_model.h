@@ -35,12 +35,13 @@ struct PredictedRun {
   bool fits = true;             // the memory plan fits profile.device_memory_bytes
   std::string does_not_fit;     // the planner's one-line reason when it does not
   double prefill_s = 0;         // prompt pass, LM head and the first token's sampling
+  double pin_s = 0;             // of which pinning the host KV pool (host_pin_bytes_per_s)
   double decode_s = 0;          // the remaining gen_len - 1 steps
   double throughput_tok_s = 0;  // B * gen_len / (prefill + decode), as the runtime reports it
   PredictedStep prefill;
   PredictedStep middle_decode_step;  // step max(1, gen_len / 2) (empty when gen_len = 1)
   double mean_h2d_bytes_per_decode_step = 0;
-  uint64_t host_kv_bytes = 0;  // the host KV pool at the end, as the runtime allocates it
+  uint64_t host_kv_bytes = 0;        // the host KV pool at the end, as the runtime allocates it
   std::vector<PredictedStep> steps;  // every step, steps[0] = prefill
 };
 

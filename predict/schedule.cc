@@ -106,7 +106,13 @@ Schedule run_schedule(const CostModelInput& in) {
   }
   const Trace trace = dry_run_trace(in.config, request, in.options, Device::Cpu,
                                     replays ? &in.fetched : nullptr, session ? &*session : nullptr);
-  return schedule_from_trace(trace);
+  Schedule schedule = schedule_from_trace(trace);
+  for (ScheduledOp& op : schedule.ops) {
+    if (op.op_class != OpClass::Transfer || op.row_bytes == 0) continue;
+    op.host_gather = in.options.gather == GatherMode::Host;
+    if (!op.host_gather) op.list_bytes = static_cast<double>(op.chunks) * sizeof(CopyChunk);
+  }
+  return schedule;
 }
 
 }  // namespace infinigen

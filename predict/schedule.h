@@ -71,6 +71,11 @@ struct ScheduledOp {
   double copy_bytes = 0;
   double row_bytes = 0;
   int64_t chunks = 0;
+  // How a CUDA transfer of scattered rows crosses (--gather): host threads pack the rows into
+  // pinned staging before one DMA (host_gather), or the gather kernel reads them over the link
+  // together with its list, list_bytes of descriptors (--gather device, the default).
+  bool host_gather = false;
+  double list_bytes = 0;
   std::vector<int32_t> deps;  // indices of ops that must finish first
 };
 

@@ -22,7 +22,9 @@ double host_copy_seconds(const ScheduledOp& op, const HardwareProfile& p) {
 }
 
 double link_seconds(const ScheduledOp& op, const HardwareProfile& p) {
-  const double bytes = static_cast<double>(op.h2d_bytes + op.d2h_bytes);
+  // The device gather's list crosses with a load's rows (a store's rows go the other way).
+  const double list = cpu_backend(p) || op.lane == Lane::Store ? 0.0 : op.list_bytes;
+  const double bytes = static_cast<double>(op.h2d_bytes + op.d2h_bytes) + list;
   const double rate = op.lane == Lane::Store ? p.d2h_bytes_per_s : p.h2d_bytes_per_s;
   return p.transfer_latency_s + (std::isinf(rate) ? 0.0 : bytes / rate);
 }
@@ -100,8 +102,8 @@ OpCost op_cost(const ScheduledOp& op, const HardwareProfile& p, bool cached) {
   return cost;
 }
 
-// On the cuda backend a transfer of scattered rows is a host gather into pinned staging followed
-// by one DMA: the gather becomes its own op on the gather lane.
+// On the cuda backend with --gather host a transfer of scattered rows is a host gather into pinned
+// staging followed by one DMA: the gather becomes its own op on the gather lane.
 Schedule with_gather_lane(const Schedule& in, std::vector<int32_t>* original_index) {
   Schedule out;
   out.steps = in.steps;
@@ -109,7 +111,7 @@ Schedule with_gather_lane(const Schedule& in, std::vector<int32_t>* original_ind
   for (size_t i = 0; i < in.ops.size(); ++i) {
     ScheduledOp op = in.ops[i];
     for (int32_t& dep : op.deps) dep = remap[static_cast<size_t>(dep)];
-    if (op.op_class == OpClass::Transfer && op.row_bytes > 0) {
+    if (op.op_class == OpClass::Transfer && op.host_gather) {
       ScheduledOp gather = op;
       gather.lane = Lane::Gather;
       gather.op_class = OpClass::Gather;
@@ -228,7 +230,7 @@ std::vector<bool> step_weights_cached(const Schedule& schedule, const HardwarePr
 double op_seconds(const ScheduledOp& op, const HardwareProfile& profile, bool cached) {
   const OpCost cost = op_cost(op, profile, cached);
   double seconds = std::max(cost.work, cost.floor);
-  if (op.op_class == OpClass::Transfer && !cpu_backend(profile) && op.row_bytes > 0) {
+  if (op.op_class == OpClass::Transfer && !cpu_backend(profile) && op.host_gather) {
     seconds += op.row_bytes / profile.host_gather_bytes_per_s;  // the gather before the DMA
   }
   return seconds;
