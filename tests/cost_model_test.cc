@@ -233,6 +233,58 @@ TEST(CostModelSimulator, PolicyGpuMovesNothingAndFullMovesTheFormula) {
   EXPECT_NEAR(run.throughput_tok_s, 4.0 * 8 / (run.prefill_s + run.decode_s), 1e-9);
 }
 
+// InfiniGen's scattered rows on a GPU: with --gather device (the default) a load of them lasts
+// the link time of the rows and of the kernel's 24-byte descriptors, nothing on the host; with
+// --gather host, the host threads' packing of the rows and then the link time of the rows alone.
+TEST(CostModelSimulator, DeviceGatherReadsRowsAndDescriptorsOverTheLink) {
+  const HardwareProfile p = scaled(std::numeric_limits<double>::infinity(), 1.0);
+  CostModelInput in = opt_13b("infinigen");
+  const Schedule device = run_schedule(in);
+  bool saw_rows = false;
+  for (const ScheduledOp& op : device.ops) {
+    if (op.op_class != OpClass::Transfer || op.row_bytes == 0) continue;
+    saw_rows = true;
+    EXPECT_FALSE(op.host_gather);
+    EXPECT_EQ(op.list_bytes, static_cast<double>(op.chunks) * sizeof(CopyChunk));
+    const double seconds = op_seconds(op, p);
+    if (op.lane != Lane::Load) continue;
+    EXPECT_NEAR(seconds,
+                p.transfer_latency_s +
+                    (static_cast<double>(op.h2d_bytes) + op.list_bytes) / p.h2d_bytes_per_s,
+                1e-12)
+        << op.name;
+  }
+  EXPECT_TRUE(saw_rows);
+  in.options.gather = GatherMode::Host;
+  for (const ScheduledOp& op : run_schedule(in).ops) {
+    if (op.op_class != OpClass::Transfer || op.row_bytes == 0) continue;
+    EXPECT_TRUE(op.host_gather);
+    EXPECT_EQ(op.list_bytes, 0);
+    if (op.lane != Lane::Load) continue;
+    EXPECT_NEAR(op_seconds(op, p),
+                p.transfer_latency_s + static_cast<double>(op.h2d_bytes) / p.h2d_bytes_per_s +
+                    op.row_bytes / p.host_gather_bytes_per_s,
+                1e-12)
+        << op.name;
+  }
+}
+
+// The runtime pins the host pool during the prompt's pass: the prefill pays host_kv_bytes at
+// host_pin_bytes_per_s, the decode steps nothing more.
+TEST(CostModelSimulator, PinningTheHostPoolIsPartOfThePrefill) {
+  const CostModelInput in = opt_13b("full");
+  HardwareProfile p = load_hardware_profile("rtx-a6000-pcie3");
+  ASSERT_EQ(p.host_pin_bytes_per_s, 0);
+  const PredictedRun free_pinning = predict_run(in, p);
+  p.host_pin_bytes_per_s = 2e9;
+  const PredictedRun pinned = predict_run(in, p);
+  ASSERT_GT(pinned.host_kv_bytes, 0u);
+  EXPECT_NEAR(pinned.pin_s, static_cast<double>(pinned.host_kv_bytes) / 2e9, 1e-12);
+  EXPECT_NEAR(pinned.prefill_s, free_pinning.prefill_s + pinned.pin_s, 1e-9);
+  EXPECT_NEAR(pinned.decode_s, free_pinning.decode_s, 1e-12);
+  EXPECT_EQ(predict_run(opt_13b("gpu"), p).pin_s, 0);
+}
+
 TEST(CostModelSimulator, APlanThatDoesNotFitIsReportedNotTimed) {
   CostModelInput in = opt_13b("gpu");
   in.config = load_preset("opt-66b");
