@@ -13,6 +13,7 @@
 #include <string>
 #include <unordered_map>
 
+#include "core/pin_ahead.h"
 #include "core/stream.h"
 #include "core/trace.h"
 
@@ -298,6 +299,8 @@ void* pinned_alloc(size_t bytes, std::string_view purpose) {
   if (dry_run()) return dry_address();
   // Zero-byte requests still return a distinct pointer, as device_alloc's callers expect.
   const size_t request = bytes == 0 ? 1 : bytes;
+  // Pinned (and counted) ahead by a PinAhead of this size, if one is running (core/pin_ahead.h).
+  if (void* ahead = take_pinned_ahead(request)) return ahead;
   INFINIGEN_CHECK(request <= std::numeric_limits<size_t>::max() - kHostAlignment,
                   "pinned host allocation of ", bytes, " bytes is too large");
   PinnedRegistry& registry = pinned_registry();

@@ -43,7 +43,7 @@ const KvPolicy& infinigen_kv_policy() {
                  saturating_product({c.num_layers, c.num_heads, rows, c.hidden_size, weight_size}),
                  saturating_product({c.num_layers, c.num_heads, rows, 4}),
                  c.rope.enabled() ? saturating_product({c.num_layers, c.kv_heads(), d, d, 4}) : 0}),
-            kv_pool_bytes(r, pooled)};
+            kv_pool_bytes(r, pooled), kv_pool_shape(r, pooled)};
       },
       [](const KvStoreArgs& a) -> std::unique_ptr<KvStore> {
         const OffloadOptions& o = a.options;

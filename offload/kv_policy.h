@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -16,6 +17,7 @@
 #include "core/device.h"
 #include "core/kv_cache.h"
 #include "core/model_config.h"
+#include "offload/kv_pool.h"
 #include "offload/offload_options.h"
 #include "offload/offload_stats.h"
 #include "offload/transfer_engine.h"
@@ -30,6 +32,9 @@ struct MemoryRequest;
 struct KvMemory {
   size_t device = 0;
   size_t host = 0;
+  // The pinned host pool (offload/kv_pool.h) among `host`, where the store keeps one: on CUDA the
+  // run pins it ahead while the weights load (core/pin_ahead.h).
+  std::optional<KvPoolShape> host_pool = std::nullopt;
 };
 
 // What a policy's store is built from, per batch the generation loop runs.

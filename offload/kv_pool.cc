@@ -51,6 +51,17 @@ size_t KvPool::capacity_bytes(const KvPoolShape& s) {
                              static_cast<int64_t>(dtype_size(s.dtype))});
 }
 
+size_t KvPool::allocation_bytes(const KvPoolShape& s) {
+  return saturating_product({s.batch, s.num_heads, s.block_tokens, s.head_dim,
+                             static_cast<int64_t>(dtype_size(s.dtype))});
+}
+
+size_t KvPool::allocation_count(const KvPoolShape& s) {
+  INFINIGEN_CHECK(s.block_tokens > 0, "KV pool: block_tokens must be positive, got ",
+                  s.block_tokens);
+  return saturating_product({ceil_div(s.max_tokens, s.block_tokens), 2, s.num_layers});
+}
+
 size_t KvPool::allocated_bytes() const {
   return allocated_bytes_;
 }
@@ -71,7 +82,7 @@ void KvPool::reserve(int64_t tokens) {
   const int64_t B = shape_.batch;
   const size_t added = static_cast<size_t>((needed - have) * 2 * shape_.num_layers);
   const size_t first = allocations_.size();
-  const size_t batch_bytes = static_cast<size_t>(B) * block_bytes_;
+  const size_t batch_bytes = allocation_bytes(shape_);
   allocations_.reserve(first + added);
   try {
     for (size_t i = 0; i < added; ++i) {

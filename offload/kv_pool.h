@@ -52,6 +52,10 @@ class KvPool {
   // Bytes when all max_tokens are stored: 2 * L * B * H * max_tokens * d * size, rounded up
   // to whole blocks.
   static size_t capacity_bytes(const KvPoolShape& shape);
+  // The pool pins its memory in allocations of one block of every sequence, (B, H, bt, d), one per
+  // (logical block, layer, K or V): their size, and how many hold all max_tokens.
+  static size_t allocation_bytes(const KvPoolShape& shape);
+  static size_t allocation_count(const KvPoolShape& shape);
   size_t allocated_bytes() const;  // what the pool holds now
 
   // Makes tokens [0, tokens) addressable in every table (allocating private blocks for new

@@ -266,7 +266,7 @@ size_t kv_staging_bytes(const MemoryRequest& r, int64_t rows) {
       {2, 2, r.batch, r.config.kv_heads(), rows, r.config.head_dim(), kv_size});
 }
 
-size_t kv_pool_bytes(const MemoryRequest& r, int64_t positions) {
+KvPoolShape kv_pool_shape(const MemoryRequest& r, int64_t positions) {
   KvPoolShape pool;
   pool.num_layers = r.config.num_layers;
   pool.batch = r.batch;
@@ -275,7 +275,11 @@ size_t kv_pool_bytes(const MemoryRequest& r, int64_t positions) {
   pool.max_tokens = positions;
   pool.block_tokens = r.options.kv_block_tokens;
   pool.dtype = r.kv_dtype;
-  return KvPool::capacity_bytes(pool);
+  return pool;
+}
+
+size_t kv_pool_bytes(const MemoryRequest& r, int64_t positions) {
+  return KvPool::capacity_bytes(kv_pool_shape(r, positions));
 }
 
 size_t MemoryPlan::device_total() const {

@@ -20,6 +20,7 @@
 #include <string>
 
 #include "core/model_config.h"
+#include "offload/kv_pool.h"
 #include "offload/offload_options.h"
 
 namespace infinigen {
@@ -74,7 +75,9 @@ int64_t request_positions(const MemoryRequest& request);
 // K and V of `rows` positions per (sequence, KV head) of one layer, double-buffered by layer
 // parity, in the KV dtype (a device staging).
 size_t kv_staging_bytes(const MemoryRequest& request, int64_t rows);
-// The host pool of every layer, `positions` per (sequence, KV head) in blocks of kv_block_tokens.
+// The host pool of every layer, `positions` per (sequence, KV head) in blocks of kv_block_tokens:
+// its shape, and its bytes.
+KvPoolShape kv_pool_shape(const MemoryRequest& request, int64_t positions);
 size_t kv_pool_bytes(const MemoryRequest& request, int64_t positions);
 
 // Sizes of the plan, without checking capacities.

@@ -18,7 +18,7 @@ const KvPolicy& full_kv_policy() {
       [](Device) { return true; },  // copies and the model's ops only
       [](const MemoryRequest& r) -> KvMemory {
         const int64_t tokens = request_positions(r);
-        return {kv_staging_bytes(r, tokens), kv_pool_bytes(r, tokens)};
+        return {kv_staging_bytes(r, tokens), kv_pool_bytes(r, tokens), kv_pool_shape(r, tokens)};
       },
       [](const KvStoreArgs& a) -> std::unique_ptr<KvStore> {
         return std::make_unique<OffloadedKv>(a.config, a.batch, a.capacity, a.kv_dtype, a.device,

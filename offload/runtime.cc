@@ -3,9 +3,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 
 #include "core/interrupt.h"
 #include "core/ops.h"
+#include "core/pin_ahead.h"
 #include "offload/kv_policy.h"
 #include "offload/streamed_weights.h"
 #include "offload/weight_placement.h"
@@ -188,6 +190,14 @@ OffloadRun run_offloaded(const ModelSource& source, const GenerationRequest& req
   const MemoryRequest memory = planned_memory(config, request, options, conversation);
   OffloadRun run;
   run.plan = plan_offloaded_run(memory, options, device);
+  // On CUDA the host pool is pinned while the weights load rather than inside the prompt's pass.
+  std::optional<PinAhead> pool_pinned_ahead;
+  if (device == Device::Cuda) {
+    if (const std::optional<KvPoolShape> pool =
+            kv_policy(options.policy).memory(memory).host_pool) {
+      pool_pinned_ahead.emplace(KvPool::allocation_count(*pool), KvPool::allocation_bytes(*pool));
+    }
+  }
 
   try {
     generate_offloaded(source, request, options, device, memory.kv_pool_tokens, nullptr, progress,
