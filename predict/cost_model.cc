@@ -64,10 +64,6 @@ PredictedRun predict_run(const CostModelInput& input, const HardwareProfile& pro
   }
   run.prefill = run.steps[0];
   run.prefill_s = run.steps[0].seconds;
-  if (profile.host_pin_bytes_per_s > 0) {
-    run.pin_s = static_cast<double>(run.host_kv_bytes) / profile.host_pin_bytes_per_s;
-    run.prefill_s += run.pin_s;
-  }
   uint64_t decode_h2d = 0;
   for (int64_t s = 1; s < schedule.steps; ++s) {
     run.decode_s += run.steps[static_cast<size_t>(s)].seconds;

@@ -35,7 +35,6 @@ struct PredictedRun {
   bool fits = true;             // the memory plan fits profile.device_memory_bytes
   std::string does_not_fit;     // the planner's one-line reason when it does not
   double prefill_s = 0;         // prompt pass, LM head and the first token's sampling
-  double pin_s = 0;             // of which pinning the host KV pool (host_pin_bytes_per_s)
   double decode_s = 0;          // the remaining gen_len - 1 steps
   double throughput_tok_s = 0;  // B * gen_len / (prefill + decode), as the runtime reports it
   PredictedStep prefill;

@@ -51,8 +51,6 @@ constexpr NumericField kNumericFields[] = {
     {"transfer_latency_s", &HardwareProfile::transfer_latency_s, 0, true, "s per transfer"},
     {"link_emulation_overhead_s", &HardwareProfile::link_emulation_overhead_s, 0, true,
      "s per emulated transfer beyond the requested time (CPU backend)"},
-    {"host_pin_bytes_per_s", &HardwareProfile::host_pin_bytes_per_s, 0, true,
-     "B/s pinning the host KV pool (0 = not charged)"},
     {"disk_read_bytes_per_s", &HardwareProfile::disk_read_bytes_per_s, 0, true,
      "B/s of sequential disk reads of a session (0 = not given)"},
     {"host_copy_bytes_per_s", &HardwareProfile::host_copy_bytes_per_s, 0, false,

@@ -51,11 +51,6 @@ struct HardwareProfile {
   // timed sleep wakes late); with_link adds it to transfer_latency_s. 0 for a real link.
   double link_emulation_overhead_s = 0;
 
-  // Pinning the host KV pool (cudaHostAlloc), B/s; 0: not charged. The runtime pins the pool of
-  // the offloading policies during the prompt's pass, so the prediction adds host_kv_bytes / rate
-  // to the prefill.
-  double host_pin_bytes_per_s = 0;
-
   // Sequential reads from the disk a session is kept on (offload/session.h), B/s; 0: not given
   // (a resumed turn cannot be predicted).
   double disk_read_bytes_per_s = 0;

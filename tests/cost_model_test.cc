@@ -269,22 +269,6 @@ TEST(CostModelSimulator, DeviceGatherReadsRowsAndDescriptorsOverTheLink) {
   }
 }
 
-// The runtime pins the host pool during the prompt's pass: the prefill pays host_kv_bytes at
-// host_pin_bytes_per_s, the decode steps nothing more.
-TEST(CostModelSimulator, PinningTheHostPoolIsPartOfThePrefill) {
-  const CostModelInput in = opt_13b("full");
-  HardwareProfile p = load_hardware_profile("rtx-a6000-pcie3");
-  ASSERT_EQ(p.host_pin_bytes_per_s, 0);
-  const PredictedRun free_pinning = predict_run(in, p);
-  p.host_pin_bytes_per_s = 2e9;
-  const PredictedRun pinned = predict_run(in, p);
-  ASSERT_GT(pinned.host_kv_bytes, 0u);
-  EXPECT_NEAR(pinned.pin_s, static_cast<double>(pinned.host_kv_bytes) / 2e9, 1e-12);
-  EXPECT_NEAR(pinned.prefill_s, free_pinning.prefill_s + pinned.pin_s, 1e-9);
-  EXPECT_NEAR(pinned.decode_s, free_pinning.decode_s, 1e-12);
-  EXPECT_EQ(predict_run(opt_13b("gpu"), p).pin_s, 0);
-}
-
 TEST(CostModelSimulator, APlanThatDoesNotFitIsReportedNotTimed) {
   CostModelInput in = opt_13b("gpu");
   in.config = load_preset("opt-66b");
