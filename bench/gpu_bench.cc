@@ -169,8 +169,8 @@ void link_mapped(benchmark::State& state) {
   fill_random(host.data, bytes, 2);
   DeviceBuffer device(bytes);
   const size_t count = bytes / piece;
-  PinnedBuffer list(count * sizeof(cuda_stream::Piece));
-  auto* pieces = reinterpret_cast<cuda_stream::Piece*>(list.data);
+  PinnedBuffer list(count * sizeof(CopyChunk));
+  auto* pieces = reinterpret_cast<CopyChunk*>(list.data);
   for (size_t i = 0; i < count; ++i)
     pieces[i] = {device.data + i * piece, host.data + i * piece, piece};
   void* stream = cuda_stream::create_stream();
@@ -279,7 +279,7 @@ void gather(benchmark::State& state, GatherKind kind) {
 // `blocks`, every (sequence, head)'s 128-token block runs of 32 KiB (the `full` policy's load).
 void gather_kernel(benchmark::State& state, bool rows) {
   const KeyLayer& layer = key_layer();
-  std::vector<cuda_stream::Piece> list;
+  std::vector<CopyChunk> list;
   if (rows) {
     for (const char* row : layer.select(100)) list.push_back({nullptr, row, layer.row_bytes});
   } else {
@@ -290,8 +290,8 @@ void gather_kernel(benchmark::State& state, bool rows) {
   }
   const size_t bytes = list.size() * list.front().bytes;
   DeviceBuffer landing(bytes);
-  PinnedBuffer pieces(list.size() * sizeof(cuda_stream::Piece));
-  auto* mapped = reinterpret_cast<cuda_stream::Piece*>(pieces.data);
+  PinnedBuffer pieces(list.size() * sizeof(CopyChunk));
+  auto* mapped = reinterpret_cast<CopyChunk*>(pieces.data);
   for (size_t i = 0; i < list.size(); ++i) {
     mapped[i] = {landing.data + i * list[i].bytes, list[i].src, list[i].bytes};
   }
@@ -334,8 +334,8 @@ void compute_beside_gather(benchmark::State& state) {
   const KeyLayer& layer = key_layer();
   const std::vector<const char*> rows = layer.select(100);
   DeviceBuffer landing(rows.size() * layer.row_bytes);
-  PinnedBuffer pieces(rows.size() * sizeof(cuda_stream::Piece));
-  auto* mapped = reinterpret_cast<cuda_stream::Piece*>(pieces.data);
+  PinnedBuffer pieces(rows.size() * sizeof(CopyChunk));
+  auto* mapped = reinterpret_cast<CopyChunk*>(pieces.data);
   for (size_t i = 0; i < rows.size(); ++i) {
     mapped[i] = {landing.data + i * layer.row_bytes, rows[i], layer.row_bytes};
   }

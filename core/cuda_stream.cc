@@ -14,11 +14,11 @@ namespace {
 
 namespace runtime = kernels::cuda;
 
-static_assert(sizeof(Piece) == sizeof(kernels::cuda::CopyItem) &&
-                  offsetof(Piece, dst) == offsetof(kernels::cuda::CopyItem, dst) &&
-                  offsetof(Piece, src) == offsetof(kernels::cuda::CopyItem, src) &&
-                  offsetof(Piece, bytes) == offsetof(kernels::cuda::CopyItem, bytes),
-              "a Piece is read by the gather kernel as a CopyItem");
+static_assert(sizeof(CopyChunk) == sizeof(kernels::cuda::CopyItem) &&
+                  offsetof(CopyChunk, dst) == offsetof(kernels::cuda::CopyItem, dst) &&
+                  offsetof(CopyChunk, src) == offsetof(kernels::cuda::CopyItem, src) &&
+                  offsetof(CopyChunk, bytes) == offsetof(kernels::cuda::CopyItem, bytes),
+              "a gather list of CopyChunks is read by the gather kernel as CopyItems");
 
 void check(int code, const char* what) {
   if (code != 0) fail("CUDA ", what, " failed: ", runtime::error_string(code));
@@ -113,7 +113,7 @@ void host_func(void* stream, void (*fn)(void* data), void* data) {
   check(runtime::launch_host_func(stream, fn, data), "host function launch");
 }
 
-void copy_pieces(const Piece* pieces, size_t count, void* stream) {
+void copy_pieces(const CopyChunk* pieces, size_t count, void* stream) {
   check(kernels::cuda::copy_items(reinterpret_cast<const kernels::cuda::CopyItem*>(pieces),
                                   static_cast<int64_t>(count), stream),
         "gather kernel");

@@ -7,6 +7,7 @@
 
 #include <cstddef>
 
+#include "core/copy_chunk.h"
 #include "core/device.h"
 
 namespace infinigen::cuda_stream {
@@ -37,15 +38,8 @@ void copy_async(void* dst, Device dst_device, const void* src, Device src_device
 // work waits for it (cudaLaunchHostFunc). fn must not call CUDA.
 void host_func(void* stream, void (*fn)(void* data), void* data);
 
-// A gather list for copy_pieces: one entry per piece, laid out as {void* dst; const void* src;
-// size_t bytes} (offload's CopyChunk; kernels/cuda/gather.h's CopyItem).
-struct Piece {
-  void* dst;
-  const void* src;
-  size_t bytes;
-};
 // Copies the `count` pieces listed at `pieces` (device-readable memory: device or mapped pinned)
 // with one kernel on `stream`; a piece's source or destination may be mapped pinned host memory.
-void copy_pieces(const Piece* pieces, size_t count, void* stream);
+void copy_pieces(const CopyChunk* pieces, size_t count, void* stream);
 
 }  // namespace infinigen::cuda_stream

@@ -36,7 +36,7 @@ void copy_async(void*, Device, const void*, Device, size_t, void*) {
 void host_func(void*, void (*)(void*), void*) {
   throw_cuda_not_compiled();
 }
-void copy_pieces(const Piece*, size_t, void*) {
+void copy_pieces(const CopyChunk*, size_t, void*) {
   throw_cuda_not_compiled();
 }
 

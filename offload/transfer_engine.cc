@@ -34,12 +34,6 @@ Clock::duration link_time(const LinkEmulation& link, uint64_t bytes) {
 
 namespace {
 
-static_assert(sizeof(CopyChunk) == sizeof(cuda_stream::Piece) &&
-                  offsetof(CopyChunk, dst) == offsetof(cuda_stream::Piece, dst) &&
-                  offsetof(CopyChunk, src) == offsetof(cuda_stream::Piece, src) &&
-                  offsetof(CopyChunk, bytes) == offsetof(cuda_stream::Piece, bytes),
-              "a gather list of CopyChunks is read by the gather kernel");
-
 // Transfers of at most this many chunks, or of chunks this large on average, go as one
 // cudaMemcpyAsync per chunk (a layer's weights: a few tensors of megabytes); the others gather.
 constexpr size_t kDirectCopyChunks = 8;
@@ -96,12 +90,6 @@ void unpack_store(void* data) {
 }
 
 }  // namespace
-
-uint64_t total_bytes(const std::vector<CopyChunk>& chunks) {
-  uint64_t total = 0;
-  for (const CopyChunk& chunk : chunks) total += chunk.bytes;
-  return total;
-}
 
 namespace {
 
@@ -198,7 +186,7 @@ void TransferEngine::enqueue_gather(Stream& stream, GatherBuffers& buffers,
     if (buffers.list_read[slot]) buffers.list_read[slot]->wait();
     CopyChunk* list = buffers.pieces + slot * buffers.piece_capacity;
     std::copy(chunks.begin(), chunks.end(), list);
-    cuda_stream::copy_pieces(reinterpret_cast<const cuda_stream::Piece*>(list), count, handle);
+    cuda_stream::copy_pieces(list, count, handle);
     buffers.list_read[slot] = stream.record();
     return;
   }
@@ -206,7 +194,7 @@ void TransferEngine::enqueue_gather(Stream& stream, GatherBuffers& buffers,
   // run in the stream's order.
   auto job = std::make_unique<GatherJob>(
       GatherJob{std::move(chunks), buffers.pieces, buffers.packed, buffers.landing});
-  const auto* pieces = reinterpret_cast<const cuda_stream::Piece*>(buffers.pieces);
+  const CopyChunk* pieces = buffers.pieces;
   if (to_device) {
     cuda_stream::host_func(handle, pack_load, job.release());
     cuda_stream::copy_async(buffers.landing, device_, buffers.packed, Device::Cpu, bytes, handle);

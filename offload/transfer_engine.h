@@ -25,20 +25,12 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/copy_chunk.h"
 #include "core/device.h"
 #include "core/stream.h"
 #include "core/trace.h"
 
 namespace infinigen {
-
-struct CopyChunk {
-  void* dst;
-  const void* src;
-  size_t bytes;
-};
-
-// Bytes a gather list moves.
-uint64_t total_bytes(const std::vector<CopyChunk>& chunks);
 
 // What a transfer is, for traces: its name, the layer it serves (-1: none) and what it carries.
 struct TransferTag {
