@@ -296,7 +296,26 @@ class Check:
         for row in result:
             batch = re.search(r" b(\d+) ", row["point"]).group(1)
             row.update(predicted.get((batch, row["policy"]), {}))
+        self.add_floors(result)
         self.step("runs", {"points": result, "profile": self.profile()}, ok)
+
+    def add_floors(self, rows):
+        """Each offloading step's floor: its KV bytes per step over the pinned H2D rate that
+        gpu_bench measured in this check, or the `gpu` policy's step at the same point (the
+        compute), whichever is larger; where either is missing, the other alone."""
+        bench = self.results["steps"].get("bench", {}).get("rows", [])
+        rate = next((r["GB/s"] * 1e9 for r in bench
+                     if r["name"].startswith("Link/pinned/h2d") and r.get("GB/s")), None)
+        compute = {r["point"]: r["decode_step_ms"] for r in rows
+                   if r["policy"] == "gpu" and "decode_step_ms" in r}
+        for row in rows:
+            if row["policy"] == "gpu" or "decode_step_ms" not in row:
+                continue
+            link = (1e3 * row["transfer"]["h2d_bytes_per_decode_step"] / rate) if rate else None
+            parts = [x for x in (link, compute.get(row["point"])) if x is not None]
+            if parts:
+                row["floor_ms"] = max(parts)
+                row["step_over_floor"] = row["decode_step_ms"] / row["floor_ms"]
 
     def profile(self):
         if self.args.profile != "auto":
@@ -393,19 +412,24 @@ def summary_markdown(results):
             lines.append(f"| {r['name']} | {t} | {r['GB/s']:.3g} | {tf} |")
     runs = results["steps"].get("runs")
     if runs:
-        lines += ["", f"Predictions: the cost model with profile {runs.get('profile')}.", "",
-                  "| point | policy | prefill s | predicted | decode ms/step | predicted | tok/s |",
-                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        lines += ["", f"Predictions: the cost model with profile {runs.get('profile')}. Floor: the "
+                  "step's KV bytes over the pinned H2D rate, or `gpu`'s step, the larger.", "",
+                  "| point | policy | prefill s | predicted | decode ms/step | predicted | floor ms "
+                  "| step / floor | tok/s |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in runs["points"]:
             pp = r.get("predicted_prefill_s")
             pd = r.get("predicted_decode_step_ms")
             pp = f"{pp:.3f}" if pp is not None else ""
             pd = f"{pd:.2f}" if pd is not None else ""
+            floor = f"{r['floor_ms']:.2f} | {r['step_over_floor']:.2f}" if "floor_ms" in r else " | "
             if "decode_step_ms" in r:
                 lines.append(f"| {r['point']} | {r['policy']} | {r['prefill_latency_s']:.3f} | {pp} "
-                             f"| {r['decode_step_ms']:.2f} | {pd} | {r['throughput_tok_s']:.1f} |")
+                             f"| {r['decode_step_ms']:.2f} | {pd} | {floor} | "
+                             f"{r['throughput_tok_s']:.1f} |")
             else:
-                lines.append(f"| {r['point']} | {r['policy']} | {r.get('error')} | {pp} | | {pd} | |")
+                lines.append(f"| {r['point']} | {r['policy']} | {r.get('error')} | {pp} | | {pd} "
+                             "| | | |")
     return "\n".join(lines) + "\n"
 
 
