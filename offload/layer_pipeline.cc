@@ -1,0 +1,83 @@
+// offload: the layer pipeline shared by the offloading KV stores.
+#include "offload/layer_pipeline.h"
+
+#include <utility>
+
+namespace infinigen {
+
+void StepClock::start_pass(const KvStore& store) {
+  if (!store.pass_opens_step()) return;
+  engine_.settle_stalls();  // into the previous step's statistics, before they move
+  stats_.begin_step(num_layers_, engine_.counters());
+}
+
+void StepClock::end_pass(const KvStore& store) {
+  if (store.pass_closes_step()) stats_.end_step(engine_.counters());
+}
+
+LayerPipeline::LayerPipeline(int64_t num_layers, TransferEngine& engine, OffloadStats& stats,
+                             const Shape& staging, DType dtype, Device device)
+    : num_layers_(num_layers),
+      engine_(engine),
+      stats_(stats),
+      clock_(num_layers, engine, stats),
+      loaded_(static_cast<size_t>(num_layers), completed_event()),
+      stored_(static_cast<size_t>(num_layers), completed_event()) {
+  for (size_t p = 0; p < 2; ++p) {
+    keys_[p] = Tensor::empty(staging, dtype, device);
+    values_[p] = Tensor::empty(staging, dtype, device);
+  }
+}
+
+LayerPipeline::~LayerPipeline() {
+  try {
+    engine_.synchronize();  // transfers still read and write the store's buffers
+  } catch (...) {
+    // The failure was already reported to the pass that caused it.
+  }
+}
+
+void LayerPipeline::start_pass(const KvStore& store) { clock_.start_pass(store); }
+
+void LayerPipeline::end_pass(const KvStore& store) {
+  // The prefill's stores read the staging buffers that the first decode loads overwrite.
+  if (store.length() == 0) drain_stores();
+  clock_.end_pass(store);
+}
+
+void LayerPipeline::poison(int64_t layer) {
+  if (!debug_poison()) return;
+  fill_nan(keys(layer));
+  fill_nan(values(layer));
+}
+
+void LayerPipeline::load(int64_t layer, std::vector<CopyChunk> chunks, TransferContent content) {
+  const uint64_t bytes = total_bytes(chunks);
+  traffic(layer).kv_h2d_bytes += bytes;
+  step().h2d_bytes += bytes;
+  const size_t l = static_cast<size_t>(layer);
+  loaded_[l] = engine_.load(std::move(chunks), stored_[l], {"kv_load", layer, content});
+}
+
+void LayerPipeline::store(int64_t layer, std::vector<CopyChunk> chunks, EventPtr after,
+                          TransferContent content) {
+  const uint64_t bytes = total_bytes(chunks);
+  traffic(layer).kv_d2h_bytes += bytes;
+  step().d2h_bytes += bytes;
+  const size_t l = static_cast<size_t>(layer);
+  stored_[l] = engine_.store(std::move(chunks), std::move(after), {"kv_store", layer, content});
+  store_read_[parity(layer)] = stored_[l];
+}
+
+void LayerPipeline::await_store_reads(int64_t layer) {
+  engine_.compute_stream().wait(store_read_[parity(layer)]);
+}
+
+void LayerPipeline::wait_for_load(int64_t layer) {
+  StepStats& current = step();
+  engine_.compute_waits(
+      loaded(layer),
+      {&current.layers[static_cast<size_t>(layer)].load_wait_seconds, &current.load_wait_seconds});
+}
+
+}  // namespace infinigen
