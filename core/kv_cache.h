@@ -89,6 +89,11 @@ class KvStore {
   bool pass_opens_step() const { return !follows_sharing_pass_; }
   bool pass_closes_step() const { return !sharing_pass(); }
 
+  // Writes the open pass's new rows (pass_batch() * n_new, H_kv * d) into `cache` (B, H_kv,
+  // capacity, d) at rows [length(), length() + n_new) of the pass's sequences: every sequence's,
+  // or in the sharing pass each group leader's.
+  void store_pass_rows(const Tensor& rows, Tensor& cache) const;
+
   // Keys and values a decode step's attention reads for one layer: (B, H_kv, capacity, d) each,
   // rows [first_valid[b], length) valid, the token appended in this pass included, after the
   // rows of its shared prefix, [shared->begin(b), shared->rows()) of sequence shared->source(b).
@@ -165,10 +170,6 @@ class KvStore {
   // Whether this pass extends stored tokens by more than one (a resumed conversation's turn), or
   // is the prompt's own tokens after a shared prefix (however many).
   bool extending() const { return length_ > 0 && (pass_tokens_ > 1 || follows_sharing_pass_); }
-  // Writes the open pass's new rows (pass_batch() * n_new, H_kv * d) into `cache` (B, H_kv,
-  // capacity, d) at rows [length(), length() + n_new) of the pass's sequences: every sequence's,
-  // or in the sharing pass each group leader's.
-  void store_pass_rows(const Tensor& rows, Tensor& cache) const;
   // Whether sequence b's row t holds one of its tokens (not padding).
   bool holds_token(int64_t b, int64_t t) const {
     return t >= first_valid_[static_cast<size_t>(b)] || (t >= 0 && shared_.in_prefix(b, t));

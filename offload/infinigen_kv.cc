@@ -1,14 +1,12 @@
 // offload: the `infinigen` KV policy.
 #include "offload/infinigen_kv.h"
 
-#include <cmath>
-
 #include "core/ops.h"
 #include "core/saturating.h"
 #include "core/trace.h"
 #include "offload/kv_policy.h"
 #include "offload/memory_planner.h"
-#include "speculate/prompt_keep.h"
+#include "offload/staged_recall.h"
 
 namespace infinigen {
 
@@ -62,21 +60,22 @@ InfinigenKv::InfinigenKv(const ModelConfig& config, int64_t batch, int64_t capac
                          Device device, int64_t block_tokens, TransferEngine& engine,
                          OffloadStats& stats, const SpeculationOptions& options, bool check_recall,
                          const KvPoolLimit& limit, const FetchReplay* replay)
-    : OffloadedKv(config, batch, capacity, kv_dtype, device, block_tokens, engine, stats,
-                  limit.positions > 0 ? std::min(limit.positions, capacity) : 0),
+    : KvStore(batch, capacity),
       options_(options),
       check_recall_(check_recall),
       replay_(replay),
+      num_layers_(config.num_layers),
       head_dim_(config.head_dim()),
       heads_(config.num_heads),
       kv_heads_(config.kv_heads()),
-      group_(config.num_heads / config.kv_heads()),
       slots_(limit.positions > 0 ? std::min(limit.positions, capacity) : capacity),
       hidden_(config.hidden_size),
       weight_dtype_(config.dtype),
       rotary_(config.rope.enabled()),
       partial_(static_cast<size_t>(config.num_layers)),
-      selection_(static_cast<size_t>(config.num_layers)) {
+      selection_(static_cast<size_t>(config.num_layers)),
+      paged_(*this, config, kv_dtype, device, block_tokens, engine, stats,
+             slots_ < capacity ? slots_ : 0) {
   options_.validate();
   INFINIGEN_CHECK(device == Device::Cpu, option("policy"),
                   " infinigen runs on the CPU backend for now");
@@ -87,286 +86,184 @@ InfinigenKv::InfinigenKv(const ModelConfig& config, int64_t batch, int64_t capac
     INFINIGEN_CHECK(replay_ != nullptr, "a dry run of infinigen has no fetched share to replay");
     replay_->validate(config.num_layers);
   }
-  if (limited()) {
-    position_tokens_.assign(
-        static_cast<size_t>(config.num_layers),
-        std::vector<int32_t>(static_cast<size_t>(batch * kv_heads_ * slots_), -1));
-    for (int64_t l = 0; l < config.num_layers; ++l) {
-      eviction_.emplace_back(limit.eviction, batch * kv_heads_, slots_);
-    }
-  }
+  if (slots_ < capacity) capped_.emplace(num_layers_, batch, kv_heads_, slots_, limit.eviction);
 }
 
 int32_t InfinigenKv::token_at(int64_t layer, int64_t b, int64_t h, int64_t position) const {
-  if (!limited()) return static_cast<int32_t>(position);
-  return position_tokens_[static_cast<size_t>(layer)]
-                         [static_cast<size_t>((b * kv_heads_ + h) * slots_ + position)];
+  return capped_ ? capped_->token_at(layer, b, h, position) : static_cast<int32_t>(position);
+}
+
+void InfinigenKv::start_pass(int64_t n_new) {
+  KvStore::start_pass(n_new);
+  paged_.start_pass();
+  if (length() > 0) load_whole(0);  // decode: layer 0 (dense) starts moving before the embedding
 }
 
 void InfinigenKv::start_layer(int64_t layer) {
-  // Dense layers are loaded one layer ahead, as `full` does; speculated ones from observe().
-  if (extending() || dense(layer + 1)) OffloadedKv::start_layer(layer);
+  // While this layer computes, the next one's KV moves into the other staging buffer: the whole
+  // layer here; a speculated layer's selection is known only from this layer's attention input.
+  const int64_t next = layer + 1;
+  if (length() > 0 && next < num_layers_ && !speculated(next)) load_whole(next);
 }
 
-void InfinigenKv::issue_load(int64_t layer) {
-  if (!limited()) {
-    OffloadedKv::issue_load(layer);
-    return;
-  }
-  selection_[static_cast<size_t>(layer)] = select_all(layer);
-  load_selection(layer);
-}
-
-void InfinigenKv::observe(int64_t layer, const AttentionInput& input) {
-  if (length() == 0) {
-    prefill_input_.reset();
-    prefill_input_.emplace(input);
-    return;
-  }
-  if (extending()) return;  // every layer is loaded whole; nothing to speculate
-  if (check_recall_ || limited()) decode_queries_ = input.queries;
-  // Speculate the next layer's attention from this layer's input, and start its load.
-  if (layer + 1 < static_cast<int64_t>(partial_.size()) && !dense(layer + 1)) {
-    select_and_load(layer + 1, input.x, input.positions);
-  }
+void InfinigenKv::observe(int64_t, const AttentionInput& input) {
+  input_.reset();  // references: rebuilt, not assigned
+  input_.emplace(input);
 }
 
 void InfinigenKv::append(int64_t layer, const Tensor& keys, const Tensor& values) {
-  const size_t l = static_cast<size_t>(layer);
-  const size_t p = l % 2;
   if (length() == 0) {
-    prompt_tokens_ = pass_tokens();
-    if (limited()) {
-      store_prompt_in_capped_pool(layer, keys, values);
-    } else {
-      OffloadedKv::append(layer, keys, values);
-    }
-    if (dense(layer)) return;
-    const AttentionInput& in = *prefill_input_;
-    const int64_t r = partial_columns(options_.partial_ratio, head_dim_);
-    // Shared prefixes are a batch of their groups' leaders, their partial keys kept once for
-    // every member.
-    partial_[l].build({in.queries, keys, in.q_weight, in.q_bias, in.rope_inv_freq, in.skew},
-                      pass_first_valid(), heads_, kv_heads_, slots_, r, options_.index_rule,
-                      limited() ? &position_tokens_[l] : nullptr, options_.partial_key_dtype);
-    if (sharing_pass()) partial_[l].share_prefixes(shared(), /*from_leaders=*/true);
-    return;
+    prefill_layer(layer, keys, values);
+  } else {
+    decode_layer(layer, keys, values);
+  }
+}
+
+void InfinigenKv::prefill_layer(int64_t layer, const Tensor& keys, const Tensor& values) {
+  prompt_tokens_ = pass_tokens();
+  if (capped_) {
+    store_prompt_in_capped_pool(layer, keys, values);
+  } else {
+    paged_.append(layer, keys, values);
+  }
+  if (dense(layer)) return;
+  // The partial key cache and query weights of a speculated layer, from the prompt. Shared
+  // prefixes are a batch of their groups' leaders, their partial keys kept once for every member.
+  const AttentionInput& in = *input_;
+  PartialLayer& partial = partial_[static_cast<size_t>(layer)];
+  partial.build({in.queries, keys, in.q_weight, in.q_bias, in.rope_inv_freq, in.skew},
+                pass_first_valid(), heads_, kv_heads_, slots_,
+                partial_columns(options_.partial_ratio, head_dim_), options_.index_rule,
+                capped_ ? &capped_->position_tokens(layer) : nullptr, options_.partial_key_dtype);
+  if (sharing_pass()) partial.share_prefixes(shared(), /*from_leaders=*/true);
+}
+
+void InfinigenKv::decode_layer(int64_t layer, const Tensor& keys, const Tensor& values) {
+  const size_t l = static_cast<size_t>(layer);
+  LayerPipeline& pipeline = paged_.pipeline();
+  // 1. The next layer's selection, speculated from this layer's attention input; its rows move
+  //    while this layer's attention runs.
+  if (layer + 1 < num_layers_ && speculated(layer + 1)) {
+    select_and_load(layer + 1, input_->x, input_->positions);
   }
   if (!compact(layer)) {
-    OffloadedKv::append(layer, keys, values);
-    if (extending() && !dense(layer)) partial_[l].append(keys, length());
+    // Loaded whole (a dense layer, or every layer of an extension): stored as `full` stores, and
+    // in a speculated layer's partial key cache; view() is the paged pool's.
+    paged_.append(layer, keys, values);
+    if (!dense(layer)) partial_[l].append(keys, length());
     if (extending()) prompt_tokens_ = length() + pass_tokens();
     return;
   }
-  // The new token goes after the staged rows (row n'), and to the pool and partial key cache.
-  ops::cache_store(keys, staging_keys_[p], selection_[l].fetch);
-  ops::cache_store(values, staging_values_[p], selection_[l].fetch);
-  if (!limited()) {
-    store_new_token(layer, keys, values);
+  // 2. The new token: after this layer's staged rows (row n'), into the pool and into the
+  //    partial key cache.
+  const PartialLayer::Selection& sel = selection_[l];
+  Tensor& staged_keys = pipeline.keys(layer);
+  Tensor& staged_values = pipeline.values(layer);
+  ops::cache_store(keys, staged_keys, sel.fetch);
+  ops::cache_store(values, staged_values, sel.fetch);
+  if (capped_) {
+    const std::vector<int32_t> at = capped_->place_token(layer, length());
+    // A victim's old row may be among this step's loads of the layer: overwrite it after them.
+    paged_.store_token_at(layer, keys, values, at, pipeline.loaded(layer));
+    if (!dense(layer)) partial_[l].append(keys, 0, &at);
+  } else {
+    paged_.store_token(layer, keys, values);
     partial_[l].append(keys, length());
+  }
+  // 3. Attention follows this layer's load; rows of a shared prefix that several sequences
+  //    selected came once, and are copied to the others.
+  pipeline.wait_for_load(layer);
+  for (const CopyChunk& copy : shared_row_copies_[l % 2]) {
+    device_copy(copy.dst, staged_keys.device(), copy.src, staged_keys.device(), copy.bytes);
+  }
+  // 4. Diagnostics and the eviction policy's view of what attention used.
+  if (check_recall_ && !dense(layer)) pipeline.traffic(layer).recall = measure_recall(layer);
+  if (capped_ && dense(layer)) {
+    capped_->count_dense_fetches(layer, sel, staged_keys, input_->queries, options_.alpha,
+                                 length());
+  }
+  compact_first_valid_.resize(static_cast<size_t>(batch()));
+  for (int64_t b = 0; b < batch(); ++b) {
+    compact_first_valid_[static_cast<size_t>(b)] =
+        static_cast<int32_t>(sel.fetch - sel.take[static_cast<size_t>(b)]);
+  }
+  view_ = {&staged_keys, &staged_values, sel.fetch + 1, &compact_first_valid_};
+}
+
+KvStore::View InfinigenKv::view(int64_t layer) {
+  return compact(layer) ? view_ : paged_.view(layer);
+}
+
+void InfinigenKv::end_pass(int64_t n_new) {
+  paged_.end_pass();
+  KvStore::end_pass(n_new);
+}
+
+void InfinigenKv::load_whole(int64_t layer) {
+  if (!capped_) {
+    paged_.load_layer(layer);
     return;
   }
-  const std::vector<int32_t> positions = place_new_token(layer);
-  // As store_new_token, but each row to its own position.
-  store_buffer_read_[p]->wait();
-  ops::cache_store(keys, store_keys_[p], 0);
-  ops::cache_store(values, store_values_[p], 0);
-  const size_t row_bytes = static_cast<size_t>(head_dim_) * dtype_size(store_keys_[p].dtype());
-  std::vector<CopyChunk> chunks;
-  for (int64_t b = 0; b < batch(); ++b) {
-    for (int64_t h = 0; h < kv_heads_; ++h) {
-      const int64_t at = positions[static_cast<size_t>(b * kv_heads_ + h)];
-      const size_t src = static_cast<size_t>(b * kv_heads_ + h) * row_bytes;
-      chunks.push_back({pool_.row(layer, KvKind::Key, b, h, at),
-                        static_cast<const char*>(store_keys_[p].raw()) + src, row_bytes});
-      chunks.push_back({pool_.row(layer, KvKind::Value, b, h, at),
-                        static_cast<const char*>(store_values_[p].raw()) + src, row_bytes});
-    }
-  }
-  const uint64_t bytes = static_cast<uint64_t>(chunks.size() * row_bytes);
-  stats_.current().layers[l].kv_d2h_bytes += bytes;
-  stats_.current().d2h_bytes += bytes;
-  // A victim's old row may be among this step's loads of the layer: overwrite it after them.
-  stored_[l] =
-      engine_.store(std::move(chunks), loaded_[l], {"kv_store", layer, TransferContent::KvRows});
-  store_buffer_read_[p] = stored_[l];
-  if (!dense(layer)) partial_[l].append(keys, 0, &positions);
+  selection_[static_cast<size_t>(layer)] = capped_->select_all(layer, first_valid(), length());
+  load_selection(layer);
 }
 
 void InfinigenKv::store_prompt_in_capped_pool(int64_t layer, const Tensor& keys,
                                               const Tensor& values) {
-  const size_t l = static_cast<size_t>(layer), p = l % 2;
-  const int64_t n = pass_tokens(), B = batch(), H = kv_heads_, d = head_dim_, KV = H * d;
-  const int64_t Q = heads_ * d;
-  // The prompt's rows go through staging[p], which the store of layer - 2 last read.
-  if (layer >= 2) stored_[l - 2]->wait();
-  ops::cache_store(keys, staging_keys_[p], 0);
-  ops::cache_store(values, staging_values_[p], 0);
-
-  // Which tokens each (sequence, head) keeps: the eviction policy's choice from the prompt's
-  // attention (speculate/prompt_keep.h; the query heads of a KV head's group together), and
-  // the history they start decoding with.
-  const float* q = prefill_input_->queries.data<float>();  // (B * n, H * d), scaled
-  const float* k = keys.data<float>();                     // (B * n, H_kv * d)
-  std::vector<PromptKeep> keep(static_cast<size_t>(B * H));
-#pragma omp parallel for schedule(dynamic)
-  for (int64_t row = 0; row < B * H; ++row) {
-    const int64_t b = row / H, g = row % H;
-    keep[static_cast<size_t>(row)] = keep_prompt_tokens(
-        q + b * n * Q + g * group_ * d, Q, group_, k + b * n * KV + g * d, KV,
-        first_valid()[static_cast<size_t>(b)], n, d, slots_, options_.alpha, eviction_[l].policy());
-  }
-
+  LayerPipeline& pipeline = paged_.pipeline();
+  // The prompt's rows go through the layer's staging, once the store that last read it is done.
+  pipeline.await_store_reads(layer);
+  ops::cache_store(keys, pipeline.keys(layer), 0);
+  ops::cache_store(values, pipeline.values(layer), 0);
   // Every position of the capped pool, now: decode steps write new tokens into free positions,
   // then into victims', and allocate nothing.
-  pool_.reserve(slots_);
-  const int64_t cap = staging_keys_[p].dim(2);
-  const size_t row_bytes = static_cast<size_t>(d) * dtype_size(staging_keys_[p].dtype());
-  std::vector<CopyChunk> chunks;
-  for (int64_t row = 0; row < B * H; ++row) {
-    const int64_t b = row / H, h = row % H;
-    const PromptKeep& kept = keep[static_cast<size_t>(row)];
-    for (size_t j = 0; j < kept.tokens.size(); ++j) {
-      const int64_t token = kept.tokens[j];
-      position_tokens_[l][static_cast<size_t>(row * slots_) + j] = static_cast<int32_t>(token);
-      eviction_[l].on_insert(row, static_cast<int64_t>(j), token);
-      const size_t src = static_cast<size_t>(row * cap + token) * row_bytes;
-      chunks.push_back({pool_.row(layer, KvKind::Key, b, h, static_cast<int64_t>(j)),
-                        static_cast<const char*>(staging_keys_[p].raw()) + src, row_bytes});
-      chunks.push_back({pool_.row(layer, KvKind::Value, b, h, static_cast<int64_t>(j)),
-                        static_cast<const char*>(staging_values_[p].raw()) + src, row_bytes});
-    }
-    eviction_[l].seed_row(row, kept.fetches, kept.last_fetch);
-  }
-  const uint64_t bytes = total_bytes(chunks);
-  stats_.current().layers[l].kv_d2h_bytes += bytes;
-  stats_.current().d2h_bytes += bytes;
-  stored_[l] =
-      engine_.store(std::move(chunks), nullptr, {"kv_store", layer, TransferContent::KvRows});
-}
-
-void InfinigenKv::count_dense_fetches(int64_t layer) {
-  const size_t l = static_cast<size_t>(layer), p = l % 2;
-  const PartialLayer::Selection& sel = selection_[l];
-  const Tensor& staged = staging_keys_[p];
-  const int64_t H = kv_heads_, d = head_dim_, cap = staged.dim(2);
-  const size_t row_bytes = static_cast<size_t>(d) * dtype_size(staged.dtype());
-  const float* q = decode_queries_.data<float>();  // (B, H * d) query heads, scaled
-  std::vector<float> key(static_cast<size_t>(d)), logits;
-  std::vector<char> fetched;
-  for (int64_t row = 0; row < batch() * H; ++row) {
-    const int64_t take = sel.take[static_cast<size_t>(row / H)];
-    // A position counts as fetched when one query head of the group attends within alpha of its
-    // own top. Staged rows [fetch - take, fetch) hold the selected positions, row fetch the new
-    // token.
-    fetched.assign(static_cast<size_t>(take), 0);
-    for (int64_t head = row * group_; head < (row + 1) * group_; ++head) {
-      const float* query = q + head * d;
-      logits.assign(static_cast<size_t>(take + 1), 0.0f);
-      for (int64_t j = 0; j <= take; ++j) {
-        const size_t staged_row = static_cast<size_t>(row * cap + sel.fetch - take + j);
-        convert_to_f32(static_cast<const char*>(staged.raw()) + staged_row * row_bytes,
-                       staged.dtype(), key.data(), key.size());
-        float dot = 0.0f;
-        for (int64_t c = 0; c < d; ++c) dot += query[c] * key[c];
-        logits[static_cast<size_t>(j)] = dot;
-      }
-      const float top = *std::max_element(logits.begin(), logits.end());
-      for (int64_t j = 0; j < take; ++j) {
-        if (logits[static_cast<size_t>(j)] > top - options_.alpha)
-          fetched[static_cast<size_t>(j)] = 1;
-      }
-    }
-    const int32_t* positions = sel.tokens.data() + row * sel.fetch;
-    for (int64_t j = 0; j < take; ++j) {
-      if (fetched[static_cast<size_t>(j)]) eviction_[l].on_fetch(row, positions[j], length());
-    }
-  }
-}
-
-std::vector<int32_t> InfinigenKv::place_new_token(int64_t layer) {
-  const size_t l = static_cast<size_t>(layer);
-  const int64_t t = length();  // the prefill reserved every position (store_prompt_in_capped_pool)
-  std::vector<int32_t> positions(static_cast<size_t>(batch() * kv_heads_));
+  paged_.pool().reserve(slots_);
+  const std::vector<std::vector<int32_t>> kept = capped_->keep_prompt(
+      layer, input_->queries, keys, first_valid(), head_dim_, options_.alpha);
+  std::vector<PoolRowMove> moves;
   for (int64_t row = 0; row < batch() * kv_heads_; ++row) {
-    const int64_t at =
-        eviction_[l].full(row) ? eviction_[l].victim(row, t) : eviction_[l].size(row);
-    positions[static_cast<size_t>(row)] = static_cast<int32_t>(at);
-    position_tokens_[l][static_cast<size_t>(row * slots_ + at)] = static_cast<int32_t>(t);
-    eviction_[l].on_insert(row, at, t);
+    const std::vector<int32_t>& tokens = kept[static_cast<size_t>(row)];
+    for (size_t j = 0; j < tokens.size(); ++j) {
+      moves.push_back({row / kv_heads_, row % kv_heads_, tokens[j], static_cast<int64_t>(j)});
+    }
   }
-  return positions;
+  paged_.store_staged_rows(layer, moves);
 }
 
-PartialLayer::Selection InfinigenKv::select_all(int64_t layer) const {
-  PartialLayer::Selection sel;
-  const int64_t used = used_positions(), B = batch();
-  sel.take.assign(static_cast<size_t>(B), 0);
-  std::vector<std::vector<int32_t>> rows(static_cast<size_t>(B * kv_heads_));
-  for (int64_t b = 0; b < B; ++b) {
-    for (int64_t h = 0; h < kv_heads_; ++h) {
-      for (int64_t p = 0; p < used; ++p) {
-        if (token_at(layer, b, h, p) >= first_valid()[static_cast<size_t>(b)]) {
-          rows[static_cast<size_t>(b * kv_heads_ + h)].push_back(static_cast<int32_t>(p));
-        }
-      }
-      const int32_t n = static_cast<int32_t>(rows[static_cast<size_t>(b * kv_heads_ + h)].size());
-      sel.take[static_cast<size_t>(b)] = h == 0 ? n : std::min(sel.take[static_cast<size_t>(b)], n);
-    }
-    sel.fetch = std::max<int64_t>(sel.fetch, sel.take[static_cast<size_t>(b)]);
+std::vector<int32_t> InfinigenKv::replayed_take(int64_t layer) const {
+  std::vector<int64_t> valid(static_cast<size_t>(batch()));
+  for (int64_t b = 0; b < batch(); ++b) {
+    valid[static_cast<size_t>(b)] =
+        used_positions() - first_valid()[static_cast<size_t>(b)] + shared().prefix_length(b);
   }
-  sel.fetch = std::max<int64_t>(sel.fetch, 1);
-  sel.tokens.assign(static_cast<size_t>(B * kv_heads_ * sel.fetch), 0);
-  for (int64_t row = 0; row < B * kv_heads_; ++row) {
-    const int64_t take = sel.take[static_cast<size_t>(row / kv_heads_)];
-    std::copy_n(rows[static_cast<size_t>(row)].begin(), take, sel.tokens.begin() + row * sel.fetch);
-  }
-  sel.mean_count = static_cast<double>(sel.fetch);
-  return sel;
+  return replay_->take(length() - prompt_tokens_ + 1, layer, num_layers_, options_.dense_layers,
+                       kv_heads_, length(), valid, options_.max_num_kv);
 }
 
 void InfinigenKv::select_and_load(int64_t layer, const Tensor& x,
                                   const std::vector<int32_t>& positions) {
   const size_t l = static_cast<size_t>(layer);
-  PartialLayer::Selection& sel = selection_[l];
-  std::vector<int32_t> replay_take;
-  if (dry_run()) {
-    std::vector<int64_t> valid(static_cast<size_t>(batch()));
-    for (int64_t b = 0; b < batch(); ++b) {
-      valid[static_cast<size_t>(b)] =
-          used_positions() - first_valid()[static_cast<size_t>(b)] + shared().prefix_length(b);
-    }
-    replay_take =
-        replay_->take(length() - prompt_tokens_ + 1, layer, std::ssize(partial_),
-                      options_.dense_layers, kv_heads_, length(), valid, options_.max_num_kv);
-  }
-  sel = partial_[l].speculate(x, positions, used_positions(), first_valid(), options_,
-                              limited() ? &position_tokens_[l] : nullptr, &replay_take);
-  if (limited()) {  // each fetched entry counts for the eviction policy
-    for (int64_t row = 0; row < batch() * kv_heads_; ++row) {
-      const int64_t take = sel.take[static_cast<size_t>(row / kv_heads_)];
-      for (int64_t j = 0; j < take; ++j) {
-        eviction_[l].on_fetch(row, sel.tokens[static_cast<size_t>(row * sel.fetch + j)], length());
-      }
-    }
-  }
+  const std::vector<int32_t> take = dry_run() ? replayed_take(layer) : std::vector<int32_t>{};
+  selection_[l] =
+      partial_[l].speculate(x, positions, used_positions(), first_valid(), options_,
+                            capped_ ? &capped_->position_tokens(layer) : nullptr, &take);
+  if (capped_) capped_->count_fetches(layer, selection_[l], length());
   load_selection(layer);
 }
 
 void InfinigenKv::load_selection(int64_t layer) {
   const size_t l = static_cast<size_t>(layer), p = l % 2;
+  LayerPipeline& pipeline = paged_.pipeline();
   const PartialLayer::Selection& sel = selection_[l];
-  Tensor& keys = staging_keys_[p];
-  Tensor& values = staging_values_[p];
-  if (debug_poison()) {
-    fill_nan(keys);
-    fill_nan(values);
-  }
+  Tensor& keys = pipeline.keys(layer);
+  Tensor& values = pipeline.values(layer);
+  pipeline.poison(layer);
+  const KvPool& pool = paged_.pool();
   const int64_t B = batch(), H = kv_heads_, cap = keys.dim(2);
   const size_t row_bytes = static_cast<size_t>(head_dim_) * dtype_size(keys.dtype());
   std::vector<CopyChunk> chunks;
   chunks.reserve(static_cast<size_t>(2 * B * H * sel.fetch));
-  LayerTraffic& traffic = stats_.current().layers[l];
+  LayerTraffic& traffic = pipeline.traffic(layer);
   // A shared prefix's row crosses the link once, for the first member of its group that selected
   // it: (group, head, position) -> that sequence's staging row. A dry run cannot know which
   // selections coincide (they are replayed, not speculated) and prices every sequence's fetch.
@@ -395,108 +292,47 @@ void InfinigenKv::load_selection(int64_t layer) {
           }
           first = dst_row;
         }
-        chunks.push_back({key_dst, pool_.row(layer, KvKind::Key, b, h, positions[j]), row_bytes});
+        chunks.push_back({key_dst, pool.row(layer, KvKind::Key, b, h, positions[j]), row_bytes});
         chunks.push_back(
-            {value_dst, pool_.row(layer, KvKind::Value, b, h, positions[j]), row_bytes});
+            {value_dst, pool.row(layer, KvKind::Value, b, h, positions[j]), row_bytes});
       }
     }
     traffic.tokens_fetched += static_cast<uint64_t>(take * H);
     // The pool's valid entries of this sequence: its tokens (a shared prefix's included), or its
     // valid positions when capped.
-    int64_t valid = length() - first_valid()[static_cast<size_t>(b)] + shared.prefix_length(b);
-    if (limited()) {
-      valid = 0;
-      for (int64_t q = 0; q < used_positions(); ++q) {
-        valid += token_at(layer, b, 0, q) >= first_valid()[static_cast<size_t>(b)] ? 1 : 0;
-      }
-    }
+    const int32_t start = first_valid()[static_cast<size_t>(b)];
+    const int64_t valid = capped_ ? capped_->valid_entries(layer, b, start, length())
+                                  : length() - start + shared.prefix_length(b);
     traffic.tokens_stored += static_cast<uint64_t>(valid * H);
   }
-  const uint64_t bytes = static_cast<uint64_t>(chunks.size() * row_bytes);
-  traffic.kv_h2d_bytes += bytes;
-  stats_.current().h2d_bytes += bytes;
-  loaded_[l] =
-      engine_.load(std::move(chunks), stored_[l], {"kv_load", layer, TransferContent::KvRows});
+  pipeline.load(layer, std::move(chunks), TransferContent::KvRows);
 }
 
-KvStore::View InfinigenKv::view(int64_t layer) {
-  if (!compact(layer)) return OffloadedKv::view(layer);
-  const size_t l = static_cast<size_t>(layer), p = l % 2;
-  wait_for_load(layer);
-  for (const CopyChunk& copy : shared_row_copies_[p]) {  // shared rows loaded once
-    device_copy(copy.dst, staging_keys_[p].device(), copy.src, staging_keys_[p].device(),
-                copy.bytes);
-  }
-  LayerTraffic& traffic = stats_.current().layers[l];
-  const PartialLayer::Selection& sel = selection_[l];
-  compact_first_valid_.resize(static_cast<size_t>(batch()));
-  for (int64_t b = 0; b < batch(); ++b) {
-    compact_first_valid_[static_cast<size_t>(b)] =
-        static_cast<int32_t>(sel.fetch - sel.take[static_cast<size_t>(b)]);
-  }
-  if (check_recall_ && !dense(layer)) traffic.recall = measure_recall(layer);
-  if (limited() && dense(layer)) count_dense_fetches(layer);
-  return {&staging_keys_[p], &staging_values_[p], sel.fetch + 1, &compact_first_valid_};
-}
-
-double InfinigenKv::measure_recall(int64_t layer) const {
-  const size_t l = static_cast<size_t>(layer), p = l % 2;
-  stored_[l]->wait();  // the pool holds every earlier entry of this layer
-  const PartialLayer::Selection& sel = selection_[l];
-  const Tensor& staged = staging_keys_[p];
-  const int64_t B = batch(), H = kv_heads_, d = head_dim_, cap = staged.dim(2);
-  const float* q = decode_queries_.data<float>();  // (B, heads * d), scaled
-  std::vector<float> key(static_cast<size_t>(d));
-  double total_recall = 0.0;
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t take = sel.take[static_cast<size_t>(b)];
-    for (int64_t g = 0; g < H; ++g) {
-      // Per query head of the group: the share of its attention weight that the staged rows of
-      // its KV head carry.
-      for (int64_t head = g * group_; head < (g + 1) * group_; ++head) {
-        const float* query = q + (b * heads_ + head) * d;
-        const auto logit = [&](const void* row) {
-          convert_to_f32(row, staged.dtype(), key.data(), key.size());
-          double dot = 0.0;
-          for (int64_t c = 0; c < d; ++c) dot += static_cast<double>(query[c]) * key[c];
-          return dot;
-        };
-        // Over the pool's valid entries (every earlier token, or what a capped pool still
-        // holds), the current token (row n' of the staging buffer) included.
-        std::vector<double> logits(static_cast<size_t>(used_positions()), -INFINITY);
-        for (int64_t pos = 0; pos < used_positions(); ++pos) {
-          const int32_t token = token_at(layer, b, g, pos);
-          // The current token, already placed in a capped pool, is counted below.
-          if (holds_token(b, token) && token < length()) {
-            logits[static_cast<size_t>(pos)] = logit(pool_.row(layer, KvKind::Key, b, g, pos));
-          }
-        }
-        const size_t current_row = static_cast<size_t>((b * H + g) * cap + sel.fetch);
-        const double current = logit(static_cast<const char*>(staged.raw()) +
-                                     current_row * d * dtype_size(staged.dtype()));
-        double top = current;
-        for (double v : logits) top = std::max(top, v);
-        double all = std::exp(current - top), kept = all;
-        for (double v : logits) all += std::exp(v - top);
-        const int32_t* positions = sel.tokens.data() + (b * H + g) * sel.fetch;
-        for (int64_t j = 0; j < take; ++j) kept += std::exp(logits[positions[j]] - top);
-        total_recall += kept / all;
-      }
-    }
-  }
-  return total_recall / static_cast<double>(B * heads_);
+double InfinigenKv::measure_recall(int64_t layer) {
+  paged_.pipeline().stored(layer)->wait();  // the pool holds every earlier entry of this layer
+  const KvPool& pool = paged_.pool();
+  return staged_recall(
+      {input_->queries, paged_.pipeline().keys(layer), selection_[static_cast<size_t>(layer)],
+       used_positions(), [&](int64_t b, int64_t g, int64_t position) -> const void* {
+         // The current token, already placed in a capped pool, is the staging's row n'.
+         const int32_t token = token_at(layer, b, g, position);
+         return holds_token(b, token) && token < length()
+                    ? pool.row(layer, KvKind::Key, b, g, position)
+                    : nullptr;
+       }});
 }
 
 void InfinigenKv::resume(int64_t length, std::vector<int32_t> first_valid, int64_t num_layers,
                          LayerRestorer restore) {
-  INFINIGEN_CHECK(!limited(), "a conversation cannot be resumed under ", option("kv_pool_limit"),
+  INFINIGEN_CHECK(!capped_, "a conversation cannot be resumed under ", option("kv_pool_limit"),
                   " yet");
-  OffloadedKv::resume(length, std::move(first_valid), num_layers, std::move(restore));
+  KvStore::resume(length, std::move(first_valid), num_layers, std::move(restore));
+  paged_.resume(length);
 }
 
 std::vector<KvStore::TokenStream> InfinigenKv::token_streams(int64_t layer) const {
-  if (limited()) return {};  // positions, not tokens: not saved yet
-  std::vector<TokenStream> streams = OffloadedKv::token_streams(layer);
+  if (capped_) return {};  // positions, not tokens: not saved yet
+  std::vector<TokenStream> streams = paged_.token_streams();
   if (!dense(layer)) {
     streams.push_back({"partial_keys", options_.partial_key_dtype,
                        partial_columns(options_.partial_ratio, head_dim_)});
@@ -506,7 +342,7 @@ std::vector<KvStore::TokenStream> InfinigenKv::token_streams(int64_t layer) cons
 
 const void* InfinigenKv::token_row(int64_t layer, size_t stream, int64_t b, int64_t h,
                                    int64_t t) const {
-  if (stream < 2) return OffloadedKv::token_row(layer, stream, b, h, t);
+  if (stream < 2) return paged_.token_row(layer, stream, b, h, t);
   return partial_[static_cast<size_t>(layer)].key_row(b, h, t);
 }
 

@@ -1,10 +1,11 @@
 // offload: the registration list of the KV policies, and lookup by name.
 #include "offload/kv_policy.h"
 
+#include "offload/full_kv.h"
+#include "offload/gpu_kv.h"
 #include "offload/h2o_kv.h"
 #include "offload/infinigen_kv.h"
 #include "offload/int4_kv.h"
-#include "offload/offloaded_kv.h"
 
 namespace infinigen {
 

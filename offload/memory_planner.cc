@@ -365,7 +365,7 @@ MemoryPlan compute_memory_plan(const MemoryRequest& r) {
         saturating_sum({c.dtype == DType::F32 ? size_t{0} : saturating_product({B, n, widest, 2}),
                         kCublasWorkspaceBytes});
     // The host gather lands each way's largest transfer, a layer's K and V at every position (a
-    // pool's store reserves it: OffloadedKv), on the device and in pinned staging: two layers'
+    // pool's store reserves it: PagedKv), on the device and in pinned staging: two layers'
     // staging in all.
     if (r.options.gather == GatherMode::Host && kv.host > 0) {
       plan.device_gather = kv_staging_bytes(r, request_positions(r));

@@ -152,7 +152,7 @@ TEST(DecodeAllocation, CappedInfinigenPoolDecodesWithoutAllocating) {
   }
 }
 
-// Pools of blocks shorter than the run, so that decode steps cross into new blocks: OffloadedKv
+// Pools of blocks shorter than the run, so that decode steps cross into new blocks: PagedKv
 // (`full` and `infinigen`) pins every block of the run before the first decode step.
 TEST(DecodeAllocation, PoolBlocksAreReservedBeforeDecoding) {
   const GenerationRequest request = small_request();

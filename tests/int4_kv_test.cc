@@ -15,7 +15,7 @@
 #include "core/generation.h"
 #include "core/model_loader.h"
 #include "offload/int4_codec.h"
-#include "offload/offloaded_kv.h"
+#include "offload/full_kv.h"
 #include "tests/test_util.h"
 
 namespace infinigen {
@@ -154,8 +154,8 @@ class Int4KvGeneration : public testing_util::MixedLengthRunTest {
       if (int4) {
         return std::make_unique<Int4Kv>(config, batch, capacity, Device::Cpu, engine, r.stats);
       }
-      return std::make_unique<OffloadedKv>(config, batch, capacity, DType::F16, Device::Cpu, 4,
-                                           engine, r.stats);
+      return std::make_unique<FullKv>(config, batch, capacity, DType::F16, Device::Cpu, 4, engine,
+                                      r.stats);
     };
     r.result = generate(*model, request_, {}, factory);
     engine.synchronize();

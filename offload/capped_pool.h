@@ -1,0 +1,84 @@
+// offload: the bookkeeping of InfiniGen's capped KV pool (--kv-pool-limit): which token each pool
+// position holds, and the eviction tables that choose which position a new token overwrites.
+//
+// With a limit of S positions per (layer, sequence, KV head), the pool and the partial key cache
+// are indexed by position, not token. A prompt longer than S keeps, per (sequence, head), the S
+// tokens the eviction policy chooses from the prompt's attention, with the counters (or
+// recencies) that attention gives them (speculate/prompt_keep.h); once a row is full each new
+// token overwrites the victim the policy chooses (speculate/eviction.h). Every fetched entry
+// counts for the policy: the speculated layers' selections, and for dense layers (which load
+// every valid position) the entries within alpha of the top of their true attention.
+//
+// Rows are numbered b * H_kv + h within a layer. The bookkeeping lives on the host: it is a few
+// bytes per position, and each decode step touches one position per row.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/tensor.h"
+#include "speculate/eviction.h"
+#include "speculate/speculation.h"
+
+namespace infinigen {
+
+struct KvPoolLimit {
+  int64_t positions = 0;  // per (layer, sequence, head); 0 = no limit
+  EvictionPolicy eviction = EvictionPolicy::Counter;
+};
+
+class CappedPool {
+ public:
+  CappedPool(int64_t num_layers, int64_t batch, int64_t kv_heads, int64_t slots,
+             EvictionPolicy eviction);
+
+  int64_t slots() const { return slots_; }  // S
+  // Positions in use once `length` tokens per sequence have been stored.
+  int64_t used(int64_t length) const { return std::min(length, slots_); }
+  // The token at position `position` of (b, h) in layer `layer` (-1: empty).
+  int32_t token_at(int64_t layer, int64_t b, int64_t h, int64_t position) const {
+    return tokens_[static_cast<size_t>(layer)]
+                  [static_cast<size_t>((b * kv_heads_ + h) * slots_ + position)];
+  }
+  // Layer `layer`'s tokens per position, (B, H_kv, S), for the partial key cache.
+  std::vector<int32_t>& position_tokens(int64_t layer) {
+    return tokens_[static_cast<size_t>(layer)];
+  }
+
+  // The prefill of layer `layer`: from the prompt's scaled queries (B * n, H * d) and keys
+  // (B * n, H_kv * d), fp32 on the host, the tokens each (b, h) keeps, in the order of the
+  // positions they take ((B * H_kv) lists; position j of a row holds its j-th token), with the
+  // history the eviction policy starts decoding with.
+  std::vector<std::vector<int32_t>> keep_prompt(int64_t layer, const Tensor& queries,
+                                                const Tensor& keys,
+                                                const std::vector<int32_t>& first_valid,
+                                                int64_t head_dim, double alpha);
+  // Decode: the position each (b, h) gives the new token `token` ((B * H_kv)): the next free one
+  // until the row is full, then the victim's.
+  std::vector<int32_t> place_token(int64_t layer, int64_t token);
+  // Every valid position of each (b, h) after `length` tokens (a dense layer's load): take[b] is
+  // the least count over the sequence's heads.
+  PartialLayer::Selection select_all(int64_t layer, const std::vector<int32_t>& first_valid,
+                                     int64_t length) const;
+  // Valid entries of sequence b (those of its head 0; every head keeps as many).
+  int64_t valid_entries(int64_t layer, int64_t b, int32_t first_valid, int64_t length) const;
+
+  // Each entry `selection` takes counts as fetched at step `step`.
+  void count_fetches(int64_t layer, const PartialLayer::Selection& selection, int64_t step);
+  // A dense layer's fetches: of the staged rows of `selection` (staged_keys (B, H_kv, rows, d):
+  // (b, h)'s rows [fetch - take[b], fetch) hold its positions, row fetch the new token), those
+  // that one query head of the group (queries (B, H * d), scaled) attends to within alpha of its
+  // own top.
+  void count_dense_fetches(int64_t layer, const PartialLayer::Selection& selection,
+                           const Tensor& staged_keys, const Tensor& queries, double alpha,
+                           int64_t step);
+
+ private:
+  int64_t batch_;
+  int64_t kv_heads_;
+  int64_t slots_;
+  std::vector<std::vector<int32_t>> tokens_;  // per layer: (B, H_kv, S), -1 empty
+  std::vector<EvictionTable> eviction_;       // per layer: B * H_kv rows of S slots
+};
+
+}  // namespace infinigen
