@@ -2,7 +2,7 @@
 // reads, the memory it needs, whether its steps run on a device, and how its KvStore is made.
 // The runtime, the memory planner, the CLI and eval look policies up here and never name one.
 //
-// Adding a policy: its store (a KvStore, usually on the layer pipeline of pipelined_kv.h) and its
+// Adding a policy: its store (a KvStore that owns a LayerPipeline, layer_pipeline.h) and its
 // entry in its own file, and one line in kv_policy.cc's registration list (docs/architecture.md).
 #pragma once
 
