@@ -62,6 +62,12 @@ void softmax_inplace(float* logits, int64_t n) {
   for (int64_t i = 0; i < n; ++i) logits[i] /= sum;
 }
 
+// `budget`, which must be a share in (0, 1].
+double checked_budget(double budget) {
+  INFINIGEN_CHECK(budget > 0.0 && budget <= 1.0, "h2o budget must be in (0, 1], got ", budget);
+  return budget;
+}
+
 }  // namespace
 
 int64_t h2o_choose_victim(std::span<const float> scores, std::span<const int32_t> tokens,
@@ -91,45 +97,32 @@ int64_t h2o_slots(double budget, int64_t capacity) {
 
 H2oKv::H2oKv(const ModelConfig& config, int64_t batch, int64_t capacity, DType kv_dtype,
              Device device, double budget, TransferEngine& engine, OffloadStats& stats)
-    : PipelinedKv(batch, capacity, config.num_layers, engine, stats),
+    : KvStore(batch, capacity),
       heads_(config.kv_heads()),
       group_(config.num_heads / config.kv_heads()),
       head_dim_(config.head_dim()),
       kv_dtype_(kv_dtype),
       device_(device),
-      slots_(h2o_slots(budget, capacity)),
+      slots_(h2o_slots(checked_budget(budget), capacity)),
       recent_(slots_ / 2),
       row_bytes_(static_cast<size_t>(config.head_dim()) * dtype_size(kv_dtype)),
       count_(static_cast<size_t>(batch), 0),
-      view_first_valid_(static_cast<size_t>(batch), 0) {
-  INFINIGEN_CHECK(budget > 0.0 && budget <= 1.0, "h2o budget must be in (0, 1], got ", budget);
-  const Shape shape = {batch, heads_, slots_ + 1, head_dim_};
-  for (size_t p = 0; p < 2; ++p) {
-    staging_keys_[p] = Tensor::empty(shape, kv_dtype, device);
-    staging_values_[p] = Tensor::empty(shape, kv_dtype, device);
-  }
-  pool_ = static_cast<char*>(
-      pinned_alloc(static_cast<size_t>(num_layers_ * 2 * batch * heads_ * slots_) * row_bytes_,
-                   "the H2O KV pool"));
-  const auto rows = static_cast<size_t>(num_layers_ * batch * heads_ * (slots_ + 1));
+      view_first_valid_(static_cast<size_t>(batch), 0),
+      pipeline_(config.num_layers, engine, stats, {batch, heads_, slots_ + 1, head_dim_}, kv_dtype,
+                device) {
+  const int64_t L = config.num_layers;
+  pool_.reset(static_cast<char*>(pinned_alloc(
+      static_cast<size_t>(L * 2 * batch * heads_ * slots_) * row_bytes_, "the H2O KV pool")));
+  const auto rows = static_cast<size_t>(L * batch * heads_ * (slots_ + 1));
   if (!dry_run()) host_keys_.assign(rows * static_cast<size_t>(head_dim_), 0.0f);
   scores_.assign(rows, 0.0f);
   tokens_.assign(rows, -1);
 }
 
-H2oKv::~H2oKv() {
-  try {
-    engine_.synchronize();  // transfers still read and write the pool and the staging buffers
-  } catch (...) {
-    // The failure was already reported to the pass that caused it.
-  }
-  pinned_free(pool_);
-}
-
 char* H2oKv::pool_row(int64_t layer, int64_t kind, int64_t b, int64_t h, int64_t row) const {
   const auto index =
       static_cast<size_t>((((layer * 2 + kind) * batch() + b) * heads_ + h) * slots_ + row);
-  return pool_ + index * row_bytes_;
+  return pool_.get() + index * row_bytes_;
 }
 
 char* H2oKv::staging_row(Tensor& staging, int64_t b, int64_t h, int64_t row) const {
@@ -160,22 +153,27 @@ void H2oKv::start_pass(int64_t n_new) {
     view_first_valid_[static_cast<size_t>(b)] =
         static_cast<int32_t>(slots_ - count_[static_cast<size_t>(b)]);
   }
-  PipelinedKv::start_pass(n_new);
+  KvStore::start_pass(n_new);
+  pipeline_.start_pass(*this);
+  if (length() > 0) issue_load(0);  // decode: layer 0's KV starts moving before the embedding
+}
+
+void H2oKv::start_layer(int64_t layer) {
+  // While this layer computes, the next layer's KV moves into the other staging buffer (which
+  // layer - 1 has finished reading: compute runs in order).
+  if (length() > 0 && layer + 1 < pipeline_.num_layers()) issue_load(layer + 1);
 }
 
 void H2oKv::issue_load(int64_t layer) {
-  const auto l = static_cast<size_t>(layer);
-  Tensor& keys = staging_keys_[l % 2];
-  Tensor& values = staging_values_[l % 2];
+  Tensor& keys = pipeline_.keys(layer);
+  Tensor& values = pipeline_.values(layer);
   if (debug_poison()) {  // rows that the load does not bring must never be read
-    staging_read_[l % 2]->wait();
-    fill_nan(keys);
-    fill_nan(values);
+    pipeline_.await_store_reads(layer);
+    pipeline_.poison(layer);
   }
   std::vector<CopyChunk> chunks;
   chunks.reserve(static_cast<size_t>(2 * batch() * heads_));
-  LayerTraffic& traffic = stats_.current().layers[l];
-  uint64_t bytes = 0;
+  LayerTraffic& traffic = pipeline_.traffic(layer);
   for (int64_t b = 0; b < batch(); ++b) {
     const int64_t count = count_[static_cast<size_t>(b)], row0 = slots_ - count;
     if (count == 0) continue;
@@ -184,24 +182,10 @@ void H2oKv::issue_load(int64_t layer) {
       chunks.push_back({staging_row(keys, b, h, row0), pool_row(layer, 0, b, h, row0), run});
       chunks.push_back({staging_row(values, b, h, row0), pool_row(layer, 1, b, h, row0), run});
     }
-    bytes += 2 * static_cast<uint64_t>(heads_) * run;
     traffic.tokens_fetched += static_cast<uint64_t>(count * heads_);
   }
   traffic.tokens_stored = traffic.tokens_fetched;  // the pool holds exactly what is loaded
-  traffic.kv_h2d_bytes += bytes;
-  stats_.current().h2d_bytes += bytes;
-  // The pool must hold the previous step's token of this layer before it is read.
-  loaded_[l] = engine_.load(std::move(chunks), stored_[l], {"kv_load", layer});
-}
-
-void H2oKv::issue_store(int64_t layer, std::vector<CopyChunk> chunks, EventPtr after) {
-  const auto l = static_cast<size_t>(layer);
-  uint64_t bytes = 0;
-  for (const CopyChunk& chunk : chunks) bytes += chunk.bytes;
-  stats_.current().layers[l].kv_d2h_bytes += bytes;
-  stats_.current().d2h_bytes += bytes;
-  stored_[l] = engine_.store(std::move(chunks), std::move(after), {"kv_store", layer});
-  staging_read_[l % 2] = stored_[l];
+  pipeline_.load(layer, std::move(chunks));
 }
 
 void H2oKv::observe(int64_t layer, const AttentionInput& input) {
@@ -220,9 +204,8 @@ void H2oKv::append(int64_t layer, const Tensor& keys, const Tensor& values) {
 }
 
 KvStore::View H2oKv::view(int64_t layer) {
-  const auto l = static_cast<size_t>(layer);
-  wait_for_load(layer);
-  return {&staging_keys_[l % 2], &staging_values_[l % 2], slots_ + 1, &view_first_valid_};
+  pipeline_.wait_for_load(layer);
+  return {&pipeline_.keys(layer), &pipeline_.values(layer), slots_ + 1, &view_first_valid_};
 }
 
 void H2oKv::prefill(int64_t layer, const Tensor& keys, const Tensor& values) {
@@ -302,37 +285,39 @@ void H2oKv::prefill(int64_t layer, const Tensor& keys, const Tensor& values) {
 
   // The kept rows reach the pool as a decode step's would: staged on the device, then stored.
   // The staging buffer was last read by the store of layer - 2.
-  const size_t p = static_cast<size_t>(layer % 2);
-  staging_read_[p]->wait();
+  pipeline_.await_store_reads(layer);
+  Tensor& staging_keys = pipeline_.keys(layer);
+  Tensor& staging_values = pipeline_.values(layer);
   const Tensor ck = staged_k.to_dtype(kv_dtype_), cv = staged_v.to_dtype(kv_dtype_);
-  device_copy(staging_keys_[p].raw(), device_, ck.raw(), Device::Cpu, ck.nbytes());
-  device_copy(staging_values_[p].raw(), device_, cv.raw(), Device::Cpu, cv.nbytes());
+  device_copy(staging_keys.raw(), device_, ck.raw(), Device::Cpu, ck.nbytes());
+  device_copy(staging_values.raw(), device_, cv.raw(), Device::Cpu, cv.nbytes());
   std::vector<CopyChunk> chunks;
   chunks.reserve(static_cast<size_t>(2 * B * H));
-  LayerTraffic& traffic = stats_.current().layers[static_cast<size_t>(layer)];
+  LayerTraffic& traffic = pipeline_.traffic(layer);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t count = std::min(n - fv[static_cast<size_t>(b)], slots_), row0 = slots_ - count;
     if (count == 0) continue;
     const size_t run = static_cast<size_t>(count) * row_bytes_;
     for (int64_t h = 0; h < H; ++h) {
       chunks.push_back(
-          {pool_row(layer, 0, b, h, row0), staging_row(staging_keys_[p], b, h, row0), run});
+          {pool_row(layer, 0, b, h, row0), staging_row(staging_keys, b, h, row0), run});
       chunks.push_back(
-          {pool_row(layer, 1, b, h, row0), staging_row(staging_values_[p], b, h, row0), run});
+          {pool_row(layer, 1, b, h, row0), staging_row(staging_values, b, h, row0), run});
     }
     traffic.tokens_stored += static_cast<uint64_t>(H * count);
   }
-  issue_store(layer, std::move(chunks), nullptr);
+  pipeline_.store(layer, std::move(chunks));
 }
 
 void H2oKv::decode(int64_t layer, const Tensor& keys, const Tensor& values) {
-  const size_t p = static_cast<size_t>(layer % 2);
   const int64_t B = batch(), H = heads_, d = head_dim_, width = H * d;
+  Tensor& staging_keys = pipeline_.keys(layer);
+  Tensor& staging_values = pipeline_.values(layer);
   // The new token goes into row `slots` of every (b, h), which the store of layer - 2 (or of the
   // previous step's last layers) has finished reading.
-  staging_read_[p]->wait();
-  ops::cache_store(keys, staging_keys_[p], slots_);
-  ops::cache_store(values, staging_values_[p], slots_);
+  pipeline_.await_store_reads(layer);
+  ops::cache_store(keys, staging_keys, slots_);
+  ops::cache_store(values, staging_values, slots_);
   const auto token = static_cast<int32_t>(length());
   int64_t scored = 0;  // (entry, query) pairs the scoring visits, for the trace
   for (int32_t count : count_) scored += H * group_ * (count + 1);
@@ -395,13 +380,13 @@ void H2oKv::decode(int64_t layer, const Tensor& keys, const Tensor& values) {
       }
       move_entry(layer, b, h, slots_, to);
       chunks.push_back(
-          {pool_row(layer, 0, b, h, to), staging_row(staging_keys_[p], b, h, slots_), row_bytes_});
-      chunks.push_back({pool_row(layer, 1, b, h, to), staging_row(staging_values_[p], b, h, slots_),
-                        row_bytes_});
+          {pool_row(layer, 0, b, h, to), staging_row(staging_keys, b, h, slots_), row_bytes_});
+      chunks.push_back(
+          {pool_row(layer, 1, b, h, to), staging_row(staging_values, b, h, slots_), row_bytes_});
     }
   }
   // A victim's old row may be among the rows this step's load of the layer reads.
-  issue_store(layer, std::move(chunks), loaded_[static_cast<size_t>(layer)]);
+  pipeline_.store(layer, std::move(chunks), pipeline_.loaded(layer));
 }
 
 void H2oKv::keep_newest_prompt_tokens(int64_t layer, int64_t n) {
@@ -439,7 +424,8 @@ void H2oKv::end_pass(int64_t n_new) {
     for (int32_t& count : count_)
       count = static_cast<int32_t>(std::min<int64_t>(count + 1, slots_));
   }
-  PipelinedKv::end_pass(n_new);
+  pipeline_.end_pass(*this);  // reads the pass's state before KvStore::end_pass moves it
+  KvStore::end_pass(n_new);
 }
 
 }  // namespace infinigen

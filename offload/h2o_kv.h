@@ -20,33 +20,34 @@
 // in token order; each keeps its token index, and "recent" is decided by it. Left padding is
 // never kept. Only transfers touch the pool: the store stream writes it, the load stream reads it.
 //
-// Device: staging K and V (B, H, slots + 1, d) by layer parity. Layer l's load copies each
-// (b, h)'s count[b] valid rows into the same rows of staging[l % 2]; the new token goes into row
-// `slots`, and attention reads rows [slots - count[b], slots + 1) (the view's own first_valid).
-// Once the new query has scored the layer, the store stream copies row `slots` of every (b, h)
-// into the pool row chosen for it.
+// Device: the pipeline's staging K and V (B, H, slots + 1, d) by layer parity. Layer l's load
+// copies each (b, h)'s count[b] valid rows into the same rows of staging[l % 2]; the new token
+// goes into row `slots`, and attention reads rows [slots - count[b], slots + 1) (the view's own
+// first_valid). Once the new query has scored the layer, the store stream copies row `slots` of
+// every (b, h) into the pool row chosen for it.
 //
 // Bytes: a decode step loads 2 * L * sum_b(count[b]) * H * d * kv_bytes and stores
 // 2 * L * B * H * d * kv_bytes; the prefill stores its kept rows, 2 * L * sum_b(count[b]) * H * d *
 // kv_bytes with the counts after selection.
 //
-// Ordering, by events as in OffloadedKv (no device-wide synchronisation): layer 0's load is
-// issued by begin_pass and layer l + 1's by begin_layer(l), so each overlaps the layer before;
-// attention of layer l waits for its load's event only. The load of layer l waits for the
-// previous step's store of layer l; the store of layer l waits for this step's load of layer l
-// (the victim's old row may be among the rows it reads). A host write into a staging buffer waits
-// for the store that last read it.
+// Ordering, by events through the layer pipeline (offload/layer_pipeline.h; no device-wide
+// synchronisation): layer 0's load is issued by begin_pass and layer l + 1's by begin_layer(l), so
+// each overlaps the layer before; attention of layer l waits for its load's event only. The load
+// of layer l waits for the previous step's store of layer l; the store of layer l waits for this
+// step's load of layer l (the victim's old row may be among the rows it reads). A host write into
+// a staging buffer waits for the latest store that read a staging buffer of its parity.
 #pragma once
 
-#include <array>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
 
+#include "core/device.h"
 #include "core/kv_cache.h"
+#include "offload/layer_pipeline.h"
 #include "offload/offload_stats.h"
-#include "offload/pipelined_kv.h"
 #include "offload/transfer_engine.h"
 
 namespace infinigen {
@@ -64,14 +65,12 @@ int64_t h2o_choose_victim(std::span<const float> scores, std::span<const int32_t
 // and the store agree through it.
 int64_t h2o_slots(double budget, int64_t capacity);
 
-class H2oKv : public PipelinedKv {
+class H2oKv : public KvStore {
  public:
   // `budget`: the fraction of `capacity` (prompt + generation) kept per (layer, sequence, head).
   H2oKv(const ModelConfig& config, int64_t batch, int64_t capacity, DType kv_dtype, Device device,
         double budget, TransferEngine& engine, OffloadStats& stats);
-  ~H2oKv() override;
 
-  void start_pass(int64_t n_new) override;
   void observe(int64_t layer, const AttentionInput& input) override;
   void append(int64_t layer, const Tensor& keys, const Tensor& values) override;
   View view(int64_t layer) override;
@@ -84,6 +83,10 @@ class H2oKv : public PipelinedKv {
   // Token indices kept by (layer, b, h), in row order (after the last pass).
   std::vector<int32_t> kept_tokens(int64_t layer, int64_t b, int64_t h) const;
 
+ protected:
+  void start_pass(int64_t n_new) override;
+  void start_layer(int64_t layer) override;
+
  private:
   // Index of row `row` of (layer, b, h) in the host bookkeeping (scores, tokens, key copy / d).
   size_t entry(int64_t layer, int64_t b, int64_t h, int64_t row) const {
@@ -93,8 +96,8 @@ class H2oKv : public PipelinedKv {
   char* pool_row(int64_t layer, int64_t kind, int64_t b, int64_t h, int64_t row) const;
   // Row `row` of (b, h) in a staging buffer (B, H, slots + 1, d).
   char* staging_row(Tensor& staging, int64_t b, int64_t h, int64_t row) const;
-  // Starts loading layer `layer`'s kept rows into staging[layer % 2].
-  void issue_load(int64_t layer) override;
+  // Starts loading layer `layer`'s kept rows into its staging.
+  void issue_load(int64_t layer);
   void prefill(int64_t layer, const Tensor& keys, const Tensor& values);
   void decode(int64_t layer, const Tensor& keys, const Tensor& values);
   // A dry run's prefill (core/trace.h): the bookkeeping of keeping each sequence's newest prompt
@@ -102,9 +105,6 @@ class H2oKv : public PipelinedKv {
   void keep_newest_prompt_tokens(int64_t layer, int64_t n);
   // Moves the bookkeeping of row `from` of (layer, b, h) into row `to` (key copy, score, token).
   void move_entry(int64_t layer, int64_t b, int64_t h, int64_t from, int64_t to);
-  // Enqueues `chunks` (device -> pool) as layer `layer`'s store after `after`, counting bytes;
-  // staging[layer % 2] is their source.
-  void issue_store(int64_t layer, std::vector<CopyChunk> chunks, EventPtr after);
   float round_kv(float value) const;  // `value` as the KV dtype stores it
 
   int64_t heads_;  // H_kv: the pool's heads (each scored by its group's query heads)
@@ -114,12 +114,9 @@ class H2oKv : public PipelinedKv {
   Device device_;
   int64_t slots_;
   int64_t recent_;
-  size_t row_bytes_;                                     // d * kv_bytes
-  char* pool_ = nullptr;                                 // [L][2][B][H][slots][d], pinned
-  std::array<Tensor, 2> staging_keys_, staging_values_;  // (B, H, slots + 1, d) by layer parity
-  // Per staging buffer: the store that last read it (the prefill's kept rows, or a decode step's
-  // row `slots`). Host writes into the buffer wait for it.
-  std::array<EventPtr, 2> staging_read_ = {completed_event(), completed_event()};
+  size_t row_bytes_;  // d * kv_bytes
+  // [L][2][B][H][slots][d], pinned.
+  std::unique_ptr<char[], void (*)(void*)> pool_{nullptr, pinned_free};
   std::vector<float> host_keys_;  // (L, B, H, slots + 1, d) fp32, rounded through the KV dtype
                                   // (empty in a dry run)
   std::vector<float> scores_;     // (L, B, H, slots + 1) accumulated attention probability
@@ -127,6 +124,9 @@ class H2oKv : public PipelinedKv {
   std::vector<int32_t> count_;    // (B) entries kept per (layer, head) before this pass
   std::vector<int32_t> view_first_valid_;  // (B) slots - count: first row attention reads
   Tensor queries_;                         // this layer's queries (B * n, H * d), from observe
+  // Staging K and V (B, H, slots + 1, d) by layer parity. Last: its destructor waits for the
+  // transfers that read and write the pool.
+  LayerPipeline pipeline_;
 };
 
 }  // namespace infinigen

@@ -44,48 +44,44 @@ void poison(void* pointer, size_t bytes) {
   std::memset(pointer, 0xff, bytes);
 }
 
+// `device`, which must be the CPU: the codec runs on the host.
+Device cpu_only(Device device) {
+  INFINIGEN_CHECK(device == Device::Cpu,
+                  "the int4 KV policy dequantises on the CPU backend only (no CUDA kernel yet)");
+  return device;
+}
+
 }  // namespace
 
 Int4Kv::Int4Kv(const ModelConfig& config, int64_t batch, int64_t capacity, Device device,
                TransferEngine& engine, OffloadStats& stats)
-    : PipelinedKv(batch, capacity, config.num_layers, engine, stats),
+    : KvStore(batch, capacity),
       num_heads_(config.kv_heads()),
       head_dim_(config.head_dim()),
       code_bytes_(int4_code_bytes(config.head_dim())),
       meta_bytes_(int4_meta_bytes(config.head_dim())),
-      device_(device) {
-  INFINIGEN_CHECK(device == Device::Cpu,
-                  "the int4 KV policy dequantises on the CPU backend only (no CUDA kernel yet)");
+      device_(cpu_only(device)),
+      pipeline_(config.num_layers, engine, stats, {batch, num_heads_, capacity, head_dim_},
+                DType::F16, device) {
   const size_t layer_rows = static_cast<size_t>(2 * batch * num_heads_ * capacity);
-  const size_t host_rows = static_cast<size_t>(num_layers_) * layer_rows;
-  host_.codes = static_cast<uint8_t*>(pinned_alloc(host_rows * code_bytes_, "the int4 KV codes"));
-  host_.meta = static_cast<uint8_t*>(pinned_alloc(host_rows * meta_bytes_, "the int4 KV scales"));
+  host_ = pinned_buffer(static_cast<size_t>(config.num_layers) * layer_rows);
   const size_t store_rows = static_cast<size_t>(2 * batch * num_heads_);
-  const Shape staging = {batch, num_heads_, capacity, head_dim_};
   for (size_t p = 0; p < 2; ++p) {
-    loaded_packed_[p].codes = static_cast<uint8_t*>(device_alloc(device, layer_rows * code_bytes_));
-    loaded_packed_[p].meta = static_cast<uint8_t*>(device_alloc(device, layer_rows * meta_bytes_));
-    store_packed_[p].codes = static_cast<uint8_t*>(device_alloc(device, store_rows * code_bytes_));
-    store_packed_[p].meta = static_cast<uint8_t*>(device_alloc(device, store_rows * meta_bytes_));
-    staging_keys_[p] = Tensor::empty(staging, DType::F16, device);
-    staging_values_[p] = Tensor::empty(staging, DType::F16, device);
+    loaded_packed_[p] = device_buffer(layer_rows);
+    store_packed_[p] = device_buffer(store_rows);
   }
 }
 
-Int4Kv::~Int4Kv() {
-  try {
-    engine_.synchronize();  // transfers still read and write our buffers
-  } catch (...) {
-    // The failure was already reported to the pass that caused it.
-  }
-  for (size_t p = 0; p < 2; ++p) {
-    for (Packed* packed : {&loaded_packed_[p], &store_packed_[p]}) {
-      device_free(device_, packed->codes);
-      device_free(device_, packed->meta);
-    }
-  }
-  pinned_free(host_.codes);
-  pinned_free(host_.meta);
+Int4Kv::PackedBuffer Int4Kv::pinned_buffer(size_t rows) const {
+  const Free deleter{.device = Device::Cpu, .pinned = true};
+  return {{static_cast<uint8_t*>(pinned_alloc(rows * code_bytes_, "the int4 KV codes")), deleter},
+          {static_cast<uint8_t*>(pinned_alloc(rows * meta_bytes_, "the int4 KV scales")), deleter}};
+}
+
+Int4Kv::PackedBuffer Int4Kv::device_buffer(size_t rows) const {
+  const Free deleter{.device = device_, .pinned = false};
+  return {{static_cast<uint8_t*>(device_alloc(device_, rows * code_bytes_)), deleter},
+          {static_cast<uint8_t*>(device_alloc(device_, rows * meta_bytes_)), deleter}};
 }
 
 size_t Int4Kv::row_index(int64_t kind, int64_t b, int64_t h, int64_t t, int64_t rows) const {
@@ -94,17 +90,27 @@ size_t Int4Kv::row_index(int64_t kind, int64_t b, int64_t h, int64_t t, int64_t 
 
 Int4Kv::Packed Int4Kv::host_layer(int64_t layer) const {
   const size_t rows = static_cast<size_t>(layer * 2 * batch() * num_heads_ * capacity());
-  return {host_.codes + rows * code_bytes_, host_.meta + rows * meta_bytes_};
+  return {host_.codes.get() + rows * code_bytes_, host_.meta.get() + rows * meta_bytes_};
+}
+
+void Int4Kv::start_pass(int64_t n_new) {
+  KvStore::start_pass(n_new);
+  pipeline_.start_pass(*this);
+  if (length() > 0) issue_load(0);  // decode: layer 0's KV starts moving before the embedding
+}
+
+void Int4Kv::start_layer(int64_t layer) {
+  // While this layer computes, the next layer's KV moves into the other staging buffer (which
+  // layer - 1 has finished reading: compute runs in order).
+  if (length() > 0 && layer + 1 < pipeline_.num_layers()) issue_load(layer + 1);
 }
 
 void Int4Kv::issue_load(int64_t layer) {
-  const size_t p = static_cast<size_t>(layer % 2);
-  Packed dst = loaded_packed_[p];
+  const Packed dst = loaded_packed_[static_cast<size_t>(layer % 2)].get();
   if (debug_poison() && !dry_run()) {  // rows that the load does not bring must never be read
     const size_t layer_rows = row_index(2, 0, 0, 0, capacity());
     poison(dst.meta, layer_rows * meta_bytes_);
-    fill_nan(staging_keys_[p]);
-    fill_nan(staging_values_[p]);
+    pipeline_.poison(layer);
   }
   const Packed src = host_layer(layer);
   std::vector<CopyChunk> chunks;
@@ -120,17 +126,12 @@ void Int4Kv::issue_load(int64_t layer) {
       }
     }
   }
-  const uint64_t bytes = total_bytes(chunks);
-  LayerTraffic& traffic = stats_.current().layers[static_cast<size_t>(layer)];
-  traffic.kv_h2d_bytes += bytes;
+  LayerTraffic& traffic = pipeline_.traffic(layer);
   for (int32_t start : first_valid()) {
     traffic.tokens_fetched += static_cast<uint64_t>((length() - start) * num_heads_);
   }
   traffic.tokens_stored = traffic.tokens_fetched;
-  stats_.current().h2d_bytes += bytes;
-  // The pool must hold the previous step's token of this layer before it is read.
-  loaded_[static_cast<size_t>(layer)] =
-      engine_.load(std::move(chunks), stored_[static_cast<size_t>(layer)], {"kv_load", layer});
+  pipeline_.load(layer, std::move(chunks));
 }
 
 void Int4Kv::quantize_rows(const Tensor& keys, const Tensor& values, int64_t n, Packed dst,
@@ -168,15 +169,11 @@ void Int4Kv::issue_store(int64_t layer, Packed src, int64_t src_rows, int64_t n)
       }
     }
   }
-  const uint64_t bytes = total_bytes(chunks);
-  stats_.current().layers[static_cast<size_t>(layer)].kv_d2h_bytes += bytes;
-  stats_.current().d2h_bytes += bytes;
-  stored_[static_cast<size_t>(layer)] =
-      engine_.store(std::move(chunks), nullptr, {"kv_store", layer});
+  pipeline_.store(layer, std::move(chunks));
 }
 
-void Int4Kv::dequantize_into_staging(size_t p, Packed src, int64_t src_rows, int64_t t0, int64_t t1,
-                                     int64_t row0) {
+void Int4Kv::dequantize_into_staging(int64_t layer, Packed src, int64_t src_rows, int64_t t0,
+                                     int64_t t1, int64_t row0) {
   const int64_t d = head_dim_;
   int64_t rows = 0;  // rows decoded, K and V, for the trace
   for (int64_t b = 0; b < batch(); ++b) {
@@ -184,7 +181,7 @@ void Int4Kv::dequantize_into_staging(size_t p, Packed src, int64_t src_rows, int
   }
   if (traced("int4_dequantize", {rows, d})) return;
   for (int64_t kind = 0; kind < 2; ++kind) {
-    f16* staging = (kind == 0 ? staging_keys_[p] : staging_values_[p]).data<f16>();
+    f16* staging = (kind == 0 ? pipeline_.keys(layer) : pipeline_.values(layer)).data<f16>();
     for (int64_t b = 0; b < batch(); ++b) {
       // Left padding is never read by attention, so it is not decoded (NaN in poison mode).
       const int64_t first = std::max(t0, first_valid()[static_cast<size_t>(b)] - row0 + t0);
@@ -208,31 +205,37 @@ void Int4Kv::append(int64_t layer, const Tensor& keys, const Tensor& values) {
                   "int4 KV append: expected fp32 rows ", shape_string(rows), ", got ",
                   shape_string(keys.shape()));
   const size_t p = static_cast<size_t>(layer % 2);
+  // Quantising writes this parity's buffers, which the store of layer - 2 (or of the previous
+  // step's last layers) may still read.
+  pipeline_.await_store_reads(layer);
   if (length() == 0) {
     // Prefill: attention reads the fresh rows; the codes go to the pool from this parity's load
-    // buffers (no load runs during the prefill), last read by the store of layer - 2.
-    if (layer >= 2) stored_[static_cast<size_t>(layer - 2)]->wait();
-    quantize_rows(keys, values, n, loaded_packed_[p], capacity());
-    issue_store(layer, loaded_packed_[p], capacity(), n);
+    // buffers (no load runs during the prefill).
+    quantize_rows(keys, values, n, loaded_packed_[p].get(), capacity());
+    issue_store(layer, loaded_packed_[p].get(), capacity(), n);
     return;
   }
   INFINIGEN_CHECK(n == 1, "int4 KV decodes one token per pass (got ", n, ")");
-  // Decode: the store buffer was last read by the store of layer - 2 (or the previous step's).
-  store_buffer_read_[p]->wait();
-  quantize_rows(keys, values, 1, store_packed_[p], 1);
-  issue_store(layer, store_packed_[p], 1, 1);
-  store_buffer_read_[p] = stored_[static_cast<size_t>(layer)];
+  // Decode: the new token goes to the pool from this parity's store buffer.
+  const Packed token = store_packed_[p].get();
+  quantize_rows(keys, values, 1, token, 1);
+  issue_store(layer, token, 1, 1);
   // This step's attention reads the token as later steps will: dequantised from its codes.
-  dequantize_into_staging(p, store_packed_[p], 1, 0, 1, length());
+  dequantize_into_staging(layer, token, 1, 0, 1, length());
 }
 
 KvStore::View Int4Kv::view(int64_t layer) {
   // Layer l + 1's load (begin_layer(l)) refills layer l - 1's load buffers, which that layer's
   // view has already dequantised on this thread.
-  wait_for_load(layer);
-  const size_t p = static_cast<size_t>(layer % 2);
-  dequantize_into_staging(p, loaded_packed_[p], capacity(), 0, length(), 0);
-  return {&staging_keys_[p], &staging_values_[p], length() + pass_tokens()};
+  pipeline_.wait_for_load(layer);
+  const Packed loaded = loaded_packed_[static_cast<size_t>(layer % 2)].get();
+  dequantize_into_staging(layer, loaded, capacity(), 0, length(), 0);
+  return {&pipeline_.keys(layer), &pipeline_.values(layer), length() + pass_tokens()};
+}
+
+void Int4Kv::end_pass(int64_t n_new) {
+  pipeline_.end_pass(*this);  // reads the pass's state before KvStore::end_pass moves it
+  KvStore::end_pass(n_new);
 }
 
 }  // namespace infinigen

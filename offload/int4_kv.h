@@ -6,8 +6,9 @@
 // rows of d / 2 bytes and meta [L][2][B][H][capacity] rows of G (min, scale) fp16 pairs; a
 // (layer, K/V, sequence, head) run of tokens is contiguous in both.
 // Device buffers, by layer parity: the loaded codes and meta ([2][B][H][capacity] rows, the
-// pool's layout for one layer), and the fp16 staging K and V (B, H, capacity, d) they dequantise
-// into; a store buffer ([2][B][H][1] rows) carries each decode step's new token to the pool.
+// pool's layout for one layer), which dequantise into the pipeline's fp16 staging K and V
+// (B, H, capacity, d); a store buffer ([2][B][H][1] rows) carries each decode step's new token
+// to the pool.
 //
 // Bytes: a decode step with n tokens per sequence in the pool loads
 // 2 * L * B * n * H * (d / 2 + 4 * G) (packed nibbles plus two fp16 per group; G = d / 64, or 1
@@ -16,9 +17,9 @@
 // The new token's K and V are quantised, and attention reads their dequantised values (not the
 // fresh fp32 ones), so a step's attention sees exactly what later steps will load. The prefill's
 // attention reads the fresh rows (the model does that); the store only keeps their codes.
-// Ordering mirrors OffloadedKv (the pipeline of offload/pipelined_kv.h), by events: the load of
-// layer l waits for the previous step's store of layer l; reusing a buffer waits for the
-// transfer that last read it.
+// Ordering is the layer pipeline's (offload/layer_pipeline.h), by events: the load of layer l
+// waits for the previous step's store of layer l; quantising into a buffer of a parity waits for
+// the latest store that read one.
 // The codec runs on the CPU, so this store needs the CPU backend (a CUDA build would need a
 // dequantisation kernel).
 #pragma once
@@ -26,11 +27,12 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
-#include <vector>
+#include <memory>
 
+#include "core/device.h"
 #include "core/kv_cache.h"
+#include "offload/layer_pipeline.h"
 #include "offload/offload_stats.h"
-#include "offload/pipelined_kv.h"
 #include "offload/transfer_engine.h"
 
 namespace infinigen {
@@ -38,17 +40,21 @@ namespace infinigen {
 struct KvPolicy;
 const KvPolicy& int4_kv_policy();  // its entry (offload/kv_policy.h)
 
-class Int4Kv : public PipelinedKv {
+class Int4Kv : public KvStore {
  public:
   Int4Kv(const ModelConfig& config, int64_t batch, int64_t capacity, Device device,
          TransferEngine& engine, OffloadStats& stats);
-  ~Int4Kv() override;
 
   void append(int64_t layer, const Tensor& keys, const Tensor& values) override;
   View view(int64_t layer) override;
+  void end_pass(int64_t n_new) override;
 
   // Bytes of one quantised row (d / 2 + 4 * G).
   size_t row_bytes() const { return code_bytes_ + meta_bytes_; }
+
+ protected:
+  void start_pass(int64_t n_new) override;
+  void start_layer(int64_t layer) override;
 
  private:
   // Quantised rows laid out [2][B][H][rows] (codes then meta, as two arrays).
@@ -56,10 +62,29 @@ class Int4Kv : public PipelinedKv {
     uint8_t* codes = nullptr;
     uint8_t* meta = nullptr;
   };
+  // Frees bytes from device_alloc on `device`, or from pinned_alloc when `pinned`.
+  struct Free {
+    Device device;
+    bool pinned;
+    void operator()(uint8_t* bytes) const {
+      pinned ? pinned_free(bytes) : device_free(device, bytes);
+    }
+  };
+  using Bytes = std::unique_ptr<uint8_t[], Free>;
+  // A Packed that owns its arrays.
+  struct PackedBuffer {
+    Bytes codes, meta;
+    Packed get() const { return {codes.get(), meta.get()}; }
+  };
+  // `rows` quantised rows: pinned host memory, or on device_.
+  PackedBuffer pinned_buffer(size_t rows) const;
+  PackedBuffer device_buffer(size_t rows) const;
+
   // Row (kind, b, h, t) of a [2][B][H][rows] buffer.
   size_t row_index(int64_t kind, int64_t b, int64_t h, int64_t t, int64_t rows) const;
   Packed host_layer(int64_t layer) const;
-  void issue_load(int64_t layer) override;
+  // Starts loading layer `layer`'s codes into loaded_packed_[layer % 2].
+  void issue_load(int64_t layer);
   // Quantises rows (B * n, H * d) fp32 of K and V into `dst` ([2][B][H][dst_rows]) at rows
   // [0, n).
   void quantize_rows(const Tensor& keys, const Tensor& values, int64_t n, Packed dst,
@@ -67,9 +92,9 @@ class Int4Kv : public PipelinedKv {
   // Stores rows [0, n) of `src` ([2][B][H][src_rows]) into the pool at tokens
   // [length(), length() + n).
   void issue_store(int64_t layer, Packed src, int64_t src_rows, int64_t n);
-  // Dequantises rows [t0, t1) of `src` ([2][B][H][src_rows]) into staging[p] at rows
-  // [row0, row0 + t1 - t0).
-  void dequantize_into_staging(size_t p, Packed src, int64_t src_rows, int64_t t0, int64_t t1,
+  // Dequantises rows [t0, t1) of `src` ([2][B][H][src_rows]) into layer `layer`'s staging at
+  // rows [row0, row0 + t1 - t0).
+  void dequantize_into_staging(int64_t layer, Packed src, int64_t src_rows, int64_t t0, int64_t t1,
                                int64_t row0);
 
   int64_t num_heads_;
@@ -77,12 +102,12 @@ class Int4Kv : public PipelinedKv {
   size_t code_bytes_;  // d / 2
   size_t meta_bytes_;  // G * 2 fp16
   Device device_;
-  Packed host_;                                          // [L][2][B][H][capacity] rows, pinned
-  std::array<Packed, 2> loaded_packed_;                  // [2][B][H][capacity] rows by parity
-  std::array<Packed, 2> store_packed_;                   // [2][B][H][1] rows by parity
-  std::array<Tensor, 2> staging_keys_, staging_values_;  // (B, H, capacity, d) fp16 by parity
-  // Per store buffer: the store that last read it. Writing the buffer waits for it.
-  std::array<EventPtr, 2> store_buffer_read_ = {completed_event(), completed_event()};
+  PackedBuffer host_;                          // [L][2][B][H][capacity] rows, pinned
+  std::array<PackedBuffer, 2> loaded_packed_;  // [2][B][H][capacity] rows by parity
+  std::array<PackedBuffer, 2> store_packed_;   // [2][B][H][1] rows by parity
+  // Staging K and V (B, H, capacity, d) fp16 by parity. Last: its destructor waits for the
+  // transfers that read and write the buffers above.
+  LayerPipeline pipeline_;
 };
 
 }  // namespace infinigen
