@@ -119,4 +119,12 @@ void copy_pieces(const CopyChunk* pieces, size_t count, void* stream) {
         "gather kernel");
 }
 
+void gather_selected_rows(const SelectedRows& r, void* stream) {
+  const kernels::cuda::SelectedRowGather g{
+      r.positions,     r.take,         r.batch,      r.heads,        r.stride,
+      r.key_blocks,    r.value_blocks, r.max_blocks, r.block_tokens, r.staged_keys,
+      r.staged_values, r.rows,         r.row_bytes};
+  check(kernels::cuda::gather_selected_rows(g, stream), "selected-row gather kernel");
+}
+
 }  // namespace infinigen::cuda_stream

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include "core/copy_chunk.h"
 #include "core/device.h"
@@ -41,5 +42,21 @@ void host_func(void* stream, void (*fn)(void* data), void* data);
 // Copies the `count` pieces listed at `pieces` (device-readable memory: device or mapped pinned)
 // with one kernel on `stream`; a piece's source or destination may be mapped pinned host memory.
 void copy_pieces(const CopyChunk* pieces, size_t count, void* stream);
+
+// The rows a selection on the device picked from a paged pool, gathered into a compact staging
+// with one kernel on `stream`: kernels/cuda/gather.h's SelectedRowGather (every field below is
+// its field of the same name, documented there).
+struct SelectedRows {
+  const int32_t* positions;  // (batch, heads, stride), device
+  const int32_t* take;       // (batch), device
+  int64_t batch, heads, stride;
+  const void* const* key_blocks;    // (batch, max_blocks), device-readable
+  const void* const* value_blocks;  // (batch, max_blocks)
+  int64_t max_blocks, block_tokens;
+  void* staged_keys;    // (batch, heads, rows, row_bytes), device
+  void* staged_values;  // (batch, heads, rows, row_bytes)
+  int64_t rows, row_bytes;
+};
+void gather_selected_rows(const SelectedRows& rows, void* stream);
 
 }  // namespace infinigen::cuda_stream

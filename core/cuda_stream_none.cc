@@ -39,5 +39,8 @@ void host_func(void*, void (*)(void*), void*) {
 void copy_pieces(const CopyChunk*, size_t, void*) {
   throw_cuda_not_compiled();
 }
+void gather_selected_rows(const SelectedRows&, void*) {
+  throw_cuda_not_compiled();
+}
 
 }  // namespace infinigen::cuda_stream

@@ -221,6 +221,15 @@ void* KvPool::row(int64_t layer, KvKind kind, int64_t b, int64_t h, int64_t t) {
   return const_cast<void*>(std::as_const(*this).row(layer, kind, b, h, t));
 }
 
+void KvPool::block_addresses(int64_t layer, KvKind kind, const void** out) const {
+  check_layer(layer);
+  for (int64_t b = 0; b < shape_.batch; ++b) {
+    for (const int32_t block : table(layer, kind, b)) {
+      *out++ = block == kPadding ? nullptr : blocks_[static_cast<size_t>(block)].data;
+    }
+  }
+}
+
 void KvPool::scatter_chunks(int64_t layer, KvKind kind, const void* src, int64_t src_capacity,
                             int64_t src_row0, int64_t t0, int64_t n, std::vector<CopyChunk>* out) {
   check_layer(layer);

@@ -91,6 +91,10 @@ class KvPool {
   // block's, the same for every member). One-line Error where nothing is stored (padding).
   const void* row(int64_t layer, KvKind kind, int64_t b, int64_t h, int64_t t) const;
   void* row(int64_t layer, KvKind kind, int64_t b, int64_t h, int64_t t);
+  // The block table of (layer, kind) as addresses: out[b * num_blocks() + i] is sequence b's
+  // logical block i, (H, bt, d), null where nothing is stored; for a gather on the device
+  // (kernels/cuda/gather.h's SelectedRowGather). `out` holds B * num_blocks() entries.
+  void block_addresses(int64_t layer, KvKind kind, const void** out) const;
 
  private:
   struct Block {

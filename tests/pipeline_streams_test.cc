@@ -14,10 +14,12 @@
 #include <cstring>
 #include <vector>
 
+#include "core/cuda_stream.h"
 #include "core/device.h"
 #include "core/ops.h"
 #include "core/stream.h"
 #include "core/tensor.h"
+#include "offload/kv_pool.h"
 #include "offload/transfer_engine.h"
 #include "tests/test_util.h"
 
@@ -206,6 +208,82 @@ TEST(PipelineStreams, MoreGathersInFlightThanListsEachLandTheirRows) {
   }
   device_free(Device::Cuda, device);
   pinned_free(pool);
+}
+
+// InfiniGen's loads with the selection on the device: the selected-row gather reads each chosen
+// row of the paged pool, through its block table as addresses in mapped memory, into the compact
+// staging rows [fetch - take[b], fetch) of its (sequence, head), fetch the largest take, and
+// writes nothing else.
+TEST(PipelineStreams, SelectedRowsLandCompactWithTheSelectionOnTheDevice) {
+  INFINIGEN_SKIP_WITHOUT_CUDA_DEVICE();
+  const int64_t B = 3, H = 2, d = 64, tokens = 40, stride = 6, rows = 8;
+  KvPool pool({1, B, H, d, tokens, 16, DType::F16});
+  pool.reserve(tokens);
+  // Row (kind, b, h, t) holds values no other row holds.
+  const auto value = [](int64_t kind, int64_t b, int64_t h, int64_t t, int64_t c) {
+    return static_cast<uint16_t>((kind * 20011 + b * 5003 + h * 1009 + t * 71 + c) % 30000);
+  };
+  for (int64_t kind = 0; kind < 2; ++kind) {
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t h = 0; h < H; ++h) {
+        for (int64_t t = 0; t < tokens; ++t) {
+          auto* row = static_cast<uint16_t*>(pool.row(0, static_cast<KvKind>(kind), b, h, t));
+          for (int64_t c = 0; c < d; ++c) row[c] = value(kind, b, h, t, c);
+        }
+      }
+    }
+  }
+  // Sequence 1 takes nothing; each (b, h) its own ascending positions, across blocks.
+  const std::vector<int32_t> take = {5, 0, 3};
+  std::vector<int32_t> positions(static_cast<size_t>(B * H * stride), -7);  // -7: never read
+  for (int64_t bh = 0; bh < B * H; ++bh) {
+    const int64_t b = bh / H;
+    for (int64_t j = 0; j < take[static_cast<size_t>(b)]; ++j) {
+      positions[static_cast<size_t>(bh * stride + j)] =
+          static_cast<int32_t>((bh * 3 + j * 7) % 6 + j * 6);
+    }
+  }
+  auto* device_positions = static_cast<int32_t*>(device_alloc(Device::Cuda, positions.size() * 4));
+  auto* device_take = static_cast<int32_t*>(device_alloc(Device::Cuda, take.size() * 4));
+  device_copy(device_positions, Device::Cuda, positions.data(), Device::Cpu, positions.size() * 4);
+  device_copy(device_take, Device::Cuda, take.data(), Device::Cpu, take.size() * 4);
+  const int64_t blocks = pool.num_blocks();
+  auto** tables = static_cast<const void**>(
+      pinned_alloc(2 * static_cast<size_t>(B * blocks) * sizeof(void*), "a test's block tables"));
+  pool.block_addresses(0, KvKind::Key, tables);
+  pool.block_addresses(0, KvKind::Value, tables + B * blocks);
+  Tensor keys = Tensor::zeros({B, H, rows, d}, DType::F16, Device::Cuda);
+  Tensor values = Tensor::zeros({B, H, rows, d}, DType::F16, Device::Cuda);
+
+  TransferEngine engine(Device::Cuda, {});
+  cuda_stream::gather_selected_rows(
+      {device_positions, device_take, B, H, stride, tables, tables + B * blocks, blocks, 16,
+       keys.raw(), values.raw(), rows, static_cast<int64_t>(d * sizeof(uint16_t))},
+      engine.load_stream().cuda_handle());
+  engine.load_stream().synchronize();
+
+  const Tensor staged[2] = {keys.to(Device::Cpu), values.to(Device::Cpu)};
+  const int64_t fetch = 5;
+  for (int64_t kind = 0; kind < 2; ++kind) {
+    const auto* got = static_cast<const uint16_t*>(staged[kind].raw());
+    for (int64_t bh = 0; bh < B * H; ++bh) {
+      const int64_t b = bh / H, h = bh % H, n = take[static_cast<size_t>(b)];
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t j = r - (fetch - n);
+        for (int64_t c = 0; c < d; ++c) {
+          const uint16_t expected =
+              j >= 0 && j < n
+                  ? value(kind, b, h, positions[static_cast<size_t>(bh * stride + j)], c)
+                  : 0;
+          ASSERT_EQ(got[(bh * rows + r) * d + c], expected)
+              << "kind " << kind << " sequence " << b << " head " << h << " row " << r;
+        }
+      }
+    }
+  }
+  pinned_free(tables);
+  device_free(Device::Cuda, device_positions);
+  device_free(Device::Cuda, device_take);
 }
 
 TEST(PipelineStreams, LinkEmulationIsRefusedOnACudaDevice) {

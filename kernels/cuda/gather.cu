@@ -88,6 +88,38 @@ __global__ void copy_items_kernel(const CopyItem* items, int64_t count) {
   }
 }
 
+// Lanes in groups of `per_row` (a row's 16-byte words, at most a warp) each copy one row per
+// pass: item i is (kind, b, h, j) with j < stride; rows past take[b] are skipped.
+__global__ void gather_selected_rows_kernel(SelectedRowGather g) {
+  int32_t fetch = 0;
+  for (int64_t b = 0; b < g.batch; ++b) fetch = max(fetch, g.take[b]);
+  const int64_t words = g.row_bytes / 16;
+  const int per_row = static_cast<int>(words < kWarpSize ? words : kWarpSize);
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  const int groups_per_warp = kWarpSize / per_row;
+  const int group = lane / per_row, member = lane % per_row;
+  if (group >= groups_per_warp) return;  // lanes left over when per_row does not divide 32
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / kWarpSize;
+  const int64_t items = 2 * g.batch * g.heads * g.stride;
+  for (int64_t i = warp * groups_per_warp + group; i < items; i += warps * groups_per_warp) {
+    const int64_t j = i % g.stride;
+    const int64_t bh = (i / g.stride) % (g.batch * g.heads);
+    const bool value = i >= g.batch * g.heads * g.stride;
+    const int64_t b = bh / g.heads, h = bh % g.heads;
+    const int32_t take = g.take[b];
+    if (j >= take) continue;
+    const int64_t t = g.positions[bh * g.stride + j];
+    const char* block = static_cast<const char*>(
+        (value ? g.value_blocks : g.key_blocks)[b * g.max_blocks + t / g.block_tokens]);
+    const uint4* from = reinterpret_cast<const uint4*>(
+        block + (h * g.block_tokens + t % g.block_tokens) * g.row_bytes);
+    char* staging = static_cast<char*>(value ? g.staged_values : g.staged_keys);
+    uint4* to = reinterpret_cast<uint4*>(staging + (bh * g.rows + fetch - take + j) * g.row_bytes);
+    for (int64_t w = member; w < words; w += per_row) to[w] = from[w];
+  }
+}
+
 // The default grid. The link, not the GPU, sets how many reads must be in flight: on an H200 with
 // PCIe 5 (docs/gpu.md), 8 blocks of 512 threads gathered 256-byte rows at 46 GB/s, as fast as
 // 1056 blocks, and slowed a decode layer's GEMMs running beside them by 13% where a grid of
@@ -95,6 +127,16 @@ __global__ void copy_items_kernel(const CopyItem* items, int64_t count) {
 constexpr int kDefaultBlocks = 8;
 
 }  // namespace
+
+int gather_selected_rows(const SelectedRowGather& g, void* stream, int blocks) {
+  if (g.batch <= 0 || g.heads <= 0 || g.stride <= 0) return cudaSuccess;
+  if (g.row_bytes <= 0 || g.row_bytes % 16 != 0) return cudaErrorInvalidValue;
+  if (blocks <= 0) blocks = kDefaultBlocks;
+  INFINIGEN_LAUNCH(static_cast<unsigned>(blocks), kThreads, 0, detail::as_stream(stream),
+                   gather_selected_rows_kernel)
+  (g);
+  return cudaGetLastError();
+}
 
 int copy_items(const CopyItem* items, int64_t count, void* stream, int blocks) {
   if (count <= 0) return cudaSuccess;

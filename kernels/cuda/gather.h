@@ -21,4 +21,32 @@ struct CopyItem {
 // the layer's compute leaves it most of the device.
 int copy_items(const CopyItem* items, int64_t count, void* stream, int blocks = 0);
 
+// The rows a selection picked, read from a paged pool straight into a compact staging, with the
+// selection on the device (InfiniGen's loads: the indices never visit the host). For sequence b
+// and head h, the take[b] pool positions positions[(b * heads + h) * stride + j], j < take[b],
+// land in staging rows [fetch - take[b], fetch) of (b, h), in order, where fetch is the largest
+// take (the kernel finds it: the host need not know it). Pool position t of (b, h) is row
+// (h, t % block_tokens) of block t / block_tokens of sequence b: tables[b * max_blocks + i] is the
+// address of sequence b's logical block i, (heads, block_tokens, row bytes), null where nothing
+// is stored (never selected). Keys and values are gathered alike.
+struct SelectedRowGather {
+  const int32_t* positions;  // (batch, heads, stride), on the device
+  const int32_t* take;       // (batch), on the device
+  int64_t batch;
+  int64_t heads;
+  int64_t stride;
+  const void* const* key_blocks;    // (batch, max_blocks): device-readable (device or mapped)
+  const void* const* value_blocks;  // (batch, max_blocks)
+  int64_t max_blocks;
+  int64_t block_tokens;
+  void* staged_keys;    // (batch, heads, rows, row_bytes) on the device
+  void* staged_values;  // (batch, heads, rows, row_bytes)
+  int64_t rows;         // staging rows per (b, h): at least the largest take
+  int64_t row_bytes;    // a multiple of 16
+};
+
+// The gather of `g` with one kernel on `stream`, on `blocks` blocks (0: the default, as
+// copy_items).
+int gather_selected_rows(const SelectedRowGather& g, void* stream, int blocks = 0);
+
 }  // namespace infinigen::kernels::cuda
