@@ -14,7 +14,8 @@
 //  - Gather/<mode>/<per-mille>: one layer's keys at batch 20 and 2048 tokens (420 MB pinned), a
 //    selection of that share of each (sequence, head)'s 256-byte rows in position order (the
 //    InfiniGen load), moved by the transfer engine with --gather device or host; `bulk` moves
-//    the same bytes as one contiguous copy, the ceiling a gather is judged against;
+//    the same bytes as one contiguous copy, the ceiling a gather is judged against; `selected`
+//    is the selected-row gather, the selection on the device and no descriptor per row;
 //  - Op/*: each op of a decoder layer at the decode step of batch 20 over 2048 tokens and at a
 //    prefill chunk of 20 x 128 tokens.
 #include <benchmark/benchmark.h>
@@ -274,6 +275,58 @@ void gather(benchmark::State& state, GatherKind kind) {
   state.counters["host_ms"] = 1e3 * host_seconds / static_cast<double>(state.iterations());
 }
 
+// The selected-row gather (kernels/cuda/gather.h): the same share of each (sequence, head)'s rows
+// as Gather/*, keys and values (the keys' pool read twice), the selection in device memory and
+// the pool's block table (blocks of 128 tokens, (H, 128, d) each) as addresses in mapped pinned
+// memory: no descriptor per row crosses the link. Judged, as the others, by its rate against
+// Gather/bulk.
+void gather_selected(benchmark::State& state) {
+  const KeyLayer& layer = key_layer();
+  const Opt13b& s = layer.s;
+  const int64_t block_tokens = 128, blocks = s.context / block_tokens;
+  const int64_t picked = std::max<int64_t>(1, s.context * state.range(0) / 1000);
+  std::mt19937 rng(4);
+  std::vector<int32_t> order(static_cast<size_t>(s.context));
+  std::vector<int32_t> positions;
+  for (int64_t sh = 0; sh < s.batch * s.heads; ++sh) {
+    for (int64_t t = 0; t < s.context; ++t) order[static_cast<size_t>(t)] = static_cast<int32_t>(t);
+    std::shuffle(order.begin(), order.end(), rng);
+    std::sort(order.begin(), order.begin() + picked);
+    positions.insert(positions.end(), order.begin(), order.begin() + picked);
+  }
+  const std::vector<int32_t> take(static_cast<size_t>(s.batch), static_cast<int32_t>(picked));
+  DeviceBuffer device_positions(positions.size() * sizeof(int32_t));
+  DeviceBuffer device_take(take.size() * sizeof(int32_t));
+  device_copy(device_positions.data, Device::Cuda, positions.data(), Device::Cpu,
+              device_positions.bytes);
+  device_copy(device_take.data, Device::Cuda, take.data(), Device::Cpu, device_take.bytes);
+  PinnedBuffer table(static_cast<size_t>(s.batch * blocks) * sizeof(void*));
+  auto** addresses = reinterpret_cast<const void**>(table.data);
+  const size_t block_bytes = static_cast<size_t>(s.heads * block_tokens) * layer.row_bytes;
+  for (int64_t i = 0; i < s.batch * blocks; ++i) {
+    addresses[i] = layer.pool.data + static_cast<size_t>(i) * block_bytes;
+  }
+  const size_t bytes = positions.size() * layer.row_bytes;
+  DeviceBuffer keys(bytes), values(bytes);
+  void* stream = cuda_stream::create_stream();
+  {
+    StreamTimer timer(stream);
+    for (auto _ : state) {
+      timer.start();
+      cuda_stream::gather_selected_rows(
+          {reinterpret_cast<const int32_t*>(device_positions.data),
+           reinterpret_cast<const int32_t*>(device_take.data), s.batch, s.heads, picked, addresses,
+           addresses, blocks, block_tokens, keys.data, values.data, picked,
+           static_cast<int64_t>(layer.row_bytes)},
+          stream);
+      state.SetIterationTime(timer.stop());
+    }
+  }
+  cuda_stream::destroy_stream(stream);
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * 2 * bytes));
+  state.counters["rows"] = static_cast<double>(2 * positions.size());
+}
+
 // The gather kernel alone (kernels/cuda/gather.h), its list prepared in mapped pinned memory, on
 // grids of state.range(1) blocks: `rows`, 10% of the keys' 256-byte rows (InfiniGen's load);
 // `blocks`, every (sequence, head)'s 128-token block runs of 32 KiB (the `full` policy's load).
@@ -496,6 +549,9 @@ void register_benchmarks() {
           ->Arg(per_mille)
           ->Unit(kMillisecond);
     }
+  }
+  for (int per_mille : {10, 50, 100, 300}) {
+    add("Gather/selected", gather_selected)->Arg(per_mille)->Unit(kMillisecond);
   }
   for (int blocks : {4, 8, 16, 1056}) {
     add("GatherKernel/rows", [](auto& s) { gather_kernel(s, true); })
