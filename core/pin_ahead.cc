@@ -54,7 +54,6 @@ void PinAhead::pin_all() {
     }
     std::lock_guard lock(mutex_);
     ready_.push_back(buffer);
-    ++pinned_;
     changed_.notify_all();
   }
   std::lock_guard lock(mutex_);

@@ -37,7 +37,6 @@ class PinAhead {
   mutable std::mutex mutex_;
   std::condition_variable changed_;
   std::vector<void*> ready_;  // pinned, not yet taken
-  size_t pinned_ = 0;         // buffers the thread has pinned (taken or not)
   size_t taken_ = 0;
   bool done_ = false;      // the thread has stopped: all pinned, failed, or asked to stop
   bool stopping_ = false;  // the destructor asks the thread to stop

@@ -121,9 +121,9 @@ __global__ void gather_selected_rows_kernel(SelectedRowGather g) {
 }
 
 // The default grid. The link, not the GPU, sets how many reads must be in flight: on an H200 with
-// PCIe 5 (docs/gpu.md), 8 blocks of 512 threads gathered 256-byte rows at 46 GB/s, as fast as
-// 1056 blocks, and slowed a decode layer's GEMMs running beside them by 13% where a grid of
-// every multiprocessor slowed them by 43%.
+// PCIe 5 (docs/gpu.md), 8 blocks of 512 threads gathered 256-byte rows at 45 GB/s, as fast as
+// 1056 blocks, and slowed a decode layer's GEMMs running beside them by 14% where a grid of
+// every multiprocessor slowed them by 48%.
 constexpr int kDefaultBlocks = 8;
 
 }  // namespace
