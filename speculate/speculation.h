@@ -180,6 +180,15 @@ class PartialLayer {
     return keys_.data() + key_offset(b, g, position);
   }
   DType key_dtype() const { return key_dtype_; }
+  // What a device speculation (kernels/cuda/speculation.h) is given besides state(): the query
+  // dimensions the partial queries of KV head g need (ascending; its heads' rows of
+  // partial_weight, in that order), per query head h the offset of its rows in partial_weight
+  // (H + 1 entries), and the partial key cache's bytes (B, H_kv, capacity, r) in key_dtype().
+  const std::vector<int32_t>& needed_rows(int64_t g) const {
+    return needed_[static_cast<size_t>(g)];
+  }
+  const std::vector<int64_t>& head_rows() const { return head_rows_; }
+  const std::vector<char>& key_bytes() const { return keys_; }
 
  private:
   int64_t batch_ = 0, heads_ = 0, kv_heads_ = 0, group_ = 1, head_dim_ = 0, capacity_ = 0, r_ = 0;
