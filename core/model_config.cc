@@ -3,6 +3,8 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include <algorithm>
+#include <cctype>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -67,9 +69,34 @@ size_t ModelConfig::kv_bytes_per_token(DType kv_dtype) const {
   return 2 * static_cast<size_t>(num_layers * kv_dim()) * dtype_size(kv_dtype);
 }
 
+namespace {
+
+// The HF model_type of a config.json: its `model_type`, or, when that is absent, the one its
+// `architectures` name ("LlamaForCausalLM" -> "llama", as transformers' class names are built);
+// OPT when it has neither (configs written before the key existed).
+std::string model_type_of(const json& j, const std::string& source) {
+  if (j.contains("model_type") || !j.contains("architectures")) {
+    return config_keys::text(j, "model_type", "opt", source);
+  }
+  const json& names = j.at("architectures");
+  INFINIGEN_CHECK(names.is_array() && !names.empty() && names.front().is_string(), source,
+                  ": no model_type, and architectures is not a list of class names");
+  const std::string name = names.front().get<std::string>();
+  const size_t suffix = name.find("For");
+  std::string type = name.substr(0, suffix);
+  std::transform(type.begin(), type.end(), type.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  INFINIGEN_CHECK(
+      suffix != std::string::npos && suffix > 0 && model_family_of_type(type) != nullptr, source,
+      ": no model_type, and architectures names ", name, ", which is no model this engine runs");
+  return type;
+}
+
+}  // namespace
+
 ModelConfig config_from_json(const json& j, const std::string& source) {
   INFINIGEN_CHECK(j.is_object(), source, ": expected a JSON object");
-  const std::string type = config_keys::text(j, "model_type", "opt", source);
+  const std::string type = model_type_of(j, source);
   const ModelFamily* family = model_family_of_type(type);
   if (family == nullptr) {
     std::string known;
@@ -78,7 +105,9 @@ ModelConfig config_from_json(const json& j, const std::string& source) {
     }
     fail(source, ": unsupported model_type \"", type, "\" (this engine runs ", known, ")");
   }
-  ModelConfig c = family->config_from_json(j, source);
+  json typed = j;  // the family reads the type it was chosen by
+  typed["model_type"] = type;
+  ModelConfig c = family->config_from_json(typed, source);
   c.family = family->name;
   c.name = source;
   c.model_type = type;

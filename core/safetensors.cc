@@ -16,7 +16,9 @@
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
+#include <unordered_set>
 #include <utility>
+#include <vector>
 
 #include "core/error.h"
 #include "core/output_directory.h"
@@ -163,11 +165,27 @@ std::string read_text_file(const std::string& path) {
 }
 
 json parse_json(const std::string& path, const char* what, const char* first, const char* last) {
+  // The JSON library keeps the last of a key an object gives twice; a header naming a tensor
+  // twice (or an index mapping one twice) would then silently load another tensor's bytes.
+  std::vector<std::unordered_set<std::string>> keys;  // per object being parsed
+  std::string repeated;
+  const json::parser_callback_t note_keys = [&](int, json::parse_event_t event, json& parsed) {
+    if (event == json::parse_event_t::object_start) keys.emplace_back();
+    if (event == json::parse_event_t::object_end) keys.pop_back();
+    if (event == json::parse_event_t::key && repeated.empty() &&
+        !keys.back().insert(parsed.get<std::string>()).second) {
+      repeated = parsed.get<std::string>();
+    }
+    return true;
+  };
+  json parsed;
   try {
-    return json::parse(first, last);
+    parsed = json::parse(first, last, note_keys);
   } catch (const json::exception& e) {
     fail(path, ": ", what, " is not valid JSON (", printable(e.what(), true), ")");
   }
+  if (!repeated.empty()) fail(path, ": ", what, " names ", quote_name(repeated), " twice");
+  return parsed;
 }
 
 const char* json_type(const json& value) {
@@ -188,7 +206,6 @@ void write_fully(int fd, const std::string& path, const void* data, size_t nbyte
     nbytes -= static_cast<size_t>(n);
   }
 }
-
 
 }  // namespace
 

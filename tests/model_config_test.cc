@@ -138,6 +138,29 @@ TEST(ModelConfig, Opt350mVariantsAreRead) {
   EXPECT_NE(error_of(bad).find("'do_layer_norm_before'"), std::string::npos);
 }
 
+// A config without model_type is read by the family its architectures name, not as OPT (which
+// would refuse it for a missing ffn_dim, blaming the wrong model).
+TEST(ModelConfig, ArchitecturesNameTheFamilyWhenModelTypeIsAbsent) {
+  json llama = llama_json();
+  llama.erase("model_type");
+  llama["architectures"] = {"LlamaForCausalLM"};
+  EXPECT_EQ(config_from_json(llama, "config.json").family, "llama");
+  json mistral = llama;
+  mistral["architectures"] = {"MistralForCausalLM"};
+  mistral["sliding_window"] = 256;
+  const ModelConfig m = config_from_json(mistral, "config.json");
+  EXPECT_EQ(m.model_type, "mistral");
+  EXPECT_EQ(m.max_positions, 256);
+  json neox = llama;
+  neox["architectures"] = {"GPTNeoXForCausalLM"};
+  EXPECT_NE(error_of(neox).find("no model_type, and architectures names GPTNeoXForCausalLM"),
+            std::string::npos)
+      << error_of(neox);
+  json bad = llama;
+  bad["architectures"] = 3;
+  EXPECT_NE(error_of(bad).find("architectures"), std::string::npos) << error_of(bad);
+}
+
 TEST(ModelConfig, UnsupportedVariantsAreRefusedByName) {
   json gelu = opt_125m_json();
   gelu["activation_function"] = "gelu";

@@ -341,6 +341,18 @@ TEST_F(SafetensorsTest, RejectsHeaderThatIsNotJsonOrNotAnObject) {
   expect_message(open_error(craft("\"text\"", 0)), {"model.safetensors", "not a JSON object"});
 }
 
+// The JSON library would keep the second entry of a name given twice: the tensor the checkpoint
+// meant is lost and the run fails later far from the cause.
+TEST_F(SafetensorsTest, RejectsATensorNamedTwice) {
+  const std::string p = craft(R"({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},)"
+                              R"( "w": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}})",
+                              8);
+  expect_message(open_error(p), {p + ": header names 'w' twice"});
+  const std::string index = path("model.safetensors.index.json");
+  write_file(index, R"({"weight_map": {"a": "x.safetensors", "a": "y.safetensors"}})");
+  expect_message(error_of([&] { SafetensorsCheckpoint::open(dir_); }), {index, "'a' twice"});
+}
+
 TEST_F(SafetensorsTest, RejectsMalformedMetadata) {
   expect_message(open_error(craft(R"({"__metadata__": [1]})", 0)),
                  {"model.safetensors", "__metadata__", "object"});
