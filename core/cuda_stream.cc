@@ -20,10 +20,6 @@ static_assert(sizeof(CopyChunk) == sizeof(kernels::cuda::CopyItem) &&
                   offsetof(CopyChunk, bytes) == offsetof(kernels::cuda::CopyItem, bytes),
               "a gather list of CopyChunks is read by the gather kernel as CopyItems");
 
-void check(int code, const char* what) {
-  if (code != 0) fail("CUDA ", what, " failed: ", runtime::error_string(code));
-}
-
 // Events no Event holds now, for reuse. Never destroyed: events released during static
 // destruction still find it.
 struct EventPool {
@@ -36,6 +32,10 @@ EventPool& event_pool() {
 }
 
 }  // namespace
+
+void check(int code, const char* what) {
+  if (code != 0) fail("CUDA ", what, " failed: ", runtime::error_string(code));
+}
 
 void* create_stream() {
   void* stream = nullptr;

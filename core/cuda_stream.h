@@ -39,6 +39,10 @@ void copy_async(void* dst, Device dst_device, const void* src, Device src_device
 // work waits for it (cudaLaunchHostFunc). fn must not call CUDA.
 void host_func(void* stream, void (*fn)(void* data), void* data);
 
+// Throws the engine's one-line Error, "CUDA <what> failed: <the code's text>", when `code` (a
+// cudaError_t, as kernels/cuda functions return) is not 0.
+void check(int code, const char* what);
+
 // Copies the `count` pieces listed at `pieces` (device-readable memory: device or mapped pinned)
 // with one kernel on `stream`; a piece's source or destination may be mapped pinned host memory.
 void copy_pieces(const CopyChunk* pieces, size_t count, void* stream);

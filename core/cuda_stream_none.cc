@@ -1,5 +1,6 @@
 // core: the CUDA stream functions of a build without the CUDA backend: each refuses.
 #include "core/cuda_stream.h"
+#include "core/error.h"
 
 namespace infinigen::cuda_stream {
 
@@ -31,6 +32,10 @@ double elapsed_seconds(void*, void*) {
 }
 void copy_async(void*, Device, const void*, Device, size_t, void*) {
   throw_cuda_not_compiled();
+}
+
+void check(int code, const char* what) {
+  if (code != 0) fail("CUDA ", what, " failed: error ", code);
 }
 
 void host_func(void*, void (*)(void*), void*) {

@@ -280,6 +280,114 @@ void cache_store(const Tensor& rows, Tensor& cache, int64_t offset) {
                    offset);
 }
 
+namespace {
+
+// The h2o ops run on CUDA tensors only (core/ops.h): the CPU backend scores in offload/h2o_kv.cc.
+void check_h2o_device(const char* op, Device device) {
+  INFINIGEN_CHECK(device == Device::Cuda, op,
+                  ": runs on CUDA tensors (the CPU backend's h2o scores in offload/h2o_kv.cc)");
+}
+
+void check_dtype(const char* op, const Tensor& t, DType dtype, const char* what) {
+  INFINIGEN_CHECK(t.dtype() == dtype, op, ": ", what, " of ", dtype_name(t.dtype()), ", expected ",
+                  dtype_name(dtype));
+}
+
+}  // namespace
+
+void h2o_decode(const Tensor& queries, const Tensor& keys, Tensor& scores, Tensor& tokens,
+                Tensor& probs, Tensor& placed, const std::vector<int32_t>& first_row, int32_t token,
+                int32_t recent_start) {
+  const char* op = "h2o_decode";
+  const Device device = common_device(op, {&queries, &keys, &scores, &tokens, &probs, &placed});
+  check_h2o_device(op, device);
+  INFINIGEN_CHECK(keys.rank() == 4, op, ": keys of shape ", shape_string(keys.shape()));
+  const int64_t B = keys.dim(0), H_kv = keys.dim(1), rows = keys.dim(2), d = keys.dim(3);
+  const int64_t H = d > 0 ? queries.dim(1) / d : 0;
+  INFINIGEN_CHECK(H_kv > 0 && H * d == queries.dim(1) && H % H_kv == 0 && rows >= 2, op,
+                  ": queries of width ", queries.dim(1), " do not group over ", H_kv,
+                  " KV heads of size ", d, " (", rows, " rows)");
+  check_shape(op, queries, {B, H * d});
+  check_shape(op, scores, {B, H_kv, rows});
+  check_shape(op, tokens, {B, H_kv, rows});
+  check_shape(op, probs, {B, H_kv, rows});
+  check_shape(op, placed, {B, H_kv});
+  check_dtype(op, queries, DType::F32, "queries");
+  check_dtype(op, scores, DType::F32, "scores");
+  check_dtype(op, probs, DType::F32, "probabilities");
+  check_dtype(op, tokens, DType::I32, "tokens");
+  check_dtype(op, placed, DType::I32, "placed rows");
+  INFINIGEN_CHECK(std::ssize(first_row) == B, op, ": ", first_row.size(),
+                  " first rows for a batch of ", B);
+  for (int32_t row : first_row) {
+    INFINIGEN_CHECK(row >= 0 && row < rows, op, ": first row ", row, " outside [0, ", rows, ")");
+  }
+  if (dry_run()) return;
+  cuda::h2o_decode(queries, keys, scores, tokens, probs, placed, first_row, B, H, H_kv, d, rows,
+                   token, recent_start);
+}
+
+void h2o_prefill(const Tensor& queries, const Tensor& keys, const Tensor& values, Tensor& keys_out,
+                 Tensor& values_out, Tensor& scores, Tensor& tokens, Tensor& row_stats,
+                 Tensor& key_scores, Tensor& kept, const std::vector<int32_t>& first_valid,
+                 int64_t slots, int64_t recent) {
+  const char* op = "h2o_prefill";
+  const Device device = common_device(op, {&queries, &keys, &values, &keys_out, &values_out,
+                                           &scores, &tokens, &row_stats, &key_scores, &kept});
+  check_h2o_device(op, device);
+  INFINIGEN_CHECK(keys_out.rank() == 4, op, ": staging of shape ", shape_string(keys_out.shape()));
+  const int64_t B = keys_out.dim(0), H_kv = keys_out.dim(1), rows = keys_out.dim(2);
+  const int64_t d = keys_out.dim(3), n = B > 0 ? keys.dim(0) / B : 0;
+  const int64_t H = d > 0 ? queries.dim(1) / d : 0;
+  INFINIGEN_CHECK(H_kv > 0 && H * d == queries.dim(1) && H % H_kv == 0, op, ": queries of width ",
+                  queries.dim(1), " do not group over ", H_kv, " KV heads of size ", d);
+  INFINIGEN_CHECK(slots >= 1 && slots < rows && recent >= 0 && recent <= slots, op, ": ", slots,
+                  " slots (", recent, " recent) in ", rows, " rows");
+  check_shape(op, queries, {B * n, H * d});
+  check_shape(op, keys, {B * n, H_kv * d});
+  check_shape(op, values, {B * n, H_kv * d});
+  check_shape(op, values_out, keys_out.shape());
+  check_shape(op, scores, {B, H_kv, rows});
+  check_shape(op, tokens, {B, H_kv, rows});
+  check_shape(op, row_stats, {2, B, H, n});
+  check_shape(op, key_scores, {B, H_kv, n});
+  check_shape(op, kept, {B, H_kv, n});
+  const std::initializer_list<const Tensor*> fp32 = {&queries, &keys,      &values,
+                                                     &scores,  &row_stats, &key_scores};
+  for (const Tensor* t : fp32) {
+    check_dtype(op, *t, DType::F32, "a tensor");
+  }
+  check_dtype(op, values_out, keys_out.dtype(), "values");
+  check_dtype(op, tokens, DType::I32, "tokens");
+  check_dtype(op, kept, DType::I32, "keep flags");
+  INFINIGEN_CHECK(std::ssize(first_valid) == B, op, ": ", first_valid.size(),
+                  " first_valid entries for a batch of ", B);
+  for (int32_t start : first_valid) {
+    INFINIGEN_CHECK(start >= 0 && start < n, op, ": first valid token ", start, " of ", n);
+  }
+  if (dry_run()) return;
+  cuda::h2o_prefill(queries, keys, values, keys_out, values_out, scores, tokens, row_stats,
+                    key_scores, kept, first_valid, B, n, H, H_kv, d, rows, slots, recent);
+}
+
+void h2o_store_placed(const Tensor& keys, const Tensor& values, const Tensor& placed,
+                      void* pool_keys, void* pool_values) {
+  const char* op = "h2o_store_placed";
+  const Device device = common_device(op, {&keys, &values, &placed});
+  check_h2o_device(op, device);
+  INFINIGEN_CHECK(keys.rank() == 4 && keys.dim(2) >= 2, op, ": staging of shape ",
+                  shape_string(keys.shape()));
+  const int64_t B = keys.dim(0), H_kv = keys.dim(1), rows = keys.dim(2), d = keys.dim(3);
+  check_shape(op, values, keys.shape());
+  check_dtype(op, values, keys.dtype(), "values");
+  check_shape(op, placed, {B, H_kv});
+  check_dtype(op, placed, DType::I32, "placed rows");
+  INFINIGEN_CHECK(pool_keys != nullptr && pool_values != nullptr, op, ": no pool");
+  if (dry_run()) return;
+  cuda::h2o_store_placed(keys, values, placed, pool_keys, pool_values, B, H_kv, rows,
+                         d * static_cast<int64_t>(dtype_size(keys.dtype())));
+}
+
 size_t cuda_linear_scratch_bytes(int64_t rows, int64_t K, DType weights) {
   // kernels/cuda/linear.h: x (rows, K) rounded to the weights' 16-bit type; fp32 weights are
   // multiplied as they are.

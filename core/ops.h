@@ -70,6 +70,46 @@ void attention_decode(const Tensor& q, const Tensor& k_cache, const Tensor& v_ca
 // Writes rows (B * n, H * d) into cache (B, H, capacity, d) at tokens [offset, offset + n).
 void cache_store(const Tensor& rows, Tensor& cache, int64_t offset);
 
+// ---- the `h2o` policy on the device (offload/h2o_kv.h; kernels/cuda/h2o.h) ----
+//
+// CUDA tensors only: on the CPU backend h2o scores on the host, in offload/h2o_kv.cc, with the
+// same arithmetic in the same order (these refuse CPU tensors). Not recorded in a trace: their
+// caller records h2o_prefill_scores and h2o_decode_scores once, whichever device scores, so that
+// a trace and its prices (predict/op_costs.cc) are the same for both.
+
+// Decode, one layer: adds each query head's softmax over sequence b's kept rows [first_row[b],
+// rows - 1) and the new token's row rows - 1 to their scores (the new row first gets token
+// `token` and score 0), then places the new token of every (b, h): row first_row[b] - 1 while
+// there is room, else the victim (the lowest score among rows whose token is before
+// `recent_start`, ties to the smallest token), whose score and token it takes; the row goes to
+// placed[b, h]. queries (B, H * d) fp32, scaled; keys (B, H_kv, rows, d) of the KV dtype (the
+// layer's staging, the new row stored); scores (B, H_kv, rows) F32 and tokens (same) I32, the
+// layer's bookkeeping; probs like scores, scratch; placed (B, H_kv) I32; first_row (B).
+void h2o_decode(const Tensor& queries, const Tensor& keys, Tensor& scores, Tensor& tokens,
+                Tensor& probs, Tensor& placed, const std::vector<int32_t>& first_row, int32_t token,
+                int32_t recent_start);
+
+// Prefill, one layer: scores every valid prompt key (the causal softmax of every valid query of
+// its group over the valid keys, rounded through the KV dtype, summed per key), keeps all of a
+// sequence's valid keys when they fit in `slots`, else its `recent` newest and the heaviest
+// older ones (ties keep the newer), and writes the kept ones, in token order, to rows
+// [slots - kept, slots) of each (b, h): K and V into keys_out and values_out (B, H_kv, rows, d)
+// of the KV dtype, score and token index into scores and tokens (B, H_kv, rows). queries (B * n,
+// H * d), keys and values (B * n, H_kv * d) fp32; scratch: row_stats (2, B, H, n) F32,
+// key_scores (B, H_kv, n) F32, kept (B, H_kv, n) I32; first_valid (B).
+void h2o_prefill(const Tensor& queries, const Tensor& keys, const Tensor& values, Tensor& keys_out,
+                 Tensor& values_out, Tensor& scores, Tensor& tokens, Tensor& row_stats,
+                 Tensor& key_scores, Tensor& kept, const std::vector<int32_t>& first_valid,
+                 int64_t slots, int64_t recent);
+
+// The store of a decode step's new rows: row rows - 1 of each (b, h) of keys and values (B, H_kv,
+// rows, d) to row placed[b, h] of pool_keys and pool_values, mapped pinned host memory (B, H_kv,
+// rows - 1, d) of the same dtype, which the kernel writes over the link. A transfer: launch it
+// from TransferEngine::store_by_kernel (offload/transfer_engine.h), which makes the store stream
+// current; it uploads nothing, so no stream scratch is made for that stream.
+void h2o_store_placed(const Tensor& keys, const Tensor& values, const Tensor& placed,
+                      void* pool_keys, void* pool_values);
+
 // ---- the CUDA ops' scratch (core/ops_cuda.cc) ----
 //
 // Each CUDA stream that ops run on gets, at its first op, two buffers that later ops reuse:

@@ -26,6 +26,7 @@
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/embedding.h"
+#include "kernels/cuda/h2o.h"
 #include "kernels/cuda/layer_norm.h"
 #include "kernels/cuda/linear.h"
 #include "kernels/cuda/rms_norm.h"
@@ -377,6 +378,44 @@ void cache_store(const Tensor& rows, Tensor& cache, int64_t B, int64_t n, int64_
   check_cuda("cache_store",
              gpu::cache_store(rows.data<float>(), cache.raw(), gpu_element(cache.dtype()), B, n, H,
                               d, capacity, offset, current_cuda_stream()));
+}
+
+void h2o_decode(const Tensor& queries, const Tensor& keys, Tensor& scores, Tensor& tokens,
+                Tensor& probs, Tensor& placed, std::span<const int32_t> first_row, int64_t B,
+                int64_t H, int64_t H_kv, int64_t d, int64_t rows, int32_t token,
+                int32_t recent_start) {
+  StreamLease lease;
+  const int32_t* first = lease.upload({first_row});
+  check_cuda("h2o_decode",
+             gpu::h2o_decode(queries.data<float>(), keys.raw(), gpu_element(keys.dtype()),
+                             scores.data<float>(), tokens.data<int32_t>(), probs.data<float>(),
+                             placed.data<int32_t>(), first, B, H, H_kv, d, rows, token,
+                             recent_start, lease.stream()));
+}
+
+void h2o_prefill(const Tensor& queries, const Tensor& keys, const Tensor& values, Tensor& keys_out,
+                 Tensor& values_out, Tensor& scores, Tensor& tokens, Tensor& row_stats,
+                 Tensor& key_scores, Tensor& kept, std::span<const int32_t> first_valid, int64_t B,
+                 int64_t n, int64_t H, int64_t H_kv, int64_t d, int64_t rows, int64_t slots,
+                 int64_t recent) {
+  StreamLease lease;
+  const int32_t* starts = lease.upload({first_valid});
+  check_cuda("h2o_prefill",
+             gpu::h2o_prefill(queries.data<float>(), keys.data<float>(), values.data<float>(),
+                              gpu_element(keys_out.dtype()), keys_out.raw(), values_out.raw(),
+                              scores.data<float>(), tokens.data<int32_t>(), row_stats.data<float>(),
+                              key_scores.data<float>(), kept.data<int32_t>(), starts, B, n, H, H_kv,
+                              d, rows, slots, recent, lease.stream()));
+}
+
+void h2o_store_placed(const Tensor& keys, const Tensor& values, const Tensor& placed,
+                      void* pool_keys, void* pool_values, int64_t B, int64_t H_kv, int64_t rows,
+                      int64_t row_bytes) {
+  // No lease: nothing to upload, and a lease would give the store stream a scratch of its own.
+  check_cuda("h2o_store_placed",
+             gpu::h2o_store_placed(pool_keys, pool_values, keys.raw(), values.raw(),
+                                   placed.data<int32_t>(), B, H_kv, rows, row_bytes,
+                                   current_cuda_stream()));
 }
 
 }  // namespace cuda

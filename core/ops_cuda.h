@@ -42,5 +42,18 @@ void attention_decode(const Tensor& q, const Tensor& k_cache, const Tensor& v_ca
 // rows (B * n, H * d) into cache (B, H, capacity, d) at tokens [offset, offset + n)
 void cache_store(const Tensor& rows, Tensor& cache, int64_t B, int64_t n, int64_t H, int64_t d,
                  int64_t capacity, int64_t offset);
+// h2o (core/ops.h): shapes as there, with the sizes derived
+void h2o_decode(const Tensor& queries, const Tensor& keys, Tensor& scores, Tensor& tokens,
+                Tensor& probs, Tensor& placed, std::span<const int32_t> first_row, int64_t B,
+                int64_t H, int64_t H_kv, int64_t d, int64_t rows, int32_t token,
+                int32_t recent_start);
+void h2o_prefill(const Tensor& queries, const Tensor& keys, const Tensor& values, Tensor& keys_out,
+                 Tensor& values_out, Tensor& scores, Tensor& tokens, Tensor& row_stats,
+                 Tensor& key_scores, Tensor& kept, std::span<const int32_t> first_valid, int64_t B,
+                 int64_t n, int64_t H, int64_t H_kv, int64_t d, int64_t rows, int64_t slots,
+                 int64_t recent);
+void h2o_store_placed(const Tensor& keys, const Tensor& values, const Tensor& placed,
+                      void* pool_keys, void* pool_values, int64_t B, int64_t H_kv, int64_t rows,
+                      int64_t row_bytes);
 
 }  // namespace infinigen::ops::cuda

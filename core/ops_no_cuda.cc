@@ -46,6 +46,21 @@ void cache_store(const Tensor&, Tensor&, int64_t, int64_t, int64_t, int64_t, int
   throw_op_not_on_device("cache_store", Device::Cuda);
 }
 
+void h2o_decode(const Tensor&, const Tensor&, Tensor&, Tensor&, Tensor&, Tensor&,
+                std::span<const int32_t>, int64_t, int64_t, int64_t, int64_t, int64_t, int32_t,
+                int32_t) {
+  throw_op_not_on_device("h2o_decode", Device::Cuda);
+}
+void h2o_prefill(const Tensor&, const Tensor&, const Tensor&, Tensor&, Tensor&, Tensor&, Tensor&,
+                 Tensor&, Tensor&, Tensor&, std::span<const int32_t>, int64_t, int64_t, int64_t,
+                 int64_t, int64_t, int64_t, int64_t, int64_t) {
+  throw_op_not_on_device("h2o_prefill", Device::Cuda);
+}
+void h2o_store_placed(const Tensor&, const Tensor&, const Tensor&, void*, void*, int64_t, int64_t,
+                      int64_t, int64_t) {
+  throw_op_not_on_device("h2o_store_placed", Device::Cuda);
+}
+
 }  // namespace cuda
 
 void reserve_cuda_scratch(size_t, size_t) {

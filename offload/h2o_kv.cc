@@ -21,13 +21,25 @@ const KvPolicy& h2o_kv_policy() {
       {"h2o_budget"},
       /*exact=*/false,
       /*selects_loads=*/false,
-      [](Device device) { return device == Device::Cpu; },  // scores accumulate on the host
+      // Scores accumulate on the host (CPU backend) or on the device (CUDA).
+      [](Device) { return true; },
       [](const MemoryRequest& r) -> KvMemory {
         // The kept entries (`slots` per layer, sequence and head) in the host pool; on the
         // device their staging with a row for the new token.
         const ModelConfig& c = r.config;
         const int64_t slots = h2o_slots(r.options.h2o_budget, request_positions(r));
-        return {kv_staging_bytes(r, slots + 1),
+        size_t device = kv_staging_bytes(r, slots + 1);
+        if (r.gemm_scratch) {
+          // The CUDA backend keeps the bookkeeping on the device: per row of every layer a score
+          // and a token index, the decode's scratch (a float per row), each (b, h)'s placed row
+          // per layer, and while the prefill runs its scratch (per prompt position two floats
+          // per query head, a float and a flag per KV head).
+          device = saturating_sum(
+              {device, saturating_product({8 * c.num_layers + 4, r.batch, c.kv_heads(), slots + 1}),
+               saturating_product({4, c.num_layers, r.batch, c.kv_heads()}),
+               saturating_product({8, r.batch, c.num_heads + c.kv_heads(), r.prompt_len})});
+        }
+        return {device,
                 saturating_product({2, c.num_layers, r.batch, c.kv_heads(), slots, c.head_dim(),
                                     static_cast<int64_t>(dtype_size(r.kv_dtype))})};
       },
@@ -45,6 +57,10 @@ Tensor on_host(const Tensor& tensor) {
   return tensor.device() == Device::Cpu ? tensor : tensor.to(Device::Cpu);
 }
 
+// Products rounded on their own, summed in order: the device's scores (kernels/cuda/h2o.cu) do
+// the same, so both keep the same tokens. offload/CMakeLists.txt compiles this file with
+// -ffp-contract=off, or the compiler would fuse some products and sums into FMAs and not others
+// (the vectorised body and the tail of this loop differ at -O3).
 float dot(const float* a, const float* b, int64_t n) {
   float sum = 0.0f;
   for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
@@ -103,6 +119,7 @@ H2oKv::H2oKv(const ModelConfig& config, int64_t batch, int64_t capacity, DType k
       head_dim_(config.head_dim()),
       kv_dtype_(kv_dtype),
       device_(device),
+      on_device_(device == Device::Cuda && !dry_run()),
       slots_(h2o_slots(checked_budget(budget), capacity)),
       recent_(slots_ / 2),
       row_bytes_(static_cast<size_t>(config.head_dim()) * dtype_size(kv_dtype)),
@@ -113,6 +130,20 @@ H2oKv::H2oKv(const ModelConfig& config, int64_t batch, int64_t capacity, DType k
   const int64_t L = config.num_layers;
   pool_.reset(static_cast<char*>(pinned_alloc(
       static_cast<size_t>(L * 2 * batch * heads_ * slots_) * row_bytes_, "the H2O KV pool")));
+  // The largest chunk list either way, so that no step grows the CUDA gathers' buffers: a layer's
+  // K and V runs, one per (sequence, head), of up to `slots` rows.
+  engine.reserve_gathers(static_cast<size_t>(2 * batch * heads_),
+                         static_cast<size_t>(2 * batch * heads_ * slots_) * row_bytes_);
+  if (on_device_) {
+    const Shape rows = {batch, heads_, slots_ + 1};
+    for (int64_t l = 0; l < L; ++l) {
+      device_scores_.push_back(Tensor::zeros(rows, DType::F32, device));
+      device_tokens_.push_back(Tensor::zeros(rows, DType::I32, device));
+      placed_.push_back(Tensor::zeros({batch, heads_}, DType::I32, device));
+    }
+    probs_ = Tensor::empty(rows, DType::F32, device);
+    return;
+  }
   const auto rows = static_cast<size_t>(L * batch * heads_ * (slots_ + 1));
   if (!dry_run()) host_keys_.assign(rows * static_cast<size_t>(head_dim_), 0.0f);
   scores_.assign(rows, 0.0f);
@@ -141,10 +172,30 @@ float H2oKv::round_kv(float value) const {
   }
 }
 
+template <typename T>
+std::vector<T> H2oKv::kept_entries(const std::vector<T>& host, const std::vector<Tensor>& device,
+                                   int64_t layer, int64_t b, int64_t h) const {
+  const int64_t first = slots_ - kept(b);
+  if (!on_device_) {
+    return {host.begin() + static_cast<std::ptrdiff_t>(entry(layer, b, h, first)),
+            host.begin() + static_cast<std::ptrdiff_t>(entry(layer, b, h, slots_))};
+  }
+  // The device's bookkeeping is written on the compute stream, which the host does not follow.
+  pipeline_.engine().compute_stream().synchronize();
+  std::vector<T> out(static_cast<size_t>(slots_ - first));
+  const Tensor& rows = device[static_cast<size_t>(layer)];
+  const auto offset = static_cast<size_t>((b * heads_ + h) * (slots_ + 1) + first);
+  device_copy(out.data(), Device::Cpu, static_cast<const T*>(rows.raw()) + offset, device_,
+              out.size() * sizeof(T));
+  return out;
+}
+
 std::vector<int32_t> H2oKv::kept_tokens(int64_t layer, int64_t b, int64_t h) const {
-  const size_t first = entry(layer, b, h, slots_ - kept(b));
-  return {tokens_.begin() + static_cast<std::ptrdiff_t>(first),
-          tokens_.begin() + static_cast<std::ptrdiff_t>(entry(layer, b, h, slots_))};
+  return kept_entries(tokens_, device_tokens_, layer, b, h);
+}
+
+std::vector<float> H2oKv::kept_scores(int64_t layer, int64_t b, int64_t h) const {
+  return kept_entries(scores_, device_scores_, layer, b, h);
 }
 
 void H2oKv::start_pass(int64_t n_new) {
@@ -204,85 +255,93 @@ void H2oKv::append(int64_t layer, const Tensor& keys, const Tensor& values) {
 }
 
 KvStore::View H2oKv::view(int64_t layer) {
-  pipeline_.wait_for_load(layer);
+  // On CUDA the decode's scoring, in append, waited for the load already.
+  if (device_ != Device::Cuda) pipeline_.wait_for_load(layer);
   return {&pipeline_.keys(layer), &pipeline_.values(layer), slots_ + 1, &view_first_valid_};
 }
 
 void H2oKv::prefill(int64_t layer, const Tensor& keys, const Tensor& values) {
+  const int64_t n = pass_tokens(), B = batch(), H = heads_, d = head_dim_;
+  if (traced("h2o_prefill_scores", {B, H * group_, n, d})) {
+    keep_newest_prompt_tokens(layer, n);  // a dry run: what zero scores keep
+    pipeline_.await_store_reads(layer);
+  } else if (on_device_) {
+    prefill_on_device(layer, keys, values);
+  } else {
+    prefill_on_host(layer, keys, values);
+  }
+  store_prompt_rows(layer);
+}
+
+void H2oKv::prefill_on_host(int64_t layer, const Tensor& keys, const Tensor& values) {
   const int64_t n = pass_tokens(), B = batch(), H = heads_, d = head_dim_, width = H * d;
   const int64_t q_width = width * group_;
   // Staged compact rows (B, H_kv, slots + 1, d) fp32; rows nobody stores stay zero.
   Tensor staged_k = Tensor::zeros({B, H, slots_ + 1, d}, DType::F32);
   Tensor staged_v = Tensor::zeros({B, H, slots_ + 1, d}, DType::F32);
   const std::vector<int32_t>& fv = first_valid();
-  if (traced("h2o_prefill_scores", {B, H * group_, n, d})) {
-    keep_newest_prompt_tokens(layer, n);  // a dry run: what zero scores keep
-  } else {
-    const Tensor q = on_host(queries_), k = on_host(keys), v = on_host(values);
-    const float* qd = q.data<float>();
-    const float* kd = k.data<float>();
-    const float* vd = v.data<float>();
-    float* sk = staged_k.data<float>();
-    float* sv = staged_v.data<float>();
+  const Tensor q = on_host(queries_), k = on_host(keys), v = on_host(values);
+  const float* qd = q.data<float>();
+  const float* kd = k.data<float>();
+  const float* vd = v.data<float>();
+  float* sk = staged_k.data<float>();
+  float* sv = staged_v.data<float>();
 #pragma omp parallel for collapse(2) schedule(dynamic, 1)
-    for (int64_t b = 0; b < B; ++b) {
-      for (int64_t h = 0; h < H; ++h) {
-        const int64_t start = fv[static_cast<size_t>(b)], valid = n - start;
-        // (valid, d): the valid keys as the KV dtype stores them.
-        std::vector<float> rounded(static_cast<size_t>(valid * d));
-        for (int64_t j = 0; j < valid; ++j) {
-          const float* src = kd + (b * n + start + j) * width + h * d;
-          for (int64_t e = 0; e < d; ++e)
-            rounded[static_cast<size_t>(j * d + e)] = round_kv(src[e]);
-        }
-        // Causal softmax of every valid query of the group's heads; each key sums the
-        // probability it received.
-        std::vector<float> score(static_cast<size_t>(valid), 0.0f);
-        std::vector<float> probs(static_cast<size_t>(valid));
-        for (int64_t head = h * group_; head < (h + 1) * group_; ++head) {
-          for (int64_t i = 0; i < valid; ++i) {
-            const float* qi = qd + (b * n + start + i) * q_width + head * d;
-            for (int64_t j = 0; j <= i; ++j) {
-              probs[static_cast<size_t>(j)] = dot(qi, rounded.data() + j * d, d);
-            }
-            softmax_inplace(probs.data(), i + 1);
-            for (int64_t j = 0; j <= i; ++j)
-              score[static_cast<size_t>(j)] += probs[static_cast<size_t>(j)];
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t start = fv[static_cast<size_t>(b)], valid = n - start;
+      // (valid, d): the valid keys as the KV dtype stores them.
+      std::vector<float> rounded(static_cast<size_t>(valid * d));
+      for (int64_t j = 0; j < valid; ++j) {
+        const float* src = kd + (b * n + start + j) * width + h * d;
+        for (int64_t e = 0; e < d; ++e) rounded[static_cast<size_t>(j * d + e)] = round_kv(src[e]);
+      }
+      // Causal softmax of every valid query of the group's heads; each key sums the
+      // probability it received.
+      std::vector<float> score(static_cast<size_t>(valid), 0.0f);
+      std::vector<float> probs(static_cast<size_t>(valid));
+      for (int64_t head = h * group_; head < (h + 1) * group_; ++head) {
+        for (int64_t i = 0; i < valid; ++i) {
+          const float* qi = qd + (b * n + start + i) * q_width + head * d;
+          for (int64_t j = 0; j <= i; ++j) {
+            probs[static_cast<size_t>(j)] = dot(qi, rounded.data() + j * d, d);
           }
+          softmax_inplace(probs.data(), i + 1);
+          for (int64_t j = 0; j <= i; ++j)
+            score[static_cast<size_t>(j)] += probs[static_cast<size_t>(j)];
         }
-        // Keep the recent window and the highest-scoring older tokens (ties keep the newer).
-        std::vector<int64_t> keep;
-        if (valid <= slots_) {
-          keep.resize(static_cast<size_t>(valid));
-          std::iota(keep.begin(), keep.end(), int64_t{0});
-        } else {
-          const int64_t older = valid - recent_;
-          std::vector<int64_t> order(static_cast<size_t>(older));
-          std::iota(order.begin(), order.end(), int64_t{0});
-          std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
-            const float sx = score[static_cast<size_t>(x)], sy = score[static_cast<size_t>(y)];
-            return sx != sy ? sx > sy : x > y;
-          });
-          keep.assign(order.begin(), order.begin() + (slots_ - recent_));
-          for (int64_t j = older; j < valid; ++j) keep.push_back(j);
-          std::sort(keep.begin(), keep.end());
-        }
-        const int64_t row0 = slots_ - static_cast<int64_t>(keep.size());
-        for (size_t r = 0; r < keep.size(); ++r) {
-          const int64_t j = keep[r], row = row0 + static_cast<int64_t>(r);
-          const size_t e = entry(layer, b, h, row);
-          const int64_t staged = ((b * H + h) * (slots_ + 1) + row) * d;
-          std::memcpy(sk + staged, kd + (b * n + start + j) * width + h * d, sizeof(float) * d);
-          std::memcpy(sv + staged, vd + (b * n + start + j) * width + h * d, sizeof(float) * d);
-          std::memcpy(&host_keys_[e * static_cast<size_t>(d)], rounded.data() + j * d,
-                      sizeof(float) * d);
-          scores_[e] = score[static_cast<size_t>(j)];
-          tokens_[e] = static_cast<int32_t>(start + j);
-        }
+      }
+      // Keep the recent window and the highest-scoring older tokens (ties keep the newer).
+      std::vector<int64_t> keep;
+      if (valid <= slots_) {
+        keep.resize(static_cast<size_t>(valid));
+        std::iota(keep.begin(), keep.end(), int64_t{0});
+      } else {
+        const int64_t older = valid - recent_;
+        std::vector<int64_t> order(static_cast<size_t>(older));
+        std::iota(order.begin(), order.end(), int64_t{0});
+        std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+          const float sx = score[static_cast<size_t>(x)], sy = score[static_cast<size_t>(y)];
+          return sx != sy ? sx > sy : x > y;
+        });
+        keep.assign(order.begin(), order.begin() + (slots_ - recent_));
+        for (int64_t j = older; j < valid; ++j) keep.push_back(j);
+        std::sort(keep.begin(), keep.end());
+      }
+      const int64_t row0 = slots_ - static_cast<int64_t>(keep.size());
+      for (size_t r = 0; r < keep.size(); ++r) {
+        const int64_t j = keep[r], row = row0 + static_cast<int64_t>(r);
+        const size_t e = entry(layer, b, h, row);
+        const int64_t staged = ((b * H + h) * (slots_ + 1) + row) * d;
+        std::memcpy(sk + staged, kd + (b * n + start + j) * width + h * d, sizeof(float) * d);
+        std::memcpy(sv + staged, vd + (b * n + start + j) * width + h * d, sizeof(float) * d);
+        std::memcpy(&host_keys_[e * static_cast<size_t>(d)], rounded.data() + j * d,
+                    sizeof(float) * d);
+        scores_[e] = score[static_cast<size_t>(j)];
+        tokens_[e] = static_cast<int32_t>(start + j);
       }
     }
   }
-
   // The kept rows reach the pool as a decode step's would: staged on the device, then stored.
   // The staging buffer was last read by the store of layer - 2.
   pipeline_.await_store_reads(layer);
@@ -291,6 +350,29 @@ void H2oKv::prefill(int64_t layer, const Tensor& keys, const Tensor& values) {
   const Tensor ck = staged_k.to_dtype(kv_dtype_), cv = staged_v.to_dtype(kv_dtype_);
   device_copy(staging_keys.raw(), device_, ck.raw(), Device::Cpu, ck.nbytes());
   device_copy(staging_values.raw(), device_, cv.raw(), Device::Cpu, cv.nbytes());
+}
+
+void H2oKv::prefill_on_device(int64_t layer, const Tensor& keys, const Tensor& values) {
+  const int64_t n = pass_tokens(), B = batch(), H = heads_;
+  if (layer == 0) {  // the pass's scratch, for every layer (freed by end_pass)
+    row_stats_ = Tensor::empty({2, B, H * group_, n}, DType::F32, device_);
+    key_scores_ = Tensor::empty({B, H, n}, DType::F32, device_);
+    keep_flags_ = Tensor::zeros({B, H, n}, DType::I32, device_);
+  }
+  // The kernels write the kept rows into the staging buffer, which the store of layer - 2 read.
+  pipeline_.await_store_reads(layer);
+  const size_t l = static_cast<size_t>(layer);
+  ops::h2o_prefill(queries_, keys, values, pipeline_.keys(layer), pipeline_.values(layer),
+                   device_scores_[l], device_tokens_[l], row_stats_, key_scores_, keep_flags_,
+                   first_valid(), slots_, recent_);
+}
+
+void H2oKv::store_prompt_rows(int64_t layer) {
+  // The kept rows reach the pool as a decode step's would: staged on the device, then stored.
+  const int64_t n = pass_tokens(), B = batch(), H = heads_;
+  const std::vector<int32_t>& fv = first_valid();
+  Tensor& staging_keys = pipeline_.keys(layer);
+  Tensor& staging_values = pipeline_.values(layer);
   std::vector<CopyChunk> chunks;
   chunks.reserve(static_cast<size_t>(2 * B * H));
   LayerTraffic& traffic = pipeline_.traffic(layer);
@@ -310,7 +392,7 @@ void H2oKv::prefill(int64_t layer, const Tensor& keys, const Tensor& values) {
 }
 
 void H2oKv::decode(int64_t layer, const Tensor& keys, const Tensor& values) {
-  const int64_t B = batch(), H = heads_, d = head_dim_, width = H * d;
+  const int64_t B = batch(), H = heads_, d = head_dim_;
   Tensor& staging_keys = pipeline_.keys(layer);
   Tensor& staging_values = pipeline_.values(layer);
   // The new token goes into row `slots` of every (b, h), which the store of layer - 2 (or of the
@@ -318,49 +400,67 @@ void H2oKv::decode(int64_t layer, const Tensor& keys, const Tensor& values) {
   pipeline_.await_store_reads(layer);
   ops::cache_store(keys, staging_keys, slots_);
   ops::cache_store(values, staging_values, slots_);
-  const auto token = static_cast<int32_t>(length());
+  // On CUDA the scores read the kept keys from the staging: after this step's load of the layer
+  // (on the device; view() then has nothing to wait for). The host reads its own copy.
+  if (device_ == Device::Cuda) pipeline_.wait_for_load(layer);
   int64_t scored = 0;  // (entry, query) pairs the scoring visits, for the trace
   for (int32_t count : count_) scored += H * group_ * (count + 1);
   if (traced("h2o_decode_scores", {B, H * group_, scored / (H * group_), d})) {
     // A dry run: the new token enters with no score, so victims are the oldest candidates.
+    const auto token = static_cast<int32_t>(length());
     for (int64_t b = 0; b < B; ++b) {
       for (int64_t h = 0; h < H; ++h) {
         tokens_[entry(layer, b, h, slots_)] = token;
         scores_[entry(layer, b, h, slots_)] = 0.0f;
       }
     }
+  } else if (on_device_) {
+    decode_on_device(layer);
+    return;
   } else {
-    const Tensor q = on_host(queries_), k = on_host(keys);
-    const float* qd = q.data<float>();
-    const float* kd = k.data<float>();
+    score_on_host(layer, keys);
+  }
+  place_on_host(layer);
+}
+
+void H2oKv::score_on_host(int64_t layer, const Tensor& keys) {
+  const int64_t B = batch(), H = heads_, d = head_dim_, width = H * d;
+  const auto token = static_cast<int32_t>(length());
+  const Tensor q = on_host(queries_), k = on_host(keys);
+  const float* qd = q.data<float>();
+  const float* kd = k.data<float>();
 #pragma omp parallel for collapse(2) schedule(static)
-    for (int64_t b = 0; b < B; ++b) {
-      for (int64_t h = 0; h < H; ++h) {
-        const size_t fresh = entry(layer, b, h, slots_);
-        float* key = &host_keys_[fresh * static_cast<size_t>(d)];
-        const float* src = kd + b * width + h * d;
-        for (int64_t e = 0; e < d; ++e) key[e] = round_kv(src[e]);
-        tokens_[fresh] = token;
-        scores_[fresh] = 0.0f;
-        // Each query head's softmax over the kept entries and the new token, as attention
-        // computes it.
-        const int64_t row0 = slots_ - count_[static_cast<size_t>(b)], n = slots_ + 1 - row0;
-        std::vector<float> probs(static_cast<size_t>(n));
-        for (int64_t head = h * group_; head < (h + 1) * group_; ++head) {
-          const float* qi = qd + (b * H * group_ + head) * d;
-          for (int64_t r = 0; r < n; ++r) {
-            probs[static_cast<size_t>(r)] =
-                dot(qi, &host_keys_[entry(layer, b, h, row0 + r) * static_cast<size_t>(d)], d);
-          }
-          softmax_inplace(probs.data(), n);
-          for (int64_t r = 0; r < n; ++r)
-            scores_[entry(layer, b, h, row0 + r)] += probs[static_cast<size_t>(r)];
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
+      const size_t fresh = entry(layer, b, h, slots_);
+      float* key = &host_keys_[fresh * static_cast<size_t>(d)];
+      const float* src = kd + b * width + h * d;
+      for (int64_t e = 0; e < d; ++e) key[e] = round_kv(src[e]);
+      tokens_[fresh] = token;
+      scores_[fresh] = 0.0f;
+      // Each query head's softmax over the kept entries and the new token, as attention
+      // computes it.
+      const int64_t row0 = slots_ - count_[static_cast<size_t>(b)], n = slots_ + 1 - row0;
+      std::vector<float> probs(static_cast<size_t>(n));
+      for (int64_t head = h * group_; head < (h + 1) * group_; ++head) {
+        const float* qi = qd + (b * H * group_ + head) * d;
+        for (int64_t r = 0; r < n; ++r) {
+          probs[static_cast<size_t>(r)] =
+              dot(qi, &host_keys_[entry(layer, b, h, row0 + r) * static_cast<size_t>(d)], d);
         }
+        softmax_inplace(probs.data(), n);
+        for (int64_t r = 0; r < n; ++r)
+          scores_[entry(layer, b, h, row0 + r)] += probs[static_cast<size_t>(r)];
       }
     }
   }
+}
 
+void H2oKv::place_on_host(int64_t layer) {
   // The layer is scored: place the new token of every (b, h) in a free row, or in the victim's.
+  const int64_t B = batch(), H = heads_;
+  Tensor& staging_keys = pipeline_.keys(layer);
+  Tensor& staging_values = pipeline_.values(layer);
   const auto recent_start = static_cast<int32_t>(length() + 1 - recent_);
   std::vector<CopyChunk> chunks;
   chunks.reserve(static_cast<size_t>(2 * B * H));
@@ -387,6 +487,30 @@ void H2oKv::decode(int64_t layer, const Tensor& keys, const Tensor& values) {
   }
   // A victim's old row may be among the rows this step's load of the layer reads.
   pipeline_.store(layer, std::move(chunks), pipeline_.loaded(layer));
+}
+
+void H2oKv::decode_on_device(int64_t layer) {
+  const size_t l = static_cast<size_t>(layer);
+  const Tensor& staging_keys = pipeline_.keys(layer);
+  const Tensor& staging_values = pipeline_.values(layer);
+  const Tensor& placed = placed_[l];
+  // Scores and the choice of every (b, h)'s row, on the compute stream.
+  ops::h2o_decode(queries_, staging_keys, device_scores_[l], device_tokens_[l], probs_, placed_[l],
+                  view_first_valid_, static_cast<int32_t>(length()),
+                  static_cast<int32_t>(length() + 1 - recent_));
+  // The store of the new rows where the device placed them: a kernel on the store stream, after
+  // that choice (it follows the compute enqueued before it) and after this step's load of the
+  // layer (a victim's old row may be among the rows it reads).
+  void* pool_keys = pool_row(layer, 0, 0, 0, 0);
+  void* pool_values = pool_row(layer, 1, 0, 0, 0);
+  const int64_t rows = 2 * batch() * heads_;
+  pipeline_.store_by_kernel(
+      layer,
+      [&](void*) {
+        ops::h2o_store_placed(staging_keys, staging_values, placed, pool_keys, pool_values);
+        return 0;
+      },
+      static_cast<uint64_t>(rows) * row_bytes_, rows, pipeline_.loaded(layer));
 }
 
 void H2oKv::keep_newest_prompt_tokens(int64_t layer, int64_t n) {
@@ -425,6 +549,11 @@ void H2oKv::end_pass(int64_t n_new) {
       count = static_cast<int32_t>(std::min<int64_t>(count + 1, slots_));
   }
   pipeline_.end_pass(*this);  // reads the pass's state before KvStore::end_pass moves it
+  if (length() == 0) {        // the prefill's scratch (freeing waits for the kernels using it)
+    row_stats_ = Tensor();
+    key_scores_ = Tensor();
+    keep_flags_ = Tensor();
+  }
   KvStore::end_pass(n_new);
 }
 

@@ -9,8 +9,18 @@
 // (the paper's even split; the heavy half gets the odd slot, as a recent token needs no score to
 // be worth keeping). Scores are accumulated per kept entry: in the prefill, the causal softmax of
 // every valid prompt query over the valid prompt keys; in decode, the new query's softmax over
-// the kept entries and the new token. Scoring runs on the host from the fp32 queries and an fp32
-// copy of the kept keys rounded through the KV dtype, so it sees the keys attention reads.
+// the kept entries and the new token. Either way the keys are rounded through the KV dtype, so
+// scoring sees the keys attention reads.
+//
+// Where it runs: on the CPU backend scoring, the victim choice and the bookkeeping (scores, token
+// indices, an fp32 copy of the kept keys) run on the host. On CUDA they run on the device
+// (kernels/cuda/h2o.h, through core/ops.h's h2o ops) with the same arithmetic in the same order,
+// so both keep the same tokens: the scores and token indices live in device memory, decode
+// scores from the staged keys after the layer's load, the choice of each new token's row stays
+// on the device, and the store is a kernel on the store stream that writes the staged row into
+// the mapped pinned pool at that row (TransferEngine::store_by_kernel). The host never reads
+// them in a step: the counts, which the loads need, do not depend on scores and are kept on the
+// host (docs/cuda.md, "h2o on the device").
 //
 // Host pool (pinned, allocated up front): [L][2][B][H][slots] rows of d in the KV dtype, K then V.
 // Sequence b keeps count[b] entries (the same for every layer and head: every head keeps the
@@ -24,7 +34,8 @@
 // copies each (b, h)'s count[b] valid rows into the same rows of staging[l % 2]; the new token
 // goes into row `slots`, and attention reads rows [slots - count[b], slots + 1) (the view's own
 // first_valid). Once the new query has scored the layer, the store stream copies row `slots` of
-// every (b, h) into the pool row chosen for it.
+// every (b, h) into the pool row chosen for it (on CUDA: chosen on the device, copied by a kernel
+// that reads the row from the device).
 //
 // Bytes: a decode step loads 2 * L * sum_b(count[b]) * H * d * kv_bytes and stores
 // 2 * L * B * H * d * kv_bytes; the prefill stores its kept rows, 2 * L * sum_b(count[b]) * H * d *
@@ -35,7 +46,12 @@
 // each overlaps the layer before; attention of layer l waits for its load's event only. The load
 // of layer l waits for the previous step's store of layer l; the store of layer l waits for this
 // step's load of layer l (the victim's old row may be among the rows it reads). A host write into
-// a staging buffer waits for the latest store that read a staging buffer of its parity.
+// a staging buffer waits for the latest store that read a staging buffer of its parity. On CUDA
+// the decode's scoring reads the loaded rows too, so the device waits for the layer's load before
+// it; the store kernel follows the placement (every transfer follows the compute enqueued before
+// it) and reads the rows it chose from device memory; the next step's placement of the layer
+// follows the layer's next load, which follows that store, so one array of chosen rows per layer
+// is never overwritten before its store has read it.
 #pragma once
 
 #include <cstddef>
@@ -80,8 +96,11 @@ class H2oKv : public KvStore {
   int64_t recent() const { return recent_; }
   // Entries sequence b keeps per head (after the last pass).
   int64_t kept(int64_t b) const { return count_[static_cast<size_t>(b)]; }
-  // Token indices kept by (layer, b, h), in row order (after the last pass).
+  // Token indices kept by (layer, b, h), in row order (after the last pass), and their
+  // accumulated scores. For tests: on CUDA they wait for the compute stream and copy from the
+  // device.
   std::vector<int32_t> kept_tokens(int64_t layer, int64_t b, int64_t h) const;
+  std::vector<float> kept_scores(int64_t layer, int64_t b, int64_t h) const;
 
  protected:
   void start_pass(int64_t n_new) override;
@@ -100,6 +119,23 @@ class H2oKv : public KvStore {
   void issue_load(int64_t layer);
   void prefill(int64_t layer, const Tensor& keys, const Tensor& values);
   void decode(int64_t layer, const Tensor& keys, const Tensor& values);
+  // The prefill's scores and keep choice on the host, into the layer's staging.
+  void prefill_on_host(int64_t layer, const Tensor& keys, const Tensor& values);
+  // ... and on the device.
+  void prefill_on_device(int64_t layer, const Tensor& keys, const Tensor& values);
+  // Stores the kept prompt rows of layer `layer` from its staging into the pool.
+  void store_prompt_rows(int64_t layer);
+  // The decode's scores on the host: the new token's key copy and bookkeeping, then every
+  // query head's probabilities added.
+  void score_on_host(int64_t layer, const Tensor& keys);
+  // Places every (b, h)'s new token on the host (a free row or the victim's) and stores it.
+  void place_on_host(int64_t layer);
+  // Scores, places and stores on the device.
+  void decode_on_device(int64_t layer);
+  // The bookkeeping of the kept rows of (layer, b, h), from the host or the device.
+  template <typename T>
+  std::vector<T> kept_entries(const std::vector<T>& host, const std::vector<Tensor>& device,
+                              int64_t layer, int64_t b, int64_t h) const;
   // A dry run's prefill (core/trace.h): the bookkeeping of keeping each sequence's newest prompt
   // tokens, which is what equal (zero) scores keep.
   void keep_newest_prompt_tokens(int64_t layer, int64_t n);
@@ -112,20 +148,29 @@ class H2oKv : public KvStore {
   int64_t head_dim_;
   DType kv_dtype_;
   Device device_;
+  bool on_device_;  // scores and bookkeeping on the CUDA device (a CUDA run, not a dry one)
   int64_t slots_;
   int64_t recent_;
   size_t row_bytes_;  // d * kv_bytes
   // [L][2][B][H][slots][d], pinned.
   std::unique_ptr<char[], void (*)(void*)> pool_{nullptr, pinned_free};
+  // The host's bookkeeping (empty on the device):
   std::vector<float> host_keys_;  // (L, B, H, slots + 1, d) fp32, rounded through the KV dtype
                                   // (empty in a dry run)
   std::vector<float> scores_;     // (L, B, H, slots + 1) accumulated attention probability
   std::vector<int32_t> tokens_;   // (L, B, H, slots + 1) token index of each row
+  // The device's, per layer (on_device_ only): scores (B, H, slots + 1) F32, tokens (same) I32,
+  // and the row each (b, h)'s new token took in this step, placed (B, H) I32.
+  std::vector<Tensor> device_scores_, device_tokens_, placed_;
+  Tensor probs_;  // (B, H, slots + 1) F32: the decode's scratch
+  // The prefill's scratch, for its pass only: row_stats (2, B, H_q, n) F32, key_scores (B, H, n)
+  // F32, keep_flags (B, H, n) I32.
+  Tensor row_stats_, key_scores_, keep_flags_;
   std::vector<int32_t> count_;    // (B) entries kept per (layer, head) before this pass
   std::vector<int32_t> view_first_valid_;  // (B) slots - count: first row attention reads
   Tensor queries_;                         // this layer's queries (B * n, H * d), from observe
   // Staging K and V (B, H, slots + 1, d) by layer parity. Last: its destructor waits for the
-  // transfers that read and write the pool.
+  // transfers that read and write the pool and the device bookkeeping.
   LayerPipeline pipeline_;
 };
 

@@ -69,6 +69,17 @@ void LayerPipeline::store(int64_t layer, std::vector<CopyChunk> chunks, EventPtr
   store_read_[parity(layer)] = stored_[l];
 }
 
+void LayerPipeline::store_by_kernel(int64_t layer, const TransferEngine::KernelLaunch& launch,
+                                    uint64_t bytes, int64_t rows, EventPtr after,
+                                    TransferContent content) {
+  traffic(layer).kv_d2h_bytes += bytes;
+  step().d2h_bytes += bytes;
+  const size_t l = static_cast<size_t>(layer);
+  stored_[l] =
+      engine_.store_by_kernel(launch, bytes, rows, std::move(after), {"kv_store", layer, content});
+  store_read_[parity(layer)] = stored_[l];
+}
+
 void LayerPipeline::await_store_reads(int64_t layer) {
   engine_.compute_stream().wait(store_read_[parity(layer)]);
 }

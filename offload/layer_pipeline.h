@@ -81,6 +81,11 @@ class LayerPipeline {
   // (if any), counting its bytes. Its sources are device buffers of the layer's parity.
   void store(int64_t layer, std::vector<CopyChunk> chunks, EventPtr after = nullptr,
              TransferContent content = TransferContent::KvRange);
+  // The same store made by a kernel of the caller's on the store stream
+  // (TransferEngine::store_by_kernel): `bytes` in `rows` rows, which the device chose.
+  void store_by_kernel(int64_t layer, const TransferEngine::KernelLaunch& launch, uint64_t bytes,
+                       int64_t rows, EventPtr after = nullptr,
+                       TransferContent content = TransferContent::KvRange);
   // Orders the compute stream after the latest store that read a device buffer of layer
   // `layer`'s parity: call it before compute writes one.
   void await_store_reads(int64_t layer);
@@ -94,7 +99,7 @@ class LayerPipeline {
   // This step's statistics, and its traffic of one layer.
   StepStats& step() { return stats_.current(); }
   LayerTraffic& traffic(int64_t layer) { return step().layers[static_cast<size_t>(layer)]; }
-  TransferEngine& engine() { return engine_; }
+  TransferEngine& engine() const { return engine_; }
   int64_t num_layers() const { return num_layers_; }
 
  private:

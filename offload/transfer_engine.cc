@@ -298,6 +298,65 @@ TransferCounters TransferEngine::counters() const {
   return counters_;
 }
 
+int32_t TransferEngine::trace_transfer(bool to_device, const TransferTag& tag, uint64_t bytes,
+                                       int64_t pieces, const EventPtr& after) {
+  Trace* trace = active_trace();
+  if (trace == nullptr) return -1;
+  const int32_t op =
+      trace->transfer(to_device ? TracedKind::Load : TracedKind::Store, tag.name, tag.layer, bytes,
+                      pieces, tag.content, after ? after->traced_op() : -1);
+  (to_device ? last_traced_load_ : last_traced_store_) = op;
+  return op;
+}
+
+EventPtr TransferEngine::dry_transfer(bool to_device, uint64_t bytes, int32_t traced_op) {
+  {
+    std::lock_guard lock(counters_mutex_);
+    (to_device ? counters_.h2d_bytes : counters_.d2h_bytes) += bytes;
+    (to_device ? counters_.h2d_transfers : counters_.d2h_transfers) += 1;
+  }
+  auto done = std::make_shared<Event>();
+  done->complete();
+  done->set_traced_op(traced_op);
+  return done;
+}
+
+EventPtr TransferEngine::load_by_kernel(const KernelLaunch& launch, uint64_t bytes, int64_t rows,
+                                        EventPtr after, TransferTag tag) {
+  return enqueue_kernel(load_stream_, launch, bytes, rows, std::move(after), true, tag);
+}
+
+EventPtr TransferEngine::store_by_kernel(const KernelLaunch& launch, uint64_t bytes, int64_t rows,
+                                         EventPtr after, TransferTag tag) {
+  return enqueue_kernel(store_stream_, launch, bytes, rows, std::move(after), false, tag);
+}
+
+EventPtr TransferEngine::enqueue_kernel(Stream& stream, const KernelLaunch& launch, uint64_t bytes,
+                                        int64_t rows, EventPtr after, bool to_device,
+                                        const TransferTag& tag) {
+  INFINIGEN_CHECK(launch != nullptr, "transfer '", tag.name, "' by kernel: nothing to launch");
+  const int32_t traced_op = trace_transfer(to_device, tag, bytes, rows, after);
+  if (dry_run()) return dry_transfer(to_device, bytes, traced_op);
+  INFINIGEN_CHECK(cuda_, "transfer '", tag.name, "' on stream '", stream.name(),
+                  "': a transfer by kernel needs CUDA streams (the CPU backend copies on threads)");
+  if (after) stream.wait(std::move(after));
+  // As enqueue(): after the compute enqueued so far (the kernel reads what it wrote, or
+  // overwrites what it read).
+  stream.wait(compute_stream_.record());
+  EventPtr start = stream.record();
+  stream.enqueue([&] {
+    const int code = launch(stream.cuda_handle());
+    if (code != 0) cuda_stream::check(code, cat("transfer '", tag.name, "': its kernel").c_str());
+  });
+  EventPtr done = stream.record();
+  done->set_traced_op(traced_op);
+  std::lock_guard lock(counters_mutex_);
+  (to_device ? counters_.h2d_bytes : counters_.d2h_bytes) += bytes;
+  (to_device ? counters_.h2d_transfers : counters_.d2h_transfers) += 1;
+  timed_.push_back({std::move(start), done, to_device});
+  return done;
+}
+
 EventPtr TransferEngine::enqueue(Stream& stream, std::vector<CopyChunk> chunks, EventPtr after,
                                  bool to_device, const TransferTag& tag) {
   uint64_t bytes = 0;
@@ -307,22 +366,9 @@ EventPtr TransferEngine::enqueue(Stream& stream, std::vector<CopyChunk> chunks, 
                     " bytes has a null pointer");
     bytes += chunk.bytes;
   }
-  int32_t traced_op = -1;
-  if (Trace* trace = active_trace()) {
-    traced_op = trace->transfer(to_device ? TracedKind::Load : TracedKind::Store, tag.name,
-                                tag.layer, bytes, static_cast<int64_t>(chunks.size()), tag.content,
-                                after ? after->traced_op() : -1);
-    (to_device ? last_traced_load_ : last_traced_store_) = traced_op;
-    if (trace->dry()) {
-      std::lock_guard lock(counters_mutex_);
-      (to_device ? counters_.h2d_bytes : counters_.d2h_bytes) += bytes;
-      (to_device ? counters_.h2d_transfers : counters_.d2h_transfers) += 1;
-      auto done = std::make_shared<Event>();
-      done->complete();
-      done->set_traced_op(traced_op);
-      return done;
-    }
-  }
+  const int32_t traced_op =
+      trace_transfer(to_device, tag, bytes, static_cast<int64_t>(chunks.size()), after);
+  if (dry_run()) return dry_transfer(to_device, bytes, traced_op);
   if (after) stream.wait(std::move(after));
   const Device dst_device = to_device ? device_ : Device::Cpu;
   const Device src_device = to_device ? Device::Cpu : device_;

@@ -23,6 +23,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "core/copy_chunk.h"
@@ -74,6 +75,30 @@ class TransferEngine {
   // Device -> host, on the store stream.
   EventPtr store(std::vector<CopyChunk> chunks, EventPtr after = nullptr, TransferTag tag = {});
 
+  // A transfer that a kernel of the caller's makes, for what a chunk list cannot say because the
+  // rows are known only on the device (h2o's store to the row its eviction chose; InfiniGen's
+  // gather of the rows its speculation selected). `launch(stream)` enqueues the kernel on
+  // `stream`, the load stream (load_by_kernel: host -> device) or the store stream
+  // (store_by_kernel: device -> host), and returns 0 or a CUDA error code (kernels/cuda's
+  // convention; an exception it throws is reported the same way). The kernel reads or writes
+  // mapped pinned host memory (pinned_alloc) directly, as the device gather does. It is called
+  // before the function returns, on the calling thread, with `stream` current (so the ops of
+  // core/ops.h launch on it); what it captures need not outlive the call, the memory its kernel
+  // touches must until the returned event completes.
+  //
+  // Everything else is as for a chunk list: the transfer waits for `after` (if any) and for the
+  // compute enqueued before it; it counts `bytes` and one transfer in the counters, and its
+  // device time (a pair of events around the launch) in the stream's busy time; with a trace
+  // active it is recorded with its tag as a transfer of `bytes` in `rows` pieces (a chunk list's
+  // chunks), so its price (predict/) is a gather's. Returns the event of its completion. In a dry
+  // run nothing is launched and the event is complete at once. CUDA only: on the CPU backend,
+  // whose transfers are host copies on worker threads, it fails.
+  using KernelLaunch = std::function<int(void* stream)>;
+  EventPtr load_by_kernel(const KernelLaunch& launch, uint64_t bytes, int64_t rows,
+                          EventPtr after = nullptr, TransferTag tag = {});
+  EventPtr store_by_kernel(const KernelLaunch& launch, uint64_t bytes, int64_t rows,
+                           EventPtr after = nullptr, TransferTag tag = {});
+
   Stream& load_stream() { return load_stream_; }
   Stream& store_stream() { return store_stream_; }
   // Where the model's ops run. Ops launch on the current CUDA stream of their thread: make this
@@ -103,6 +128,13 @@ class TransferEngine {
  private:
   EventPtr enqueue(Stream& stream, std::vector<CopyChunk> chunks, EventPtr after, bool to_device,
                    const TransferTag& tag);
+  EventPtr enqueue_kernel(Stream& stream, const KernelLaunch& launch, uint64_t bytes, int64_t rows,
+                          EventPtr after, bool to_device, const TransferTag& tag);
+  // Records a transfer of `bytes` in `pieces` in the active trace (if any); its op, or -1.
+  int32_t trace_transfer(bool to_device, const TransferTag& tag, uint64_t bytes, int64_t pieces,
+                         const EventPtr& after);
+  // A dry run's transfer: counted, and complete at once.
+  EventPtr dry_transfer(bool to_device, uint64_t bytes, int32_t traced_op);
   // Adds to the counters the device time of the CUDA transfers that have completed.
   void settle_transfer_times() const;
 

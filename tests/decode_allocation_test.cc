@@ -168,12 +168,12 @@ TEST(DecodeAllocation, PoolBlocksAreReservedBeforeDecoding) {
 }
 
 // On a CUDA device (the emulated one in CI): the policies that run there.
-TEST(DecodeAllocationGpu, GpuAndFullDecodeWithoutAllocatingOnCuda) {
+TEST(DecodeAllocationGpu, GpuFullAndH2oDecodeWithoutAllocatingOnCuda) {
   INFINIGEN_SKIP_WITHOUT_CUDA_DEVICE();
   const GenerationRequest request = small_request();
   for (const std::string& model : kModels) {
     const ModelSource source = model_source(model);
-    for (const std::string policy : {"gpu", "full"}) {
+    for (const std::string policy : {"gpu", "full", "h2o"}) {
       OffloadOptions options;
       options.policy = policy;
       const DecodeAllocations got = decode_allocations(source, request, options, Device::Cuda);

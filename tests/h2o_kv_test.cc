@@ -1,20 +1,26 @@
 // tests: the `h2o` baseline: with the whole budget it gives the engine's logits; with 20% every row
 // keeps exactly its slots, the recent window stays and evicted tokens never return; the victim
 // choice on hand-built scores; the bytes each step loads and stores; no read of unloaded KV (NaN
-// mode); and the same logits from run to run and under an emulated link.
+// mode); and the same logits from run to run and under an emulated link. On a CUDA device (label
+// gpu, H2oGpu.*): the device's scores, keep choice, victims and stores against the CPU's.
 #include "offload/h2o_kv.h"
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <iostream>
 #include <memory>
+#include <numeric>
+#include <random>
 #include <set>
 #include <vector>
 
 #include "core/generation.h"
 #include "core/model_loader.h"
+#include "core/ops.h"
+#include "core/stream.h"
 #include "tests/test_util.h"
 
 namespace infinigen {
@@ -294,6 +300,275 @@ TEST_F(H2o, DebugPoisonRunsCompleteWithoutNaN) {
       const GenerationResult got = run_h2o(budget);
       for (float x : got.last_logits.to_floats()) {
         ASSERT_TRUE(std::isfinite(x)) << dtype_name(kv) << " budget " << budget;
+      }
+    }
+  }
+}
+
+// ---- on the device ----
+
+// Normal(0, scale) values of `shape` (fp32, CPU).
+Tensor normal(const Shape& shape, std::mt19937_64& rng, float scale) {
+  std::normal_distribution<float> dist(0.0f, scale);
+  std::vector<float> values(static_cast<size_t>(shape_numel(shape)));
+  for (float& x : values) x = dist(rng);
+  return Tensor::from_floats(shape, values);
+}
+
+// What one layer's observe and append receive in a pass: queries (B * n, H * d), keys and values
+// (B * n, H_kv * d), fp32.
+struct LayerInput {
+  Tensor q, k, v;
+};
+
+// The inputs of a prefill of n tokens and then `steps` decode steps, random normal except in
+// sequence 0, which is built to tie: its keys are zero but that of its first valid token (e_0),
+// and its queries are 200 e_0. Every other key of it gets probability exactly 0 (exp(-200)
+// underflows), so their scores tie at 0 for good, and the choices fall to the token index (the
+// prefill keeps the newer, decode evicts the oldest outside the recent window).
+std::vector<std::vector<LayerInput>> make_inputs(const ModelConfig& c, int64_t B, int64_t n,
+                                                 int64_t steps, int32_t sink, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  const int64_t H = c.num_heads, H_kv = c.kv_heads(), d = c.head_dim();
+  std::vector<std::vector<LayerInput>> passes;
+  for (int64_t pass = 0; pass <= steps; ++pass) {
+    const int64_t rows = pass == 0 ? n : 1;
+    std::vector<LayerInput> layers;
+    for (int64_t l = 0; l < c.num_layers; ++l) {
+      LayerInput in{normal({B * rows, H * d}, rng, 0.5f), normal({B * rows, H_kv * d}, rng, 1.0f),
+                    normal({B * rows, H_kv * d}, rng, 1.0f)};
+      float* q = in.q.data<float>();
+      float* k = in.k.data<float>();
+      for (int64_t i = 0; i < rows; ++i) {  // sequence 0's rows are its first `rows`
+        const int64_t t = pass == 0 ? i : n + pass - 1;
+        std::fill(q + i * H * d, q + (i + 1) * H * d, 0.0f);
+        std::fill(k + i * H_kv * d, k + (i + 1) * H_kv * d, 0.0f);
+        for (int64_t h = 0; h < H; ++h) q[(i * H + h) * d] = 200.0f;
+        if (t == sink) {
+          for (int64_t h = 0; h < H_kv; ++h) k[(i * H_kv + h) * d] = 1.0f;
+        }
+      }
+      layers.push_back(std::move(in));
+    }
+    passes.push_back(std::move(layers));
+  }
+  return passes;
+}
+
+// A layer's staged keys and values as attention reads them in a decode step (the rows the load
+// brought and the new one), per (b, h): rows [first_valid[b], slots + 1) of each, as floats.
+std::vector<std::vector<float>> staged_rows(const KvStore::View& view, int64_t B, int64_t H,
+                                            int64_t d) {
+  std::vector<std::vector<float>> out;
+  for (const Tensor* staging : {view.keys, view.values}) {
+    const std::vector<float> all = staging->to(Device::Cpu).to_floats();
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t first = (*view.first_valid)[static_cast<size_t>(b)];
+        const auto begin = static_cast<size_t>(((b * H + h) * view.length + first) * d);
+        const auto end = static_cast<size_t>(((b * H + h) * view.length + view.length) * d);
+        out.emplace_back(all.begin() + static_cast<std::ptrdiff_t>(begin),
+                         all.begin() + static_cast<std::ptrdiff_t>(end));
+      }
+    }
+  }
+  return out;
+}
+
+// What a run of an H2oKv showed after each pass: per (layer, b, h) the kept tokens and their
+// scores, and in decode steps per layer what attention read.
+struct Observed {
+  std::vector<std::vector<std::vector<int32_t>>> tokens;  // [pass][(l, b, h)]
+  std::vector<std::vector<std::vector<float>>> scores;
+  std::vector<std::vector<std::vector<std::vector<float>>>> staged;  // [pass][layer][(K/V, b, h)]
+};
+
+// Drives `kv` through the passes as the model would (begin_pass, per layer begin_layer, observe,
+// append and, in decode, view; end_pass), with the inputs copied to `device`. On CUDA the caller
+// makes the engine's compute stream current.
+Observed drive(H2oKv& kv, TransferEngine& engine, const ModelConfig& c,
+               const std::vector<int32_t>& first_valid,
+               const std::vector<std::vector<LayerInput>>& passes, Device device) {
+  const int64_t B = kv.batch(), H_kv = c.kv_heads(), d = c.head_dim(), L = c.num_layers;
+  Observed seen;
+  kv.set_first_valid(first_valid);
+  const Tensor none;
+  const std::vector<int32_t> positions;
+  for (const std::vector<LayerInput>& layers : passes) {
+    const int64_t n = layers.front().q.dim(0) / B;
+    const bool decode = kv.length() > 0;
+    kv.begin_pass(n);
+    std::vector<std::vector<std::vector<float>>> staged;
+    for (int64_t l = 0; l < L; ++l) {
+      const LayerInput& in = layers[static_cast<size_t>(l)];
+      const Tensor q = in.q.to(device), k = in.k.to(device), v = in.v.to(device);
+      kv.begin_layer(l);
+      kv.observe(l, {none, q, none, none, none, positions, none});
+      kv.append(l, k, v);
+      if (decode) {
+        const KvStore::View view = kv.view(l);
+        engine.compute_stream().synchronize();  // the view is read on the compute stream's terms
+        staged.push_back(staged_rows(view, B, H_kv, d));
+      }
+    }
+    kv.end_pass(n);
+    std::vector<std::vector<int32_t>> tokens;
+    std::vector<std::vector<float>> scores;
+    for (int64_t l = 0; l < L; ++l) {
+      for (int64_t b = 0; b < B; ++b) {
+        for (int64_t h = 0; h < H_kv; ++h) {
+          tokens.push_back(kv.kept_tokens(l, b, h));
+          scores.push_back(kv.kept_scores(l, b, h));
+        }
+      }
+    }
+    seen.tokens.push_back(std::move(tokens));
+    seen.scores.push_back(std::move(scores));
+    seen.staged.push_back(std::move(staged));
+  }
+  engine.synchronize();
+  return seen;
+}
+
+// Scores equal on the emulated device (the CPU's arithmetic, in its order), within 1e-5 on a GPU
+// (its expf is not the C library's).
+void expect_same_scores(const std::vector<float>& cuda, const std::vector<float>& cpu,
+                        bool emulated, const std::string& what) {
+  ASSERT_EQ(cuda.size(), cpu.size()) << what;
+  for (size_t i = 0; i < cpu.size(); ++i) {
+    if (emulated) {
+      ASSERT_EQ(cuda[i], cpu[i]) << what << ", entry " << i;
+    } else {
+      ASSERT_NEAR(cuda[i], cpu[i], 1e-5 * std::max(1.0f, std::abs(cpu[i]))) << what;
+    }
+  }
+}
+
+// The CUDA store keeps, scores and stores exactly what the CPU's does: the opt-tiny (H = H_kv =
+// 4) and llama-tiny (4 query heads over 2 KV heads) shapes, the three KV dtypes, sequences with
+// padding whose prompts do not fit (the prefill's choice), fit (decode steps fill the rows, then
+// evict), and tie (sequence 0), over enough steps that every row evicts.
+TEST(H2oGpu, DeviceScoresKeepsAndStoresWhatTheCpuDoes) {
+  INFINIGEN_SKIP_WITHOUT_CUDA_DEVICE();
+  const bool emulated = cuda_devices().front().emulated;
+  const int64_t B = 3, n = 12, steps = 10;
+  const std::vector<int32_t> first_valid = {2, 0, 9};  // 10, 12 and 3 prompt tokens
+  for (const char* model : {"opt-tiny", "llama-tiny"}) {
+    const ModelConfig config = load_preset(model);
+    const auto inputs = make_inputs(config, B, n, steps, first_valid[0], 7);
+    for (DType kv_dtype : {DType::F16, DType::F32, DType::BF16}) {
+      const std::string what = cat(model, " ", dtype_name(kv_dtype));
+      const double budget = 0.3;  // 6 slots of 23 positions, 3 of them recent
+      OffloadStats cpu_stats, cuda_stats;
+      TransferEngine cpu_engine(Device::Cpu, {});
+      Observed cpu, cuda;
+      {
+        H2oKv store(config, B, n + steps + 1, kv_dtype, Device::Cpu, budget, cpu_engine, cpu_stats);
+        ASSERT_EQ(store.slots(), 6);
+        cpu = drive(store, cpu_engine, config, first_valid, inputs, Device::Cpu);
+      }
+      TransferEngine cuda_engine(Device::Cuda, {});
+      {
+        CudaStreamScope scope(cuda_engine.compute_stream().cuda_handle());
+        H2oKv store(config, B, n + steps + 1, kv_dtype, Device::Cuda, budget, cuda_engine,
+                    cuda_stats);
+        cuda = drive(store, cuda_engine, config, first_valid, inputs, Device::Cuda);
+      }
+      ASSERT_EQ(cuda.tokens.size(), cpu.tokens.size());
+      for (size_t pass = 0; pass < cpu.tokens.size(); ++pass) {
+        const std::string at = cat(what, ", pass ", pass);
+        ASSERT_EQ(cuda.tokens[pass], cpu.tokens[pass]) << at;
+        for (size_t row = 0; row < cpu.scores[pass].size(); ++row) {
+          expect_same_scores(cuda.scores[pass][row], cpu.scores[pass][row], emulated,
+                             cat(at, ", row ", row));
+        }
+        // The rows loaded from the pool (stored there by the previous steps) and the new one.
+        ASSERT_EQ(cuda.staged[pass].size(), cpu.staged[pass].size()) << at;
+        for (size_t l = 0; l < cpu.staged[pass].size(); ++l) {
+          EXPECT_EQ(cuda.staged[pass][l], cpu.staged[pass][l]) << at << ", layer " << l;
+        }
+      }
+      // Every row evicted something (sequence 2 after its rows filled), and the ties chose by
+      // token: sequence 0 keeps its sink and the newest tokens.
+      const std::vector<int32_t>& last = cpu.tokens.back()[0];
+      std::vector<int32_t> sorted = last;
+      std::sort(sorted.begin(), sorted.end());
+      const int32_t length = static_cast<int32_t>(n + steps);
+      EXPECT_EQ(sorted, (std::vector<int32_t>{first_valid[0], length - 5, length - 4, length - 3,
+                                              length - 2, length - 1}))
+          << what;
+      // The same bytes moved.
+      EXPECT_EQ(cuda_engine.counters().h2d_bytes, cpu_engine.counters().h2d_bytes) << what;
+      EXPECT_EQ(cuda_engine.counters().d2h_bytes, cpu_engine.counters().d2h_bytes) << what;
+    }
+  }
+}
+
+// The device's victim is h2o_choose_victim's on hand-built scores with many ties, rows spread
+// over every lane of the choosing warp, tokens out of row order and recent windows of every width;
+// a sequence with room takes the row before its first. Zero queries and keys make every
+// probability 1 / rows, so the scores the choice sees are known exactly.
+TEST(H2oGpu, DeviceVictimIsTheCpuChoiceAmongTies) {
+  INFINIGEN_SKIP_WITHOUT_CUDA_DEVICE();
+  const int64_t B = 3, H = 4, H_kv = 2, d = 8, rows = 70;
+  std::mt19937_64 rng(11);
+  const Tensor queries = Tensor::zeros({B, H * d}, DType::F32, Device::Cuda);
+  const Tensor keys = Tensor::zeros({B, H_kv, rows, d}, DType::F16, Device::Cuda);
+  Tensor probs = Tensor::zeros({B, H_kv, rows}, DType::F32, Device::Cuda);
+  Tensor placed = Tensor::zeros({B, H_kv}, DType::I32, Device::Cuda);
+  const std::vector<int32_t> first_row = {0, 9, 0};  // sequence 1 has room
+  for (int trial = 0; trial < 12; ++trial) {
+    std::vector<float> scores(static_cast<size_t>(B * H_kv * rows));
+    std::vector<int32_t> tokens(scores.size());
+    std::uniform_int_distribution<int> level(0, 3);
+    for (float& s : scores) s = 0.25f * static_cast<float>(level(rng));
+    const int32_t token = 100;  // the new one, in row rows - 1
+    for (int64_t i = 0; i < B * H_kv; ++i) {
+      std::vector<int32_t> order(static_cast<size_t>(token));
+      std::iota(order.begin(), order.end(), 0);
+      std::shuffle(order.begin(), order.end(), rng);
+      std::copy_n(order.begin(), rows, tokens.begin() + i * rows);
+    }
+    const auto recent_start = static_cast<int32_t>(40 + 5 * trial);
+    Tensor scores_d = Tensor::from_floats({B, H_kv, rows}, scores).to(Device::Cuda);
+    Tensor tokens_d = Tensor::empty({B, H_kv, rows}, DType::I32);
+    std::copy(tokens.begin(), tokens.end(), tokens_d.data<int32_t>());
+    tokens_d = tokens_d.to(Device::Cuda);
+    ops::h2o_decode(queries, keys, scores_d, tokens_d, probs, placed, first_row, token,
+                    recent_start);
+    const std::vector<float> got_scores = scores_d.to_floats();
+    const Tensor got_tokens = tokens_d.to(Device::Cpu), got_placed = placed.to(Device::Cpu);
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t row0 = first_row[static_cast<size_t>(b)];
+      const float p = 1.0f / static_cast<float>(rows - row0);
+      for (int64_t h = 0; h < H_kv; ++h) {
+        const int64_t base = (b * H_kv + h) * rows;
+        // The rows scored: the kept ones and the new one (score 0, token `token`), each head of
+        // the group adding p.
+        std::vector<float> want(static_cast<size_t>(rows), 0.0f);
+        std::vector<int32_t> want_tokens(static_cast<size_t>(rows), -1);
+        for (int64_t r = row0; r < rows; ++r) {
+          const bool fresh = r == rows - 1;
+          want[static_cast<size_t>(r)] = fresh ? 0.0f : scores[static_cast<size_t>(base + r)];
+          want_tokens[static_cast<size_t>(r)] =
+              fresh ? token : tokens[static_cast<size_t>(base + r)];
+          for (int64_t g = 0; g < H / H_kv; ++g) want[static_cast<size_t>(r)] += p;
+        }
+        int64_t to = row0 - 1;
+        if (row0 == 0) {
+          to = h2o_choose_victim(want, want_tokens, recent_start);
+          ASSERT_GE(to, 0);
+        }
+        want[static_cast<size_t>(to)] = want.back();
+        want_tokens[static_cast<size_t>(to)] = token;
+        const std::string at = cat("trial ", trial, " (", b, ", ", h, ")");
+        EXPECT_EQ(got_placed.data<int32_t>()[b * H_kv + h], to) << at;
+        for (int64_t r = std::min(to, row0); r < rows; ++r) {
+          EXPECT_EQ(got_scores[static_cast<size_t>(base + r)], want[static_cast<size_t>(r)])
+              << at << " row " << r;
+          EXPECT_EQ(got_tokens.data<int32_t>()[base + r], want_tokens[static_cast<size_t>(r)])
+              << at << " row " << r;
+        }
       }
     }
   }

@@ -725,7 +725,14 @@ INSTANTIATE_TEST_SUITE_P(
         CliCase{"full_shared_prefix", {"--policy", "full", "--kv-block-tokens", "4"},
                 kSharedPrompts},
         CliCase{"gpu_shared_prefix", {"--policy", "gpu", "--kv-block-tokens", "4"},
-                kSharedPrompts}),
+                kSharedPrompts},
+        // h2o scores, keeps and evicts on the device: budgets that evict in the prefill (the
+        // longer prompt) and in every decode step once the rows fill.
+        CliCase{"h2o_mixed_lengths", {"--policy", "h2o", "--h2o-budget", "0.3"}, kMixedPrompts},
+        CliCase{"h2o_llama",
+                {"--model", "llama-tiny", "--policy", "h2o", "--h2o-budget", "0.3"},
+                kMixedPrompts},
+        CliCase{"h2o_host_gather", {"--policy", "h2o", "--h2o-budget", "0.2", "--gather", "host"}}),
     [](const ::testing::TestParamInfo<CliCase>& run) { return std::string(run.param.name); });
 
 }  // namespace

@@ -163,7 +163,7 @@ TEST_F(OffloadRuntime, PlansThatCannotFitAreRefusedBeforeAllocating) {
 
 // The per-policy gate of --device: on the CPU backend everything runs; on CUDA a policy runs
 // only when the model's ops do and the policy adds nothing the device lacks (int4's
-// dequantisation, h2o's scores and InfiniGen's speculation run on the host today).
+// dequantisation and InfiniGen's speculation run on the host today; h2o scores on the device).
 TEST(PolicyGate, EachPolicySaysWhetherItsStepsRunOnTheDevice) {
   for (const std::string policy : {"gpu", "full", "int4", "h2o", "infinigen"}) {
     EXPECT_TRUE(policy_runs_on(policy, Device::Cpu));
@@ -171,7 +171,8 @@ TEST(PolicyGate, EachPolicySaysWhetherItsStepsRunOnTheDevice) {
   const bool model_on_cuda = ops::device_runs_transformer(Device::Cuda);
   EXPECT_EQ(policy_runs_on("gpu", Device::Cuda), model_on_cuda);
   EXPECT_EQ(policy_runs_on("full", Device::Cuda), model_on_cuda);
-  for (const std::string policy : {"int4", "h2o", "infinigen"}) {
+  EXPECT_EQ(policy_runs_on("h2o", Device::Cuda), model_on_cuda);
+  for (const std::string policy : {"int4", "infinigen"}) {
     EXPECT_FALSE(policy_runs_on(policy, Device::Cuda));
   }
 }

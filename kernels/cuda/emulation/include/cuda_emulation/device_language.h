@@ -225,6 +225,16 @@ inline float __fsqrt_rn(float x) {
 inline float __fmaf_rn(float x, float y, float z) {
   return std::fma(x, y, z);
 }
+// A product and a sum rounded on their own, which nvcc never fuses into an FMA: the product passes
+// through a volatile so that the host compiler cannot contract it with the add that follows
+// either (GCC contracts across inlined calls by default).
+inline float __fmul_rn(float x, float y) {
+  volatile float product = x * y;
+  return product;
+}
+inline float __fadd_rn(float x, float y) {
+  return x + y;
+}
 inline float __saturatef(float x) {
   return x < 0.0f ? 0.0f : (x > 1.0f ? 1.0f : x);
 }
