@@ -11,6 +11,7 @@
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/elementwise.h"
 #include "kernels/cpu/embedding.h"
+#include "kernels/cpu/int4.h"
 #include "kernels/cpu/layer_norm.h"
 #include "kernels/cpu/linear.h"
 #include "kernels/cpu/rms_norm.h"
@@ -386,6 +387,100 @@ void h2o_store_placed(const Tensor& keys, const Tensor& values, const Tensor& pl
   if (dry_run()) return;
   cuda::h2o_store_placed(keys, values, placed, pool_keys, pool_values, B, H_kv, rows,
                          d * static_cast<int64_t>(dtype_size(keys.dtype())));
+}
+
+int64_t int4_group_size(int64_t d) {
+  constexpr int64_t group = cpu::kInt4GroupSize;
+  INFINIGEN_CHECK(d > 0 && d % 2 == 0 && (d < group || d % group == 0),
+                  "int4 KV needs head_dim even and below ", group, " or a multiple of ", group,
+                  " (got ", d, ")");
+  return cpu::int4_group_size(d);
+}
+
+int64_t int4_groups(int64_t d) {
+  return d / int4_group_size(d);
+}
+
+size_t int4_code_bytes(int64_t d) {
+  int4_group_size(d);  // validates d
+  return static_cast<size_t>(d / 2);
+}
+
+size_t int4_meta_bytes(int64_t d) {
+  return static_cast<size_t>(int4_groups(d)) * 2 * sizeof(f16);
+}
+
+size_t int4_row_bytes(int64_t d) {
+  return int4_code_bytes(d) + int4_meta_bytes(d);
+}
+
+namespace {
+
+// `rows` is on `device` and holds B sequences of H heads of rows of d.
+void check_int4_rows(const char* op, const Int4Rows& rows, Device device, int64_t B, int64_t H,
+                     int64_t d) {
+  int4_group_size(rows.head_dim);  // validates d
+  INFINIGEN_CHECK(rows.device == device, op, ": codes on ", device_name(rows.device), ", rows on ",
+                  device_name(device));
+  INFINIGEN_CHECK(rows.batch == B && rows.heads == H && rows.head_dim == d, op, ": codes of ",
+                  rows.batch, " sequences, ", rows.heads, " heads of ", rows.head_dim,
+                  " for rows of ", B, " sequences, ", H, " heads of ", d);
+}
+
+}  // namespace
+
+void int4_quantize(const Tensor& keys, const Tensor& values, const Int4Rows& dst) {
+  const Device device = common_device("int4_quantize", {&keys, &values});
+  const int64_t B = dst.batch, H = dst.heads, d = dst.head_dim;
+  const int64_t n = B > 0 ? keys.dim(0) / B : 0;
+  check_int4_rows("int4_quantize", dst, device, B, H, d);
+  check_shape("int4_quantize", keys, {B * n, H * d});
+  check_shape("int4_quantize", values, {B * n, H * d});
+  INFINIGEN_CHECK(keys.dtype() == DType::F32 && values.dtype() == DType::F32,
+                  "int4_quantize: expected fp32 rows, got ", dtype_name(keys.dtype()), " and ",
+                  dtype_name(values.dtype()));
+  INFINIGEN_CHECK(n <= dst.rows, "int4_quantize: ", n, " tokens into ", dst.rows, " rows");
+  if (traced("int4_quantize", {2 * B * n * H, d})) return;
+  if (device == Device::Cuda) {
+    cuda::int4_quantize(keys, values, dst, n);
+    return;
+  }
+  cpu::int4_quantize(keys.data<float>(), values.data<float>(), B, n, H, d, dst.codes,
+                     reinterpret_cast<uint16_t*>(dst.meta), dst.rows);
+}
+
+void int4_dequantize(const Int4Rows& src, int64_t t0, int64_t t1,
+                     const std::vector<int32_t>& first_valid, int64_t row0, Tensor& keys,
+                     Tensor& values) {
+  const Device device = common_device("int4_dequantize", {&keys, &values});
+  const int64_t B = keys.dim(0), H = keys.dim(1), capacity = keys.dim(2), d = keys.dim(3);
+  check_int4_rows("int4_dequantize", src, device, B, H, d);
+  check_shape("int4_dequantize", values, keys.shape());
+  INFINIGEN_CHECK(keys.dtype() == DType::F16 && values.dtype() == DType::F16,
+                  "int4_dequantize: expected fp16 staging, got ", dtype_name(keys.dtype()), " and ",
+                  dtype_name(values.dtype()));
+  INFINIGEN_CHECK(
+      0 <= t0 && t0 <= t1 && t1 <= src.rows && row0 >= 0 && row0 + (t1 - t0) <= capacity,
+      "int4_dequantize: rows [", t0, ", ", t1, ") of ", src.rows, " to row ", row0, " of ",
+      capacity);
+  INFINIGEN_CHECK(std::ssize(first_valid) == B, "int4_dequantize: ", first_valid.size(),
+                  " first_valid entries for a batch of ", B);
+  if (active_trace() != nullptr) {
+    // Rows decoded, K and V over the batch: each sequence's from its first valid one.
+    int64_t rows = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t first = std::max(t0, first_valid[static_cast<size_t>(b)] - row0 + t0);
+      rows += 2 * H * (t1 - std::min(t1, first));
+    }
+    if (traced("int4_dequantize", {rows, d})) return;
+  }
+  if (device == Device::Cuda) {
+    cuda::int4_dequantize(src, t0, t1, first_valid, row0, keys, values);
+    return;
+  }
+  cpu::int4_dequantize(src.codes, reinterpret_cast<const uint16_t*>(src.meta), src.rows, B, H, d,
+                       t0, t1, first_valid.data(), row0, static_cast<uint16_t*>(keys.raw()),
+                       static_cast<uint16_t*>(values.raw()), capacity);
 }
 
 size_t cuda_linear_scratch_bytes(int64_t rows, int64_t K, DType weights) {

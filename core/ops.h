@@ -11,7 +11,8 @@
 //   attention_extend {H, H_kv, (query, row) pairs over the batch, KV rows read over the batch,
 //   d} (KV dtype; n > 1 new rows each);
 //   cache_store {rows, width} (cache dtype); rms_norm {rows, width}; rope {rows, width};
-//   silu_mul {elements}.
+//   silu_mul {elements}; int4_quantize {rows coded, K and V over the batch, d};
+//   int4_dequantize {rows decoded, K and V over the batch (left padding left out), d}.
 #pragma once
 
 #include <cstddef>
@@ -109,6 +110,42 @@ void h2o_prefill(const Tensor& queries, const Tensor& keys, const Tensor& values
 // current; it uploads nothing, so no stream scratch is made for that stream.
 void h2o_store_placed(const Tensor& keys, const Tensor& values, const Tensor& placed,
                       void* pool_keys, void* pool_values);
+
+// ---- the int4 KV codec (the `int4` policy, offload/int4_kv.h) ----
+//
+// FlexGen's group-wise asymmetric 4-bit codes (the arithmetic: kernels/cpu/int4.h; the CUDA
+// kernels give the same bytes and values): a row of d values is cut into groups of 64 (one group
+// of d when d < 64), each kept as d / 2 bytes of packed nibbles and one fp16 (min, scale) pair
+// per group.
+
+// Elements per group (64, or d when d < 64); throws Error for a d the codec cannot cut (odd, or
+// above 64 and not a multiple of it).
+int64_t int4_group_size(int64_t d);
+int64_t int4_groups(int64_t d);  // G = d / int4_group_size(d)
+// Bytes of one quantised row: d / 2 codes plus G * (min, scale) in fp16.
+size_t int4_code_bytes(int64_t d);
+size_t int4_meta_bytes(int64_t d);
+size_t int4_row_bytes(int64_t d);
+
+// Quantised rows of one layer, laid out [2][B][H][rows] (K then V; sequence; head; token): row
+// ((kind * B + b) * H + h) * rows + t has int4_code_bytes(d) bytes at codes and
+// int4_meta_bytes(d) at meta, both arrays on `device` (device memory, or host memory for the CPU).
+struct Int4Rows {
+  uint8_t* codes = nullptr;
+  uint8_t* meta = nullptr;
+  Device device = Device::Cpu;
+  int64_t batch = 0, heads = 0, rows = 0, head_dim = 0;
+};
+
+// Quantises keys and values (B * n, H * d) fp32 into rows [0, n) of `dst` (n <= dst.rows).
+void int4_quantize(const Tensor& keys, const Tensor& values, const Int4Rows& dst);
+
+// Dequantises rows [t0, t1) of `src` into keys and values (B, H, capacity, d) fp16, row t to row
+// row0 + t - t0. Rows of sequence b that land before first_valid[b] (left padding, which
+// attention never reads) are not written.
+void int4_dequantize(const Int4Rows& src, int64_t t0, int64_t t1,
+                     const std::vector<int32_t>& first_valid, int64_t row0, Tensor& keys,
+                     Tensor& values);
 
 // ---- the CUDA ops' scratch (core/ops_cuda.cc) ----
 //

@@ -27,6 +27,7 @@
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/embedding.h"
 #include "kernels/cuda/h2o.h"
+#include "kernels/cuda/int4.h"
 #include "kernels/cuda/layer_norm.h"
 #include "kernels/cuda/linear.h"
 #include "kernels/cuda/rms_norm.h"
@@ -416,6 +417,25 @@ void h2o_store_placed(const Tensor& keys, const Tensor& values, const Tensor& pl
              gpu::h2o_store_placed(pool_keys, pool_values, keys.raw(), values.raw(),
                                    placed.data<int32_t>(), B, H_kv, rows, row_bytes,
                                    current_cuda_stream()));
+}
+
+void int4_quantize(const Tensor& keys, const Tensor& values, const Int4Rows& dst, int64_t n) {
+  check_cuda("int4_quantize",
+             gpu::int4_quantize(keys.data<float>(), values.data<float>(), dst.batch, n, dst.heads,
+                                dst.head_dim, dst.codes, reinterpret_cast<uint16_t*>(dst.meta),
+                                dst.rows, current_cuda_stream()));
+}
+
+void int4_dequantize(const Int4Rows& src, int64_t t0, int64_t t1,
+                     std::span<const int32_t> first_valid, int64_t row0, Tensor& keys,
+                     Tensor& values) {
+  StreamLease lease;
+  check_cuda(
+      "int4_dequantize",
+      gpu::int4_dequantize(src.codes, reinterpret_cast<const uint16_t*>(src.meta), src.rows,
+                           src.batch, src.heads, src.head_dim, t0, t1, lease.upload({first_valid}),
+                           row0, static_cast<uint16_t*>(keys.raw()),
+                           static_cast<uint16_t*>(values.raw()), keys.dim(2), lease.stream()));
 }
 
 }  // namespace cuda

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <span>
 
+#include "core/ops.h"
 #include "core/shared_prefixes.h"
 #include "core/tensor.h"
 
@@ -55,5 +56,12 @@ void h2o_prefill(const Tensor& queries, const Tensor& keys, const Tensor& values
 void h2o_store_placed(const Tensor& keys, const Tensor& values, const Tensor& placed,
                       void* pool_keys, void* pool_values, int64_t B, int64_t H_kv, int64_t rows,
                       int64_t row_bytes);
+
+// keys, values (B * n, H * d) into rows [0, n) of dst
+void int4_quantize(const Tensor& keys, const Tensor& values, const Int4Rows& dst, int64_t n);
+// rows [t0, t1) of src into keys, values (B, H, capacity, d) fp16 from row row0
+void int4_dequantize(const Int4Rows& src, int64_t t0, int64_t t1,
+                     std::span<const int32_t> first_valid, int64_t row0, Tensor& keys,
+                     Tensor& values);
 
 }  // namespace infinigen::ops::cuda

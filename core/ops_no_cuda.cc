@@ -45,6 +45,13 @@ void attention_decode(const Tensor&, const Tensor&, const Tensor&, Tensor&, int6
 void cache_store(const Tensor&, Tensor&, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t) {
   throw_op_not_on_device("cache_store", Device::Cuda);
 }
+void int4_quantize(const Tensor&, const Tensor&, const Int4Rows&, int64_t) {
+  throw_op_not_on_device("int4_quantize", Device::Cuda);
+}
+void int4_dequantize(const Int4Rows&, int64_t, int64_t, std::span<const int32_t>, int64_t, Tensor&,
+                     Tensor&) {
+  throw_op_not_on_device("int4_dequantize", Device::Cuda);
+}
 
 void h2o_decode(const Tensor&, const Tensor&, Tensor&, Tensor&, Tensor&, Tensor&,
                 std::span<const int32_t>, int64_t, int64_t, int64_t, int64_t, int64_t, int32_t,

@@ -6,9 +6,9 @@
 // A trace is recorded by the thread that installs it (TraceScope): the host thread that runs the
 // ops and enqueues the transfers. A dry trace records without computing: tensors have shapes but
 // no memory (their addresses lie in a reserved range that faults on any access), ops and copies
-// only record themselves, and host work of the policies (speculation, scoring, the int4 codec)
-// records itself instead of running. A dry run of OPT-13B at batch 20 therefore takes seconds and
-// no memory, and gives the schedule the real run would have, which tests check on small models.
+// only record themselves, and host work of the policies (speculation, scoring) records itself
+// instead of running. A dry run of OPT-13B at batch 20 therefore takes seconds and no memory,
+// and gives the schedule the real run would have, which tests check on small models.
 #pragma once
 
 #include <array>

@@ -1,13 +1,11 @@
 // offload: the `int4` KV policy.
 #include "offload/int4_kv.h"
 
-#include <algorithm>
-#include <cstring>
+#include <vector>
 
 #include "core/error.h"
 #include "core/saturating.h"
 #include "core/trace.h"
-#include "offload/int4_codec.h"
 #include "offload/kv_policy.h"
 #include "offload/memory_planner.h"
 
@@ -20,13 +18,13 @@ const KvPolicy& int4_kv_policy() {
       {},
       /*exact=*/false,
       /*selects_loads=*/false,
-      [](Device device) { return device == Device::Cpu; },  // the codec runs on the host
+      [](Device) { return true; },  // the codec's ops have CPU and CUDA kernels
       [](const MemoryRequest& r) -> KvMemory {
         // Packed codes plus an fp16 min and scale per group of 64, on the host and in the
         // device's code staging (two layers), dequantised into an fp16 staging as full's.
         const ModelConfig& c = r.config;
         const int64_t tokens = request_positions(r);
-        const auto row = static_cast<int64_t>(int4_row_bytes(c.head_dim()));
+        const auto row = static_cast<int64_t>(ops::int4_row_bytes(c.head_dim()));
         return {saturating_sum({kv_staging_bytes(r, tokens),
                                 saturating_product({2, 2, r.batch, c.kv_heads(), tokens, row})}),
                 saturating_product({2, c.num_layers, r.batch, c.kv_heads(), tokens, row})};
@@ -39,16 +37,12 @@ const KvPolicy& int4_kv_policy() {
 
 namespace {
 
-// Every byte 0xff: fp16 NaN in a meta buffer, so rows that no transfer filled decode to NaN.
-void poison(void* pointer, size_t bytes) {
-  std::memset(pointer, 0xff, bytes);
-}
-
-// `device`, which must be the CPU: the codec runs on the host.
-Device cpu_only(Device device) {
-  INFINIGEN_CHECK(device == Device::Cpu,
-                  "the int4 KV policy dequantises on the CPU backend only (no CUDA kernel yet)");
-  return device;
+// Fills a meta buffer of `bytes` on `device` with fp16 NaN, so that rows no transfer filled
+// decode to NaN (debug_poison only: on CUDA a synchronous copy, ordered after the compute stream).
+void poison(uint8_t* meta, size_t bytes, Device device) {
+  Tensor halves =
+      Tensor::view(meta, {static_cast<int64_t>(bytes / sizeof(f16))}, DType::F16, device, nullptr);
+  fill_nan(halves);
 }
 
 }  // namespace
@@ -58,9 +52,9 @@ Int4Kv::Int4Kv(const ModelConfig& config, int64_t batch, int64_t capacity, Devic
     : KvStore(batch, capacity),
       num_heads_(config.kv_heads()),
       head_dim_(config.head_dim()),
-      code_bytes_(int4_code_bytes(config.head_dim())),
-      meta_bytes_(int4_meta_bytes(config.head_dim())),
-      device_(cpu_only(device)),
+      code_bytes_(ops::int4_code_bytes(config.head_dim())),
+      meta_bytes_(ops::int4_meta_bytes(config.head_dim())),
+      device_(device),
       pipeline_(config.num_layers, engine, stats, {batch, num_heads_, capacity, head_dim_},
                 DType::F16, device) {
   const size_t layer_rows = static_cast<size_t>(2 * batch * num_heads_ * capacity);
@@ -70,6 +64,10 @@ Int4Kv::Int4Kv(const ModelConfig& config, int64_t batch, int64_t capacity, Devic
     loaded_packed_[p] = device_buffer(layer_rows);
     store_packed_[p] = device_buffer(store_rows);
   }
+  // The largest transfer either way, a layer's load or its prefill's store: codes and meta, a
+  // chunk each per (K/V, sequence, head). On CUDA the gathers' buffers are then never grown in a
+  // decode step.
+  engine.reserve_gathers(static_cast<size_t>(2 * 2 * batch * num_heads_), layer_rows * row_bytes());
 }
 
 Int4Kv::PackedBuffer Int4Kv::pinned_buffer(size_t rows) const {
@@ -93,6 +91,16 @@ Int4Kv::Packed Int4Kv::host_layer(int64_t layer) const {
   return {host_.codes.get() + rows * code_bytes_, host_.meta.get() + rows * meta_bytes_};
 }
 
+ops::Int4Rows Int4Kv::device_rows(Packed packed, int64_t rows) const {
+  return {.codes = packed.codes,
+          .meta = packed.meta,
+          .device = device_,
+          .batch = batch(),
+          .heads = num_heads_,
+          .rows = rows,
+          .head_dim = head_dim_};
+}
+
 void Int4Kv::start_pass(int64_t n_new) {
   KvStore::start_pass(n_new);
   pipeline_.start_pass(*this);
@@ -109,7 +117,7 @@ void Int4Kv::issue_load(int64_t layer) {
   const Packed dst = loaded_packed_[static_cast<size_t>(layer % 2)].get();
   if (debug_poison() && !dry_run()) {  // rows that the load does not bring must never be read
     const size_t layer_rows = row_index(2, 0, 0, 0, capacity());
-    poison(dst.meta, layer_rows * meta_bytes_);
+    poison(dst.meta, layer_rows * meta_bytes_, device_);
     pipeline_.poison(layer);
   }
   const Packed src = host_layer(layer);
@@ -134,25 +142,6 @@ void Int4Kv::issue_load(int64_t layer) {
   pipeline_.load(layer, std::move(chunks));
 }
 
-void Int4Kv::quantize_rows(const Tensor& keys, const Tensor& values, int64_t n, Packed dst,
-                           int64_t dst_rows) const {
-  const int64_t d = head_dim_;
-  if (traced("int4_quantize", {2 * batch() * n * num_heads_, d})) return;
-  for (int64_t kind = 0; kind < 2; ++kind) {
-    const float* rows = (kind == 0 ? keys : values).data<float>();
-    for (int64_t b = 0; b < batch(); ++b) {
-      for (int64_t t = 0; t < n; ++t) {
-        for (int64_t h = 0; h < num_heads_; ++h) {
-          const size_t row = row_index(kind, b, h, t, dst_rows);
-          int4_quantize_row(rows + ((b * n + t) * num_heads_ + h) * d, d,
-                            dst.codes + row * code_bytes_,
-                            reinterpret_cast<f16*>(dst.meta + row * meta_bytes_));
-        }
-      }
-    }
-  }
-}
-
 void Int4Kv::issue_store(int64_t layer, Packed src, int64_t src_rows, int64_t n) {
   const Packed dst = host_layer(layer);
   std::vector<CopyChunk> chunks;
@@ -174,27 +163,9 @@ void Int4Kv::issue_store(int64_t layer, Packed src, int64_t src_rows, int64_t n)
 
 void Int4Kv::dequantize_into_staging(int64_t layer, Packed src, int64_t src_rows, int64_t t0,
                                      int64_t t1, int64_t row0) {
-  const int64_t d = head_dim_;
-  int64_t rows = 0;  // rows decoded, K and V, for the trace
-  for (int64_t b = 0; b < batch(); ++b) {
-    rows += 2 * num_heads_ * (t1 - std::max(t0, first_valid()[static_cast<size_t>(b)] - row0 + t0));
-  }
-  if (traced("int4_dequantize", {rows, d})) return;
-  for (int64_t kind = 0; kind < 2; ++kind) {
-    f16* staging = (kind == 0 ? pipeline_.keys(layer) : pipeline_.values(layer)).data<f16>();
-    for (int64_t b = 0; b < batch(); ++b) {
-      // Left padding is never read by attention, so it is not decoded (NaN in poison mode).
-      const int64_t first = std::max(t0, first_valid()[static_cast<size_t>(b)] - row0 + t0);
-      for (int64_t h = 0; h < num_heads_; ++h) {
-        for (int64_t t = first; t < t1; ++t) {
-          const size_t row = row_index(kind, b, h, t, src_rows);
-          int4_dequantize_row(src.codes + row * code_bytes_,
-                              reinterpret_cast<const f16*>(src.meta + row * meta_bytes_), d,
-                              staging + ((b * num_heads_ + h) * capacity() + row0 + t - t0) * d);
-        }
-      }
-    }
-  }
+  // Left padding is never read by attention, so it is not decoded (NaN in poison mode).
+  ops::int4_dequantize(device_rows(src, src_rows), t0, t1, first_valid(), row0,
+                       pipeline_.keys(layer), pipeline_.values(layer));
 }
 
 void Int4Kv::append(int64_t layer, const Tensor& keys, const Tensor& values) {
@@ -211,22 +182,22 @@ void Int4Kv::append(int64_t layer, const Tensor& keys, const Tensor& values) {
   if (length() == 0) {
     // Prefill: attention reads the fresh rows; the codes go to the pool from this parity's load
     // buffers (no load runs during the prefill).
-    quantize_rows(keys, values, n, loaded_packed_[p].get(), capacity());
+    ops::int4_quantize(keys, values, device_rows(loaded_packed_[p].get(), capacity()));
     issue_store(layer, loaded_packed_[p].get(), capacity(), n);
     return;
   }
   INFINIGEN_CHECK(n == 1, "int4 KV decodes one token per pass (got ", n, ")");
   // Decode: the new token goes to the pool from this parity's store buffer.
   const Packed token = store_packed_[p].get();
-  quantize_rows(keys, values, 1, token, 1);
+  ops::int4_quantize(keys, values, device_rows(token, 1));
   issue_store(layer, token, 1, 1);
   // This step's attention reads the token as later steps will: dequantised from its codes.
   dequantize_into_staging(layer, token, 1, 0, 1, length());
 }
 
 KvStore::View Int4Kv::view(int64_t layer) {
-  // Layer l + 1's load (begin_layer(l)) refills layer l - 1's load buffers, which that layer's
-  // view has already dequantised on this thread.
+  // Layer l + 1's load (start_layer(l)) refills layer l - 1's load buffers, which that layer's
+  // view has already dequantised: on the compute stream, which the load follows.
   pipeline_.wait_for_load(layer);
   const Packed loaded = loaded_packed_[static_cast<size_t>(layer % 2)].get();
   dequantize_into_staging(layer, loaded, capacity(), 0, length(), 0);

@@ -1,6 +1,7 @@
 // offload: the `int4` policy (FlexGen's KV compression): all KV in host memory as group-wise
-// asymmetric 4-bit codes (offload/int4_codec.h), each layer's codes loaded while the previous
-// layer computes and dequantised on the device into the fp16 rows attention reads.
+// asymmetric 4-bit codes (ops::int4_quantize, core/ops.h; the arithmetic in kernels/cpu/int4.h),
+// each layer's codes loaded while the previous layer computes and dequantised on the device into
+// the fp16 rows attention reads.
 //
 // Host pool (pinned, allocated up front for `capacity` tokens): codes [L][2][B][H][capacity]
 // rows of d / 2 bytes and meta [L][2][B][H][capacity] rows of G (min, scale) fp16 pairs; a
@@ -17,11 +18,16 @@
 // The new token's K and V are quantised, and attention reads their dequantised values (not the
 // fresh fp32 ones), so a step's attention sees exactly what later steps will load. The prefill's
 // attention reads the fresh rows (the model does that); the store only keeps their codes.
-// Ordering is the layer pipeline's (offload/layer_pipeline.h), by events: the load of layer l
+//
+// Where the steps run: quantising (the prefill's rows into this parity's load buffers, a decode
+// step's token into its store buffer) and dequantising (the loaded rows in view, the new token in
+// append) are ops on the compute stream, so on the device's kernels with --device cuda
+// (kernels/cuda/int4.cu, bit-identical to the CPU's) and on the calling thread with the CPU
+// backend; the load and store streams only copy codes. Nothing in a decode step reads device
+// memory from the host, allocates, or synchronises the device (debug_poison's NaN fills aside):
+// the layer pipeline's events (offload/layer_pipeline.h) order everything. The load of layer l
 // waits for the previous step's store of layer l; quantising into a buffer of a parity waits for
-// the latest store that read one.
-// The codec runs on the CPU, so this store needs the CPU backend (a CUDA build would need a
-// dequantisation kernel).
+// the latest store that read one; dequantising the loaded rows waits for their load.
 #pragma once
 
 #include <array>
@@ -31,6 +37,7 @@
 
 #include "core/device.h"
 #include "core/kv_cache.h"
+#include "core/ops.h"
 #include "offload/layer_pipeline.h"
 #include "offload/offload_stats.h"
 #include "offload/transfer_engine.h"
@@ -57,7 +64,8 @@ class Int4Kv : public KvStore {
   void start_layer(int64_t layer) override;
 
  private:
-  // Quantised rows laid out [2][B][H][rows] (codes then meta, as two arrays).
+  // Quantised rows laid out [2][B][H][rows] (codes then meta, as two arrays), on device_ or in
+  // the host pool.
   struct Packed {
     uint8_t* codes = nullptr;
     uint8_t* meta = nullptr;
@@ -83,17 +91,15 @@ class Int4Kv : public KvStore {
   // Row (kind, b, h, t) of a [2][B][H][rows] buffer.
   size_t row_index(int64_t kind, int64_t b, int64_t h, int64_t t, int64_t rows) const;
   Packed host_layer(int64_t layer) const;
+  // A device buffer of `rows` rows as the int4 ops take it.
+  ops::Int4Rows device_rows(Packed packed, int64_t rows) const;
   // Starts loading layer `layer`'s codes into loaded_packed_[layer % 2].
   void issue_load(int64_t layer);
-  // Quantises rows (B * n, H * d) fp32 of K and V into `dst` ([2][B][H][dst_rows]) at rows
-  // [0, n).
-  void quantize_rows(const Tensor& keys, const Tensor& values, int64_t n, Packed dst,
-                     int64_t dst_rows) const;
   // Stores rows [0, n) of `src` ([2][B][H][src_rows]) into the pool at tokens
   // [length(), length() + n).
   void issue_store(int64_t layer, Packed src, int64_t src_rows, int64_t n);
-  // Dequantises rows [t0, t1) of `src` ([2][B][H][src_rows]) into layer `layer`'s staging at
-  // rows [row0, row0 + t1 - t0).
+  // Dequantises rows [t0, t1) of `src` ([2][B][H][src_rows], on the device) into layer `layer`'s
+  // staging at rows [row0, row0 + t1 - t0), on the compute stream.
   void dequantize_into_staging(int64_t layer, Packed src, int64_t src_rows, int64_t t0, int64_t t1,
                                int64_t row0);
 

@@ -15,7 +15,7 @@
 
 #include "core/model_loader.h"
 #include "core/ops.h"
-#include "offload/int4_codec.h"
+#include "kernels/cpu/int4.h"
 #include "offload/row_gather.h"
 #include "offload/transfer_engine.h"
 #include "predict/cost_model.h"
@@ -416,23 +416,28 @@ HardwareProfile measure_cpu_backend_profile(const std::function<void(const std::
     p.sources["elementwise_bytes_per_s"] = how + "ops::layer_norm on (512, 1024) fp32";
     say(cat("elementwise: ", p.elementwise_bytes_per_s / 1e9, " GB/s"));
   }
-  // The int4 codec: dequantising rows into fp16 staging, one thread, as Int4Kv does.
+  // The int4 codec: dequantising rows into fp16 staging, one thread, as Int4Kv does on the CPU
+  // backend (ops::int4_dequantize runs kernels::cpu::int4_dequantize_row_f16 row by row).
   {
     const int64_t rows = 8192, d = 128;
+    const size_t code_bytes = ops::int4_code_bytes(d);
+    const size_t meta_halves = ops::int4_meta_bytes(d) / sizeof(uint16_t);
     const Tensor x = random_tensor({rows, d}, DType::F32, 17);
-    std::vector<uint8_t> codes(static_cast<size_t>(rows) * int4_code_bytes(d));
-    std::vector<uint8_t> meta(static_cast<size_t>(rows) * int4_meta_bytes(d));
-    std::vector<f16> out(static_cast<size_t>(rows * d));
+    std::vector<uint8_t> codes(static_cast<size_t>(rows) * code_bytes);
+    std::vector<uint16_t> meta(static_cast<size_t>(rows) * meta_halves);
+    std::vector<uint16_t> out(static_cast<size_t>(rows * d));
     for (int64_t r = 0; r < rows; ++r) {
-      int4_quantize_row(x.data<float>() + r * d, d, codes.data() + r * int4_code_bytes(d),
-                        reinterpret_cast<f16*>(meta.data() + r * int4_meta_bytes(d)));
+      const auto i = static_cast<size_t>(r);
+      kernels::cpu::int4_quantize_row(x.data<float>() + r * d, d, codes.data() + i * code_bytes,
+                                      meta.data() + i * meta_halves);
     }
     const double t = median_seconds(
         [&] {
           for (int64_t r = 0; r < rows; ++r) {
-            int4_dequantize_row(codes.data() + r * int4_code_bytes(d),
-                                reinterpret_cast<const f16*>(meta.data() + r * int4_meta_bytes(d)),
-                                d, out.data() + r * d);
+            const auto i = static_cast<size_t>(r);
+            kernels::cpu::int4_dequantize_row_f16(codes.data() + i * code_bytes,
+                                                  meta.data() + i * meta_halves, d,
+                                                  out.data() + r * d);
           }
         },
         effort.reps(11));

@@ -167,21 +167,25 @@ TEST(DecodeAllocation, PoolBlocksAreReservedBeforeDecoding) {
   }
 }
 
-// On a CUDA device (the emulated one in CI): the policies that run there.
-TEST(DecodeAllocationGpu, GpuFullAndH2oDecodeWithoutAllocatingOnCuda) {
+// On a CUDA device (the emulated one in CI): every policy that runs there.
+TEST(DecodeAllocationGpu, EveryPolicyThatRunsOnCudaDecodesWithoutAllocating) {
   INFINIGEN_SKIP_WITHOUT_CUDA_DEVICE();
   const GenerationRequest request = small_request();
+  int64_t policies = 0;
   for (const std::string& model : kModels) {
     const ModelSource source = model_source(model);
-    for (const std::string policy : {"gpu", "full", "h2o"}) {
+    for (const KvPolicy* policy : kv_policies()) {
+      if (!policy->runs_on(Device::Cuda)) continue;
+      policies += model == kModels.front();
       OffloadOptions options;
-      options.policy = policy;
+      options.policy = policy->name;
       const DecodeAllocations got = decode_allocations(source, request, options, Device::Cuda);
-      const std::string what = cat(model, " --policy ", policy);
+      const std::string what = cat(model, " --policy ", policy->name);
       EXPECT_EQ(got.in_step_statistics, 0u) << what << ": " << got.per_step;
       EXPECT_EQ(got.around_steps, 0u) << what << ": " << describe(got.around);
     }
   }
+  EXPECT_GE(policies, 4);  // gpu, full, int4 and h2o at least
 }
 
 }  // namespace

@@ -1,5 +1,7 @@
-// tests: the `int4` KV policy: the 4-bit codec's error bound and packing, and generation through
-// Int4Kv against fp16 KV (close logits, the formula's bytes, no read of untransferred KV).
+// tests: the `int4` KV policy: the 4-bit codec's error bound and packing (kernels/cpu/int4.h, the
+// sizes in core/ops.h), and generation through Int4Kv against fp16 KV (close logits, the
+// formula's bytes, no read of untransferred KV). tests/kernels_cuda_test.cc checks the CUDA
+// kernels against this codec, bit for bit.
 #include "offload/int4_kv.h"
 
 #include <gtest/gtest.h>
@@ -14,7 +16,8 @@
 
 #include "core/generation.h"
 #include "core/model_loader.h"
-#include "offload/int4_codec.h"
+#include "core/ops.h"
+#include "kernels/cpu/int4.h"
 #include "offload/full_kv.h"
 #include "tests/test_util.h"
 
@@ -30,11 +33,13 @@ struct Quantised {
 Quantised round_trip(const std::vector<float>& x) {
   const int64_t d = static_cast<int64_t>(x.size());
   Quantised q;
-  q.codes.resize(int4_code_bytes(d));
-  q.meta.resize(int4_meta_bytes(d) / sizeof(f16));
+  q.codes.resize(ops::int4_code_bytes(d));
+  q.meta.resize(ops::int4_meta_bytes(d) / sizeof(f16));
   q.decoded.resize(x.size());
-  int4_quantize_row(x.data(), d, q.codes.data(), q.meta.data());
-  int4_dequantize_row(q.codes.data(), q.meta.data(), d, q.decoded.data());
+  // f16 is its bits (core/dtype.h): the codec reads and writes them as uint16_t.
+  uint16_t* meta = reinterpret_cast<uint16_t*>(q.meta.data());
+  kernels::cpu::int4_quantize_row(x.data(), d, q.codes.data(), meta);
+  kernels::cpu::int4_dequantize_row(q.codes.data(), meta, d, q.decoded.data());
   return q;
 }
 
@@ -42,7 +47,7 @@ Quantised round_trip(const std::vector<float>& x) {
 // the arithmetic).
 void expect_within_half_scale(const std::vector<float>& x, const Quantised& q) {
   const int64_t d = static_cast<int64_t>(x.size());
-  const int64_t group = int4_group_size(d);
+  const int64_t group = ops::int4_group_size(d);
   for (int64_t i = 0; i < d; ++i) {
     const float min = f16_to_float(q.meta[static_cast<size_t>(2 * (i / group))]);
     const float scale = f16_to_float(q.meta[static_cast<size_t>(2 * (i / group) + 1)]);
@@ -55,14 +60,14 @@ void expect_within_half_scale(const std::vector<float>& x, const Quantised& q) {
 }
 
 TEST(Int4Codec, SizesFollowTheGroupRule) {
-  EXPECT_EQ(int4_group_size(128), 64);
-  EXPECT_EQ(int4_groups(128), 2);
-  EXPECT_EQ(int4_row_bytes(128), 64u + 2 * 4);
-  EXPECT_EQ(int4_row_bytes(64), 32u + 4);
-  EXPECT_EQ(int4_group_size(16), 16);  // d < 64: one group of d
-  EXPECT_EQ(int4_row_bytes(16), 8u + 4);
-  testing_util::expect_error([] { int4_group_size(96); }, {"head_dim", "96"});
-  testing_util::expect_error([] { int4_group_size(7); }, {"head_dim", "7"});
+  EXPECT_EQ(ops::int4_group_size(128), 64);
+  EXPECT_EQ(ops::int4_groups(128), 2);
+  EXPECT_EQ(ops::int4_row_bytes(128), 64u + 2 * 4);
+  EXPECT_EQ(ops::int4_row_bytes(64), 32u + 4);
+  EXPECT_EQ(ops::int4_group_size(16), 16);  // d < 64: one group of d
+  EXPECT_EQ(ops::int4_row_bytes(16), 8u + 4);
+  testing_util::expect_error([] { ops::int4_group_size(96); }, {"head_dim", "96"});
+  testing_util::expect_error([] { ops::int4_group_size(7); }, {"head_dim", "7"});
 }
 
 TEST(Int4Codec, RoundTripIsWithinHalfAScale) {
@@ -83,7 +88,7 @@ TEST(Int4Codec, ValuesOnTheGridAreExact) {
   for (int64_t d : {16, 64, 128}) {
     std::vector<float> x(static_cast<size_t>(d));
     for (float& v : x) v = -1.0f + 0.25f * static_cast<float>(code(rng));
-    for (int64_t g0 = 0; g0 < d; g0 += int4_group_size(d)) {  // each group spans the grid
+    for (int64_t g0 = 0; g0 < d; g0 += ops::int4_group_size(d)) {  // each group spans the grid
       x[static_cast<size_t>(g0)] = -1.0f;
       x[static_cast<size_t>(g0 + 1)] = -1.0f + 0.25f * 15;
     }

@@ -7,6 +7,8 @@
 #include <filesystem>
 #include <fstream>
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <nlohmann/json.hpp>
@@ -21,11 +23,13 @@
 #include "core/kv_cache.h"
 #include "core/model.h"
 #include "core/model_config.h"
+#include "core/model_loader.h"
 #include "core/ops.h"
 #include "core/rope.h"
 #include "core/stream.h"
 #include "core/synthetic_model.h"
 #include "kernels/cuda/runtime.h"
+#include "offload/runtime.h"
 #include "tests/test_util.h"
 
 namespace infinigen {
@@ -401,6 +405,170 @@ INSTANTIATE_TEST_SUITE_P(
         DecodeCase{3, 8, 64, 48, 30, {8, 12, 20}, DType::F16, {0, 0, -1}, {8}, 4, 2}),
     case_name<DecodeCase>);
 
+// ---- the int4 codec ----
+
+// ops::int4_quantize and ops::int4_dequantize on CUDA against the CPU codec, bit for bit: the
+// codes and the (min, scale) fp16 of every group, and the decoded fp16 rows. The rows mix random
+// values of several spreads with the codec's hard cases: the fp16 range's ends, a narrow spread
+// far from zero, scales that are fp16 subnormals, fp32 subnormals, constant rows (zeros of both
+// signs among them: the min keeps the CPU's sign), values on the grid and halfway between two
+// codes (ties to even). Buffers start with a pattern, so a byte written on one side only shows.
+struct Int4Case {
+  int64_t B, n, H, d, rows;  // rows per (kind, sequence, head) of the packed buffers, >= n
+  std::vector<int32_t> first_valid;
+  int64_t t0, t1, row0, capacity;  // the dequantised range and where it lands
+};
+std::ostream& operator<<(std::ostream& out, const Int4Case& c) {
+  return out << "B" << c.B << "_n" << c.n << "_H" << c.H << "_d" << c.d << "_rows" << c.rows << "_t"
+             << c.t0 << "to" << c.t1 << "_at" << c.row0;
+}
+
+// Value i of row r (of the 2 * B * n * H rows of K and V): one of the row kinds above.
+float int4_case_value(int64_t r, int64_t i, std::mt19937_64& rng) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const auto at = static_cast<float>(i);
+  switch (r % 10) {
+    case 0:
+      return 0.5f + normal(rng);
+    case 1:
+      return 30.0f * normal(rng);
+    case 2:  // the ends of the fp16 range, and large values of both signs
+      if (i % 16 == 1) return 65504.0f;
+      if (i % 16 == 2) return -65504.0f;
+      return (i % 2 ? 60000.0f : -60000.0f) / (1.0f + at);
+    case 3:  // a narrow spread far from zero: min rounds down on the fp16 grid
+      return 1000.3f + 1e-3f * at;
+    case 4:  // fp16-subnormal scales, and fp32 subnormals
+      return i % 5 == 0 ? 1e-40f * at : 1e-6f * static_cast<float>(i % 7) - 2e-6f;
+    case 5:  // constant
+      return std::array<float, 6>{
+          0.375f, -2.0f, 1000.0f, 65504.0f, -65504.0f, 1e-7f}[static_cast<size_t>((r / 10) % 6)];
+    case 6:  // zeros of alternating signs, the first's by the row: a constant group whose min
+             // is the first zero's sign (the scan keeps the first of equals)
+      return (i % 2 == 0) == ((r / 10) % 2 == 0) ? -0.0f : 0.0f;
+    case 7:  // on the grid of min -1, scale 0.25 (its ends at 0 and 2), and halfway between
+             // codes at odd i (ties to even)
+      if (i == 0) return -1.0f;
+      if (i == 2) return -1.0f + 0.25f * 15;
+      return i % 2 == 0 ? -1.0f + 0.25f * static_cast<float>(i % 16)
+                        : -1.0f + 0.125f * static_cast<float>(2 * (i % 15) + 1);
+    case 8:  // half constant, half random: groups are independent
+      return i < 32 ? 3.5f : normal(rng);
+    default:  // small values around an outlier
+      return i == 7 ? 200.0f : 1e-3f * normal(rng);
+  }
+}
+
+// The same elements (bytes, fp16 bits), or where the first of them differs and how many do.
+template <typename T>
+void expect_same_elements(const std::vector<T>& cuda, const std::vector<T>& cpu, const char* what) {
+  ASSERT_EQ(cuda.size(), cpu.size()) << what;
+  size_t mismatches = 0;
+  for (size_t i = 0; i < cpu.size(); ++i) {
+    if (cuda[i] != cpu[i] && mismatches++ == 0) {
+      ADD_FAILURE() << what << " " << i << ": 0x" << std::hex << +cuda[i] << " on CUDA, 0x"
+                    << +cpu[i] << " on the CPU";
+    }
+  }
+  EXPECT_EQ(mismatches, 0u) << what << "s differ";
+}
+
+class CudaInt4 : public CudaOpsWith<Int4Case> {};
+
+TEST_P(CudaInt4, QuantiseAndDequantiseGiveTheCpuCodecsBytes) {
+  const Int4Case& c = GetParam();
+  const int64_t width = c.H * c.d, token_rows = c.B * c.n;
+  std::mt19937_64 rng(static_cast<uint64_t>(c.d * 131 + c.B * 7 + c.n));
+  std::array<std::vector<float>, 2> kv;  // K, V: (B * n, H * d)
+  for (int64_t kind = 0; kind < 2; ++kind) {
+    kv[static_cast<size_t>(kind)].resize(static_cast<size_t>(token_rows * width));
+    for (int64_t row = 0; row < token_rows; ++row) {
+      for (int64_t h = 0; h < c.H; ++h) {
+        const int64_t r = (kind * token_rows + row) * c.H + h;
+        for (int64_t i = 0; i < c.d; ++i) {
+          kv[static_cast<size_t>(kind)][static_cast<size_t>(row * width + h * c.d + i)] =
+              int4_case_value(r, i, rng);
+        }
+      }
+    }
+  }
+  const Tensor keys = Tensor::from_floats({token_rows, width}, kv[0]);
+  const Tensor values = Tensor::from_floats({token_rows, width}, kv[1]);
+
+  const size_t packed_rows = static_cast<size_t>(2 * c.B * c.H * c.rows);
+  const size_t code_bytes = packed_rows * ops::int4_code_bytes(c.d);
+  const size_t meta_bytes = packed_rows * ops::int4_meta_bytes(c.d);
+  std::vector<uint8_t> codes(code_bytes, 0xa5), meta(meta_bytes, 0xa5);
+  const ops::Int4Rows cpu{codes.data(), meta.data(), Device::Cpu, c.B, c.H, c.rows, c.d};
+  ops::int4_quantize(keys, values, cpu);
+
+  uint8_t* device_codes = static_cast<uint8_t*>(device_alloc(Device::Cuda, code_bytes));
+  uint8_t* device_meta = static_cast<uint8_t*>(device_alloc(Device::Cuda, meta_bytes));
+  const std::vector<uint8_t> pattern(std::max(code_bytes, meta_bytes), 0xa5);
+  device_copy(device_codes, Device::Cuda, pattern.data(), Device::Cpu, code_bytes);
+  device_copy(device_meta, Device::Cuda, pattern.data(), Device::Cpu, meta_bytes);
+  const ops::Int4Rows gpu{device_codes, device_meta, Device::Cuda, c.B, c.H, c.rows, c.d};
+  ops::int4_quantize(keys.to(Device::Cuda), values.to(Device::Cuda), gpu);
+  std::vector<uint8_t> gpu_codes(code_bytes), gpu_meta(meta_bytes);
+  device_copy(gpu_codes.data(), Device::Cpu, device_codes, Device::Cuda, code_bytes);
+  device_copy(gpu_meta.data(), Device::Cpu, device_meta, Device::Cuda, meta_bytes);
+  expect_same_elements(gpu_codes, codes, "code byte");
+  expect_same_elements(gpu_meta, meta, "meta byte");
+
+  // Decoding the CPU's codes on both sides, into NaN-filled staging: the rows written, their
+  // fp16 bits, and the padding rows left alone.
+  device_copy(device_codes, Device::Cuda, codes.data(), Device::Cpu, code_bytes);
+  device_copy(device_meta, Device::Cuda, meta.data(), Device::Cpu, meta_bytes);
+  const Shape staging = {c.B, c.H, c.capacity, c.d};
+  Tensor k = nan_tensor(staging, Device::Cpu, DType::F16);
+  Tensor v = nan_tensor(staging, Device::Cpu, DType::F16);
+  Tensor k_d = nan_tensor(staging, Device::Cuda, DType::F16);
+  Tensor v_d = nan_tensor(staging, Device::Cuda, DType::F16);
+  ops::int4_dequantize(cpu, c.t0, c.t1, c.first_valid, c.row0, k, v);
+  ops::int4_dequantize(gpu, c.t0, c.t1, c.first_valid, c.row0, k_d, v_d);
+  const auto bits = [](const Tensor& t) {
+    const Tensor host = t.to(Device::Cpu);
+    const auto* begin = static_cast<const uint16_t*>(host.raw());
+    return std::vector<uint16_t>(begin, begin + host.numel());
+  };
+  expect_same_elements(bits(k_d), bits(k), "decoded key element");
+  expect_same_elements(bits(v_d), bits(v), "decoded value element");
+  // Written exactly where the range lands outside the padding.
+  const std::vector<uint16_t> written = bits(k_d);
+  for (int64_t b = 0; b < c.B; ++b) {
+    for (int64_t row = 0; row < c.capacity; ++row) {
+      const bool decoded = row >= c.row0 && row < c.row0 + c.t1 - c.t0 &&
+                           row >= c.first_valid[static_cast<size_t>(b)];
+      const uint16_t first = written[static_cast<size_t>(((b * c.H) * c.capacity + row) * c.d)];
+      EXPECT_EQ(first == 0x7e00, !decoded) << "sequence " << b << " row " << row;
+    }
+  }
+  device_free(Device::Cuda, device_codes);
+  device_free(Device::Cuda, device_meta);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, CudaInt4,
+    ::testing::Values(
+        // d = 64: one group; every row, no padding
+        Int4Case{2, 5, 3, 64, 5, {0, 0}, 0, 5, 0, 5},
+        // d = 128: two groups; padded sequences, the whole buffer into a larger staging
+        Int4Case{3, 4, 2, 128, 7, {0, 2, 5}, 0, 7, 0, 9},
+        // d < 64: one group of d (opt-tiny's 16, llama-tiny's 32)
+        Int4Case{2, 3, 4, 16, 3, {1, 0}, 0, 3, 0, 3}, Int4Case{2, 6, 2, 32, 8, {0, 3}, 2, 6, 1, 8},
+        // a decode step's token: one row, landing at row 6 (sequence 1 padded up to 4)
+        Int4Case{2, 1, 2, 128, 1, {0, 4}, 0, 1, 6, 8},
+        // d = 256: four groups; a range whose first rows are padding for one sequence
+        Int4Case{1, 10, 1, 256, 12, {5}, 0, 10, 0, 12}),
+    case_name<Int4Case>);
+
+TEST_F(CudaOps, Int4CodesOnAnotherDeviceThanTheirRowsAreRefused) {
+  const Tensor keys = Tensor::zeros({2, 64}, DType::F32, Device::Cuda);
+  std::vector<uint8_t> codes(64), meta(8);
+  const ops::Int4Rows host{codes.data(), meta.data(), Device::Cpu, 1, 1, 2, 64};
+  testing_util::expect_error([&] { ops::int4_quantize(keys, keys, host); }, {"int4_quantize"});
+}
+
 // ---- streams ----
 
 // A CUDA stream of the test's own, non-blocking (unordered with the legacy default stream, as the
@@ -630,16 +798,51 @@ TEST_F(CudaOps, ReservedScratchDoesNotGrow) {
   EXPECT_EQ(error_vs_cpu(c.cuda, c.cpu), 0.0);
 }
 
+// ---- the int4 store ----
+
+// Int4Kv on the device (its codec's kernels on the compute stream) gives the CPU's tokens,
+// greedy, and close logits, for heads of one and two groups of 64 (the presets' heads, 16 and 32
+// wide, run through the CLI below), prompts of different lengths (left padding never decoded),
+// with staging and loaded codes NaN until written (a row left undecoded would be read as NaN).
+TEST_F(CudaOps, Int4StoreGivesTheCpuTokensWithHeadsOfOneAndTwoGroups) {
+  GenerationRequest request;
+  request.prompts = {
+      {2, 10, 11, 12, 13}, {2, 500, 600, 700, 800, 900, 1000, 1100, 1200}, {2, 40, 41}};
+  request.gen_len = 6;
+  OffloadOptions options;
+  options.policy = "int4";
+  for (const int64_t heads : {4, 2}) {  // d = 64, 128
+    ModelSource source = resolve_model("opt-tiny", {});
+    source.config.hidden_size = 256;
+    source.config.num_heads = heads;
+    set_debug_poison(true);
+    const OffloadRun cpu = run_offloaded(source, request, options, Device::Cpu);
+    const OffloadRun cuda = run_offloaded(source, request, options, Device::Cuda);
+    set_debug_poison(false);
+    ASSERT_EQ(cpu.result.tokens.size(), request.prompts.size());
+    EXPECT_EQ(cuda.result.tokens, cpu.result.tokens) << "head size " << 256 / heads;
+    const std::vector<float> a = cuda.result.last_logits.to_floats();
+    const std::vector<float> b = cpu.result.last_logits.to_floats();
+    ASSERT_EQ(a.size(), b.size());
+    // 1.6e-4 here; a K/V row left undecoded (read as NaN, which CUDA decode attention turns
+    // into a zero row, or stale) moved them by 1e-2.
+    EXPECT_LT(relative_error(a.data(), b.data(), b.size()), 2e-3) << "head size " << 256 / heads;
+    EXPECT_EQ(cuda.stats.steps().back().h2d_bytes, cpu.stats.steps().back().h2d_bytes);
+  }
+}
+
 // ---- the command line ----
 
 // `--device cuda` == `--device cpu`: a run through the CLI, greedy, gives the same tokens on
 // both for every policy that runs on the device (and the run names the device it used): the
 // built-in model and llama-tiny (RoPE, grouped queries), prompts of different lengths, prefixes
-// shared in whole blocks, weights streamed from the host, and both ways of gathering KV.
+// shared in whole blocks, weights streamed from the host, both ways of gathering KV, and int4's
+// codec on the device (with staging and loaded codes NaN until written, INFINIGEN_DEBUG_NAN).
 struct CliCase {
   const char* name;
   std::vector<std::string> args;
   std::vector<std::string> prompts = {};  // one per sequence, through --prompt-file; none: default
+  std::vector<std::string> env = {};      // "NAME=value" for both runs
 };
 
 class CudaCli : public CudaOpsWith<CliCase> {};
@@ -656,8 +859,9 @@ TEST_P(CudaCli, DeviceCudaGivesTheCpuTokens) {
       for (const std::string& prompt : GetParam().prompts) out << prompt << "\n";
       args.insert(args.end(), {"--prompt-file", file.string()});
     }
-    const testing_util::CommandResult run =
-        testing_util::run_infinigen(args, {"INFINIGEN_CACHE_DIR=" + cache.str()});
+    std::vector<std::string> env = {"INFINIGEN_CACHE_DIR=" + cache.str()};
+    env.insert(env.end(), GetParam().env.begin(), GetParam().env.end());
+    const testing_util::CommandResult run = testing_util::run_infinigen(args, env);
     EXPECT_EQ(run.exit_code, 0) << run.err;
     const nlohmann::json report = nlohmann::json::parse(run.out, nullptr, false);
     EXPECT_FALSE(report.is_discarded()) << run.out;
@@ -707,6 +911,12 @@ TEST(CudaSession, FullContinuesAConversationAsTheCpuDoes) {
 // blocks.
 const std::vector<std::string> kMixedPrompts = {
     "Once upon a time", "The little dog ran to the park and saw a big red ball near the old tree"};
+// Three of different lengths on which llama-tiny's synthetic weights take a few steps to fall into
+// the token they then repeat (on the default prompts most sequences start there), so that a
+// wrong KV row changes the tokens.
+const std::vector<std::string> kLlamaPrompts = {
+    "The little dog ran to the park and saw a big red ball near the old tree", "Once upon a time",
+    "A cat sat on the mat and looked at the bird"};
 const std::vector<std::string> kSharedPrompts = {
     "The little dog ran to the park and saw a big red ball near the old tree, and then",
     "The little dog ran to the park and saw a big red ball near the old tree, so it"};
@@ -732,7 +942,16 @@ INSTANTIATE_TEST_SUITE_P(
         CliCase{"h2o_llama",
                 {"--model", "llama-tiny", "--policy", "h2o", "--h2o-budget", "0.3"},
                 kMixedPrompts},
-        CliCase{"h2o_host_gather", {"--policy", "h2o", "--h2o-budget", "0.2", "--gather", "host"}}),
+        CliCase{"h2o_host_gather", {"--policy", "h2o", "--h2o-budget", "0.2", "--gather", "host"}},
+        CliCase{"int4", {"--policy", "int4"}},
+        CliCase{"int4_mixed_lengths", {"--policy", "int4"}, kMixedPrompts},
+        CliCase{"int4_llama", {"--model", "llama-tiny", "--policy", "int4"}, kLlamaPrompts},
+        CliCase{"int4_llama_poisoned",
+                {"--model", "llama-tiny", "--policy", "int4"},
+                kLlamaPrompts,
+                {"INFINIGEN_DEBUG_NAN=1"}},
+        CliCase{"int4_host_gather_streamed_weights",
+                {"--policy", "int4", "--gather", "host", "--weights-gpu-percent", "50"}}),
     [](const ::testing::TestParamInfo<CliCase>& run) { return std::string(run.param.name); });
 
 }  // namespace
