@@ -348,6 +348,11 @@ EventPtr TransferEngine::enqueue_kernel(Stream& stream, const KernelLaunch& laun
     const int code = launch(stream.cuda_handle());
     if (code != 0) cuda_stream::check(code, cat("transfer '", tag.name, "': its kernel").c_str());
   });
+  return end_cuda_transfer(stream, std::move(start), to_device, bytes, traced_op);
+}
+
+EventPtr TransferEngine::end_cuda_transfer(Stream& stream, EventPtr start, bool to_device,
+                                           uint64_t bytes, int32_t traced_op) {
   EventPtr done = stream.record();
   done->set_traced_op(traced_op);
   std::lock_guard lock(counters_mutex_);
@@ -393,13 +398,7 @@ EventPtr TransferEngine::enqueue(Stream& stream, std::vector<CopyChunk> chunks, 
                        to_device);
       });
     }
-    EventPtr done = stream.record();
-    done->set_traced_op(traced_op);
-    std::lock_guard lock(counters_mutex_);
-    (to_device ? counters_.h2d_bytes : counters_.d2h_bytes) += bytes;
-    (to_device ? counters_.h2d_transfers : counters_.d2h_transfers) += 1;
-    timed_.push_back({std::move(start), done, to_device});
-    return done;
+    return end_cuda_transfer(stream, std::move(start), to_device, bytes, traced_op);
   }
   stream.enqueue([this, chunks = std::move(chunks), bytes, to_device, dst_device, src_device] {
     // Emulation is measured from the task's own start, not from enqueue, so time spent queued

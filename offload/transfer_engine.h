@@ -135,6 +135,10 @@ class TransferEngine {
                          const EventPtr& after);
   // A dry run's transfer: counted, and complete at once.
   EventPtr dry_transfer(bool to_device, uint64_t bytes, int32_t traced_op);
+  // Ends a CUDA transfer started at `start` on `stream`: its completion event, its bytes and
+  // device time in the counters.
+  EventPtr end_cuda_transfer(Stream& stream, EventPtr start, bool to_device, uint64_t bytes,
+                             int32_t traced_op);
   // Adds to the counters the device time of the CUDA transfers that have completed.
   void settle_transfer_times() const;
 
