@@ -458,14 +458,19 @@ TEST(SessionCli, ASaveKilledAtRandomLeavesThePreviousSessionLoadable) {
   std::mt19937 rng(7);
   int killed = 0;
   // Six kills in the second half of a turn; a machine that got faster since the unkilled turn
-  // (other tests finished) may let them all come too late, and then earlier ones follow.
+  // (other tests finished) may let them all come too late, and then earlier ones follow. Each
+  // kill that came after the turn ended halves the time the next ones are drawn from, so a turn
+  // timed while the machine was many times busier than now still gets kills that land.
+  double turn_seconds = whole.seconds;
   for (int attempt = 0; attempt < 6 || (killed == 0 && attempt < 12); ++attempt) {
     testing_util::BackgroundInfinigen child(args);
     const double from = attempt < 6 ? 0.5 : 0.2;
-    const double at = whole.seconds * (from + 0.6 * static_cast<double>(rng() % 1000) / 1000.0);
+    const double at = turn_seconds * (from + 0.6 * static_cast<double>(rng() % 1000) / 1000.0);
     std::this_thread::sleep_for(std::chrono::duration<double>(at));
     double seconds = 0.0;
-    killed += child.signal_and_wait(SIGKILL, 10.0, &seconds).exit_code == -1 ? 1 : 0;
+    const bool landed = child.signal_and_wait(SIGKILL, 10.0, &seconds).exit_code == -1;
+    killed += landed ? 1 : 0;
+    if (!landed) turn_seconds /= 2;
     // The session the kill left, old or new, is whole.
     const auto session = DiskSession::open(path, key);
     session->verify();
