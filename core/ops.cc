@@ -389,6 +389,124 @@ void h2o_store_placed(const Tensor& keys, const Tensor& values, const Tensor& pl
                          d * static_cast<int64_t>(dtype_size(keys.dtype())));
 }
 
+namespace {
+
+// The layer's tensors on one device, CUDA (the CPU backend speculates in PartialLayer), and its
+// sizes: B, H_kv, capacity, r.
+struct PartialShape {
+  int64_t B, H_kv, capacity, r;
+};
+PartialShape check_partial(const char* op, const PartialTensors& layer,
+                           std::initializer_list<const Tensor*> others) {
+  std::vector<const Tensor*> tensors = {&layer.head_rows, &layer.needed_dims, &layer.columns,
+                                        &layer.keys};
+  if (layer.skew.defined()) tensors.push_back(&layer.skew);
+  if (layer.inv_freq.defined()) tensors.push_back(&layer.inv_freq);
+  for (const Tensor* t : others) {
+    if (t->defined()) tensors.push_back(t);
+  }
+  for (const Tensor* t : tensors) {
+    INFINIGEN_CHECK(t->device() == Device::Cuda, op,
+                    ": runs on CUDA tensors (the CPU backend speculates in PartialLayer)");
+  }
+  const Tensor& keys = layer.keys;
+  INFINIGEN_CHECK(keys.rank() == 4 && layer.columns.rank() == 2 &&
+                      layer.columns.dim(0) == keys.dim(1) && layer.columns.dim(1) == keys.dim(3),
+                  op, ": partial keys of shape ", shape_string(keys.shape()), " and columns of ",
+                  shape_string(layer.columns.shape()));
+  const int64_t H_kv = keys.dim(1), d = layer.head_dim;
+  INFINIGEN_CHECK(layer.heads > 0 && layer.heads % H_kv == 0 && d > 0 && keys.dim(3) <= d, op,
+                  ": ", layer.heads, " heads of ", d, " over ", H_kv, " KV heads");
+  INFINIGEN_CHECK(keys.dtype() == DType::F32 || keys.dtype() == DType::F16, op,
+                  ": partial keys of ", dtype_name(keys.dtype()));
+  check_shape(op, layer.head_rows, {layer.heads + 1});
+  check_dtype(op, layer.head_rows, DType::I32, "head rows");
+  check_dtype(op, layer.needed_dims, DType::I32, "needed dimensions");
+  check_dtype(op, layer.columns, DType::I32, "columns");
+  if (layer.skew.defined()) check_shape(op, layer.skew, {H_kv, d, d});
+  if (layer.inv_freq.defined()) check_shape(op, layer.inv_freq, {d / 2});
+  return {keys.dim(0), H_kv, keys.dim(2), keys.dim(3)};
+}
+
+void check_shared(const char* op, const SharedPrefixes* shared, int64_t B, int64_t capacity) {
+  INFINIGEN_CHECK(shared == nullptr || (shared->batch() == B && shared->rows() <= capacity), op,
+                  ": shared prefixes do not fit a batch of ", B, " with ", capacity, " positions");
+}
+
+}  // namespace
+
+void speculate_logits(const Tensor& query_rows, const PartialTensors& layer,
+                      const std::vector<int32_t>& rope_positions, const Tensor& position_tokens,
+                      const std::vector<int32_t>& first_valid, const SharedPrefixes* shared,
+                      int64_t used, Tensor& logits) {
+  const char* op = "speculate_logits";
+  const auto [B, H_kv, capacity, r] =
+      check_partial(op, layer, {&query_rows, &position_tokens, &logits});
+  (void)r;
+  check_shape(op, query_rows, {B, layer.needed_dims.numel()});
+  check_dtype(op, query_rows, DType::F32, "query rows");
+  INFINIGEN_CHECK(used >= 0 && used <= capacity && logits.numel() >= B * H_kv * used, op, ": ",
+                  used, " positions of ", capacity, " into logits of ", logits.numel());
+  check_dtype(op, logits, DType::F32, "logits");
+  if (position_tokens.defined()) {
+    check_shape(op, position_tokens, {B, H_kv, capacity});
+    check_dtype(op, position_tokens, DType::I32, "position tokens");
+  }
+  INFINIGEN_CHECK(std::ssize(first_valid) == B, op, ": ", first_valid.size(),
+                  " first valid tokens for a batch of ", B);
+  INFINIGEN_CHECK(!layer.inv_freq.defined() || std::ssize(rope_positions) == B, op, ": ",
+                  rope_positions.size(), " rotary positions for a batch of ", B);
+  check_shared(op, shared, B, capacity);
+  if (dry_run()) return;
+  cuda::speculate_logits(query_rows, layer, rope_positions, position_tokens, first_valid, shared,
+                         B, H_kv, capacity, used, logits);
+}
+
+void select_top(const Tensor& logits, int64_t used, double alpha, int64_t max_num_kv,
+                bool batch_mean, SelectionTensors& out) {
+  const char* op = "select_top";
+  const Device device = common_device(
+      op, {&logits, &out.counts, &out.valid, &out.fetch, &out.summary, &out.tokens});
+  INFINIGEN_CHECK(device == Device::Cuda, op,
+                  ": runs on CUDA tensors (the CPU backend selects in PartialLayer)");
+  INFINIGEN_CHECK(out.tokens.rank() == 3, op, ": tokens of shape ",
+                  shape_string(out.tokens.shape()));
+  const int64_t B = out.tokens.dim(0), H_kv = out.tokens.dim(1), fetch_cap = out.tokens.dim(2);
+  INFINIGEN_CHECK(used >= 0 && logits.numel() >= B * H_kv * used && max_num_kv >= 1 &&
+                      fetch_cap >= std::min(max_num_kv, used),
+                  op, ": ", used, " positions, n' at most ", max_num_kv, ", ", fetch_cap,
+                  " slots per row");
+  check_dtype(op, logits, DType::F32, "logits");
+  check_shape(op, out.counts, {B, H_kv});
+  check_shape(op, out.valid, {B, H_kv});
+  check_shape(op, out.fetch, {B});
+  check_shape(op, out.summary, {2 + B});
+  for (const Tensor* t : {&out.counts, &out.valid, &out.fetch, &out.summary, &out.tokens}) {
+    check_dtype(op, *t, DType::I32, "selection");
+  }
+  if (dry_run()) return;
+  cuda::select_top(logits, B, H_kv, used, alpha, max_num_kv, batch_mean, out);
+}
+
+void append_partial_keys(const Tensor& keys, PartialTensors& layer, int64_t position,
+                         const Tensor& positions, const SharedPrefixes* shared) {
+  const char* op = "append_partial_keys";
+  const auto [B, H_kv, capacity, r] = check_partial(op, layer, {&keys, &positions});
+  (void)r;
+  check_shape(op, keys, {B, H_kv * layer.head_dim});
+  check_dtype(op, keys, DType::F32, "keys");
+  if (positions.defined()) {
+    check_shape(op, positions, {B, H_kv});
+    check_dtype(op, positions, DType::I32, "positions");
+  } else {
+    INFINIGEN_CHECK(position >= 0 && position < capacity, op, ": position ", position,
+                    " outside the ", capacity, " of the partial key cache");
+  }
+  check_shared(op, shared, B, capacity);
+  if (dry_run()) return;
+  cuda::append_partial_keys(keys, layer, position, positions, shared, B, H_kv, capacity);
+}
+
 int64_t int4_group_size(int64_t d) {
   constexpr int64_t group = cpu::kInt4GroupSize;
   INFINIGEN_CHECK(d > 0 && d % 2 == 0 && (d < group || d % group == 0),

@@ -111,6 +111,58 @@ void h2o_prefill(const Tensor& queries, const Tensor& keys, const Tensor& values
 void h2o_store_placed(const Tensor& keys, const Tensor& values, const Tensor& placed,
                       void* pool_keys, void* pool_values);
 
+// ---- InfiniGen's speculation on the device (speculate/device_partial.h) ----
+//
+// CUDA tensors only: on the CPU backend PartialLayer (speculate/speculation.h) speculates on the
+// host with the same arithmetic in the same order (kernels/cuda/speculation.h says how close).
+// Not recorded in a trace: their caller records `speculate` and `partial_append` once, whichever
+// device speculates.
+
+// A speculated layer's state on the device, the twin of a PartialLayer's.
+struct PartialTensors {
+  Tensor head_rows;    // (H + 1) I32: query head h owns columns [head_rows[h], head_rows[h + 1])
+                       // of the query rows
+  Tensor needed_dims;  // (M) I32: the query dimension (< d) of each of those columns
+  Tensor columns;      // (H_kv, r) I32: each KV head's partial columns
+  Tensor skew;         // (H_kv, d, d) F32, A per KV head; undefined: no skew
+  Tensor inv_freq;     // (d / 2) F32 rotary frequencies; undefined: no rotation
+  Tensor keys;         // (B, H_kv, capacity, r) F32 or F16: the partial key cache
+  int64_t heads = 0;   // H
+  int64_t head_dim = 0;
+};
+
+// The estimated attention logits (B, H_kv, used) of positions [0, used) from the query rows (B, M)
+// (x W~^T + b~, the layer's partial query weights applied to the previous layer's attention
+// input), each sequence's new token at rope_positions[b]: PartialLayer::estimate_logits.
+// position_tokens (B, H_kv, capacity) I32, or undefined (position p holds token p): the token of
+// each position (-1: empty). -inf where a position holds padding or nothing.
+void speculate_logits(const Tensor& query_rows, const PartialTensors& layer,
+                      const std::vector<int32_t>& rope_positions, const Tensor& position_tokens,
+                      const std::vector<int32_t>& first_valid, const SharedPrefixes* shared,
+                      int64_t used, Tensor& logits);
+
+// A selection made on the device (PartialLayer::select's, with the positions left there).
+struct SelectionTensors {
+  Tensor counts, valid;  // (B, H_kv) I32: each row's alpha count and valid entries
+  Tensor fetch;          // (B) I32: each sequence's n'
+  // (2 + B) I32: the mean alpha count over every row (a double in the first 8 bytes), then
+  // take (B): the tokens each sequence takes, min(n', its valid entries). What the host reads.
+  Tensor summary;
+  Tensor tokens;  // (B, H_kv, fetch_cap) I32: each row's take[b] positions, ascending, then 0
+};
+
+// The alpha counts, n' (the mean count of each sequence's rows, or of all rows when
+// `batch_mean`, clamped to [1, max_num_kv]) and each row's top take[b] positions (ties to the
+// lower position) of logits (B, H_kv, used): PartialLayer::select.
+void select_top(const Tensor& logits, int64_t used, double alpha, int64_t max_num_kv,
+                bool batch_mean, SelectionTensors& out);
+
+// The partial keys of one new token per sequence, keys (B, H_kv * d) fp32 (rotated), written at
+// `position` of every (sequence, KV head), or at positions[b * H_kv + g] (B, H_kv) I32 when
+// defined (a capped pool): PartialLayer::append.
+void append_partial_keys(const Tensor& keys, PartialTensors& layer, int64_t position,
+                         const Tensor& positions, const SharedPrefixes* shared);
+
 // ---- the int4 KV codec (the `int4` policy, offload/int4_kv.h) ----
 //
 // FlexGen's group-wise asymmetric 4-bit codes (the arithmetic: kernels/cpu/int4.h; the CUDA

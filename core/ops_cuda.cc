@@ -33,6 +33,7 @@
 #include "kernels/cuda/rms_norm.h"
 #include "kernels/cuda/rope.h"
 #include "kernels/cuda/runtime.h"
+#include "kernels/cuda/speculation.h"
 #include "kernels/cuda/status.h"
 
 namespace infinigen::ops {
@@ -436,6 +437,70 @@ void int4_dequantize(const Int4Rows& src, int64_t t0, int64_t t1,
                            src.batch, src.heads, src.head_dim, t0, t1, lease.upload({first_valid}),
                            row0, static_cast<uint16_t*>(keys.raw()),
                            static_cast<uint16_t*>(values.raw()), keys.dim(2), lease.stream()));
+}
+
+void speculate_logits(const Tensor& query_rows, const PartialTensors& layer,
+                      std::span<const int32_t> rope_positions, const Tensor& position_tokens,
+                      std::span<const int32_t> first_valid, const SharedPrefixes* shared, int64_t B,
+                      int64_t H_kv, int64_t capacity, int64_t used, Tensor& logits) {
+  StreamLease lease;
+  // (B) first_valid, then (B) rotary positions when rotated, then the prefixes' first rows and
+  // source sequences (B each) when shared.
+  using Ints = std::span<const int32_t>;
+  const bool rotated = layer.inv_freq.defined();
+  const int32_t* rows = lease.upload({first_valid, rotated ? rope_positions : Ints{},
+                                      shared ? Ints(shared->begin()) : Ints{},
+                                      shared ? Ints(shared->source()) : Ints{}});
+  const int32_t* after_positions = rows + B + (rotated ? B : 0);
+  check_cuda(
+      "speculate_logits",
+      gpu::speculate_logits(
+          query_rows.data<float>(), query_rows.dim(1), layer.head_rows.data<int32_t>(),
+          layer.needed_dims.data<int32_t>(), layer.columns.data<int32_t>(),
+          layer.skew.defined() ? layer.skew.data<float>() : nullptr,
+          rotated ? layer.inv_freq.data<float>() : nullptr, rotated ? rows + B : nullptr,
+          layer.keys.raw(), gpu_element(layer.keys.dtype()),
+          position_tokens.defined() ? position_tokens.data<int32_t>() : nullptr, rows,
+          shared ? after_positions : nullptr, shared ? after_positions + B : nullptr,
+          shared ? shared->rows() : 0, logits.data<float>(), B, layer.heads, H_kv, layer.head_dim,
+          layer.keys.dim(3), capacity, used, lease.stream()));
+}
+
+void select_top(const Tensor& logits, int64_t B, int64_t H_kv, int64_t used, double alpha,
+                int64_t max_num_kv, bool batch_mean, SelectionTensors& out) {
+  int32_t* summary = out.summary.data<int32_t>();
+  check_cuda("select_top",
+             gpu::select_top(logits.data<float>(), B, H_kv, used, alpha, max_num_kv,
+                             batch_mean ? gpu::FetchMean::Batch : gpu::FetchMean::Sequence,
+                             out.counts.data<int32_t>(), out.valid.data<int32_t>(),
+                             out.fetch.data<int32_t>(), summary + 2,
+                             reinterpret_cast<double*>(summary), out.tokens.data<int32_t>(),
+                             out.tokens.dim(2), current_cuda_stream()));
+}
+
+void append_partial_keys(const Tensor& keys, PartialTensors& layer, int64_t position,
+                         const Tensor& positions, const SharedPrefixes* shared, int64_t B,
+                         int64_t H_kv, int64_t capacity) {
+  if (shared == nullptr) {
+    // No lease: nothing to upload.
+    check_cuda("append_partial_keys",
+               gpu::append_partial_keys(
+                   keys.data<float>(), layer.columns.data<int32_t>(),
+                   layer.skew.defined() ? layer.skew.data<float>() : nullptr, layer.keys.raw(),
+                   gpu_element(layer.keys.dtype()), B, H_kv, layer.head_dim, layer.keys.dim(3),
+                   capacity, position, positions.defined() ? positions.data<int32_t>() : nullptr,
+                   nullptr, nullptr, 0, current_cuda_stream()));
+    return;
+  }
+  StreamLease lease;
+  const int32_t* prefixes = lease.upload({shared->begin(), shared->source()});
+  check_cuda("append_partial_keys",
+             gpu::append_partial_keys(
+                 keys.data<float>(), layer.columns.data<int32_t>(),
+                 layer.skew.defined() ? layer.skew.data<float>() : nullptr, layer.keys.raw(),
+                 gpu_element(layer.keys.dtype()), B, H_kv, layer.head_dim, layer.keys.dim(3),
+                 capacity, position, positions.defined() ? positions.data<int32_t>() : nullptr,
+                 prefixes, prefixes + B, shared->rows(), lease.stream()));
 }
 
 }  // namespace cuda

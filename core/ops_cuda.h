@@ -57,6 +57,17 @@ void h2o_store_placed(const Tensor& keys, const Tensor& values, const Tensor& pl
                       void* pool_keys, void* pool_values, int64_t B, int64_t H_kv, int64_t rows,
                       int64_t row_bytes);
 
+// InfiniGen's speculation (core/ops.h): shapes as there, with the sizes derived
+void speculate_logits(const Tensor& query_rows, const PartialTensors& layer,
+                      std::span<const int32_t> rope_positions, const Tensor& position_tokens,
+                      std::span<const int32_t> first_valid, const SharedPrefixes* shared, int64_t B,
+                      int64_t H_kv, int64_t capacity, int64_t used, Tensor& logits);
+void select_top(const Tensor& logits, int64_t B, int64_t H_kv, int64_t used, double alpha,
+                int64_t max_num_kv, bool batch_mean, SelectionTensors& out);
+void append_partial_keys(const Tensor& keys, PartialTensors& layer, int64_t position,
+                         const Tensor& positions, const SharedPrefixes* shared, int64_t B,
+                         int64_t H_kv, int64_t capacity);
+
 // keys, values (B * n, H * d) into rows [0, n) of dst
 void int4_quantize(const Tensor& keys, const Tensor& values, const Int4Rows& dst, int64_t n);
 // rows [t0, t1) of src into keys, values (B, H, capacity, d) fp16 from row row0

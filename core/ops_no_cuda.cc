@@ -68,6 +68,20 @@ void h2o_store_placed(const Tensor&, const Tensor&, const Tensor&, void*, void*,
   throw_op_not_on_device("h2o_store_placed", Device::Cuda);
 }
 
+void speculate_logits(const Tensor&, const PartialTensors&, std::span<const int32_t>,
+                      const Tensor&, std::span<const int32_t>, const SharedPrefixes*, int64_t,
+                      int64_t, int64_t, int64_t, Tensor&) {
+  throw_op_not_on_device("speculate_logits", Device::Cuda);
+}
+void select_top(const Tensor&, int64_t, int64_t, int64_t, double, int64_t, bool,
+                SelectionTensors&) {
+  throw_op_not_on_device("select_top", Device::Cuda);
+}
+void append_partial_keys(const Tensor&, PartialTensors&, int64_t, const Tensor&,
+                         const SharedPrefixes*, int64_t, int64_t, int64_t) {
+  throw_op_not_on_device("append_partial_keys", Device::Cuda);
+}
+
 }  // namespace cuda
 
 void reserve_cuda_scratch(size_t, size_t) {

@@ -1,6 +1,10 @@
 // offload: the `infinigen` KV policy.
 #include "offload/infinigen_kv.h"
 
+#include <algorithm>
+#include <cstring>
+
+#include "core/cuda_stream.h"
 #include "core/ops.h"
 #include "core/saturating.h"
 #include "core/trace.h"
@@ -19,13 +23,15 @@ const KvPolicy& infinigen_kv_policy() {
        "share_prefix"},
       /*exact=*/false,
       /*selects_loads=*/true,
-      // Speculation and the partial key cache live on the host.
-      [](Device device) { return device == Device::Cpu; },
+      // Speculation runs on the host, or on the device (speculate/device_partial.h).
+      [](Device) { return true; },
       [](const MemoryRequest& r) -> KvMemory {
         // A staging as `full`'s and the pool (capped or not), plus per layer the partial key
         // cache (B, H_kv, tokens, r) and the partial query weights (H, rows, D) in the weights'
         // dtype with an fp32 bias: r rows per head, or at most d with a rotation (the rotary
-        // pairs of the columns, or every row under a skew) and the skew (H_kv, d, d) fp32.
+        // pairs of the columns, or every row under a skew) and the skew (H_kv, d, d) fp32; per
+        // layer the partial query rows (B, H, rows) fp32, and once the logits (B, H_kv, tokens)
+        // fp32 and two selections (B, H_kv, n' cap) I32.
         const ModelConfig& c = r.config;
         const int64_t tokens = request_positions(r);
         const int64_t pooled = r.kv_pool_tokens > 0 ? std::min(r.kv_pool_tokens, tokens) : tokens;
@@ -40,7 +46,10 @@ const KvPolicy& infinigen_kv_policy() {
                  saturating_product({c.num_layers, r.batch, c.kv_heads(), tokens, rp, key_size}),
                  saturating_product({c.num_layers, c.num_heads, rows, c.hidden_size, weight_size}),
                  saturating_product({c.num_layers, c.num_heads, rows, 4}),
-                 c.rope.enabled() ? saturating_product({c.num_layers, c.kv_heads(), d, d, 4}) : 0}),
+                 c.rope.enabled() ? saturating_product({c.num_layers, c.kv_heads(), d, d, 4}) : 0,
+                 saturating_product({c.num_layers, r.batch, c.num_heads, rows, 4}),
+                 saturating_product({r.batch, c.kv_heads(), pooled, 4}),
+                 saturating_product({2, r.batch, c.kv_heads(), s.fetch_cap(tokens), 4})}),
             kv_pool_bytes(r, pooled), kv_pool_shape(r, pooled)};
       },
       [](const KvStoreArgs& a) -> std::unique_ptr<KvStore> {
@@ -74,19 +83,36 @@ InfinigenKv::InfinigenKv(const ModelConfig& config, int64_t batch, int64_t capac
       rotary_(config.rope.enabled()),
       partial_(static_cast<size_t>(config.num_layers)),
       selection_(static_cast<size_t>(config.num_layers)),
+      on_device_(device == Device::Cuda && !dry_run()),
       paged_(*this, config, kv_dtype, device, block_tokens, engine, stats,
              slots_ < capacity ? slots_ : 0) {
   options_.validate();
-  INFINIGEN_CHECK(device == Device::Cpu, option("policy"),
-                  " infinigen runs on the CPU backend for now");
   INFINIGEN_CHECK(slots_ >= 2, option("kv_pool_limit"), " leaves ", slots_,
                   " position per sequence and head; at least 2 are needed");
+  INFINIGEN_CHECK(!on_device_ || !check_recall, option("check_recall"),
+                  " measures on the host: use it with ", option("device"), " cpu");
+  INFINIGEN_CHECK(!on_device_ || slots_ == capacity, option("kv_pool_limit"),
+                  " runs on the CPU backend only for now: use ", option("device"), " cpu");
   options_.max_num_kv = options_.fetch_cap(capacity);
   if (dry_run()) {
     INFINIGEN_CHECK(replay_ != nullptr, "a dry run of infinigen has no fetched share to replay");
     replay_->validate(config.num_layers);
   }
   if (slots_ < capacity) capped_.emplace(num_layers_, batch, kv_heads_, slots_, limit.eviction);
+  if (on_device_) {
+    device_partial_.resize(static_cast<size_t>(num_layers_));
+    logits_ = Tensor::empty({batch, kv_heads_, slots_}, DType::F32, Device::Cuda);
+    const KvPoolShape& pool = paged_.pool().shape();
+    const int64_t blocks = (pool.max_tokens + pool.block_tokens - 1) / pool.block_tokens;
+    for (size_t p = 0; p < 2; ++p) {
+      device_selection_[p] =
+          device_selection(batch, kv_heads_, std::min(options_.max_num_kv, slots_));
+      summary_[p].reset(static_cast<int32_t*>(
+          pinned_alloc(device_selection_[p].summary.nbytes(), "a speculation's summary")));
+      block_tables_[p].reset(static_cast<const void**>(pinned_alloc(
+          static_cast<size_t>(2 * batch * blocks) * sizeof(void*), "the KV pool's block tables")));
+    }
+  }
 }
 
 int32_t InfinigenKv::token_at(int64_t layer, int64_t b, int64_t h, int64_t position) const {
@@ -168,7 +194,11 @@ void InfinigenKv::decode_layer(int64_t layer, const Tensor& keys, const Tensor& 
     if (!dense(layer)) partial_[l].append(keys, 0, &at);
   } else {
     paged_.store_token(layer, keys, values);
-    partial_[l].append(keys, length());
+    if (on_device_) {
+      device_partial_[l].append(keys, length());
+    } else {
+      partial_[l].append(keys, length());
+    }
   }
   // 3. Attention follows this layer's load; rows of a shared prefix that several sequences
   //    selected came once, and are copied to the others.
@@ -195,6 +225,14 @@ KvStore::View InfinigenKv::view(int64_t layer) {
 }
 
 void InfinigenKv::end_pass(int64_t n_new) {
+  if (on_device_ && pass_closes_step() && (length() == 0 || extending())) {
+    // The prompt's passes are done (the columns were chosen from all of it): each speculated
+    // layer's partial state moves to the device for good, before the first decode step.
+    for (int64_t layer = options_.dense_layers; layer < num_layers_; ++layer) {
+      device_partial_[static_cast<size_t>(layer)].upload(partial_[static_cast<size_t>(layer)]);
+      partial_[static_cast<size_t>(layer)].release_keys();
+    }
+  }
   paged_.end_pass();
   KvStore::end_pass(n_new);
 }
@@ -242,6 +280,11 @@ std::vector<int32_t> InfinigenKv::replayed_take(int64_t layer) const {
 
 void InfinigenKv::select_and_load(int64_t layer, const Tensor& x,
                                   const std::vector<int32_t>& positions) {
+  if (on_device_) {
+    select_on_device(layer, x, positions);
+    gather_selection(layer);
+    return;
+  }
   const size_t l = static_cast<size_t>(layer);
   const std::vector<int32_t> take = dry_run() ? replayed_take(layer) : std::vector<int32_t>{};
   selection_[l] =
@@ -263,7 +306,6 @@ void InfinigenKv::load_selection(int64_t layer) {
   const size_t row_bytes = static_cast<size_t>(head_dim_) * dtype_size(keys.dtype());
   std::vector<CopyChunk> chunks;
   chunks.reserve(static_cast<size_t>(2 * B * H * sel.fetch));
-  LayerTraffic& traffic = pipeline.traffic(layer);
   // A shared prefix's row crosses the link once, for the first member of its group that selected
   // it: (group, head, position) -> that sequence's staging row. A dry run cannot know which
   // selections coincide (they are replayed, not speculated) and prices every sequence's fetch.
@@ -297,15 +339,75 @@ void InfinigenKv::load_selection(int64_t layer) {
             {value_dst, pool.row(layer, KvKind::Value, b, h, positions[j]), row_bytes});
       }
     }
-    traffic.tokens_fetched += static_cast<uint64_t>(take * H);
+  }
+  count_traffic(layer);
+  pipeline.load(layer, std::move(chunks), TransferContent::KvRows);
+}
+
+void InfinigenKv::count_traffic(int64_t layer) {
+  LayerTraffic& traffic = paged_.pipeline().traffic(layer);
+  const PartialLayer::Selection& sel = selection_[static_cast<size_t>(layer)];
+  for (int64_t b = 0; b < batch(); ++b) {
+    traffic.tokens_fetched += static_cast<uint64_t>(sel.take[static_cast<size_t>(b)] * kv_heads_);
     // The pool's valid entries of this sequence: its tokens (a shared prefix's included), or its
     // valid positions when capped.
     const int32_t start = first_valid()[static_cast<size_t>(b)];
     const int64_t valid = capped_ ? capped_->valid_entries(layer, b, start, length())
-                                  : length() - start + shared.prefix_length(b);
-    traffic.tokens_stored += static_cast<uint64_t>(valid * H);
+                                  : length() - start + shared().prefix_length(b);
+    traffic.tokens_stored += static_cast<uint64_t>(valid * kv_heads_);
   }
-  pipeline.load(layer, std::move(chunks), TransferContent::KvRows);
+}
+
+void InfinigenKv::select_on_device(int64_t layer, const Tensor& x,
+                                   const std::vector<int32_t>& positions) {
+  const size_t l = static_cast<size_t>(layer), p = l % 2;
+  ops::SelectionTensors& selected = device_selection_[p];
+  device_partial_[l].speculate(x, positions, used_positions(), first_valid(), Tensor{}, options_, logits_,
+                   selected);
+  // The layer's one host wait: the view of the staged rows (n', each sequence's first row) and
+  // the bytes of the gather need each sequence's take. The compute stream holds nothing after
+  // the speculation yet, so the device idles only for the host's turnaround.
+  Stream& compute = paged_.pipeline().engine().compute_stream();
+  int32_t* summary = summary_[p].get();
+  cuda_stream::copy_async(summary, Device::Cpu, selected.summary.raw(), Device::Cuda,
+                          selected.summary.nbytes(), compute.cuda_handle());
+  compute.synchronize();
+  PartialLayer::Selection& sel = selection_[l];
+  sel.take.assign(summary + 2, summary + 2 + batch());
+  std::memcpy(&sel.mean_count, summary, sizeof(double));
+  sel.fetch = std::max<int64_t>(1, *std::max_element(sel.take.begin(), sel.take.end()));
+  sel.tokens.clear();  // on the device
+}
+
+void InfinigenKv::gather_selection(int64_t layer) {
+  const size_t p = static_cast<size_t>(layer % 2);
+  LayerPipeline& pipeline = paged_.pipeline();
+  pipeline.poison(layer);
+  const KvPool& pool = paged_.pool();
+  const int64_t B = batch(), blocks = pool.num_blocks();
+  // The tables of the other parity are read by the gather in flight; this parity's last gather
+  // has completed (the compute stream, synchronised above, waited for it).
+  const void** tables = block_tables_[p].get();
+  pool.block_addresses(layer, KvKind::Key, tables);
+  pool.block_addresses(layer, KvKind::Value, tables + B * blocks);
+  const PartialLayer::Selection& sel = selection_[static_cast<size_t>(layer)];
+  Tensor& keys = pipeline.keys(layer);
+  const int64_t row_bytes = head_dim_ * static_cast<int64_t>(dtype_size(keys.dtype()));
+  int64_t rows = 0;
+  for (int32_t take : sel.take) rows += 2 * take * kv_heads_;
+  const cuda_stream::SelectedRows gather{
+      device_selection_[p].tokens.data<int32_t>(), device_selection_[p].summary.data<int32_t>() + 2,
+      B, kv_heads_, device_selection_[p].tokens.dim(2), tables, tables + B * blocks, blocks,
+      pool.shape().block_tokens, keys.raw(), pipeline.values(layer).raw(), keys.dim(2),
+      row_bytes};
+  count_traffic(layer);
+  pipeline.load_by_kernel(
+      layer,
+      [&gather](void* stream) {
+        cuda_stream::gather_selected_rows(gather, stream);
+        return 0;
+      },
+      static_cast<uint64_t>(rows * row_bytes), rows);
 }
 
 double InfinigenKv::measure_recall(int64_t layer) {

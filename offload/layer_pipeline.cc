@@ -59,6 +59,14 @@ void LayerPipeline::load(int64_t layer, std::vector<CopyChunk> chunks, TransferC
   loaded_[l] = engine_.load(std::move(chunks), stored_[l], {"kv_load", layer, content});
 }
 
+void LayerPipeline::load_by_kernel(int64_t layer, const TransferEngine::KernelLaunch& launch,
+                                   uint64_t bytes, int64_t rows, TransferContent content) {
+  traffic(layer).kv_h2d_bytes += bytes;
+  step().h2d_bytes += bytes;
+  const size_t l = static_cast<size_t>(layer);
+  loaded_[l] = engine_.load_by_kernel(launch, bytes, rows, stored_[l], {"kv_load", layer, content});
+}
+
 void LayerPipeline::store(int64_t layer, std::vector<CopyChunk> chunks, EventPtr after,
                           TransferContent content) {
   const uint64_t bytes = total_bytes(chunks);

@@ -77,6 +77,10 @@ class LayerPipeline {
   // the latest store of the layer, counting its bytes.
   void load(int64_t layer, std::vector<CopyChunk> chunks,
             TransferContent content = TransferContent::KvRange);
+  // The same load made by a kernel of the caller's on the load stream
+  // (TransferEngine::load_by_kernel): `bytes` in `rows` rows, which the device chose.
+  void load_by_kernel(int64_t layer, const TransferEngine::KernelLaunch& launch, uint64_t bytes,
+                      int64_t rows, TransferContent content = TransferContent::KvRows);
   // Enqueues the store of `chunks` (device -> pool) as layer `layer`'s latest, after `after`
   // (if any), counting its bytes. Its sources are device buffers of the layer's parity.
   void store(int64_t layer, std::vector<CopyChunk> chunks, EventPtr after = nullptr,

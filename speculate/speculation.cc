@@ -295,6 +295,7 @@ void PartialLayer::append(const Tensor& keys, int64_t position,
                           const std::vector<int32_t>* positions) {
   const int64_t KV = kv_heads_ * head_dim_, n = keys.dim(0) / batch_;
   if (traced("partial_append", {batch_ * n, kv_heads_, r_}, key_dtype_)) return;
+  INFINIGEN_CHECK(!keys_.empty(), "speculation: this layer's partial keys moved to the device");
   const Tensor host = keys.device() == Device::Cpu ? keys : keys.to(Device::Cpu);
   const float* k = host.data<float>();
   INFINIGEN_CHECK(!positions || n == 1, "partial keys at given positions come one per sequence");
@@ -372,6 +373,7 @@ std::vector<float> PartialLayer::estimate_logits(
     device_copy(query_rows_.raw(), Device::Cpu, rows.raw(), x.device(), rows.nbytes());
   }
   if (traced("speculate", {batch_, kv_heads_, used, r_, heads_}, key_dtype_)) return {};
+  INFINIGEN_CHECK(!keys_.empty(), "speculation: this layer's partial keys moved to the device");
   const Tensor& host_rows = query_rows_;
   std::vector<float> logits(static_cast<size_t>(batch_ * kv_heads_ * used), -INFINITY);
 #pragma omp parallel for collapse(2) schedule(static)

@@ -189,6 +189,14 @@ class PartialLayer {
   }
   const std::vector<int64_t>& head_rows() const { return head_rows_; }
   const std::vector<char>& key_bytes() const { return keys_; }
+  int64_t batch() const { return batch_; }
+  int64_t capacity() const { return capacity_; }
+  int64_t num_heads() const { return heads_; }
+  int64_t head_dim() const { return head_dim_; }
+  const SharedPrefixes& shared() const { return shared_; }  // set by share_prefixes
+  // Frees the partial key cache once a device copy has taken over (speculate/device_partial.h):
+  // what reads or writes it afterwards fails.
+  void release_keys() { keys_ = {}; }
 
  private:
   int64_t batch_ = 0, heads_ = 0, kv_heads_ = 0, group_ = 1, head_dim_ = 0, capacity_ = 0, r_ = 0;

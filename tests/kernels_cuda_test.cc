@@ -836,23 +836,38 @@ TEST_F(CudaOps, Int4StoreGivesTheCpuTokensWithHeadsOfOneAndTwoGroups) {
 // `--device cuda` == `--device cpu`: a run through the CLI, greedy, gives the same tokens on
 // both for every policy that runs on the device (and the run names the device it used): the
 // built-in model and llama-tiny (RoPE, grouped queries), prompts of different lengths, prefixes
-// shared in whole blocks, weights streamed from the host, both ways of gathering KV, and int4's
-// codec on the device (with staging and loaded codes NaN until written, INFINIGEN_DEBUG_NAN).
+// shared in whole blocks, weights streamed from the host, both ways of gathering KV, int4's
+// codec on the device (with staging and loaded codes NaN until written, INFINIGEN_DEBUG_NAN), and
+// infinigen's speculation, selection and gather on the device (OPT and Llama, skewed and not,
+// alpha 4 and alpha large, both fetch rules, fp16 partial keys, shared prefixes).
 struct CliCase {
   const char* name;
   std::vector<std::string> args;
   std::vector<std::string> prompts = {};  // one per sequence, through --prompt-file; none: default
   std::vector<std::string> env = {};      // "NAME=value" for both runs
+  // A checkpoint `infinigen skew` rotates first (OPT: into its weights; Llama: a skew kept beside
+  // them, applied after RoPE), which both runs then use; null: none.
+  const char* skew_model = nullptr;
 };
 
 class CudaCli : public CudaOpsWith<CliCase> {};
 
 TEST_P(CudaCli, DeviceCudaGivesTheCpuTokens) {
   const testing_util::TempDir cache("cuda-cli");
+  std::vector<std::string> model_args;
+  if (GetParam().skew_model != nullptr) {
+    const std::string skewed = (cache.path() / "skewed").string();
+    const testing_util::CommandResult skew = testing_util::run_infinigen(
+        {"skew", "--model", GetParam().skew_model, "--out", skewed, "--calib-len", "256"},
+        {"INFINIGEN_CACHE_DIR=" + cache.str()});
+    ASSERT_EQ(skew.exit_code, 0) << skew.err;
+    model_args = {"--model", skewed};
+  }
   const auto tokens = [&](const std::string& device, std::string* description) {
     std::vector<std::string> args = {"run",           "--device", device, "--temperature", "0",
                                      "--gen-len",     "6",        "--json"};
     args.insert(args.end(), GetParam().args.begin(), GetParam().args.end());
+    args.insert(args.end(), model_args.begin(), model_args.end());
     if (!GetParam().prompts.empty()) {
       const std::filesystem::path file = cache.path() / "prompts.txt";
       std::ofstream out(file);
@@ -920,6 +935,14 @@ const std::vector<std::string> kLlamaPrompts = {
 const std::vector<std::string> kSharedPrompts = {
     "The little dog ran to the park and saw a big red ball near the old tree, and then",
     "The little dog ran to the park and saw a big red ball near the old tree, so it"};
+// infinigen's selection is discrete: where the n'-th and the next estimated logits of a row are
+// within the backends' rounding (1e-4 relative: cuBLAS against the CPU's GEMM), the two pick a
+// different token, and the text may change. kSharedPrompts have such a near-tie for the built-in
+// model (7e-5 apart); these have none there, in six steps. That the device selects what the CPU
+// does from the same inputs, ties included, is speculation_cuda_test's.
+const std::vector<std::string> kSharedPromptsNoNearTie = {
+    "Once upon a time there was a little girl who lived in a village near the forest. One day",
+    "Once upon a time there was a little girl who lived in a village near the forest. She"};
 
 INSTANTIATE_TEST_SUITE_P(
     Runs, CudaCli,
@@ -951,7 +974,26 @@ INSTANTIATE_TEST_SUITE_P(
                 kLlamaPrompts,
                 {"INFINIGEN_DEBUG_NAN=1"}},
         CliCase{"int4_host_gather_streamed_weights",
-                {"--policy", "int4", "--gather", "host", "--weights-gpu-percent", "50"}}),
+                {"--policy", "int4", "--gather", "host", "--weights-gpu-percent", "50"}},
+        // infinigen speculates, selects and gathers on the device (the default policy).
+        CliCase{"infinigen", {"--policy", "infinigen"}},
+        CliCase{"infinigen_mixed_lengths", {"--policy", "infinigen"}, kMixedPrompts},
+        CliCase{"infinigen_alpha_large", {"--alpha", "1e9"}, kMixedPrompts},
+        CliCase{"infinigen_fetch_rule_batch", {"--fetch-rule", "batch"}, kMixedPrompts},
+        CliCase{"infinigen_f16_partial_keys", {"--partial-key-dtype", "f16"}, kMixedPrompts},
+        CliCase{"infinigen_llama", {"--model", "builtin-llama"}},
+        CliCase{"infinigen_llama_tiny", {"--model", "llama-tiny"}, kLlamaPrompts},
+        CliCase{"infinigen_skewed", {}, kMixedPrompts, {}, "builtin"},
+        CliCase{"infinigen_skewed_llama", {}, kMixedPrompts, {}, "builtin-llama"},
+        CliCase{"infinigen_skewed_llama_alpha_large", {"--alpha", "1e9"}, {}, {}, "builtin-llama"},
+        CliCase{"infinigen_shared_prefix", {"--kv-block-tokens", "4"}, kSharedPromptsNoNearTie},
+        CliCase{"infinigen_llama_shared_prefix",
+                {"--model", "builtin-llama", "--kv-block-tokens", "4"},
+                kSharedPrompts},
+        CliCase{"infinigen_poisoned_streamed_weights",
+                {"--weights-gpu-percent", "50"},
+                kMixedPrompts,
+                {"INFINIGEN_DEBUG_NAN=1"}}),
     [](const ::testing::TestParamInfo<CliCase>& run) { return std::string(run.param.name); });
 
 }  // namespace

@@ -2,7 +2,9 @@
 // (label gpu; each test skips when no CUDA device is present). A layer is built on the CPU from
 // random inputs, its state uploaded, and the device's estimated logits, alpha counts, fetch sizes
 // and selected positions compared with estimate_logits and select: logits within 1e-5 relative,
-// everything selected equal. The partial key append is compared with PartialLayer::append.
+// everything selected equal. The partial key append is compared with PartialLayer::append. The
+// engine's device twin of a layer (DevicePartialLayer) selects the CPU's tokens from the same
+// inputs.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -21,6 +23,7 @@
 #include "core/tensor.h"
 #include "kernels/cuda/runtime.h"
 #include "kernels/cuda/speculation.h"
+#include "speculate/device_partial.h"
 #include "speculate/speculation.h"
 #include "tests/test_util.h"
 
@@ -332,6 +335,10 @@ TEST_P(SpeculationCuda, LogitsSelectionAndAppendMatchTheCpu) {
   const int64_t prefix_end = shared.rows();
 
   DeviceLayer dev = upload_layer(layer, H, H_kv);
+  // The engine's own device twin of the layer (speculate/device_partial.h), uploaded before the
+  // host layer's append below and appended to alongside it.
+  DevicePartialLayer twin;
+  twin.upload(layer);
   Tensor d_first_valid = device_ints(first_valid);
   Tensor d_prefix_begin = device_ints(prefix_begin), d_prefix_source = device_ints(prefix_source);
   Tensor d_position_tokens = device_ints(position_tokens);
@@ -402,7 +409,50 @@ TEST_P(SpeculationCuda, LogitsSelectionAndAppendMatchTheCpu) {
       }
     }
   };
+  // Through the twin, from the attention input on the device: the same tokens per (sequence, KV
+  // head) as PartialLayer::speculate, for alpha 4 and alpha 1e30, both fetch rules, a cap of n'
+  // that binds and one that does not.
+  const Tensor d_x = x.to(Device::Cuda);
+  const auto twin_selects_as_the_cpu = [&](int64_t positions_used, const char* when) {
+    for (double alpha : {4.0, 1e30}) {
+      for (FetchRule rule : {FetchRule::Sequence, FetchRule::Batch}) {
+        for (int64_t cap : {int64_t{5}, capacity}) {
+          SpeculationOptions options;
+          options.alpha = alpha;
+          options.fetch_rule = rule;
+          options.max_num_kv = cap;
+          SCOPED_TRACE(std::string("device twin, ") + when + ", alpha " + std::to_string(alpha) +
+                       ", rule " + (rule == FetchRule::Batch ? "batch" : "sequence") + ", cap " +
+                       std::to_string(cap));
+          const PartialLayer::Selection cpu =
+              layer.speculate(x, rope_positions, positions_used, first_valid, options,
+                              c.capped ? &position_tokens : nullptr);
+          ops::SelectionTensors out = device_selection(B, H_kv, std::min(cap, capacity));
+          Tensor logits = Tensor::empty({B, H_kv, capacity}, DType::F32, Device::Cuda);
+          twin.speculate(d_x, rope_positions, positions_used, first_valid,
+                         c.capped ? d_position_tokens.reshape({B, H_kv, capacity}) : Tensor{},
+                         options, logits, out);
+          const std::vector<int32_t> summary = download<int32_t>(out.summary, 2 + B);
+          const std::vector<int32_t> tokens =
+              download<int32_t>(out.tokens, static_cast<size_t>(out.tokens.numel()));
+          double mean = 0.0;
+          std::memcpy(&mean, summary.data(), sizeof mean);
+          EXPECT_EQ(mean, cpu.mean_count);
+          for (int64_t row = 0; row < B * H_kv; ++row) {
+            const int64_t b = row / H_kv, take = cpu.take[static_cast<size_t>(b)];
+            ASSERT_EQ(summary[static_cast<size_t>(2 + b)], take) << "take of sequence " << b;
+            const int32_t* got = tokens.data() + row * out.tokens.dim(2);
+            const int32_t* expected = cpu.tokens.data() + row * cpu.fetch;
+            EXPECT_EQ(std::vector<int32_t>(got, got + take),
+                      std::vector<int32_t>(expected, expected + take))
+                << "sequence " << b << ", KV head " << row % H_kv;
+          }
+        }
+      }
+    }
+  };
   speculate_and_compare(used, "built");
+  twin_selects_as_the_cpu(used, "built");
 
   // The next token's partial keys: at the next position, or in a capped pool at a victim position
   // of each (b, g) (the new token replaces what was there), or with shared prefixes at positions
@@ -438,6 +488,7 @@ TEST_P(SpeculationCuda, LogitsSelectionAndAppendMatchTheCpu) {
       H_kv, d, r, capacity, used, listed ? d_victims.data<int32_t>() : nullptr,
       c.shared ? d_prefix_begin.data<int32_t>() : nullptr,
       c.shared ? d_prefix_source.data<int32_t>() : nullptr, prefix_end, nullptr));
+  twin.append(d_new_keys, used, listed ? d_victims.reshape({B, H_kv}) : Tensor{});
   // The whole cache: the new rows within rounding (a skew's sums may contract differently), the
   // rest untouched.
   {
@@ -466,6 +517,7 @@ TEST_P(SpeculationCuda, LogitsSelectionAndAppendMatchTheCpu) {
   }
   // And the speculation over the cache with the new token in it.
   speculate_and_compare(c.capped ? capacity : used + 1, "appended");
+  twin_selects_as_the_cpu(c.capped ? capacity : used + 1, "appended");
 }
 
 std::vector<LayerCase> layer_cases() {

@@ -1,0 +1,59 @@
+// speculate: a speculated layer's state on the CUDA device and its decode-time speculation there,
+// the twin of PartialLayer (speculate/speculation.h) on the host.
+//
+// The prompt's passes build a layer's PartialLayer on the host (the columns are chosen from the
+// whole prompt); upload() then copies its state and partial key cache to the device, and from
+// that step on the layer speculates, selects and appends on the device through the ops of
+// core/ops.h (kernels/cuda/speculation.h): the partial query rows x W~^T + b~ (cuBLAS), the
+// estimated logits, the alpha counts, n' and the top-n' positions. The positions never leave the
+// device; the host reads back only each sequence's take and the mean count (the selection's
+// summary), which the view of the staged rows and the statistics need.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/ops.h"
+#include "core/shared_prefixes.h"
+#include "core/tensor.h"
+#include "speculate/speculation.h"
+
+namespace infinigen {
+
+class DevicePartialLayer {
+ public:
+  // Copies `layer`'s state (columns, partial weights, skew, rotary frequencies, shared prefixes)
+  // and its partial key cache (B, H_kv, capacity, r) to the CUDA device.
+  void upload(const PartialLayer& layer);
+
+  // Speculates the layer from x (B, D) on the device, the previous layer's attention input, with
+  // the new token of sequence b at rotary position rope_positions[b], over positions [0, used):
+  // the estimated logits into `logits` (scratch of at least B * H_kv * used floats) and the
+  // selection into `out` (PartialLayer::speculate's, with options.max_num_kv resolved).
+  // position_tokens (B, H_kv, capacity) I32 on the device, or undefined: as PartialLayer's.
+  void speculate(const Tensor& x, const std::vector<int32_t>& rope_positions, int64_t used,
+                 const std::vector<int32_t>& first_valid, const Tensor& position_tokens,
+                 const SpeculationOptions& options, Tensor& logits,
+                 ops::SelectionTensors& out) const;
+  // The partial keys of one new token per sequence, keys (B, H_kv * d) fp32 on the device, at
+  // `position`, or at positions[b * H_kv + g] (B, H_kv) I32 on the device when defined.
+  void append(const Tensor& keys, int64_t position, const Tensor& positions = {});
+
+  int64_t batch() const { return tensors_.keys.defined() ? tensors_.keys.dim(0) : 0; }
+  int64_t kv_heads() const { return tensors_.keys.defined() ? tensors_.keys.dim(1) : 0; }
+
+ private:
+  const SharedPrefixes* shared() const { return shared_.empty() ? nullptr : &shared_; }
+
+  ops::PartialTensors tensors_;
+  Tensor weight_;               // (M, D): the needed rows of W_q, head by head
+  Tensor bias_;                 // (M) fp32
+  mutable Tensor query_rows_;   // (B, M) fp32: scratch of speculate()
+  SharedPrefixes shared_;
+};
+
+// The device tensors of a selection of B sequences over H_kv KV heads with at most fetch_cap
+// tokens per (sequence, head).
+ops::SelectionTensors device_selection(int64_t batch, int64_t kv_heads, int64_t fetch_cap);
+
+}  // namespace infinigen
