@@ -3,6 +3,7 @@
 
 #include <algorithm>
 
+#include "core/device.h"
 #include "core/error.h"
 #include "speculate/prompt_keep.h"
 
@@ -27,8 +28,11 @@ std::vector<std::vector<int32_t>> CappedPool::keep_prompt(int64_t layer, const T
   const int64_t Q = queries.dim(1), KV = keys.dim(1), group = Q / d / H;
   // Which tokens each (sequence, head) keeps: the eviction policy's choice from the prompt's
   // attention (the query heads of a KV head's group together).
-  const float* q = queries.data<float>();  // (B * n, H * d), scaled
-  const float* k = keys.data<float>();     // (B * n, H_kv * d)
+  // The prompt's attention is read on the host (once per prompt): a device's rows are copied.
+  const Tensor host_queries = queries.device() == Device::Cpu ? queries : queries.to(Device::Cpu);
+  const Tensor host_keys = keys.device() == Device::Cpu ? keys : keys.to(Device::Cpu);
+  const float* q = host_queries.data<float>();  // (B * n, H * d), scaled
+  const float* k = host_keys.data<float>();     // (B * n, H_kv * d)
   std::vector<PromptKeep> keep(static_cast<size_t>(B * H));
 #pragma omp parallel for schedule(dynamic)
   for (int64_t row = 0; row < B * H; ++row) {

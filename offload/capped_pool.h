@@ -46,7 +46,7 @@ class CappedPool {
   }
 
   // The prefill of layer `layer`: from the prompt's scaled queries (B * n, H * d) and keys
-  // (B * n, H_kv * d), fp32 on the host, the tokens each (b, h) keeps, in the order of the
+  // (B * n, H_kv * d), fp32 (a device's are copied to the host), the tokens each (b, h) keeps, in the order of the
   // positions they take ((B * H_kv) lists; position j of a row holds its j-th token), with the
   // history the eviction policy starts decoding with.
   std::vector<std::vector<int32_t>> keep_prompt(int64_t layer, const Tensor& queries,
@@ -65,10 +65,10 @@ class CappedPool {
 
   // Each entry `selection` takes counts as fetched at step `step`.
   void count_fetches(int64_t layer, const PartialLayer::Selection& selection, int64_t step);
-  // A dense layer's fetches: of the staged rows of `selection` (staged_keys (B, H_kv, rows, d):
-  // (b, h)'s rows [fetch - take[b], fetch) hold its positions, row fetch the new token), those
-  // that one query head of the group (queries (B, H * d), scaled) attends to within alpha of its
-  // own top.
+  // A dense layer's fetches, on the host: of the staged rows of `selection` (staged_keys (B,
+  // H_kv, rows, d) in host memory: (b, h)'s rows [fetch - take[b], fetch) hold its positions,
+  // row fetch the new token), those that one query head of the group (queries (B, H * d) in
+  // host memory, scaled) attends to within alpha of its own top.
   void count_dense_fetches(int64_t layer, const PartialLayer::Selection& selection,
                            const Tensor& staged_keys, const Tensor& queries, double alpha,
                            int64_t step);

@@ -83,35 +83,23 @@ InfinigenKv::InfinigenKv(const ModelConfig& config, int64_t batch, int64_t capac
       rotary_(config.rope.enabled()),
       partial_(static_cast<size_t>(config.num_layers)),
       selection_(static_cast<size_t>(config.num_layers)),
-      on_device_(device == Device::Cuda && !dry_run()),
       paged_(*this, config, kv_dtype, device, block_tokens, engine, stats,
              slots_ < capacity ? slots_ : 0) {
   options_.validate();
   INFINIGEN_CHECK(slots_ >= 2, option("kv_pool_limit"), " leaves ", slots_,
                   " position per sequence and head; at least 2 are needed");
-  INFINIGEN_CHECK(!on_device_ || !check_recall, option("check_recall"),
+  INFINIGEN_CHECK(device == Device::Cpu || !check_recall, option("check_recall"),
                   " measures on the host: use it with ", option("device"), " cpu");
-  INFINIGEN_CHECK(!on_device_ || slots_ == capacity, option("kv_pool_limit"),
-                  " runs on the CPU backend only for now: use ", option("device"), " cpu");
   options_.max_num_kv = options_.fetch_cap(capacity);
   if (dry_run()) {
     INFINIGEN_CHECK(replay_ != nullptr, "a dry run of infinigen has no fetched share to replay");
     replay_->validate(config.num_layers);
   }
   if (slots_ < capacity) capped_.emplace(num_layers_, batch, kv_heads_, slots_, limit.eviction);
-  if (on_device_) {
-    device_partial_.resize(static_cast<size_t>(num_layers_));
-    logits_ = Tensor::empty({batch, kv_heads_, slots_}, DType::F32, Device::Cuda);
-    const KvPoolShape& pool = paged_.pool().shape();
-    const int64_t blocks = (pool.max_tokens + pool.block_tokens - 1) / pool.block_tokens;
-    for (size_t p = 0; p < 2; ++p) {
-      device_selection_[p] =
-          device_selection(batch, kv_heads_, std::min(options_.max_num_kv, slots_));
-      summary_[p].reset(static_cast<int32_t*>(
-          pinned_alloc(device_selection_[p].summary.nbytes(), "a speculation's summary")));
-      block_tables_[p].reset(static_cast<const void**>(pinned_alloc(
-          static_cast<size_t>(2 * batch * blocks) * sizeof(void*), "the KV pool's block tables")));
-    }
+  if (device == Device::Cuda && !dry_run()) {
+    device_.emplace(num_layers_, batch, kv_heads_, slots_, std::min(options_.max_num_kv, slots_),
+                    paged_.pool().shape(), capped_.has_value(), paged_.pipeline().keys(0).shape(),
+                    kv_dtype, heads_ * head_dim_);
   }
 }
 
@@ -191,11 +179,16 @@ void InfinigenKv::decode_layer(int64_t layer, const Tensor& keys, const Tensor& 
     const std::vector<int32_t> at = capped_->place_token(layer, length());
     // A victim's old row may be among this step's loads of the layer: overwrite it after them.
     paged_.store_token_at(layer, keys, values, at, pipeline.loaded(layer));
-    if (!dense(layer)) partial_[l].append(keys, 0, &at);
+    if (device_ && !dense(layer)) {
+      device_->place(layer, keys, at, static_cast<int32_t>(length()),
+                     pipeline.engine().compute_stream());
+    } else if (!dense(layer)) {
+      partial_[l].append(keys, 0, &at);
+    }
   } else {
     paged_.store_token(layer, keys, values);
-    if (on_device_) {
-      device_partial_[l].append(keys, length());
+    if (device_) {
+      device_->append(layer, keys, length());
     } else {
       partial_[l].append(keys, length());
     }
@@ -209,8 +202,15 @@ void InfinigenKv::decode_layer(int64_t layer, const Tensor& keys, const Tensor& 
   // 4. Diagnostics and the eviction policy's view of what attention used.
   if (check_recall_ && !dense(layer)) pipeline.traffic(layer).recall = measure_recall(layer);
   if (capped_ && dense(layer)) {
-    capped_->count_dense_fetches(layer, sel, staged_keys, input_->queries, options_.alpha,
-                                 length());
+    if (device_) {
+      const DeviceSpeculation::HostCopies host = device_->to_host(
+          staged_keys, input_->queries, pipeline.engine().compute_stream());
+      capped_->count_dense_fetches(layer, sel, host.staged_keys, host.queries, options_.alpha,
+                                   length());
+    } else {
+      capped_->count_dense_fetches(layer, sel, staged_keys, input_->queries, options_.alpha,
+                                   length());
+    }
   }
   compact_first_valid_.resize(static_cast<size_t>(batch()));
   for (int64_t b = 0; b < batch(); ++b) {
@@ -225,12 +225,12 @@ KvStore::View InfinigenKv::view(int64_t layer) {
 }
 
 void InfinigenKv::end_pass(int64_t n_new) {
-  if (on_device_ && pass_closes_step() && (length() == 0 || extending())) {
+  if (device_ && pass_closes_step() && (length() == 0 || extending())) {
     // The prompt's passes are done (the columns were chosen from all of it): each speculated
     // layer's partial state moves to the device for good, before the first decode step.
     for (int64_t layer = options_.dense_layers; layer < num_layers_; ++layer) {
-      device_partial_[static_cast<size_t>(layer)].upload(partial_[static_cast<size_t>(layer)]);
-      partial_[static_cast<size_t>(layer)].release_keys();
+      device_->upload(layer, partial_[static_cast<size_t>(layer)],
+                      capped_ ? &capped_->position_tokens(layer) : nullptr);
     }
   }
   paged_.end_pass();
@@ -280,12 +280,15 @@ std::vector<int32_t> InfinigenKv::replayed_take(int64_t layer) const {
 
 void InfinigenKv::select_and_load(int64_t layer, const Tensor& x,
                                   const std::vector<int32_t>& positions) {
-  if (on_device_) {
-    select_on_device(layer, x, positions);
-    gather_selection(layer);
+  const size_t l = static_cast<size_t>(layer);
+  if (device_) {
+    selection_[l] = device_->select(layer, x, positions, used_positions(), first_valid(), options_,
+                                    paged_.pipeline().engine().compute_stream());
+    if (capped_) capped_->count_fetches(layer, selection_[l], length());
+    count_traffic(layer);
+    device_->gather(layer, selection_[l], paged_.pool(), paged_.pipeline());
     return;
   }
-  const size_t l = static_cast<size_t>(layer);
   const std::vector<int32_t> take = dry_run() ? replayed_take(layer) : std::vector<int32_t>{};
   selection_[l] =
       partial_[l].speculate(x, positions, used_positions(), first_valid(), options_,
@@ -356,58 +359,6 @@ void InfinigenKv::count_traffic(int64_t layer) {
                                   : length() - start + shared().prefix_length(b);
     traffic.tokens_stored += static_cast<uint64_t>(valid * kv_heads_);
   }
-}
-
-void InfinigenKv::select_on_device(int64_t layer, const Tensor& x,
-                                   const std::vector<int32_t>& positions) {
-  const size_t l = static_cast<size_t>(layer), p = l % 2;
-  ops::SelectionTensors& selected = device_selection_[p];
-  device_partial_[l].speculate(x, positions, used_positions(), first_valid(), Tensor{}, options_, logits_,
-                   selected);
-  // The layer's one host wait: the view of the staged rows (n', each sequence's first row) and
-  // the bytes of the gather need each sequence's take. The compute stream holds nothing after
-  // the speculation yet, so the device idles only for the host's turnaround.
-  Stream& compute = paged_.pipeline().engine().compute_stream();
-  int32_t* summary = summary_[p].get();
-  cuda_stream::copy_async(summary, Device::Cpu, selected.summary.raw(), Device::Cuda,
-                          selected.summary.nbytes(), compute.cuda_handle());
-  compute.synchronize();
-  PartialLayer::Selection& sel = selection_[l];
-  sel.take.assign(summary + 2, summary + 2 + batch());
-  std::memcpy(&sel.mean_count, summary, sizeof(double));
-  sel.fetch = std::max<int64_t>(1, *std::max_element(sel.take.begin(), sel.take.end()));
-  sel.tokens.clear();  // on the device
-}
-
-void InfinigenKv::gather_selection(int64_t layer) {
-  const size_t p = static_cast<size_t>(layer % 2);
-  LayerPipeline& pipeline = paged_.pipeline();
-  pipeline.poison(layer);
-  const KvPool& pool = paged_.pool();
-  const int64_t B = batch(), blocks = pool.num_blocks();
-  // The tables of the other parity are read by the gather in flight; this parity's last gather
-  // has completed (the compute stream, synchronised above, waited for it).
-  const void** tables = block_tables_[p].get();
-  pool.block_addresses(layer, KvKind::Key, tables);
-  pool.block_addresses(layer, KvKind::Value, tables + B * blocks);
-  const PartialLayer::Selection& sel = selection_[static_cast<size_t>(layer)];
-  Tensor& keys = pipeline.keys(layer);
-  const int64_t row_bytes = head_dim_ * static_cast<int64_t>(dtype_size(keys.dtype()));
-  int64_t rows = 0;
-  for (int32_t take : sel.take) rows += 2 * take * kv_heads_;
-  const cuda_stream::SelectedRows gather{
-      device_selection_[p].tokens.data<int32_t>(), device_selection_[p].summary.data<int32_t>() + 2,
-      B, kv_heads_, device_selection_[p].tokens.dim(2), tables, tables + B * blocks, blocks,
-      pool.shape().block_tokens, keys.raw(), pipeline.values(layer).raw(), keys.dim(2),
-      row_bytes};
-  count_traffic(layer);
-  pipeline.load_by_kernel(
-      layer,
-      [&gather](void* stream) {
-        cuda_stream::gather_selected_rows(gather, stream);
-        return 0;
-      },
-      static_cast<uint64_t>(rows * row_bytes), rows);
 }
 
 double InfinigenKv::measure_recall(int64_t layer) {

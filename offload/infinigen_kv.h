@@ -14,22 +14,20 @@
 // Dense layers (and every layer of an extension pass) load their whole KV a layer ahead, as
 // `full` does; under a pool limit they load every valid position the same compact way.
 //
-// On CUDA the partial state of a speculated layer moves to the device at its first decode step
-// (speculate/device_partial.h): the selection is made there and the selected rows are gathered
-// from the pool by a kernel that reads the positions where they were chosen; the host reads back
-// only the take of each sequence (docs/cuda.md: the one host wait per speculated layer).
+// On CUDA the partial state of the speculated layers moves to the device once the prompt's passes
+// are done (offload/device_speculation.h): the selection is made there and the selected rows are
+// gathered from the pool by a kernel that reads the positions where they were chosen; the host
+// reads back each sequence's take (docs/cuda.md: the one host wait per speculated layer).
 #pragma once
 
 #include <array>
-#include <memory>
 #include <optional>
 #include <vector>
 
-#include "core/device.h"
 #include "core/kv_cache.h"
 #include "offload/capped_pool.h"
+#include "offload/device_speculation.h"
 #include "offload/paged_kv.h"
-#include "speculate/device_partial.h"
 #include "speculate/speculation.h"
 
 namespace infinigen {
@@ -93,10 +91,6 @@ class InfinigenKv : public KvStore {
   void select_and_load(int64_t layer, const Tensor& x, const std::vector<int32_t>& positions);
   // Starts loading selection_[layer]'s rows into the layer's staging, compact.
   void load_selection(int64_t layer);
-  // select_and_load on the device: the selection stays there and only its summary (take, the
-  // mean count) comes back into selection_[layer]; the gather reads the positions there.
-  void select_on_device(int64_t layer, const Tensor& x, const std::vector<int32_t>& positions);
-  void gather_selection(int64_t layer);
   // The tokens selection_[layer] fetches and those the pool holds, into this step's traffic.
   void count_traffic(int64_t layer);
   // Under a pool limit, the prompt's kept tokens of every (sequence, head) into the pool.
@@ -129,18 +123,9 @@ class InfinigenKv : public KvStore {
   // Per layer parity: rows of a shared prefix that several sequences selected, loaded once into
   // the first one's staging row and copied on the device to the others' once the load is done.
   std::array<std::vector<CopyChunk>, 2> shared_row_copies_;
-  // Speculation on the CUDA device (not in a dry run, whose selections are replayed on the host):
-  // per layer the twin of partial_, uploaded at its first decode step; the logits scratch (B,
-  // H_kv, positions); per layer parity the selection, its summary read back into pinned memory,
-  // and the pool's block tables (keys, then values) as addresses in mapped pinned memory.
-  bool on_device_;
-  std::vector<DevicePartialLayer> device_partial_;
-  Tensor logits_;
-  std::array<ops::SelectionTensors, 2> device_selection_;
-  std::array<std::unique_ptr<int32_t[], void (*)(void*)>, 2> summary_{
-      {{nullptr, pinned_free}, {nullptr, pinned_free}}};
-  std::array<std::unique_ptr<const void*[], void (*)(void*)>, 2> block_tables_{
-      {{nullptr, pinned_free}, {nullptr, pinned_free}}};
+  // Speculation, selection and gather on the CUDA device (not in a dry run, whose selections
+  // are replayed on the host).
+  std::optional<DeviceSpeculation> device_;
   View view_{};        // the open decode step's view of the layer decode_layer prepared
   PagedKv paged_;      // last: transfers read the buffers above until it is destroyed
 };

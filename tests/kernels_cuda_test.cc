@@ -895,6 +895,18 @@ TEST_P(CudaCli, DeviceCudaGivesTheCpuTokens) {
   EXPECT_EQ(cuda, cpu);
 }
 
+// What infinigen cannot do on the device is refused with one line naming the option.
+TEST(CudaCliRefusal, InfinigenRecallIsMeasuredOnTheHostOnly) {
+  INFINIGEN_SKIP_WITHOUT_CUDA_DEVICE();
+  const testing_util::TempDir cache("cuda-refusal");
+  const testing_util::CommandResult run = testing_util::run_infinigen(
+      {"run", "--device", "cuda", "--policy", "infinigen", "--check-recall", "--gen-len", "2"},
+      {"INFINIGEN_CACHE_DIR=" + cache.str()});
+  EXPECT_NE(run.exit_code, 0);
+  EXPECT_NE(run.err.find("--check-recall measures on the host"), std::string::npos) << run.err;
+  EXPECT_EQ(std::count(run.err.begin(), run.err.end(), '\n'), 1) << run.err;
+}
+
 // A conversation kept with --session on CUDA (`full`: its pool is host memory) continues as on
 // the CPU: the same tokens in both turns.
 TEST(CudaSession, FullContinuesAConversationAsTheCpuDoes) {
@@ -990,6 +1002,24 @@ INSTANTIATE_TEST_SUITE_P(
         CliCase{"infinigen_llama_shared_prefix",
                 {"--model", "builtin-llama", "--kv-block-tokens", "4"},
                 kSharedPrompts},
+        // A capped pool: position tables and counters on the host, the token table on the
+        // device following them, every eviction rule, evicting in the prompt and in decode.
+        CliCase{"infinigen_capped_counter",
+                {"--kv-pool-limit", "0.5", "--eviction", "counter"},
+                kMixedPrompts},
+        CliCase{"infinigen_capped_lru", {"--kv-pool-limit", "0.5", "--eviction", "lru"},
+                kMixedPrompts},
+        CliCase{"infinigen_capped_fifo", {"--kv-pool-limit", "0.5", "--eviction", "fifo"},
+                kMixedPrompts},
+        CliCase{"infinigen_llama_capped_counter",
+                {"--model", "builtin-llama", "--kv-pool-limit", "0.3", "--eviction", "counter"}},
+        CliCase{"infinigen_llama_capped_lru",
+                {"--model", "builtin-llama", "--kv-pool-limit", "0.3", "--eviction", "lru"}},
+        CliCase{"infinigen_skewed_llama_capped_fifo_poisoned",
+                {"--kv-pool-limit", "0.3", "--eviction", "fifo"},
+                {},
+                {"INFINIGEN_DEBUG_NAN=1"},
+                "builtin-llama"},
         CliCase{"infinigen_poisoned_streamed_weights",
                 {"--weights-gpu-percent", "50"},
                 kMixedPrompts,

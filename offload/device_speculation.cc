@@ -1,0 +1,186 @@
+// offload: the `infinigen` store's speculation, selection and gather on the CUDA device.
+#include "offload/device_speculation.h"
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "core/copy_chunk.h"
+#include "core/cuda_stream.h"
+#include "core/device.h"
+#include "core/error.h"
+
+namespace infinigen {
+namespace {
+
+// Pinned host memory (mapped: a kernel may read or write it over the link) as a tensor; `device`
+// is the device whose ops take it (Device::Cuda for what kernels read in place).
+Tensor pinned_tensor(Shape shape, DType dtype, const char* purpose, Device device = Device::Cpu) {
+  const size_t bytes = static_cast<size_t>(shape_numel(shape)) * dtype_size(dtype);
+  void* data = pinned_alloc(bytes, purpose);
+  return Tensor::view(data, std::move(shape), dtype, device,
+                      std::shared_ptr<void>(data, [](void* p) { pinned_free(p); }));
+}
+
+}  // namespace
+
+DeviceSpeculation::DeviceSpeculation(int64_t num_layers, int64_t batch, int64_t kv_heads,
+                                     int64_t positions, int64_t fetch_cap, const KvPoolShape& pool,
+                                     bool capped, const Shape& staging, DType kv_dtype,
+                                     int64_t query_width)
+    : batch_(batch),
+      kv_heads_(kv_heads),
+      positions_(positions),
+      layers_(static_cast<size_t>(num_layers)),
+      position_tokens_(static_cast<size_t>(num_layers)),
+      logits_(Tensor::empty({batch, kv_heads, positions}, DType::F32, Device::Cuda)) {
+  const int64_t blocks = (pool.max_tokens + pool.block_tokens - 1) / pool.block_tokens;
+  const int64_t rows = batch * kv_heads;
+  for (size_t p = 0; p < 2; ++p) {
+    selected_[p] = device_selection(batch, kv_heads, fetch_cap);
+    summary_[p] = pinned_tensor({2 + batch}, DType::I32, "a speculation's summary");
+    block_tables_[p] =
+        pinned_tensor({2 * batch * blocks}, DType::I64, "the KV pool's block tables");
+    if (capped) {
+      tokens_[p] = pinned_tensor({rows, fetch_cap}, DType::I32, "a speculation's selection");
+      placed_[p] = pinned_tensor({batch, kv_heads}, DType::I32, "a capped pool's placed positions",
+                                 Device::Cuda);
+      static_assert(sizeof(CopyChunk) % sizeof(int64_t) == 0);
+      token_pieces_[p] = pinned_tensor(
+          {rows * static_cast<int64_t>(sizeof(CopyChunk) / sizeof(int64_t))}, DType::I64,
+          "a capped pool's token table updates");
+      token_value_[p] = pinned_tensor({1}, DType::I32, "a capped pool's new token");
+    }
+  }
+  if (capped) {
+    host_keys_ = pinned_tensor(staging, kv_dtype, "a dense layer's staged keys");
+    host_queries_ = pinned_tensor({batch, query_width}, DType::F32, "a dense layer's queries");
+  }
+}
+
+void DeviceSpeculation::upload(int64_t layer, PartialLayer& partial,
+                               const std::vector<int32_t>* position_tokens) {
+  const size_t l = static_cast<size_t>(layer);
+  layers_[l].upload(partial);
+  partial.release_keys();
+  if (position_tokens != nullptr) {
+    Tensor& tokens = position_tokens_[l];
+    tokens = Tensor::empty({batch_, kv_heads_, positions_}, DType::I32, Device::Cuda);
+    INFINIGEN_CHECK(position_tokens->size() * sizeof(int32_t) == tokens.nbytes(),
+                    "speculation: ", position_tokens->size(), " position tokens for ",
+                    tokens.numel(), " positions");
+    device_copy(tokens.raw(), Device::Cuda, position_tokens->data(), Device::Cpu, tokens.nbytes());
+  }
+}
+
+PartialLayer::Selection DeviceSpeculation::select(int64_t layer, const Tensor& x,
+                                                  const std::vector<int32_t>& rope_positions,
+                                                  int64_t used,
+                                                  const std::vector<int32_t>& first_valid,
+                                                  const SpeculationOptions& options,
+                                                  Stream& compute) {
+  const size_t l = static_cast<size_t>(layer), p = l % 2;
+  ops::SelectionTensors& selected = selected_[p];
+  layers_[l].speculate(x, rope_positions, used, first_valid, position_tokens_[l], options, logits_,
+                       selected);
+  // The layer's one host wait: the compute stream holds nothing after the speculation yet, so
+  // the device idles only for the host's turnaround.
+  int32_t* summary = summary_[p].data<int32_t>();
+  cuda_stream::copy_async(summary, Device::Cpu, selected.summary.raw(), Device::Cuda,
+                          selected.summary.nbytes(), compute.cuda_handle());
+  const bool with_tokens = tokens_[p].defined();
+  if (with_tokens) {
+    cuda_stream::copy_async(tokens_[p].raw(), Device::Cpu, selected.tokens.raw(), Device::Cuda,
+                            selected.tokens.nbytes(), compute.cuda_handle());
+  }
+  compute.synchronize();
+  PartialLayer::Selection sel;
+  sel.take.assign(summary + 2, summary + 2 + batch_);
+  std::memcpy(&sel.mean_count, summary, sizeof(double));
+  sel.fetch = std::max<int64_t>(1, *std::max_element(sel.take.begin(), sel.take.end()));
+  if (with_tokens) {
+    // (B, H_kv, fetch_cap) on the device; (B, H_kv, fetch) on the host.
+    const int64_t stride = selected.tokens.dim(2);
+    sel.tokens.resize(static_cast<size_t>(batch_ * kv_heads_ * sel.fetch));
+    const int32_t* tokens = tokens_[p].data<int32_t>();
+    for (int64_t row = 0; row < batch_ * kv_heads_; ++row) {
+      std::copy_n(tokens + row * stride, sel.fetch, sel.tokens.begin() + row * sel.fetch);
+    }
+  }
+  return sel;
+}
+
+void DeviceSpeculation::gather(int64_t layer, const PartialLayer::Selection& selection,
+                               const KvPool& pool, LayerPipeline& pipeline) {
+  const size_t p = static_cast<size_t>(layer % 2);
+  const int64_t blocks = pool.num_blocks();
+  const auto** tables = static_cast<const void**>(block_tables_[p].raw());
+  pool.block_addresses(layer, KvKind::Key, tables);
+  pool.block_addresses(layer, KvKind::Value, tables + batch_ * blocks);
+  Tensor& keys = pipeline.keys(layer);
+  const int64_t row_bytes = keys.dim(3) * static_cast<int64_t>(dtype_size(keys.dtype()));
+  int64_t rows = 0;
+  for (int32_t take : selection.take) rows += 2 * take * kv_heads_;
+  const ops::SelectionTensors& selected = selected_[p];
+  const cuda_stream::SelectedRows gather{selected.tokens.data<int32_t>(),
+                                         selected.summary.data<int32_t>() + 2,
+                                         batch_,
+                                         kv_heads_,
+                                         selected.tokens.dim(2),
+                                         tables,
+                                         tables + batch_ * blocks,
+                                         blocks,
+                                         pool.shape().block_tokens,
+                                         keys.raw(),
+                                         pipeline.values(layer).raw(),
+                                         keys.dim(2),
+                                         row_bytes};
+  pipeline.load_by_kernel(
+      layer,
+      [&gather](void* stream) {
+        cuda_stream::gather_selected_rows(gather, stream);
+        return 0;
+      },
+      static_cast<uint64_t>(rows * row_bytes), rows);
+}
+
+void DeviceSpeculation::append(int64_t layer, const Tensor& keys, int64_t position) {
+  layers_[static_cast<size_t>(layer)].append(keys, position);
+}
+
+void DeviceSpeculation::place(int64_t layer, const Tensor& keys, const std::vector<int32_t>& at,
+                              int32_t token, Stream& compute) {
+  const size_t l = static_cast<size_t>(layer), p = l % 2;
+  INFINIGEN_CHECK(placed_[p].defined() && std::ssize(at) == placed_[p].numel(),
+                  "speculation: ", at.size(), " placed positions for a pool of ",
+                  placed_[p].numel(), " rows");
+  std::copy(at.begin(), at.end(), placed_[p].data<int32_t>());
+  layers_[l].append(keys, 0, placed_[p]);
+  // The token table on the device: position at[row] of each row now holds `token`.
+  *token_value_[p].data<int32_t>() = token;
+  auto* pieces = reinterpret_cast<CopyChunk*>(token_pieces_[p].raw());
+  auto* table = position_tokens_[l].data<int32_t>();
+  for (size_t row = 0; row < at.size(); ++row) {
+    pieces[row] = {table + static_cast<int64_t>(row) * positions_ + at[row],
+                   token_value_[p].data<int32_t>(), sizeof(int32_t)};
+  }
+  cuda_stream::copy_pieces(pieces, at.size(), compute.cuda_handle());
+}
+
+DeviceSpeculation::HostCopies DeviceSpeculation::to_host(const Tensor& staged_keys,
+                                                         const Tensor& queries, Stream& compute) {
+  INFINIGEN_CHECK(host_keys_.defined() && staged_keys.nbytes() == host_keys_.nbytes() &&
+                      queries.nbytes() == host_queries_.nbytes(),
+                  "speculation: no host copies of a dense layer's staging of shape ",
+                  shape_string(staged_keys.shape()));
+  cuda_stream::copy_async(host_keys_.raw(), Device::Cpu, staged_keys.raw(), Device::Cuda,
+                          staged_keys.nbytes(), compute.cuda_handle());
+  cuda_stream::copy_async(host_queries_.raw(), Device::Cpu, queries.raw(), Device::Cuda,
+                          queries.nbytes(), compute.cuda_handle());
+  compute.synchronize();
+  return {host_keys_, host_queries_};
+}
+
+}  // namespace infinigen
