@@ -195,7 +195,15 @@ class Check:
         self.step("sanitize", result, ok)
 
     def cli_step(self):
-        """--device cuda gives the tokens of --device cpu on the checked-in models."""
+        """--device cuda gives the tokens of --device cpu on the checked-in models.
+
+        The exact policies (gpu, full) must give the same tokens. The lossy ones (int4, h2o,
+        infinigen) make discrete choices (a 4-bit code, a victim, a top-n') from values the two
+        backends round differently (cuBLAS against the CPU's GEMM: about 1e-4 relative), so over
+        24 tokens a choice at a near-tie can flip and the text then differs: for them the first
+        differing token is recorded, not failed. Their equality is the gpu tests' (CudaCli, on
+        prompts without near-ties, and the kernels against the CPU on the same inputs).
+        """
         models = [("builtin", []), ("builtin-llama", ["--model", "builtin-llama"]),
                   ("opt-tiny", ["--model", str(ROOT / "tests/fixtures/opt-tiny")])]
         if not self.args.quick:
@@ -204,7 +212,8 @@ class Check:
                                                 "--prompt-len", "512"]))
         result, ok = {}, True
         for name, model in models:
-            for policy in ["full", "gpu"]:
+            for policy, exact in [("full", True), ("gpu", True), ("int4", False),
+                                  ("h2o", False), ("infinigen", False)]:
                 outputs = {}
                 for device in ["cpu", "cuda"]:
                     command = [str(self.bin / "infinigen"), "run", *model, "--policy", policy,
@@ -216,15 +225,19 @@ class Check:
                                              self.logs / "cli.log")
                     outputs[device] = parse_json_tail(out) if code == 0 else None
                     outputs[device + "_exit"] = code
-                same = all(outputs[d] is not None for d in ("cpu", "cuda")) and \
-                    tokens_of(outputs["cpu"]) == tokens_of(outputs["cuda"])
-                result[f"{name}/{policy}"] = {"same_tokens": same, "cpu_exit": outputs["cpu_exit"],
-                                              "cuda_exit": outputs["cuda_exit"]}
-                if not same and outputs["cpu"] and outputs["cuda"]:
-                    result[f"{name}/{policy}"]["tokens"] = {
-                        d: tokens_of(outputs[d]) for d in ("cpu", "cuda")}
-                ok = ok and same
-                log(f"  {name} {policy}: cuda {'==' if same else '!='} cpu")
+                ran = all(outputs[d] is not None for d in ("cpu", "cuda"))
+                same = ran and tokens_of(outputs["cpu"]) == tokens_of(outputs["cuda"])
+                entry = {"same_tokens": same, "exact_policy": exact,
+                         "cpu_exit": outputs["cpu_exit"], "cuda_exit": outputs["cuda_exit"]}
+                if ran and not same:
+                    cpu, cuda = tokens_of(outputs["cpu"]), tokens_of(outputs["cuda"])
+                    entry["tokens"] = {"cpu": cpu, "cuda": cuda}
+                    entry["first_difference"] = first_difference(cpu, cuda)
+                result[f"{name}/{policy}"] = entry
+                ok = ok and ran and (same or not exact)
+                note = "" if same or exact else \
+                    f" (lossy: first differs at token {entry['first_difference']}, recorded)"
+                log(f"  {name} {policy}: cuda {'==' if same else '!='} cpu{note}")
         self.step("cli", result, ok)
 
     def bench_step(self):
@@ -377,6 +390,13 @@ def tokens_of(report):
     return [o.get("tokens", o.get("text")) for o in report.get("outputs", [])]
 
 
+def first_difference(a, b):
+    """The first generated position at which any sequence of two runs differs (None: equal)."""
+    positions = [next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), min(len(p), len(q)))
+                 for p, q in zip(a, b) if p != q]
+    return min(positions) if positions else None
+
+
 def names(tests, shown=4):
     """A count, and the first few names of a list of tests."""
     if not tests:
@@ -403,6 +423,15 @@ def summary_markdown(results):
         for suite, c in tests["suites"].items():
             lines.append(f"| {suite} | {c['passed']} | {names(c['failed'])} | "
                          f"{names(c['skipped'])} | {names(c['not_run'])} | {c['seconds']} |")
+    cli = results["steps"].get("cli")
+    if cli:
+        lines += ["", "| --device cuda against --device cpu | same tokens | first difference |",
+                  "| --- | --- | --- |"]
+        for case, r in cli.items():
+            if not isinstance(r, dict) or "same_tokens" not in r:
+                continue
+            same = "yes" if r["same_tokens"] else ("no" if r["exact_policy"] else "no (lossy)")
+            lines.append(f"| {case} | {same} | {r.get('first_difference', '')} |")
     bench = results["steps"].get("bench")
     if bench and bench.get("rows"):
         lines += ["", "| benchmark (median) | time | GB/s | TFLOP/s |", "| --- | --- | --- | --- |"]
