@@ -366,8 +366,9 @@ std::vector<float> PartialLayer::estimate_logits(
   if (x.device() == Device::Cpu) {
     ops::linear(x, weight_, bias_, query_rows_);
   } else {
-    // Speculation runs on the CPU backend only (the infinigen policy's runs_on): an input on
-    // another device is projected on that device and copied back, allocating as it goes.
+    // On CUDA the store speculates with its DevicePartialLayer (speculate/device_partial.h);
+    // what comes here with a device input (a dry run's replay, a test) is projected on that
+    // device and copied back, allocating as it goes.
     Tensor rows = Tensor::empty({batch_, M}, DType::F32, x.device());
     ops::linear(x, weight_.device() == x.device() ? weight_ : weight_.to(x.device()), bias_, rows);
     device_copy(query_rows_.raw(), Device::Cpu, rows.raw(), x.device(), rows.nbytes());
