@@ -16,6 +16,7 @@
 #include <initializer_list>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <unordered_map>
 #include <vector>
@@ -481,26 +482,21 @@ void select_top(const Tensor& logits, int64_t B, int64_t H_kv, int64_t used, dou
 void append_partial_keys(const Tensor& keys, PartialTensors& layer, int64_t position,
                          const Tensor& positions, const SharedPrefixes* shared, int64_t B,
                          int64_t H_kv, int64_t capacity) {
-  if (shared == nullptr) {
-    // No lease: nothing to upload.
-    check_cuda("append_partial_keys",
-               gpu::append_partial_keys(
-                   keys.data<float>(), layer.columns.data<int32_t>(),
-                   layer.skew.defined() ? layer.skew.data<float>() : nullptr, layer.keys.raw(),
-                   gpu_element(layer.keys.dtype()), B, H_kv, layer.head_dim, layer.keys.dim(3),
-                   capacity, position, positions.defined() ? positions.data<int32_t>() : nullptr,
-                   nullptr, nullptr, 0, current_cuda_stream()));
-    return;
+  // A lease only for the shared prefixes' rows: with nothing to upload, none is made.
+  std::optional<StreamLease> lease;
+  const int32_t* prefixes = nullptr;
+  if (shared != nullptr) {
+    lease.emplace();
+    prefixes = lease->upload({shared->begin(), shared->source()});
   }
-  StreamLease lease;
-  const int32_t* prefixes = lease.upload({shared->begin(), shared->source()});
   check_cuda("append_partial_keys",
              gpu::append_partial_keys(
                  keys.data<float>(), layer.columns.data<int32_t>(),
                  layer.skew.defined() ? layer.skew.data<float>() : nullptr, layer.keys.raw(),
                  gpu_element(layer.keys.dtype()), B, H_kv, layer.head_dim, layer.keys.dim(3),
                  capacity, position, positions.defined() ? positions.data<int32_t>() : nullptr,
-                 prefixes, prefixes + B, shared->rows(), lease.stream()));
+                 prefixes, prefixes ? prefixes + B : nullptr, shared ? shared->rows() : 0,
+                 lease ? lease->stream() : current_cuda_stream()));
 }
 
 }  // namespace cuda

@@ -30,8 +30,9 @@ const KvPolicy& infinigen_kv_policy() {
         // cache (B, H_kv, tokens, r) and the partial query weights (H, rows, D) in the weights'
         // dtype with an fp32 bias: r rows per head, or at most d with a rotation (the rotary
         // pairs of the columns, or every row under a skew) and the skew (H_kv, d, d) fp32; per
-        // layer the partial query rows (B, H, rows) fp32, and once the logits (B, H_kv, tokens)
-        // fp32 and two selections (B, H_kv, n' cap) I32.
+        // layer the partial query rows (B, H, rows) fp32 and, under a pool limit, the token of
+        // each position (B, H_kv, positions) I32; once the logits (B, H_kv, tokens) fp32 and two
+        // selections (B, H_kv, n' cap) I32.
         const ModelConfig& c = r.config;
         const int64_t tokens = request_positions(r);
         const int64_t pooled = r.kv_pool_tokens > 0 ? std::min(r.kv_pool_tokens, tokens) : tokens;
@@ -48,6 +49,9 @@ const KvPolicy& infinigen_kv_policy() {
                  saturating_product({c.num_layers, c.num_heads, rows, 4}),
                  c.rope.enabled() ? saturating_product({c.num_layers, c.kv_heads(), d, d, 4}) : 0,
                  saturating_product({c.num_layers, r.batch, c.num_heads, rows, 4}),
+                 r.kv_pool_tokens > 0
+                     ? saturating_product({c.num_layers, r.batch, c.kv_heads(), pooled, 4})
+                     : 0,
                  saturating_product({r.batch, c.kv_heads(), pooled, 4}),
                  saturating_product({2, r.batch, c.kv_heads(), s.fetch_cap(tokens), 4})}),
             kv_pool_bytes(r, pooled), kv_pool_shape(r, pooled)};

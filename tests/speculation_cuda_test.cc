@@ -181,6 +181,27 @@ void expect_same_selection(const DeviceSelection& device, const PartialLayer::Se
   }
 }
 
+// Calls check(options) for each alpha and cap of n' given and both fetch rules, under a trace that
+// names them (after `what`).
+template <typename Check>
+void for_each_selection_option(const std::vector<double>& alphas, const std::vector<int64_t>& caps,
+                               const std::string& what, const Check& check) {
+  for (double alpha : alphas) {
+    for (FetchRule rule : {FetchRule::Sequence, FetchRule::Batch}) {
+      for (int64_t cap : caps) {
+        SpeculationOptions options;
+        options.alpha = alpha;
+        options.fetch_rule = rule;
+        options.max_num_kv = cap;
+        SCOPED_TRACE(what + "alpha " + std::to_string(alpha) + ", rule " +
+                     (rule == FetchRule::Batch ? "batch" : "sequence") + ", cap " +
+                     std::to_string(cap));
+        check(options);
+      }
+    }
+  }
+}
+
 // ---- a layer built on the CPU, speculated on both ----
 
 struct LayerCase {
@@ -387,69 +408,48 @@ TEST_P(SpeculationCuda, LogitsSelectionAndAppendMatchTheCpu) {
     // whole chain): alpha 1, 4 and 1e30 (everything), both fetch rules, a cap of n' that
     // binds and one that does not.
     const Tensor d_cpu_logits = device_floats(cpu_logits);
-    for (double alpha : {1.0, 4.0, 1e30}) {
-      for (FetchRule rule : {FetchRule::Sequence, FetchRule::Batch}) {
-        for (int64_t cap : {int64_t{5}, capacity}) {
-          SpeculationOptions options;
-          options.alpha = alpha;
-          options.fetch_rule = rule;
-          options.max_num_kv = cap;
-          SCOPED_TRACE("alpha " + std::to_string(alpha) + ", rule " +
-                       (rule == FetchRule::Batch ? "batch" : "sequence") + ", cap " +
-                       std::to_string(cap));
-          const PartialLayer::Selection cpu = layer.select(cpu_logits, positions_used, options);
-          const int64_t fetch_cap = std::min(cap, positions_used) + 3;
-          expect_same_selection(
-              select_on_device(d_cpu_logits, B, H_kv, positions_used, options, fetch_cap), cpu,
-              cpu_logits, B, H_kv, positions_used, options);
-          expect_same_selection(
-              select_on_device(d_logits, B, H_kv, positions_used, options, fetch_cap), cpu,
-              cpu_logits, B, H_kv, positions_used, options);
-        }
-      }
-    }
+    for_each_selection_option({1.0, 4.0, 1e30}, {5, capacity}, "", [&](const auto& options) {
+      const PartialLayer::Selection cpu = layer.select(cpu_logits, positions_used, options);
+      const int64_t fetch_cap = std::min(options.max_num_kv, positions_used) + 3;
+      expect_same_selection(
+          select_on_device(d_cpu_logits, B, H_kv, positions_used, options, fetch_cap), cpu,
+          cpu_logits, B, H_kv, positions_used, options);
+      expect_same_selection(select_on_device(d_logits, B, H_kv, positions_used, options, fetch_cap),
+                            cpu, cpu_logits, B, H_kv, positions_used, options);
+    });
   };
   // Through the twin, from the attention input on the device: the same tokens per (sequence, KV
   // head) as PartialLayer::speculate, for alpha 4 and alpha 1e30, both fetch rules, a cap of n'
   // that binds and one that does not.
   const Tensor d_x = x.to(Device::Cuda);
   const auto twin_selects_as_the_cpu = [&](int64_t positions_used, const char* when) {
-    for (double alpha : {4.0, 1e30}) {
-      for (FetchRule rule : {FetchRule::Sequence, FetchRule::Batch}) {
-        for (int64_t cap : {int64_t{5}, capacity}) {
-          SpeculationOptions options;
-          options.alpha = alpha;
-          options.fetch_rule = rule;
-          options.max_num_kv = cap;
-          SCOPED_TRACE(std::string("device twin, ") + when + ", alpha " + std::to_string(alpha) +
-                       ", rule " + (rule == FetchRule::Batch ? "batch" : "sequence") + ", cap " +
-                       std::to_string(cap));
-          const PartialLayer::Selection cpu =
-              layer.speculate(x, rope_positions, positions_used, first_valid, options,
-                              c.capped ? &position_tokens : nullptr);
-          ops::SelectionTensors out = device_selection(B, H_kv, std::min(cap, capacity));
-          Tensor logits = Tensor::empty({B, H_kv, capacity}, DType::F32, Device::Cuda);
-          twin.speculate(d_x, rope_positions, positions_used, first_valid,
-                         c.capped ? d_position_tokens.reshape({B, H_kv, capacity}) : Tensor{},
-                         options, logits, out);
-          const std::vector<int32_t> summary = download<int32_t>(out.summary, 2 + B);
-          const std::vector<int32_t> tokens =
-              download<int32_t>(out.tokens, static_cast<size_t>(out.tokens.numel()));
-          double mean = 0.0;
-          std::memcpy(&mean, summary.data(), sizeof mean);
-          EXPECT_EQ(mean, cpu.mean_count);
-          for (int64_t row = 0; row < B * H_kv; ++row) {
-            const int64_t b = row / H_kv, take = cpu.take[static_cast<size_t>(b)];
-            ASSERT_EQ(summary[static_cast<size_t>(2 + b)], take) << "take of sequence " << b;
-            const int32_t* got = tokens.data() + row * out.tokens.dim(2);
-            const int32_t* expected = cpu.tokens.data() + row * cpu.fetch;
-            EXPECT_EQ(std::vector<int32_t>(got, got + take),
-                      std::vector<int32_t>(expected, expected + take))
-                << "sequence " << b << ", KV head " << row % H_kv;
-          }
-        }
+    const std::string what = std::string("device twin, ") + when + ", ";
+    for_each_selection_option({4.0, 1e30}, {5, capacity}, what, [&](const auto& options) {
+      const PartialLayer::Selection cpu =
+          layer.speculate(x, rope_positions, positions_used, first_valid, options,
+                          c.capped ? &position_tokens : nullptr);
+      ops::SelectionTensors out =
+          device_selection(B, H_kv, std::min(options.max_num_kv, capacity));
+      Tensor logits = Tensor::empty({B, H_kv, capacity}, DType::F32, Device::Cuda);
+      twin.speculate(d_x, rope_positions, positions_used, first_valid,
+                     c.capped ? d_position_tokens.reshape({B, H_kv, capacity}) : Tensor{}, options,
+                     logits, out);
+      const std::vector<int32_t> summary = download<int32_t>(out.summary, 2 + B);
+      const std::vector<int32_t> tokens =
+          download<int32_t>(out.tokens, static_cast<size_t>(out.tokens.numel()));
+      double mean = 0.0;
+      std::memcpy(&mean, summary.data(), sizeof mean);
+      EXPECT_EQ(mean, cpu.mean_count);
+      for (int64_t row = 0; row < B * H_kv; ++row) {
+        const int64_t b = row / H_kv, take = cpu.take[static_cast<size_t>(b)];
+        ASSERT_EQ(summary[static_cast<size_t>(2 + b)], take) << "take of sequence " << b;
+        const int32_t* got = tokens.data() + row * out.tokens.dim(2);
+        const int32_t* expected = cpu.tokens.data() + row * cpu.fetch;
+        EXPECT_EQ(std::vector<int32_t>(got, got + take),
+                  std::vector<int32_t>(expected, expected + take))
+            << "sequence " << b << ", KV head " << row % H_kv;
       }
-    }
+    });
   };
   speculate_and_compare(used, "built");
   twin_selects_as_the_cpu(used, "built");
@@ -581,23 +581,12 @@ void expect_select_matches(const std::vector<float>& logits, int64_t B, int64_t 
                            const std::vector<double>& alphas, const std::vector<int64_t>& caps) {
   const PartialLayer layer = shapes_only(B, H_kv, used);
   const Tensor d_logits = device_floats(logits);
-  for (double alpha : alphas) {
-    for (FetchRule rule : {FetchRule::Sequence, FetchRule::Batch}) {
-      for (int64_t cap : caps) {
-        SpeculationOptions options;
-        options.alpha = alpha;
-        options.fetch_rule = rule;
-        options.max_num_kv = cap;
-        SCOPED_TRACE("alpha " + std::to_string(alpha) + ", rule " +
-                     (rule == FetchRule::Batch ? "batch" : "sequence") + ", cap " +
-                     std::to_string(cap));
-        const PartialLayer::Selection cpu = layer.select(logits, used, options);
-        expect_same_selection(
-            select_on_device(d_logits, B, H_kv, used, options, std::min(cap, used)), cpu, logits, B,
-            H_kv, used, options);
-      }
-    }
-  }
+  for_each_selection_option(alphas, caps, "", [&](const auto& options) {
+    const PartialLayer::Selection cpu = layer.select(logits, used, options);
+    expect_same_selection(
+        select_on_device(d_logits, B, H_kv, used, options, std::min(options.max_num_kv, used)),
+        cpu, logits, B, H_kv, used, options);
+  });
 }
 
 // Few distinct values (many ties, -0 beside +0), -inf entries, a sequence whose rows hold no
