@@ -13,6 +13,8 @@ double parse_number(std::string_view key, const std::string& text) {
   double value = 0;
   const char* end = text.data() + text.size();
   const auto [at, error] = std::from_chars(text.data(), end, value);
+  INFINIGEN_CHECK(error != std::errc::result_out_of_range, option(key), ": ", text,
+                  " is out of range");
   INFINIGEN_CHECK(!text.empty() && error == std::errc() && at == end, option(key), ": '", text,
                   "' is not a number");
   INFINIGEN_CHECK(std::isfinite(value), option(key), " must be finite, got ", text);

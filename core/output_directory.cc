@@ -25,17 +25,28 @@ void write_directory_atomically(const fs::path& target,
                                 const std::function<void(const fs::path&)>& fill) {
   const fs::path staging =
       target.parent_path() / (target.filename().string() + ".partial-" + std::to_string(getpid()));
-  fs::remove_all(staging);
-  fs::create_directories(staging);
+  // Filesystem failures end in one line of ours naming the directory, not the library's text.
+  const auto refuse = [&](const char* step, const std::error_code& error) {
+    std::error_code ignored;
+    fs::remove_all(staging, ignored);
+    fail(target.string(), ": cannot write (", step, ": ", error.message(), ")");
+  };
+  std::error_code error;
+  fs::remove_all(staging, error);
+  if (error) refuse("clearing a previous attempt", error);
+  fs::create_directories(staging, error);
+  if (error) refuse("creating it", error);
   try {
     fill(staging);
-    if (fs::exists(target)) fs::remove(target);  // empty: checked_output_directory
-    fs::rename(staging, target);
   } catch (...) {
     std::error_code ignored;
     fs::remove_all(staging, ignored);
     throw;
   }
+  if (fs::exists(target, error)) fs::remove(target, error);  // empty: checked_output_directory
+  if (error) refuse("replacing the empty directory", error);
+  fs::rename(staging, target, error);
+  if (error) refuse("moving it into place", error);
 }
 
 fs::path staging_path(const fs::path& target) {

@@ -145,10 +145,13 @@ void OffloadOptions::validate() const {
   kv_policy(policy);  // names the option when unknown
   INFINIGEN_CHECK(weights_gpu_percent >= 0.0 && weights_gpu_percent <= 100.0,
                   option("weights_gpu_percent"), " must be in [0, 100], got ", weights_gpu_percent);
-  INFINIGEN_CHECK(link.gbps >= 0 && std::isfinite(link.gbps), option("emulate_link_gbps"),
-                  " must be >= 0, got ", link.gbps);
-  INFINIGEN_CHECK(link.latency_us >= 0 && std::isfinite(link.latency_us),
-                  option("emulate_link_latency_us"), " must be >= 0, got ", link.latency_us);
+  // Slower links than these would make a step take days (and their times overflow a clock).
+  INFINIGEN_CHECK(link.gbps == 0 || (link.gbps >= kMinEmulatedGbps && std::isfinite(link.gbps)),
+                  option("emulate_link_gbps"), " must be 0 (off) or at least ", kMinEmulatedGbps,
+                  " (1 MB/s), got ", link.gbps);
+  INFINIGEN_CHECK(link.latency_us >= 0 && link.latency_us <= kMaxEmulatedLatencyUs,
+                  option("emulate_link_latency_us"), " must be in [0, ",
+                  static_cast<int64_t>(kMaxEmulatedLatencyUs), "] (a second), got ", link.latency_us);
   INFINIGEN_CHECK(kv_block_tokens >= 1, option("kv_block_tokens"), " must be at least 1, got ",
                   kv_block_tokens);
   speculation.validate();

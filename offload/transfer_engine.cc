@@ -13,6 +13,7 @@
 
 #include "core/cuda_stream.h"
 #include "core/error.h"
+#include "core/interrupt.h"
 #include "core/ops.h"
 #include "offload/row_gather.h"
 
@@ -27,7 +28,19 @@ using Clock = std::chrono::steady_clock;
 Clock::duration link_time(const LinkEmulation& link, uint64_t bytes) {
   double seconds = link.latency_us * 1e-6;
   if (link.gbps > 0.0) seconds += static_cast<double>(bytes) / (link.gbps * 1e9);
+  // Saturated at a day: a longer wait would overflow the clock's duration (and the options
+  // refuse links that slow, OffloadOptions::validate).
+  seconds = std::min(seconds, 86400.0);
   return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+}
+
+// Sleeps until `until`, or until the user asks to stop (SIGINT, SIGTERM): the pass that waits
+// for this transfer then stops at its next check (core/interrupt.h).
+void sleep_until_or_interrupted(Clock::time_point until) {
+  constexpr auto kSlice = std::chrono::milliseconds(50);
+  while (Clock::now() < until && interrupt_signal() == 0) {
+    std::this_thread::sleep_until(std::min(until, Clock::now() + kSlice));
+  }
 }
 
 }  // namespace
@@ -418,7 +431,7 @@ EventPtr TransferEngine::enqueue(Stream& stream, std::vector<CopyChunk> chunks, 
       }
     }
     if (link_.gbps > 0.0 || link_.latency_us > 0.0) {
-      std::this_thread::sleep_until(start + link_time(link_, bytes));
+      sleep_until_or_interrupted(start + link_time(link_, bytes));
     }
     const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
     std::lock_guard lock(counters_mutex_);

@@ -44,6 +44,9 @@ struct LinkEmulation {
   double gbps = 0.0;        // GB/s (1e9 bytes); 0 = no emulation (copies at memory speed)
   double latency_us = 0.0;  // per transfer
 };
+// The slowest link and the longest latency an emulation accepts (OffloadOptions::validate).
+inline constexpr double kMinEmulatedGbps = 1e-3;
+inline constexpr double kMaxEmulatedLatencyUs = 1e6;
 
 // How a CUDA transfer of many small chunks crosses the link (--gather).
 enum class GatherMode {

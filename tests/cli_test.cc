@@ -6,6 +6,9 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <string>
+#include <utility>
+#include <vector>
 #include <nlohmann/json.hpp>
 
 #include "core/model_loader.h"
@@ -174,6 +177,58 @@ TEST(Cli, BadFlagsEndWithOneLine) {
                         {"--config", "each value of option 'prompt'", "single value"});
   std::ofstream(config, std::ios::trunc) << "[batch]: 2\n";
   expect_one_line_error({"run", "--config", config.string()}, {"--config", "plain text"});
+}
+
+// A bad command line is refused in the project's words, naming the flag: never the parsing
+// library's phrasing, never a value silently wrapped or turned off.
+TEST(Cli, FlagErrorsNameTheFlagInOurWords) {
+  const std::vector<std::pair<std::vector<std::string>, std::vector<std::string>>> cases = {
+      {{"run", "--model", kTiny, "--kv-dtype", "int3"}, {"--kv-dtype", "f16 or f32", "int3"}},
+      {{"run", "--model", kTiny, "--kv-dtype", "bf16"}, {"--kv-dtype", "bf16"}},
+      {{"run", "--model", kTiny, "--seed", "-1"}, {"--seed", "-1"}},
+      {{"run", "--model", kTiny, "--seed", "18446744073709551616"}, {"--seed"}},
+      {{"make-model", "--preset", "opt-tiny", "--out", "/tmp/x", "--seed", "-3"}, {"--seed"}},
+      {{"make-model", "--preset", "opt-tiny", "--out", "/tmp/x", "--dtype", "f8"}, {"--dtype"}},
+      {{"run", "--model", kTiny, "--gen-len", "3", "--gen-len", "4"}, {"--gen-len", "once"}},
+      {{"run", "--model", kTiny, "--gen-len"}, {"--gen-len", "needs a value"}},
+      {{"run", "--model", kTiny, "--temperature", "warm"}, {"--temperature", "warm", "FLOAT"}},
+      {{"run", "--model", kTiny, "--prompt", "a", "--prompt-file", "b"},
+       {"--prompt", "--prompt-file", "cannot be used together"}},
+      {{"run", "--bogus"}, {"unknown option --bogus", "infinigen run --help"}},
+      {{"bogus"}, {"unexpected argument bogus"}},
+      // Too slow a link would overflow the emulated wait (it silently turned emulation off).
+      {{"run", "--model", kTiny, "--emulate-link-gbps", "1e-30"}, {"--emulate-link-gbps"}},
+      {{"run", "--model", kTiny, "--emulate-link-gbps", "1e-400"},
+       {"--emulate-link-gbps", "out of range"}},
+      {{"run", "--model", kTiny, "--emulate-link-latency-us", "1e12"},
+       {"--emulate-link-latency-us"}},
+  };
+  for (const auto& [args, fragments] : cases) expect_one_line_error(args, fragments);
+  TempDir dir("cli-config-key");
+  const auto config = dir.path() / "run.yaml";
+  std::ofstream(config) << "bogus-key: 3\n";
+  expect_one_line_error({"run", "--config", config.string()},
+                        {"--config", "bogus-key", "not an option of infinigen run"});
+  // No library wording in any of them.
+  for (const auto& [args, fragments] : cases) {
+    const CommandResult r = run_infinigen(args);
+    for (const char* phrase : {"At Most", "required but received", "Could not convert",
+                               "INI was", "was not expected", "filesystem error"}) {
+      EXPECT_EQ(r.err.find(phrase), std::string::npos) << r.err;
+    }
+  }
+}
+
+// A directory output that cannot be created (its parent is a file) is one line naming it.
+TEST(Cli, AnOutputThatCannotBeCreatedIsOneLine) {
+  TempDir dir("cli-out-parent");
+  const auto file = dir.path() / "a-file";
+  std::ofstream(file) << "x";
+  const std::string out = (file / "model").string();
+  expect_one_line_error({"make-model", "--preset", "opt-tiny", "--out", out},
+                        {out, "cannot write"});
+  const CommandResult r = run_infinigen({"make-model", "--preset", "opt-tiny", "--out", out});
+  EXPECT_EQ(r.err.find("filesystem error"), std::string::npos) << r.err;
 }
 
 TEST(Cli, UnknownModelsEndWithOneLine) {

@@ -87,6 +87,14 @@ TEST(Interrupt, RunStopsWithWhatItDid) {
   }
 }
 
+// An emulated link of 1 MB/s makes each of this run's transfers take seconds (a layer's 6 MB of
+// KV); a signal must not wait for the transfer in flight to end (it waited, once).
+TEST(Interrupt, ASlowEmulatedLinkStopsWithinSeconds) {
+  expect_interrupted({"run", "--policy", "full", "--batch", "16", "--prompt-len", "400",
+                      "--emulate-link-gbps", "0.001", "--gen-len", "2"},
+                     4.0, SIGTERM, {"interrupted by SIGTERM"});
+}
+
 TEST(Interrupt, MakeModelLeavesNoDirectory) {
   TempDir dir("interrupt-make");
   expect_interrupted({"make-model", "--preset", "opt-1.3b", "--out", (dir.path() / "m").string()},

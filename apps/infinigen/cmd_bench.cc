@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "apps/infinigen/commands.h"
+#include "apps/infinigen/option_flags.h"
 #include "apps/infinigen/plot_script.h"
 #include "bench/bench_results.h"
 #include "bench/bench_runner.h"
@@ -176,6 +177,7 @@ Command add_bench_command(CLI::App& app) {
   app.add_flag("--no-plot", o->no_plot, "Write CSV and JSON only");
   app.add_option("--threads", o->threads, "CPU threads (default: all cores)");
   app.add_option("--seed", o->seed, "Seed of the synthetic weights and prompts")
+      ->check(unsigned_integer())
       ->capture_default_str();
   app.add_option("--measure-profile", o->measure_profile,
                  "Measure this machine's CPU backend and write its hardware profile (YAML)");

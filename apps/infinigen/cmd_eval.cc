@@ -154,8 +154,7 @@ int eval(EvalCommandOptions& o) {
   INFINIGEN_CHECK(o.threads >= 0, "--threads must be at least 1, got ", o.threads);
   if (o.threads > 0) omp_set_num_threads(o.threads);
   INFINIGEN_CHECK(o.max_windows >= 0, "--max-windows must be at least 1, got ", o.max_windows);
-  const DType kv_dtype = parse_float_dtype(o.kv_dtype);
-  INFINIGEN_CHECK(kv_dtype != DType::BF16, "--kv-dtype must be f16 or f32");
+  const DType kv_dtype = parse_float_dtype(o.kv_dtype);  // checked by its flag
   std::vector<SweepPoint> points = sweep(o);
 
   // One device for the whole sweep: CUDA only when it runs every policy in it.
@@ -322,6 +321,7 @@ Command add_eval_command(CLI::App& app) {
                "infinigen: skip measuring the share of attention weight the fetched tokens carry");
   app.add_option("--device", o->device, "cpu, cuda or auto")->capture_default_str();
   app.add_option("--kv-dtype", o->kv_dtype, "KV cache element type: f16 or f32")
+      ->check(float_type_in({DType::F16, DType::F32}))
       ->capture_default_str();
   app.add_option("--threads", o->threads, "CPU threads (default: all cores)");
   app.add_option("--out,-o", o->out, "Directory for eval.csv, eval.json and eval.png")

@@ -2,6 +2,7 @@
 #include <cstdio>
 
 #include "apps/infinigen/commands.h"
+#include "apps/infinigen/option_flags.h"
 #include "apps/infinigen/progress.h"
 #include "core/interrupt.h"
 #include "core/model_config.h"
@@ -50,8 +51,11 @@ Command add_make_model_command(CLI::App& app) {
   SyntheticModelOptions& s = o->synthetic;
   app.add_option("--preset", o->preset, "Model preset (configs/models), e.g. opt-125m")->required();
   app.add_option("--out,-o", o->out, "Output directory (must not exist, or be empty)")->required();
-  app.add_option("--seed", s.seed, "Seed of the weights")->capture_default_str();
-  app.add_option("--dtype", o->dtype, "Storage type: f16, bf16 or f32 (default: the preset's)");
+  app.add_option("--seed", s.seed, "Seed of the weights")
+      ->check(unsigned_integer())
+      ->capture_default_str();
+  app.add_option("--dtype", o->dtype, "Storage type: f16, bf16 or f32 (default: the preset's)")
+      ->check(float_type_in({DType::F16, DType::BF16, DType::F32}));
   app.add_option("--outlier-channels", s.outlier_channels,
                  "Residual channels with massive activations")
       ->capture_default_str();

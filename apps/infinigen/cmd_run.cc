@@ -193,8 +193,7 @@ int run(const RunOptions& o) {
                   o.prompt_len);
   INFINIGEN_CHECK(o.threads >= 0, "--threads must be at least 1, got ", o.threads);
   if (o.threads > 0) omp_set_num_threads(o.threads);
-  const DType kv_dtype = parse_float_dtype(o.kv_dtype);
-  INFINIGEN_CHECK(kv_dtype != DType::BF16, "--kv-dtype must be f16 or f32");
+  const DType kv_dtype = parse_float_dtype(o.kv_dtype);  // checked by its flag
 
   const OffloadOptions& offload = o.offload;
   offload.validate();
@@ -400,6 +399,7 @@ Command add_run_command(CLI::App& app) {
   app.add_option("--gen-len,-n", o->gen_len, "Tokens to generate per sequence")
       ->capture_default_str();
   app.add_option("--seed", o->seed, "Seed for sampling, synthetic prompts and synthetic weights")
+      ->check(unsigned_integer())
       ->capture_default_str();
   app.add_option("--temperature", o->temperature,
                  "Sampling temperature, 0 = greedy (default: the checkpoint's "
@@ -409,6 +409,7 @@ Command add_run_command(CLI::App& app) {
       "Nucleus sampling mass (default: the checkpoint's generation_config.json, else 1)");
   app.add_option("--device", o->device, "cpu, cuda or auto")->capture_default_str();
   app.add_option("--kv-dtype", o->kv_dtype, "KV cache element type: f16 or f32")
+      ->check(float_type_in({DType::F16, DType::F32}))
       ->capture_default_str();
   app.add_option("--threads", o->threads, "CPU threads (default: all cores)");
   app.add_flag("--json", o->json, "Print the result as JSON on stdout");

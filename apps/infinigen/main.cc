@@ -8,6 +8,7 @@
 
 #include "apps/infinigen/commands.h"
 #include "apps/infinigen/option_flags.h"
+#include "apps/infinigen/parse_errors.h"
 #include "apps/infinigen/yaml_config.h"
 #include "core/error.h"
 #include "core/interrupt.h"
@@ -44,7 +45,7 @@ int main(int argc, char** argv) {
   } catch (const CLI::CallForVersion& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
-    std::fprintf(stderr, "infinigen: error: %s\n", e.what());
+    std::fprintf(stderr, "infinigen: error: %s\n", cli::parse_error_message(app, e).c_str());
     return 2;
   } catch (const Error& e) {  // a bad option value, a --config file that cannot be read
     std::fprintf(stderr, "infinigen: error: %s\n", cli::flag_message(e).c_str());

@@ -2,6 +2,9 @@
 #include "apps/infinigen/option_flags.h"
 
 #include <algorithm>
+#include <cctype>
+#include <charconv>
+#include <cstdint>
 
 namespace infinigen::cli {
 
@@ -10,6 +13,40 @@ std::string flag_spelling(std::string_view key) {
   flag.append(key);
   std::replace(flag.begin() + 2, flag.end(), '_', '-');
   return flag;
+}
+
+CLI::Validator float_type_in(std::vector<DType> allowed) {
+  std::string names;
+  for (size_t i = 0; i < allowed.size(); ++i) {
+    names += i == 0 ? "" : i + 1 == allowed.size() ? " or " : ", ";
+    names += float_dtype_spelling(allowed[i]);
+  }
+  return CLI::Validator(
+      [allowed, names](std::string& text) -> std::string {
+        try {
+          const DType dtype = parse_float_dtype(text);
+          if (std::find(allowed.begin(), allowed.end(), dtype) != allowed.end()) return "";
+        } catch (const Error&) {
+          // not a floating-point type at all: the same refusal
+        }
+        return "must be " + names + ", got '" + text + "'";
+      },
+      "");  // the help names the types
+}
+
+CLI::Validator unsigned_integer() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        uint64_t value = 0;
+        const char* end = text.data() + text.size();
+        const auto [stop, error] = std::from_chars(text.data(), end, value);
+        if (!text.empty() && std::isdigit(static_cast<unsigned char>(text.front())) &&
+            error == std::errc() && stop == end) {
+          return "";
+        }
+        return "must be a whole number from 0 to 18446744073709551615, got '" + text + "'";
+      },
+      "");  // the option's type name says it
 }
 
 }  // namespace infinigen::cli

@@ -9,6 +9,7 @@
 #include <string_view>
 #include <vector>
 
+#include "core/dtype.h"
 #include "core/error.h"
 #include "core/option_table.h"
 
@@ -16,6 +17,13 @@ namespace infinigen::cli {
 
 // "kv_pool_limit" -> "--kv-pool-limit".
 std::string flag_spelling(std::string_view key);
+
+// CLI11 validators whose refusals read as the project's one line, "--flag: <why>", at parse time
+// (for the command line and --config alike):
+// one of the floating-point types `allowed` ("f16", "float16", ... as parse_float_dtype reads);
+CLI::Validator float_type_in(std::vector<DType> allowed);
+// a whole number of 0 or more that fits 64 bits (CLI11 would wrap "-1" into an unsigned 2^64 - 1).
+CLI::Validator unsigned_integer();
 
 // An Error's message with its options spelled as flags.
 inline std::string flag_message(const Error& error) {
