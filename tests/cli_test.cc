@@ -2,6 +2,7 @@
 // ending in exactly one line on stderr and a non-zero exit status.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cctype>
 #include <filesystem>
 #include <fstream>
@@ -216,6 +217,24 @@ TEST(Cli, FlagErrorsNameTheFlagInOurWords) {
                                "INI was", "was not expected", "filesystem error"}) {
       EXPECT_EQ(r.err.find(phrase), std::string::npos) << r.err;
     }
+  }
+}
+
+// Output that cannot be written (stdout on a full device) fails the command with one line, for
+// every command that prints: a report, JSON, a checkpoint's tensors, a list, the help.
+TEST(Cli, StdoutOnAFullDeviceIsAFailure) {
+  const std::vector<std::vector<std::string>> commands = {
+      {"run", "--model", kTiny, "--gen-len", "2"},
+      {"run", "--model", kTiny, "--gen-len", "2", "--json"},
+      {"inspect", kTiny},
+      {"bench", "--list"},
+      {"run", "--help"}};
+  for (const std::vector<std::string>& args : commands) {
+    const testing_util::MeasuredCommand r = testing_util::run_infinigen_measured(
+        args, testing_util::ChildOptions{}.stdout_to("/dev/full"));
+    EXPECT_EQ(r.exit_code, 1) << args.front() << " " << args[1] << ": " << r.err;
+    EXPECT_NE(r.err.find("cannot write the output to stdout"), std::string::npos) << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
   }
 }
 

@@ -183,7 +183,9 @@ MeasuredCommand run_infinigen_measured(const std::vector<std::string>& args,
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   };
   MeasuredCommand result;
-  const int pid = spawn_infinigen(args, out_path.string(), err_path.string(), options);
+  const int pid = spawn_infinigen(
+      args, options.stdout_path.empty() ? out_path.string() : options.stdout_path,
+      err_path.string(), options);
   EXPECT_GT(pid, 0) << "fork failed";
   if (pid <= 0) return result;
   const double timeout_s = options.timeout_s;
@@ -200,7 +202,7 @@ MeasuredCommand run_infinigen_measured(const std::vector<std::string>& args,
   }
   result.exit_code = exited && WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   result.peak_rss_mib = static_cast<double>(usage.ru_maxrss) / 1024.0;  // KiB on Linux
-  result.out = slurp(out_path);
+  if (options.stdout_path.empty()) result.out = slurp(out_path);
   result.err = slurp(err_path);
   return result;
 }

@@ -1,8 +1,11 @@
 // apps/infinigen: entry point. Parses the command line, runs one subcommand, and turns every
 // failure into one line on stderr and a non-zero exit status.
 #include <CLI/CLI.hpp>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <exception>
+#include <iostream>
 #include <map>
 #include <string>
 
@@ -13,7 +16,25 @@
 #include "core/error.h"
 #include "core/interrupt.h"
 
-int main(int argc, char** argv) {
+namespace {
+
+// Whatever a command printed reached stdout, or the exit says it did not: a full disk or a closed
+// pipe fails the flush (and earlier writes leave the stream's error flag), which is one line and
+// exit status 1 instead of a success whose output is lost.
+int checked_exit(int code) {
+  errno = 0;
+  std::cout.flush();  // CLI11's help and some reports use the stream
+  const bool failed = std::cout.fail() || std::fflush(stdout) != 0 || std::ferror(stdout);
+  if (failed && code == 0) {
+    const int error = errno;
+    std::fprintf(stderr, "infinigen: error: cannot write the output to stdout (%s)\n",
+                 error != 0 ? std::strerror(error) : "write error");
+    return 1;
+  }
+  return code;
+}
+
+int run_cli(int argc, char** argv) {
   using namespace infinigen;
   CLI::App app("infinigen: offloaded LLM inference with speculative KV prefetch (InfiniGen)",
                "infinigen");
@@ -71,4 +92,10 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "infinigen: error: %s\n", e.what());
     return 1;
   }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return checked_exit(run_cli(argc, argv));
 }
