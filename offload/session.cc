@@ -577,9 +577,7 @@ void DiskSession::write_segment(const KvStore& store, const std::vector<int32_t>
   stats_.write_seconds += seconds_since(start);
 }
 
-void DiskSession::after_first_pass(const KvStore& store, const std::vector<int32_t>& rows_from) {
-  // A killed save leaves directories no manifest names; they go before this one writes.
-  fs::create_directories(directory_);
+void DiskSession::remove_uncommitted() noexcept {
   std::vector<std::string> named;
   for (const Segment& segment : segments_) {
     named.push_back(fs::path(segment.layers.front().path).parent_path().string());
@@ -587,12 +585,24 @@ void DiskSession::after_first_pass(const KvStore& store, const std::vector<int32
   if (!prefix_.layers.empty()) {
     named.push_back(fs::path(prefix_.layers.front().path).parent_path().string());
   }
-  for (const fs::directory_entry& entry : fs::directory_iterator(directory_)) {
-    const std::string name = entry.path().filename().string();
-    if (name.rfind("seg-", 0) == 0 && std::find(named.begin(), named.end(), name) == named.end()) {
-      fs::remove_all(entry.path());
+  std::error_code error;
+  for (fs::directory_iterator entry(directory_, error), end; !error && entry != end;
+       entry.increment(error)) {
+    const std::string name = entry->path().filename().string();
+    const bool segment = name.rfind("seg-", 0) == 0;
+    if ((segment && std::find(named.begin(), named.end(), name) == named.end()) ||
+        name.rfind(".manifest.json.", 0) == 0) {
+      std::error_code ignored;
+      fs::remove_all(entry->path(), ignored);
     }
   }
+}
+
+void DiskSession::after_first_pass(const KvStore& store, const std::vector<int32_t>& rows_from) {
+  // A killed save leaves directories no manifest names; they go before this one writes.
+  created_directory_ = !fs::exists(directory_);
+  fs::create_directories(directory_);
+  remove_uncommitted();
   new_segments_.clear();
   new_state_.clear();
   Segment segment;
@@ -637,6 +647,12 @@ void DiskSession::abandon() {
   changed_.notify_all();
   if (writer_.joinable()) writer_.join();
   if (reader_.joinable()) reader_.join();
+  // An interrupted or failed turn saves nothing: what its save wrote goes, and a new session's
+  // directory that this turn made goes with it (a later save would remove the files anyway, but
+  // the directory would look like a session that holds something).
+  remove_uncommitted();
+  std::error_code ignored;
+  if (created_directory_ && fs::is_empty(directory_, ignored)) fs::remove(directory_, ignored);
 }
 
 void DiskSession::finish(const KvStore& store, const std::vector<int32_t>& rows_from,

@@ -126,8 +126,12 @@ class DiskSession : public Conversation {
                      const std::string& directory, bool with_state,
                      std::vector<FileRecord>* layer_files, std::vector<FileRecord>* state_files);
   void commit();
+  // Removes the segment directories (and manifest staging files) the manifest does not name:
+  // what an earlier save that never committed, or this turn's abandoned one, left.
+  void remove_uncommitted() noexcept;
 
   std::filesystem::path directory_;
+  bool created_directory_ = false;  // this turn made directory_ (a new session's first save)
   SessionKey key_;
   std::vector<std::vector<int32_t>> tokens_;   // (B): the conversation so far
   std::vector<std::vector<int32_t>> history_;  // (B): tokens whose rows are stored

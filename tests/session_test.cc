@@ -539,6 +539,25 @@ TEST(SessionCli, AnInterruptedTurnKeepsTheSession) {
   EXPECT_EQ(resumed.exit_code, 0) << resumed.err;
 }
 
+// Ctrl-C while a new session's first save runs (its writer saves the prompt's rows during the
+// decode steps) saves nothing: no segment files are left, and no directory.
+TEST(SessionCli, AnInterruptedFirstTurnLeavesNothing) {
+  TempDir dir("session");
+  const fs::path path = dir.path() / "s";
+  testing_util::BackgroundInfinigen child({"run", "--model", "builtin", "--policy", "full",
+                                           "--prompt-len", "200", "--batch", "8", "--gen-len",
+                                           "1800", "--session", path.string()});
+  // Until the first save has written something (the prompt's segment directory).
+  for (int i = 0; i < 200 && !fs::exists(path); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_TRUE(fs::exists(path)) << "the first save never started";
+  double seconds = 0.0;
+  const auto stopped = child.signal_and_wait(SIGINT, 10.0, &seconds);
+  EXPECT_EQ(stopped.exit_code, 130) << stopped.err;
+  EXPECT_FALSE(fs::exists(path)) << "an interrupted first turn left " << path;
+}
+
 TEST(SessionCli, BadUsesEndWithOneLine) {
   TempDir dir("session");
   const std::string path = (dir.path() / "s").string();
