@@ -1,12 +1,16 @@
 // core: model resolution, the built-in model cache and the memory check before loading.
 #include "core/model_loader.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <vector>
 
+#include "core/dtype.h"
+#include "core/error.h"
 #include "core/generation_config.h"
 #include "core/safetensors.h"
 #include "core/synthetic_model.h"
@@ -130,6 +134,31 @@ ModelWeights load_weights(const ModelSource& source, Device device) {
       load_checkpoint_weights(SafetensorsCheckpoint::open(source.directory), source.config, device);
   weights.attention_skew = load_attention_skew(source.directory, source.config, device);
   return weights;
+}
+
+std::string find_non_finite_tensor(const std::string& directory) {
+  const SafetensorsCheckpoint checkpoint = SafetensorsCheckpoint::open(directory);
+  constexpr size_t kChunk = 1 << 16;
+  std::vector<float> values(kChunk);
+  for (const std::string& name : checkpoint.names()) {
+    const SafetensorsEntry& entry = checkpoint.entry(name);
+    if (entry.dtype != DType::F32 && entry.dtype != DType::F16 && entry.dtype != DType::BF16) {
+      continue;
+    }
+    const SafetensorsFile& file = checkpoint.file_of(name);
+    const auto* bytes = static_cast<const char*>(file.bytes(entry));
+    const size_t size = dtype_size(entry.dtype), count = entry.nbytes / size;
+    for (size_t at = 0; at < count; at += kChunk) {
+      const size_t n = std::min(kChunk, count - at);
+      convert_to_f32(bytes + at * size, entry.dtype, values.data(), n);
+      for (size_t i = 0; i < n; ++i) {
+        if (!std::isfinite(values[i])) {
+          return cat(file.path(), ": tensor ", name, " holds ", values[i], " at element ", at + i);
+        }
+      }
+    }
+  }
+  return "";
 }
 
 LoadedModel load_model(const std::string& spec, const ModelLoadOptions& options) {

@@ -61,6 +61,11 @@ ModelSource resolve_model(const std::string& spec, const ModelLoadOptions& optio
 // The weights of `source` on `device`, every tensor checked against the config (in a dry run,
 // core/trace.h, tensors of the right shapes and types with no memory).
 ModelWeights load_weights(const ModelSource& source, Device device);
+
+// The first floating-point tensor of the checkpoint in `directory` that holds a NaN or an
+// infinity, as "<file>: tensor <name> holds <value> at element <i>"; empty when there is none.
+// Reads every tensor: for explaining a failure (a non-finite logit), not for every load.
+std::string find_non_finite_tensor(const std::string& directory);
 // resolve_model + load_weights into a model with resident weights, after checking that they fit
 // in available memory.
 LoadedModel load_model(const std::string& spec, const ModelLoadOptions& options);

@@ -16,8 +16,10 @@ namespace {
 // stop rather than emit a token picked from garbage, or score one against it.
 void check_finite(const float* logits, int64_t V) {
   for (int64_t i = 0; i < V; ++i) {
-    INFINIGEN_CHECK(std::isfinite(logits[i]), "non-finite logit (", logits[i], ") for token ", i,
-                    ": the forward pass read invalid data");
+    if (!std::isfinite(logits[i])) {
+      throw NonFiniteLogit(cat("non-finite logit (", logits[i], ") for token ", i,
+                               ": the forward pass read invalid data"));
+    }
   }
 }
 

@@ -5,6 +5,7 @@
 #include <random>
 #include <vector>
 
+#include "core/error.h"
 #include "core/tensor.h"
 
 namespace infinigen {
@@ -15,7 +16,15 @@ struct SamplingOptions {
   uint64_t seed = 0;
 };
 
-// log softmax(logits)[token] of one row of V logits, in fp64; an Error when a logit is not finite.
+// A logit that is a NaN or an infinity: a kernel read memory never written, or the weights
+// themselves are not finite (offload/runtime.cc then names the tensor).
+class NonFiniteLogit : public Error {
+ public:
+  using Error::Error;
+};
+
+// log softmax(logits)[token] of one row of V logits, in fp64; NonFiniteLogit when a logit is not
+// finite.
 double token_log_probability(const float* logits, int64_t vocab, int32_t token);
 
 class Sampler {

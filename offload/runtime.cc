@@ -7,7 +7,9 @@
 
 #include "core/interrupt.h"
 #include "core/ops.h"
+#include "core/model_loader.h"
 #include "core/pin_ahead.h"
+#include "core/sampler.h"
 #include "offload/kv_policy.h"
 #include "offload/streamed_weights.h"
 #include "offload/weight_placement.h"
@@ -204,6 +206,12 @@ OffloadRun run_offloaded(const ModelSource& source, const GenerationRequest& req
                        run, conversation);
   } catch (const PinnedAllocationError& e) {
     fail(e.message(), "; ", plan_within_pinned(memory, options, device, e.pinned_before()));
+  } catch (const NonFiniteLogit&) {
+    // The weights themselves, rather than the forward pass, when the checkpoint holds one.
+    const std::string culprit =
+        source.directory.empty() ? "" : find_non_finite_tensor(source.directory);
+    if (!culprit.empty()) fail(culprit, ": the checkpoint's weights are not finite");
+    throw;
   }
   return run;
 }

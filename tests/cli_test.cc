@@ -323,5 +323,29 @@ TEST(Cli, DamagedCheckpointsEndWithOneLine) {
       {"activation_function"});
 }
 
+// A NaN in a layer's weight: the run is refused naming the file and the tensor (it once blamed
+// the forward pass for a "non-finite logit").
+TEST(Cli, NonFiniteWeightsAreNamed) {
+  namespace fs = std::filesystem;
+  TempDir dir("cli-nan-weight");
+  const fs::path copy = dir.path() / "model";
+  fs::copy(kTiny, copy);
+  std::fstream f(copy / "model.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+  uint64_t header = 0;
+  f.read(reinterpret_cast<char*>(&header), sizeof header);
+  std::string text(header, ' ');
+  f.read(text.data(), static_cast<std::streamsize>(header));
+  const nlohmann::json tensors = nlohmann::json::parse(text);
+  const std::string name = "model.decoder.layers.0.fc1.weight";
+  ASSERT_EQ(tensors.at(name).at("dtype"), "F16");
+  const uint64_t at = tensors.at(name).at("data_offsets")[0].get<uint64_t>();
+  const uint16_t nan = 0x7e00;  // fp16 quiet NaN
+  f.seekp(static_cast<std::streamoff>(8 + header + at));
+  f.write(reinterpret_cast<const char*>(&nan), sizeof nan);
+  f.close();
+  expect_one_line_error({"run", "--model", copy.string(), "--gen-len", "2"},
+                        {"model.safetensors", name, "nan", "not finite"});
+}
+
 }  // namespace
 }  // namespace infinigen
