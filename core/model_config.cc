@@ -7,12 +7,14 @@
 #include <cctype>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 
 #include "core/config_keys.h"
 #include "core/error.h"
 #include "core/model_family.h"
 #include "core/resources.h"
+#include "core/saturating.h"
 #include "core/weights.h"
 
 namespace infinigen {
@@ -56,9 +58,21 @@ json yaml_to_json(const YAML::Node& node) {
 }  // namespace
 
 int64_t ModelConfig::num_parameters() const {
-  int64_t total = 0;
-  for (const TensorSpec& spec : weight_layout(*this).all()) total += shape_numel(spec.shape);
-  return total;
+  // From the layout's one layer times the layer count (never every layer's specs: a config's
+  // layer count is not trusted to be small), saturating.
+  const WeightLayout layout = weight_layout(*this);
+  const auto sum = [](const std::vector<TensorSpec>& specs) {
+    size_t total = 0;
+    for (const TensorSpec& spec : specs) {
+      total = saturating_sum({total, static_cast<size_t>(shape_numel(spec.shape))});
+    }
+    return total;
+  };
+  constexpr auto kMax = static_cast<size_t>(std::numeric_limits<int64_t>::max());
+  const size_t layers =
+      saturating_product({num_layers, static_cast<int64_t>(std::min(sum(layout.layer), kMax))});
+  return static_cast<int64_t>(
+      std::min(saturating_sum({sum(layout.first), sum(layout.last), layers}), kMax));
 }
 
 size_t ModelConfig::weight_bytes() const {

@@ -142,6 +142,18 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text) const {
   return impl_->pipeline.encode(text);
 }
 
+std::vector<int32_t> Tokenizer::encode_bounded(std::string_view text, size_t limit) const {
+  // The cut may split a word, whose tokens in the head can differ from the whole text's: the
+  // head counts only when it passes `limit` by more than a word's tokens could.
+  constexpr size_t kCutMargin = 64;
+  const size_t head_bytes = (limit + kCutMargin + 1) * kBoundedBytesPerToken;
+  if (text.size() > head_bytes) {
+    std::vector<int32_t> head = encode(text.substr(0, head_bytes));
+    if (head.size() > limit + kCutMargin) return head;
+  }
+  return encode(text);
+}
+
 std::string Tokenizer::decode(const std::vector<int32_t>& ids, bool skip_special) const {
   return impl_->pipeline.decode(ids, skip_special);
 }

@@ -6,6 +6,7 @@
 
 #include "core/interrupt.h"
 #include "core/model_family.h"
+#include "core/saturating.h"
 
 namespace infinigen {
 
@@ -102,7 +103,16 @@ ModelWeights WeightsBuilder::finish() {
 
 std::vector<std::string> check_checkpoint(const SafetensorsCheckpoint& checkpoint,
                                           const ModelConfig& config) {
-  const std::vector<TensorSpec> specs = weight_layout(config).all();
+  // Sizes read from config.json are checked against the checkpoint before anything proportional
+  // to them is built: an absurd layer count is refused from the tensors' count, at once.
+  const WeightLayout layout = weight_layout(config);
+  const size_t held = checkpoint.names().size();
+  const size_t needed =
+      saturating_sum({layout.first.size() + layout.last.size(),
+                      saturating_product({config.num_layers, std::ssize(layout.layer)})});
+  INFINIGEN_CHECK(needed <= held, checkpoint.directory(), ": config.json's ", config.num_layers,
+                  " layers need ", needed, " tensors; the checkpoint holds ", held);
+  const std::vector<TensorSpec> specs = layout.all();
   // Some checkpoints store the base model's names without the leading "model.".
   const bool short_names = !specs.empty() && specs.front().name.starts_with("model.") &&
                            !checkpoint.contains(specs.front().name) &&

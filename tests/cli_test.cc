@@ -136,6 +136,19 @@ TEST(Cli, PromptFileGivesOneSequencePerLine) {
   EXPECT_EQ(nlohmann::json::parse(r.out)["batch"], 3);
 }
 
+// inspect takes the built-in models' names as every command does, and says a checkpoint's family
+// and its KV heads (it printed every checkpoint as "OPT" and left the KV heads out).
+TEST(Cli, InspectNamesTheFamilyAndTheKvHeads) {
+  CommandResult r = run_infinigen({"inspect", "builtin-llama"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("family llama:"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("4 heads of 64 (1 KV heads)"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("OPT"), std::string::npos) << r.out;
+  r = run_infinigen({"inspect", "builtin"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("family opt:"), std::string::npos) << r.out;
+}
+
 TEST(Cli, InspectListsTensors) {
   const CommandResult r = run_infinigen({"inspect", kTiny});
   ASSERT_EQ(r.exit_code, 0) << r.err;

@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "core/model_loader.h"
 #include "tests/test_util.h"
 
@@ -79,6 +81,33 @@ TEST(PlanRefusal, LengthsBeyondTheContextAreRefusedAtOnce) {
 
 // The CPU backend keeps device and host parts in one RAM: a model whose weights alone exceed it
 // is refused in those terms, with no suggestion that would be refused in turn.
+// A prompt (or shared prefix) of one 8 MB line is refused from its first tokens, not after
+// tokenizing it whole (seconds and gigabytes, once).
+TEST(PlanRefusal, AHugeLineIsRefusedWithoutTokenizingIt) {
+  TempDir dir("huge-line");
+  const std::string file = (dir.path() / "line.txt").string();
+  std::ofstream(file) << std::string(8u << 20, 'x') << "\n";
+  expect_quick_refusal({"run", "--prompt-file", file, "--gen-len", "2"},
+                       {"--prompt-file", "prompt 1", "more than 2048 tokens"});
+  expect_quick_refusal({"run", "--shared-prefix", file, "--gen-len", "2"},
+                       {"--shared-prefix", "more than 2048 tokens"});
+}
+
+// A config.json whose layer count the checkpoint cannot hold is refused from the tensors' count,
+// before anything per layer is built (10^6 layers took 7.7 s and 2.7 GB, once); inspect too.
+TEST(PlanRefusal, AnAbsurdLayerCountIsRefusedFromTheCheckpoint) {
+  TempDir dir("absurd-layers");
+  const std::filesystem::path model = dir.path() / "model";
+  std::filesystem::copy(INFINIGEN_FIXTURES_DIR "/opt-tiny", model);
+  std::ifstream in(model / "config.json");
+  nlohmann::json config = nlohmann::json::parse(in);
+  config["num_hidden_layers"] = 1000000;
+  std::ofstream(model / "config.json", std::ios::trunc) << config.dump();
+  expect_quick_refusal({"run", "--model", model.string(), "--gen-len", "2"},
+                       {"1000000 layers", "tensors", "the checkpoint holds 36"});
+  expect_quick_refusal({"inspect", model.string()}, {"1000000 layers", "holds 36"});
+}
+
 TEST(PlanRefusal, AModelLargerThanTheHostIsRefusedInThoseTerms) {
   const ModelConfig config = load_preset("opt-66b");
   if (available_host_memory() > config.weight_bytes()) {

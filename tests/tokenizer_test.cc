@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
@@ -148,6 +150,24 @@ TEST(Tokenizer, BundledVocabularyLayout) {
   for (int b = 0; b < 256; ++b) {
     EXPECT_TRUE(tokenizer.token_to_id(byte_token(static_cast<unsigned char>(b)))) << b;
   }
+}
+
+// encode_bounded: a text within reach is encode()'s exactly; one far beyond `limit` stops at a
+// head whose tokens pass the limit and begin as the whole text's do.
+TEST(Tokenizer, EncodeBoundedStopsEarlyOnlyBeyondTheLimit) {
+  const Tokenizer tokenizer = Tokenizer::bundled();
+  std::ifstream corpus(INFINIGEN_SOURCE_DIR "/configs/calibration.txt", std::ios::binary);
+  const std::string text((std::istreambuf_iterator<char>(corpus)), {});
+  const std::vector<int32_t> whole = tokenizer.encode(text);
+  EXPECT_EQ(tokenizer.encode_bounded(text, whole.size()), whole);
+  EXPECT_EQ(tokenizer.encode_bounded("a short prompt", 4), tokenizer.encode("a short prompt"));
+  const size_t limit = 20;
+  ASSERT_GT(text.size(), (limit + 65) * Tokenizer::kBoundedBytesPerToken);
+  const std::vector<int32_t> head = tokenizer.encode_bounded(text, limit);
+  EXPECT_GT(head.size(), limit);
+  EXPECT_LT(head.size(), whole.size());
+  EXPECT_TRUE(std::equal(head.begin(), head.begin() + static_cast<std::ptrdiff_t>(limit),
+                         whole.begin()));
 }
 
 TEST(Tokenizer, RoundTripsValidText) {

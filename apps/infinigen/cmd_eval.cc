@@ -96,7 +96,10 @@ std::vector<SweepPoint> sweep(const EvalCommandOptions& o) {
   return points;
 }
 
-std::vector<EvalText> read_texts(const EvalCommandOptions& o, const ModelSource& model) {
+// The held-out texts, each tokenized no further than the windows can use: with --max-windows,
+// max_windows windows of `window` tokens (a 50 MB line is not tokenized whole for two windows).
+std::vector<EvalText> read_texts(const EvalCommandOptions& o, const ModelSource& model,
+                                 int64_t window) {
   INFINIGEN_CHECK(!o.texts.empty(), "--text is required: a file of held-out text to score");
   INFINIGEN_CHECK(model.tokenizer.has_value(), model.description,
                   " has no tokenizer (vocab.json, merges.txt) to read --text with");
@@ -107,7 +110,14 @@ std::vector<EvalText> read_texts(const EvalCommandOptions& o, const ModelSource&
                     ": no such file or not readable");
     std::ostringstream content;
     content << in.rdbuf();
-    texts.push_back({path, model.tokenizer->encode(content.str())});
+    if (o.max_windows == 0) {
+      texts.push_back({path, model.tokenizer->encode(content.str())});
+      continue;
+    }
+    const size_t usable = static_cast<size_t>(o.max_windows * window);
+    std::vector<int32_t> ids = model.tokenizer->encode_bounded(content.str(), usable);
+    if (ids.size() > usable) ids.resize(usable);
+    texts.push_back({path, std::move(ids)});
   }
   return texts;
 }
@@ -173,7 +183,7 @@ int eval(EvalCommandOptions& o) {
   const int64_t window =
       o.perplexity.prefill + o.perplexity.decode_length(model.config.max_positions);
 
-  const std::vector<EvalText> texts = read_texts(o, model);
+  const std::vector<EvalText> texts = read_texts(o, model, window);
   std::vector<std::vector<int32_t>> windows = eval_windows(texts, window, prompt_bos(model));
   const std::string what = texts.size() == 1
                                ? "--text " + texts[0].name + ": " +

@@ -4,24 +4,29 @@
 
 #include "apps/infinigen/commands.h"
 #include "core/model_config.h"
+#include "core/model_loader.h"
 #include "core/weights.h"
 #include "core/safetensors.h"
 
 namespace infinigen::cli {
 namespace {
 
-int inspect(const std::string& directory) {
-  INFINIGEN_CHECK(std::filesystem::is_directory(directory), directory, ": no such directory");
+int inspect(const std::string& spec) {
+  // A directory, or a built-in model's name, as every other command takes them.
+  const std::string directory = is_builtin_model(spec) ? builtin_model_directory(spec) : spec;
+  INFINIGEN_CHECK(std::filesystem::is_directory(directory), spec, ": no such directory");
   const ModelConfig config = load_hf_config(directory);
   const SafetensorsCheckpoint checkpoint = SafetensorsCheckpoint::open(directory);
   std::printf("checkpoint %s\n", directory.c_str());
   std::printf(
-      "  OPT: %lld layers, hidden %lld, %lld heads of %lld, ffn %lld, vocab %lld, "
+      "  family %s: %lld layers, hidden %lld, %lld heads of %lld (%lld KV heads), ffn %lld, vocab %lld, "
       "%lld positions, %s\n",
+      config.family.c_str(),
       static_cast<long long>(config.num_layers), static_cast<long long>(config.hidden_size),
       static_cast<long long>(config.num_heads), static_cast<long long>(config.head_dim()),
-      static_cast<long long>(config.ffn_dim), static_cast<long long>(config.vocab_size),
-      static_cast<long long>(config.max_positions), std::string(dtype_name(config.dtype)).c_str());
+      static_cast<long long>(config.kv_heads()), static_cast<long long>(config.ffn_dim),
+      static_cast<long long>(config.vocab_size), static_cast<long long>(config.max_positions),
+      std::string(dtype_name(config.dtype)).c_str());
   std::printf("  parameters %.1fM, KV cache %.1f KiB per token (f16)\n\n",
               static_cast<double>(config.num_parameters()) / 1e6,
               static_cast<double>(config.kv_bytes_per_token(DType::F16)) / 1024.0);
@@ -45,7 +50,9 @@ int inspect(const std::string& directory) {
 
 Command add_inspect_command(CLI::App& app) {
   auto directory = std::make_shared<std::string>();
-  app.add_option("directory", *directory, "Checkpoint directory")->required();
+  app.add_option("directory", *directory,
+                 "Checkpoint directory (or \"builtin\", \"builtin-llama\")")
+      ->required();
   return [directory] { return inspect(*directory); };
 }
 

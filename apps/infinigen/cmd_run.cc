@@ -117,10 +117,13 @@ PromptPlan plan_prompts(const RunOptions& o, const ModelSource& loaded,
   INFINIGEN_CHECK(loaded.tokenizer.has_value(), loaded.description,
                   " has no tokenizer (tokenizer.json, or vocab.json and merges.txt): use "
                   "--prompt-len N");
+  const int64_t context = loaded.config.max_positions;
   // Every prompt follows the stated prefix: its tokens, then the prompt's own.
   if (!o.shared_prefix.empty()) {
     INFINIGEN_CHECK(!session, "--shared-prefix cannot be combined with --resume");
-    plan.prefix = loaded.tokenizer->encode(read_shared_prefix(o.shared_prefix));
+    plan.prefix = loaded.tokenizer->encode_bounded(read_shared_prefix(o.shared_prefix), context);
+    INFINIGEN_CHECK(std::ssize(plan.prefix) <= context, "--shared-prefix ", o.shared_prefix,
+                    ": more than ", context, " tokens, the model's whole context");
     plan.prefix_at = prompt_bos(loaded) ? 1 : 0;
   }
   plan.batch = o.batch > 0 ? o.batch : static_cast<int64_t>(texts.size());
@@ -133,11 +136,19 @@ PromptPlan plan_prompts(const RunOptions& o, const ModelSource& loaded,
   // Sequence b uses text b % texts; a batch smaller than the file uses only its first texts.
   texts.resize(static_cast<size_t>(std::min<int64_t>(plan.batch, std::ssize(texts))));
   for (const std::string& text : texts) {
+    const std::string which = !o.prompt.empty() ? std::string("--prompt")
+                              : o.prompt_file.empty()
+                                  ? std::string("a default prompt")
+                                  : cat("--prompt-file ", o.prompt_file, ": prompt ",
+                                        plan.texts.size() + 1);
     std::vector<int32_t> ids;
     const std::optional<int32_t> bos = prompt_bos(loaded);
     if (bos && !session) ids.push_back(*bos);
     ids.insert(ids.end(), plan.prefix.begin(), plan.prefix.end());
-    const std::vector<int32_t> text_ids = loaded.tokenizer->encode(text);
+    // Tokenized no further than the context can use (a 50 MB line is refused from its start).
+    const std::vector<int32_t> text_ids = loaded.tokenizer->encode_bounded(text, context);
+    INFINIGEN_CHECK(std::ssize(text_ids) <= context, which, " holds more than ", context,
+                    " tokens, the model's whole context");
     ids.insert(ids.end(), text_ids.begin(), text_ids.end());
     plan.longest = std::max<int64_t>(plan.longest, std::ssize(ids));
     plan.texts.push_back(std::move(ids));
