@@ -244,7 +244,7 @@ void* device_alloc(Device device, size_t bytes) {
 }
 
 void device_free(Device device, void* pointer) {
-  if (pointer == nullptr || pointer == dry_address()) return;
+  if (pointer == nullptr || is_dry_address(pointer)) return;
   if (device == Device::Cpu) {
     std::free(pointer);
     count(kCpuFrees);

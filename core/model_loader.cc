@@ -1,6 +1,8 @@
 // core: model resolution, the built-in model cache and the memory check before loading.
 #include "core/model_loader.h"
 
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -39,15 +41,30 @@ void check_fits_in_memory(const ModelConfig& config, Device device) {
 
 }  // namespace
 
-size_t available_host_memory() {
-  std::ifstream meminfo("/proc/meminfo");
-  std::string key;
-  size_t kib = 0;
-  std::string unit;
-  while (meminfo >> key >> kib >> unit) {
-    if (key == "MemAvailable:") return kib * 1024;
+namespace {
+
+// The `key:` line of a /proc file in kB, as bytes (0 when absent).
+size_t proc_kib(const char* path, const std::string& key) {
+  std::ifstream file(path);
+  std::string line;
+  while (std::getline(file, line)) {
+    if (line.rfind(key, 0) == 0) return std::strtoull(line.c_str() + key.size(), nullptr, 10) * 1024;
   }
   return 0;
+}
+
+}  // namespace
+
+size_t available_host_memory() {
+  size_t available = proc_kib("/proc/meminfo", "MemAvailable:");
+  // Under an address-space limit (ulimit -v) the process can map no more than the limit leaves.
+  struct rlimit limit {};
+  if (getrlimit(RLIMIT_AS, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY) {
+    const size_t mapped = proc_kib("/proc/self/status", "VmSize:");
+    const size_t left = limit.rlim_cur > mapped ? limit.rlim_cur - mapped : 0;
+    available = available == 0 ? left : std::min(available, left);
+  }
+  return available;
 }
 
 bool is_builtin_model(const std::string& spec) {

@@ -3,6 +3,7 @@
 
 #include <sys/mman.h>
 
+#include <atomic>
 #include <utility>
 
 #include "core/error.h"
@@ -65,15 +66,32 @@ bool traced(const char* name, std::array<int64_t, 5> sizes, DType dtype) {
   return g_active->dry();
 }
 
+namespace {
+std::atomic<void*> g_dry_base{nullptr};
+}  // namespace
+
 void* dry_address() {
-  // 1 TiB of address space, no memory behind it and no access rights.
+  // Address space with no memory behind it and no access rights: 1 TiB, where a dry tensor's
+  // views stay inside it, or as much as an address-space limit (ulimit -v) leaves, down to
+  // 64 MiB. Reserving costs no memory; a planning dry run precedes every run.
   static void* const base = [] {
-    void* p = mmap(nullptr, size_t{1} << 40, PROT_NONE,
-                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    INFINIGEN_CHECK(p != MAP_FAILED, "cannot reserve address space for a dry run");
-    return p;
+    for (size_t bytes = size_t{1} << 40; bytes >= (size_t{1} << 26); bytes /= 4) {
+      void* p =
+          mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      if (p != MAP_FAILED) {
+        g_dry_base.store(p);
+        return p;
+      }
+    }
+    fail("cannot reserve 64 MiB of address space to plan the run: the process's address-space "
+         "limit (ulimit -v) is too low");
   }();
   return base;
+}
+
+bool is_dry_address(const void* pointer) noexcept {
+  const void* base = g_dry_base.load();
+  return base != nullptr && pointer == base;
 }
 
 }  // namespace infinigen

@@ -111,5 +111,7 @@ bool traced(const char* name, std::array<int64_t, 5> sizes, DType dtype = DType:
 // Where a dry allocation of any size points: an address range reserved without access rights,
 // so that a dry run that reads or writes data faults at once instead of computing garbage.
 void* dry_address();
+// Whether `pointer` is dry_address(), without reserving it (for frees, which must not throw).
+bool is_dry_address(const void* pointer) noexcept;
 
 }  // namespace infinigen

@@ -1,6 +1,7 @@
 // tests: runs that meet a limit the plan could not foresee: pinned host memory that cannot be had
-// (INFINIGEN_PINNED_LIMIT, as a driver or another process would refuse it) and writes that fail
-// part way (a file-size limit, which fails writes as a full disk does). Each ends with one line
+// (INFINIGEN_PINNED_LIMIT, as a driver or another process would refuse it), writes that fail
+// part way (a file-size limit, which fails writes as a full disk does), and an address-space
+// limit. Each ends with one line
 // naming what could not be done, and nothing half-written under a final name.
 #include <gtest/gtest.h>
 
@@ -75,6 +76,28 @@ TEST(PinnedLimit, ABadValueIsOneLine) {
 
 // A checkpoint larger than the file-size limit: the write of the weights fails, and neither the
 // output directory nor its staging sibling remains.
+// A run whose plan fits runs under an address-space limit (ulimit -v 8G): the planning dry run
+// once reserved 1 TiB of address space for its placeholder tensors and aborted with an uncaught
+// exception; it now reserves what the limit leaves. (Not under AddressSanitizer, whose shadow
+// memory alone needs terabytes of address space.)
+TEST(AddressSpace, ARunThatFitsRunsUnderUlimitV) {
+#if defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "AddressSanitizer reserves more address space than any such limit";
+#else
+  for (const char* policy : {"infinigen", "full", "gpu"}) {
+    const MeasuredCommand r = run_infinigen_measured(
+        {"run", "--policy", policy, "--gen-len", "4"},
+        ChildOptions().address_space(size_t{8} << 30).timeout(120.0));
+    EXPECT_EQ(r.exit_code, 0) << policy << ": " << r.err;
+  }
+  // One that does not fit in what the limit leaves is refused by the plan, in one line (it ran
+  // into std::bad_alloc).
+  expect_one_line_failure({"run", "--model", "opt-1.3b", "--gen-len", "2"},
+                          ChildOptions().address_space(size_t{1200} << 20).timeout(60.0),
+                          {"does not fit", "the host cannot hold the weights"});
+#endif
+}
+
 TEST(FailedWrites, MakeModelLeavesNoPartialCheckpoint) {
   TempDir dir("write-limit-make-model");
   const fs::path out = dir.path() / "model";

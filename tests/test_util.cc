@@ -93,6 +93,12 @@ int spawn_infinigen(const std::vector<std::string>& args, const std::string& out
         _exit(126);
       }
     }
+    if (options.max_address_space > 0) {
+      const struct rlimit limit = {options.max_address_space, options.max_address_space};
+      if (setrlimit(RLIMIT_AS, &limit) != 0) {
+        _exit(126);
+      }
+    }
     execv(raw[0], raw.data());
     _exit(127);
   }

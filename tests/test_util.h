@@ -104,11 +104,14 @@ struct ChildOptions {
   // RLIMIT_FSIZE in the child (0: none). The binary ignores SIGXFSZ, so a write past the limit
   // fails with EFBIG, as one to a full disk fails with ENOSPC.
   size_t max_file_bytes = 0;
+  // RLIMIT_AS in the child (0: none): its address space (ulimit -v).
+  size_t max_address_space = 0;
   // The child's stdout goes here instead of being captured ("/dev/full": a full device).
   std::string stdout_path;
 
   ChildOptions& timeout(double seconds) { return timeout_s = seconds, *this; }
   ChildOptions& stdout_to(std::string path) { return stdout_path = std::move(path), *this; }
+  ChildOptions& address_space(size_t bytes) { return max_address_space = bytes, *this; }
   ChildOptions& with_env(std::string assignment) { return env.push_back(assignment), *this; }
   ChildOptions& file_limit(size_t bytes) { return max_file_bytes = bytes, *this; }
 };

@@ -7,6 +7,7 @@
 #include <exception>
 #include <iostream>
 #include <map>
+#include <new>
 #include <string>
 
 #include "apps/infinigen/commands.h"
@@ -87,6 +88,11 @@ int run_cli(int argc, char** argv) {
     return 128 + e.signal();  // the shell's convention: 130 for SIGINT, 143 for SIGTERM
   } catch (const Error& e) {
     std::fprintf(stderr, "infinigen: error: %s\n", cli::flag_message(e).c_str());
+    return 1;
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr,
+                 "infinigen: error: out of memory: an allocation the plan did not foresee failed "
+                 "(is an address-space limit, ulimit -v, set?)\n");
     return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "infinigen: error: %s\n", e.what());
