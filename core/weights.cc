@@ -3,6 +3,7 @@
 
 #include <cstring>
 #include <filesystem>
+#include <functional>
 
 #include "core/interrupt.h"
 #include "core/model_family.h"
@@ -14,13 +15,17 @@ std::string WeightLayout::layer_tensor_name(int64_t index, const std::string& na
   return layer_prefix + std::to_string(index) + "." + name;
 }
 
-std::vector<TensorSpec> WeightLayout::all() const {
-  std::vector<TensorSpec> specs = first;
+void WeightLayout::visit(const std::function<void(const TensorSpec&)>& visitor) const {
+  for (const TensorSpec& spec : first) visitor(spec);
   for (int64_t l = 0; l < num_layers; ++l) {
-    for (const TensorSpec& spec : layer)
-      specs.push_back({layer_tensor_name(l, spec.name), spec.shape});
+    for (const TensorSpec& spec : layer) visitor({layer_tensor_name(l, spec.name), spec.shape});
   }
-  specs.insert(specs.end(), last.begin(), last.end());
+  for (const TensorSpec& spec : last) visitor(spec);
+}
+
+std::vector<TensorSpec> WeightLayout::all() const {
+  std::vector<TensorSpec> specs;
+  visit([&](const TensorSpec& spec) { specs.push_back(spec); });
   return specs;
 }
 
@@ -103,26 +108,32 @@ ModelWeights WeightsBuilder::finish() {
 
 std::vector<std::string> check_checkpoint(const SafetensorsCheckpoint& checkpoint,
                                           const ModelConfig& config) {
-  // Sizes read from config.json are checked against the checkpoint before anything proportional
-  // to them is built: an absurd layer count is refused from the tensors' count, at once.
+  // Visited lazily and in checkpoint order, so that a size read from config.json (an absurd layer
+  // count) is refused at the first tensor the checkpoint lacks, before anything proportional to
+  // it is built.
   const WeightLayout layout = weight_layout(config);
+  const std::string first_name = !layout.first.empty() ? layout.first.front().name
+                                 : !layout.layer.empty()
+                                     ? layout.layer_tensor_name(0, layout.layer.front().name)
+                                     : std::string();
+  // Some checkpoints store the base model's names without the leading "model.".
+  const bool short_names = first_name.starts_with("model.") && !checkpoint.contains(first_name) &&
+                           checkpoint.contains(first_name.substr(6));
+  // What a missing tensor's message adds when the config asks for more tensors than there are.
   const size_t held = checkpoint.names().size();
   const size_t needed =
       saturating_sum({layout.first.size() + layout.last.size(),
                       saturating_product({config.num_layers, std::ssize(layout.layer)})});
-  INFINIGEN_CHECK(needed <= held, checkpoint.directory(), ": config.json's ", config.num_layers,
-                  " layers need ", needed, " tensors; the checkpoint holds ", held);
-  const std::vector<TensorSpec> specs = layout.all();
-  // Some checkpoints store the base model's names without the leading "model.".
-  const bool short_names = !specs.empty() && specs.front().name.starts_with("model.") &&
-                           !checkpoint.contains(specs.front().name) &&
-                           checkpoint.contains(specs.front().name.substr(6));
+  const std::string count = needed <= held ? std::string()
+                                           : cat(" (config.json's ", config.num_layers,
+                                                 " layers need ", needed,
+                                                 " tensors; the checkpoint holds ", held, ")");
   std::vector<std::string> stored_names;
-  for (const TensorSpec& spec : specs) {
+  layout.visit([&](const TensorSpec& spec) {
     const std::string stored =
         short_names && spec.name.starts_with("model.") ? spec.name.substr(6) : spec.name;
     INFINIGEN_CHECK(checkpoint.contains(stored), checkpoint.directory(), ": missing tensor '",
-                    stored, "'");
+                    stored, "'", count);
     const SafetensorsEntry& entry = checkpoint.entry(stored);
     const std::string& file = checkpoint.file_of(stored).path();
     INFINIGEN_CHECK(entry.shape == spec.shape, file, ": tensor '", stored, "' has shape ",
@@ -133,7 +144,7 @@ std::vector<std::string> check_checkpoint(const SafetensorsCheckpoint& checkpoin
         ": tensor '", stored, "' has dtype ", dtype_name(entry.dtype),
         ", expected F16, BF16 or F32");
     stored_names.push_back(stored);
-  }
+  });
   return stored_names;
 }
 

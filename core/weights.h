@@ -7,6 +7,7 @@
 // none of them knows a family's tensor names.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -33,6 +34,9 @@ struct WeightLayout {
   int64_t num_layers = 0;
 
   std::string layer_tensor_name(int64_t index, const std::string& name) const;
+  // Calls visitor(spec) for every tensor with its full name, in checkpoint order, building none
+  // ahead (a caller that stops early by throwing has paid for what it visited only).
+  void visit(const std::function<void(const TensorSpec&)>& visitor) const;
   // Every tensor with its full name, in checkpoint order.
   std::vector<TensorSpec> all() const;
 };
