@@ -81,7 +81,7 @@ TEST(PinnedLimit, ABadValueIsOneLine) {
 // exception; it now reserves what the limit leaves. (Not under AddressSanitizer, whose shadow
 // memory alone needs terabytes of address space.)
 TEST(AddressSpace, ARunThatFitsRunsUnderUlimitV) {
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(INFINIGEN_SANITIZED)
   GTEST_SKIP() << "AddressSanitizer reserves more address space than any such limit";
 #else
   for (const char* policy : {"infinigen", "full", "gpu"}) {
