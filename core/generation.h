@@ -30,6 +30,9 @@ struct GenerationRequest {
   // kept once in a store that can share them (KvStore::share_prefixes); empty: none. Every member
   // of a group starts with its leader's prefix and has tokens of its own after it.
   SharedPrefixes shared_prefixes;
+  // Tokens per sequence in each pass of the prompt (Model::prefill's chunk); 0: one pass. The
+  // offloaded runtime sets it from OffloadOptions::prefill_chunk.
+  int64_t prefill_chunk = 0;
 };
 
 struct GenerationResult {

@@ -90,8 +90,14 @@ void KvStore::start_pass(int64_t n_new) {
   pass_tokens_ = n_new;
 }
 
+void KvStore::expect_prompt(int64_t end) {
+  INFINIGEN_CHECK(end > length_ && end <= capacity_, "a prompt ending at row ", end,
+                  " in a KV store holding ", length_, " of ", capacity_);
+  prompt_end_ = end;
+}
+
 void KvStore::end_pass(int64_t n_new) {
-  follows_sharing_pass_ = sharing_pass();
+  prompt_open_ = !pass_closes_step();
   length_ += n_new;
   pass_tokens_ = 0;
   ++passes_;

@@ -5,8 +5,9 @@
 // begin_layer(l), observe(l, ...) with the layer's attention input and queries, append(l, k, v)
 // with the new rows, and (when tokens were stored before the pass) view(l) for what attention
 // reads; then end_pass(n). The first pass is the prefill (nothing stored); later ones are decode
-// steps (n = 1) or, in a resumed conversation, an extension by a new turn's tokens (n >= 1,
-// attention over everything stored plus the pass's own rows, causal). KvCache
+// steps (n = 1) or extensions (n >= 1, attention over everything stored plus the pass's own
+// rows, causal): a prompt's chunks after its first, the own tokens after a shared prefix, or a
+// resumed conversation's new turn. A prompt's passes are one prompt (expect_prompt). KvCache
 // keeps every layer resident on the model's device; offload/ implements stores that pool KV in host
 // memory and stage what each layer needs on the device.
 #pragma once
@@ -84,10 +85,21 @@ class KvStore {
   const std::vector<int32_t>& pass_first_valid() const {
     return sharing_pass() ? shared_.leader_first_valid() : first_valid_;
   }
-  // Whether the open pass starts, and whether it ends, one step of a run's statistics: the
-  // prompt is one step even when a shared prefix takes it two passes.
-  bool pass_opens_step() const { return !follows_sharing_pass_; }
-  bool pass_closes_step() const { return !sharing_pass(); }
+  // Before a prompt's first pass (Model::prefill and Model::extend call it): the passes until
+  // length() reaches `end` rows are one prompt, however many they are (a shared prefix's pass,
+  // then the chunks of a prompt computed in several passes). Without it, the first pass and
+  // the sharing pass before it are the prompt.
+  void expect_prompt(int64_t end);
+  // Whether the open pass computes part of a prompt (else it is a decode step), and whether it
+  // is the prompt's last pass.
+  bool prompt_pass() const { return length_ == 0 || length_ < prompt_end_; }
+  bool last_prompt_pass() const { return prompt_pass() && pass_closes_step(); }
+  // Whether the open pass starts, and whether it ends, one step of a run's statistics: a
+  // prompt is one step however many passes it takes.
+  bool pass_opens_step() const { return !prompt_open_; }
+  bool pass_closes_step() const {
+    return !sharing_pass() && length_ + pass_tokens_ >= prompt_end_;
+  }
 
   // Writes the open pass's new rows (pass_batch() * n_new, H_kv * d) into `cache` (B, H_kv,
   // capacity, d) at rows [length(), length() + n_new) of the pass's sequences: every sequence's,
@@ -167,9 +179,9 @@ class KvStore {
  protected:
   virtual void start_pass(int64_t n_new);
   virtual void start_layer(int64_t layer) { (void)layer; }
-  // Whether this pass extends stored tokens by more than one (a resumed conversation's turn), or
-  // is the prompt's own tokens after a shared prefix (however many).
-  bool extending() const { return length_ > 0 && (pass_tokens_ > 1 || follows_sharing_pass_); }
+  // Whether this pass extends stored tokens by the rows of a prompt (a chunk after the first,
+  // the own tokens after a shared prefix, a resumed conversation's turn), or by more than one.
+  bool extending() const { return length_ > 0 && (prompt_pass() || pass_tokens_ > 1); }
   // Whether sequence b's row t holds one of its tokens (not padding).
   bool holds_token(int64_t b, int64_t t) const {
     return t >= first_valid_[static_cast<size_t>(b)] || (t >= 0 && shared_.in_prefix(b, t));
@@ -186,7 +198,8 @@ class KvStore {
   int64_t length_ = 0;
   int64_t pass_tokens_ = 0;
   SharedPrefixes shared_;
-  bool follows_sharing_pass_ = false;  // the open (or next) pass comes right after it
+  int64_t prompt_end_ = 0;    // expect_prompt's end; passes before it are the prompt's
+  bool prompt_open_ = false;  // a prompt's passes have begun and its last has not ended
   int64_t passes_ = 0;                 // passes ended so far
   std::vector<int32_t> first_valid_;
 };

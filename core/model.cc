@@ -3,6 +3,7 @@
 #include "core/model.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include "core/model_family.h"
 #include "core/ops.h"
@@ -85,7 +86,7 @@ const TensorTable& Model::layer(int64_t l) {
 }
 
 Tensor Model::prefill(const std::vector<int32_t>& tokens, const std::vector<int32_t>& first_valid,
-                      KvStore& cache, bool all_positions) {
+                      KvStore& cache, bool all_positions, int64_t chunk) {
   const int64_t B = cache.batch();
   INFINIGEN_CHECK(cache.length() == 0, "prefill needs an empty KV cache");
   INFINIGEN_CHECK(B > 0 && static_cast<int64_t>(tokens.size()) % B == 0 &&
@@ -96,7 +97,8 @@ Tensor Model::prefill(const std::vector<int32_t>& tokens, const std::vector<int3
     INFINIGEN_CHECK(start >= 0 && start < n, "prefill: every sequence needs at least one token");
   }
   cache.set_first_valid(first_valid);
-  return run_pass(tokens, cache, all_positions).clone();
+  cache.expect_prompt(n);
+  return run_prompt(tokens, cache, all_positions, chunk);
 }
 
 void Model::prefill_shared(const std::vector<int32_t>& prefixes, KvStore& cache) {
@@ -109,21 +111,53 @@ void Model::prefill_shared(const std::vector<int32_t>& prefixes, KvStore& cache)
   trace_layer(-1);
 }
 
-Tensor Model::extend(const std::vector<int32_t>& tokens, KvStore& cache) {
+Tensor Model::extend(const std::vector<int32_t>& tokens, KvStore& cache, int64_t chunk) {
   const int64_t B = cache.batch();
   INFINIGEN_CHECK(cache.length() > 0, "extend needs a KV cache that holds tokens");
   INFINIGEN_CHECK(!tokens.empty() && static_cast<int64_t>(tokens.size()) % B == 0,
                   "extend: ", tokens.size(), " tokens do not form a batch of ", B);
-  return run_pass(tokens, cache, false).clone();
+  cache.expect_prompt(cache.length() + std::ssize(tokens) / B);
+  return run_prompt(tokens, cache, false, chunk);
 }
 
-Tensor Model::run_pass(const std::vector<int32_t>& tokens, KvStore& cache, bool all_positions) {
+Tensor Model::run_prompt(const std::vector<int32_t>& tokens, KvStore& cache, bool all_positions,
+                         int64_t chunk) {
+  INFINIGEN_CHECK(chunk >= 0, "a prompt's chunk of ", chunk, " tokens");
+  const int64_t B = cache.batch(), n = std::ssize(tokens) / B;
+  const Logits wanted = all_positions ? Logits::All : Logits::Last;
+  if (chunk == 0 || chunk >= n) return run_pass(tokens, cache, wanted).clone();
+  // Every row's logits are gathered chunk by chunk; only the last chunk's last rows otherwise.
+  Tensor all = all_positions ? Tensor::empty({B, n, config_.vocab_size}, DType::F32) : Tensor();
+  const size_t row_bytes = static_cast<size_t>(config_.vocab_size) * sizeof(float);
+  std::vector<int32_t> part;
+  for (int64_t t0 = 0; t0 < n; t0 += chunk) {
+    const int64_t t1 = std::min(n, t0 + chunk), c = t1 - t0;
+    part.resize(static_cast<size_t>(B * c));
+    for (int64_t b = 0; b < B; ++b) {
+      std::copy_n(tokens.begin() + b * n + t0, c, part.begin() + b * c);
+    }
+    const Tensor logits = run_pass(part, cache, all_positions ? Logits::All
+                                                : t1 == n      ? Logits::Last
+                                                               : Logits::None);
+    if (t1 == n && !all_positions) return logits.clone();
+    if (!all_positions) continue;
+    for (int64_t b = 0; b < B; ++b) {  // (B, c, V) into rows [t0, t1) of (B, n, V)
+      std::memcpy(all.data<float>() + (b * n + t0) * config_.vocab_size,
+                  logits.data<float>() + b * c * config_.vocab_size,
+                  static_cast<size_t>(c) * row_bytes);
+    }
+  }
+  return all;
+}
+
+Tensor Model::run_pass(const std::vector<int32_t>& tokens, KvStore& cache, Logits logits) {
   const int64_t B = cache.batch();
   const int64_t n = static_cast<int64_t>(tokens.size()) / B;
   trace_layer(-1);
   const Tensor hidden = forward(tokens, n, cache);  // (B*n, D)
   trace_layer(-1);
-  if (all_positions) {
+  if (logits == Logits::None) return {};
+  if (logits == Logits::All) {
     // Every row through the LM head: its buffers grow to B * n rows (tests and evaluation ask
     // for this; generation never does).
     activations_.reserve(B * n, 1);

@@ -50,8 +50,13 @@ class Model {
   // (positions count from there). Fills `cache`, which must be empty. Returns fp32 logits on
   // the CPU, a tensor of their own: (B, V) of each sequence's last token, or (B, n, V) for every
   // position when `all_positions`.
+  // `chunk` > 0 computes the prompt in passes of at most `chunk` tokens per sequence, the first
+  // a prefill and the others extensions (attention of each over everything stored before it,
+  // causal within it), so that a pass's activations are bounded by the chunk, not the prompt;
+  // the cache counts them as one prompt (KvStore::expect_prompt). A sequence may be all padding
+  // in the first passes. 0: one pass.
   Tensor prefill(const std::vector<int32_t>& tokens, const std::vector<int32_t>& first_valid,
-                 KvStore& cache, bool all_positions = false);
+                 KvStore& cache, bool all_positions = false, int64_t chunk = 0);
   // Appends one token per sequence, tokens (B); returns fp32 logits (B, V) on the CPU: the
   // model's logits buffer, which the next pass overwrites (clone() keeps them), so that a decode
   // step allocates nothing.
@@ -65,8 +70,8 @@ class Model {
   // or the sequences' own tokens after a shared prefix),
   // tokens (B, n) row-major, padding rows where a row is before the sequence's first_valid;
   // attention is over everything stored plus the new rows, causal. Returns fp32 logits (B, V)
-  // of each sequence's last token, a tensor of their own.
-  Tensor extend(const std::vector<int32_t>& tokens, KvStore& cache);
+  // of each sequence's last token, a tensor of their own. `chunk` as prefill's.
+  Tensor extend(const std::vector<int32_t>& tokens, KvStore& cache, int64_t chunk = 0);
 
  protected:
   // `weights` holds the globals; its layers come from `layers` (resident in `weights` when null).
@@ -104,9 +109,16 @@ class Model {
   Activations activations_;
 
  private:
+  // Which logits a pass returns: none (a prompt's chunk before its last), each sequence's last
+  // row's, or every row's.
+  enum class Logits { None, Last, All };
   // Runs a pass of the n = tokens / B new tokens per sequence and returns fp32 logits: (B, V)
-  // of each sequence's last row, or (B, n, V) when `all_positions`, in the logits buffer.
-  Tensor run_pass(const std::vector<int32_t>& tokens, KvStore& cache, bool all_positions);
+  // for Logits::Last, (B, n, V) for Logits::All, in the logits buffer; undefined for None.
+  Tensor run_pass(const std::vector<int32_t>& tokens, KvStore& cache, Logits logits);
+  // The prompt's tokens (B, n) in passes of at most `chunk` rows (0: one pass), on a cache that
+  // expects them (KvStore::expect_prompt); logits as prefill returns them.
+  Tensor run_prompt(const std::vector<int32_t>& tokens, KvStore& cache, bool all_positions,
+                    int64_t chunk);
 
   ModelWeights weights_;
   std::unique_ptr<LayerWeightSource> layers_;

@@ -10,7 +10,7 @@ const KvPolicy& full_kv_policy() {
   static const KvPolicy policy{
       "full",
       "all KV in host memory, each layer's whole KV loaded every step: FlexGen",
-      {"kv_block_tokens", "share_prefix"},
+      {"kv_block_tokens", "share_prefix", "prefill_chunk"},
       /*exact=*/true,
       /*selects_loads=*/false,
       [](Device) { return true; },  // copies and the model's ops only

@@ -11,7 +11,7 @@ const KvPolicy& gpu_kv_policy() {
   static const KvPolicy policy{
       "gpu",
       "every layer's KV resident on the device, when it fits",
-      {"share_prefix"},
+      {"share_prefix", "prefill_chunk"},
       /*exact=*/true,
       /*selects_loads=*/false,
       [](Device) { return true; },

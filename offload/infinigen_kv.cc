@@ -20,7 +20,7 @@ const KvPolicy& infinigen_kv_policy() {
       "all KV in host memory, each layer loads the tokens speculated at the layer before",
       {"alpha", "partial_ratio", "partial_index_rule", "partial_key_dtype", "fetch_rule",
        "max_num_kv", "dense_layers", "kv_pool_limit", "eviction", "check_recall", "kv_block_tokens",
-       "share_prefix"},
+       "share_prefix", "prefill_chunk"},
       /*exact=*/false,
       /*selects_loads=*/true,
       // Speculation runs on the host, or on the device (speculate/device_partial.h).
@@ -130,30 +130,80 @@ void InfinigenKv::observe(int64_t, const AttentionInput& input) {
 }
 
 void InfinigenKv::append(int64_t layer, const Tensor& keys, const Tensor& values) {
-  if (length() == 0) {
-    prefill_layer(layer, keys, values);
+  // A resumed conversation's turn keeps the speculation state it restored: its prompt extends it
+  // as decode steps do.
+  if (prompt_pass() && !resumed_) {
+    prompt_layer(layer, keys, values);
   } else {
     decode_layer(layer, keys, values);
   }
 }
 
-void InfinigenKv::prefill_layer(int64_t layer, const Tensor& keys, const Tensor& values) {
-  prompt_tokens_ = pass_tokens();
-  if (capped_) {
-    store_prompt_in_capped_pool(layer, keys, values);
-  } else {
-    paged_.append(layer, keys, values);
-  }
-  if (dense(layer)) return;
-  // The partial key cache and query weights of a speculated layer, from the prompt. Shared
-  // prefixes are a batch of their groups' leaders, their partial keys kept once for every member.
+void InfinigenKv::prompt_layer(int64_t layer, const Tensor& keys, const Tensor& values) {
+  prompt_tokens_ = length() + pass_tokens();
   const AttentionInput& in = *input_;
   PartialLayer& partial = partial_[static_cast<size_t>(layer)];
-  partial.build({in.queries, keys, in.q_weight, in.q_bias, in.rope_inv_freq, in.skew},
-                pass_first_valid(), heads_, kv_heads_, slots_,
-                partial_columns(options_.partial_ratio, head_dim_), options_.index_rule,
-                capped_ ? &capped_->position_tokens(layer) : nullptr, options_.partial_key_dtype);
-  if (sharing_pass()) partial.share_prefixes(shared(), /*from_leaders=*/true);
+  const PartialSource source{in.queries,     keys,          in.q_weight,
+                             in.q_bias,      in.rope_inv_freq, in.skew};
+  if (capped_) {
+    // One pass (OffloadOptions::validate refuses chunks with a pool limit): the pool keeps the
+    // prompt tokens it chooses, and the partial key cache their positions.
+    store_prompt_in_capped_pool(layer, keys, values);
+    if (dense(layer)) return;
+    partial.build(source, pass_first_valid(), heads_, kv_heads_, slots_,
+                  partial_columns(options_.partial_ratio, head_dim_), options_.index_rule,
+                  &capped_->position_tokens(layer), options_.partial_key_dtype);
+    return;
+  }
+  // The pool's rows of the layer's earlier passes land with its latest store so far.
+  const EventPtr earlier_rows = paged_.pipeline().stored(layer);
+  paged_.append(layer, keys, values);
+  if (dense(layer)) return;
+  // A speculated layer's column rule adds up over the prompt's passes (a shared prefix's pass of
+  // the groups' leaders, then the chunks of the sequences' own tokens); after the last, its
+  // columns, partial query weights and partial keys.
+  if (length() == 0) {
+    partial.begin_prompt(source, batch(), heads_, kv_heads_,
+                         partial_columns(options_.partial_ratio, head_dim_), options_.index_rule,
+                         options_.partial_key_dtype);
+  }
+  pass_sequences_.resize(static_cast<size_t>(pass_batch()));
+  for (int64_t i = 0; i < pass_batch(); ++i) pass_sequences_[static_cast<size_t>(i)] = pass_sequence(i);
+  partial.accumulate(in.queries, keys, pass_sequences_, pass_first_valid(), length());
+  if (sharing_pass()) partial.continue_from_prefixes(shared());
+  if (!last_prompt_pass()) return;
+  partial.choose_columns(in.q_weight, in.q_bias, slots_);
+  if (!shared().empty()) partial.share_prefixes(shared(), /*from_leaders=*/false);
+  if (dry_run()) return;
+  earlier_rows->wait();
+  write_prompt_partial_keys(layer, keys);
+}
+
+void InfinigenKv::write_prompt_partial_keys(int64_t layer, const Tensor& keys) {
+  PartialLayer& partial = partial_[static_cast<size_t>(layer)];
+  // The tokens of the prompt's earlier passes are read back from the pool, where they have
+  // landed; the pass's own from its fresh keys.
+  const Tensor host = keys.device() == Device::Cpu ? keys : keys.to(Device::Cpu);
+  const float* fresh = host.data<float>();
+  const int64_t n = pass_tokens(), past = length(), d = head_dim_, KV = kv_heads_ * d;
+  const DType kv_dtype = paged_.pool().shape().dtype;
+  const SharedPrefixes& prefixes = shared();
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t b = 0; b < batch(); ++b) {
+    for (int64_t g = 0; g < kv_heads_; ++g) {
+      std::vector<float> row(static_cast<size_t>(d));
+      for (int64_t t = 0; t < past; ++t) {
+        // A prefix's rows once, through its group's leader.
+        if (!holds_token(b, t) || (prefixes.in_prefix(b, t) && prefixes.source(b) != b)) continue;
+        convert_to_f32(paged_.token_row(layer, 0, b, g, t), kv_dtype, row.data(), row.size());
+        partial.write_partial_key(b, g, t, row.data());
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        if (!holds_token(b, past + j)) continue;
+        partial.write_partial_key(b, g, past + j, fresh + (b * n + j) * KV + g * d);
+      }
+    }
+  }
 }
 
 void InfinigenKv::decode_layer(int64_t layer, const Tensor& keys, const Tensor& values) {
@@ -229,7 +279,7 @@ KvStore::View InfinigenKv::view(int64_t layer) {
 }
 
 void InfinigenKv::end_pass(int64_t n_new) {
-  if (device_ && pass_closes_step() && (length() == 0 || extending())) {
+  if (device_ && last_prompt_pass()) {
     // The prompt's passes are done (the columns were chosen from all of it): each speculated
     // layer's partial state moves to the device for good, before the first decode step.
     for (int64_t layer = options_.dense_layers; layer < num_layers_; ++layer) {
@@ -385,6 +435,7 @@ void InfinigenKv::resume(int64_t length, std::vector<int32_t> first_valid, int64
                   " yet");
   KvStore::resume(length, std::move(first_valid), num_layers, std::move(restore));
   paged_.resume(length);
+  resumed_ = true;
 }
 
 std::vector<KvStore::TokenStream> InfinigenKv::token_streams(int64_t layer) const {

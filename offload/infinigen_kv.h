@@ -81,7 +81,13 @@ class InfinigenKv : public KvStore {
   bool compact(int64_t layer) const { return !extending() && (capped_ || !dense(layer)); }
   int64_t used_positions() const { return capped_ ? capped_->used(length()) : length(); }
 
-  void prefill_layer(int64_t layer, const Tensor& keys, const Tensor& values);
+  // A pass of the prompt (of a run that did not resume a conversation): its rows into the pool,
+  // and the column rule of each speculated layer; after the prompt's last pass, the layer's
+  // partial state.
+  void prompt_layer(int64_t layer, const Tensor& keys, const Tensor& values);
+  // Every stored token's partial key of layer `layer`, once its columns are chosen: the prompt's
+  // earlier passes' from the pool, this pass's from its keys (B * n, H_kv * d).
+  void write_prompt_partial_keys(int64_t layer, const Tensor& keys);
   // One decode step of a layer whose view is compact, top to bottom (see the file comment).
   void decode_layer(int64_t layer, const Tensor& keys, const Tensor& values);
   // Starts loading every entry of layer `layer`.
@@ -104,8 +110,10 @@ class InfinigenKv : public KvStore {
   bool check_recall_;
   const FetchReplay* replay_;  // what a dry run fetches (core/trace.h); null otherwise
   int64_t num_layers_;
-  int64_t prompt_tokens_ = 0;  // tokens per sequence of the prefill: decode step = length -
+  int64_t prompt_tokens_ = 0;  // tokens per sequence of the prompt: decode step = length -
                                // prompt_tokens + 1
+  bool resumed_ = false;       // a conversation's speculation state was restored
+  std::vector<int64_t> pass_sequences_;  // the open prompt pass's sequences (pass_sequence)
   int64_t head_dim_;
   int64_t heads_;     // H: query heads
   int64_t kv_heads_;  // H_kv: heads of the pool, the selection and the eviction rows

@@ -15,7 +15,7 @@ const KvPolicy& int4_kv_policy() {
   static const KvPolicy policy{
       "int4",
       "all KV in host memory in 4 bits (groups of 64), loaded every step: FlexGen's compression",
-      {},
+      {"prefill_chunk"},
       /*exact=*/false,
       /*selects_loads=*/false,
       [](Device) { return true; },  // the codec's ops have CPU and CUDA kernels
@@ -25,12 +25,16 @@ const KvPolicy& int4_kv_policy() {
         const ModelConfig& c = r.config;
         const int64_t tokens = request_positions(r);
         const auto row = static_cast<int64_t>(ops::int4_row_bytes(c.head_dim()));
+        // The store buffers carry a decode step's token, or a prompt's chunk after the first.
+        const int64_t store_rows = int4_store_rows(r.options.prefill_chunk, tokens);
         return {saturating_sum({kv_staging_bytes(r, tokens),
-                                saturating_product({2, 2, r.batch, c.kv_heads(), tokens, row})}),
+                                saturating_product({2, 2, r.batch, c.kv_heads(), tokens, row}),
+                                saturating_product({2, 2, r.batch, c.kv_heads(), store_rows, row})}),
                 saturating_product({2, c.num_layers, r.batch, c.kv_heads(), tokens, row})};
       },
       [](const KvStoreArgs& a) -> std::unique_ptr<KvStore> {
-        return std::make_unique<Int4Kv>(a.config, a.batch, a.capacity, a.device, a.engine, a.stats);
+        return std::make_unique<Int4Kv>(a.config, a.batch, a.capacity, a.device, a.engine, a.stats,
+                                        a.options.prefill_chunk);
       }};
   return policy;
 }
@@ -47,9 +51,14 @@ void poison(uint8_t* meta, size_t bytes, Device device) {
 
 }  // namespace
 
+int64_t int4_store_rows(int64_t prefill_chunk, int64_t capacity) {
+  return std::max<int64_t>(1, std::min(prefill_chunk, capacity));
+}
+
 Int4Kv::Int4Kv(const ModelConfig& config, int64_t batch, int64_t capacity, Device device,
-               TransferEngine& engine, OffloadStats& stats)
+               TransferEngine& engine, OffloadStats& stats, int64_t prefill_chunk)
     : KvStore(batch, capacity),
+      store_rows_(int4_store_rows(prefill_chunk, capacity)),
       num_heads_(config.kv_heads()),
       head_dim_(config.head_dim()),
       code_bytes_(ops::int4_code_bytes(config.head_dim())),
@@ -59,7 +68,7 @@ Int4Kv::Int4Kv(const ModelConfig& config, int64_t batch, int64_t capacity, Devic
                 DType::F16, device) {
   const size_t layer_rows = static_cast<size_t>(2 * batch * num_heads_ * capacity);
   host_ = pinned_buffer(static_cast<size_t>(config.num_layers) * layer_rows);
-  const size_t store_rows = static_cast<size_t>(2 * batch * num_heads_);
+  const size_t store_rows = static_cast<size_t>(2 * batch * num_heads_ * store_rows_);
   for (size_t p = 0; p < 2; ++p) {
     loaded_packed_[p] = device_buffer(layer_rows);
     store_packed_[p] = device_buffer(store_rows);
@@ -186,13 +195,15 @@ void Int4Kv::append(int64_t layer, const Tensor& keys, const Tensor& values) {
     issue_store(layer, loaded_packed_[p].get(), capacity(), n);
     return;
   }
-  INFINIGEN_CHECK(n == 1, "int4 KV decodes one token per pass (got ", n, ")");
-  // Decode: the new token goes to the pool from this parity's store buffer.
-  const Packed token = store_packed_[p].get();
-  ops::int4_quantize(keys, values, device_rows(token, 1));
-  issue_store(layer, token, 1, 1);
-  // This step's attention reads the token as later steps will: dequantised from its codes.
-  dequantize_into_staging(layer, token, 1, 0, 1, length());
+  INFINIGEN_CHECK(n <= store_rows_, "int4 KV: a pass of ", n, " tokens after the prompt's first (",
+                  store_rows_, " expected: ", option("prefill_chunk"), ")");
+  // Decode (or a prompt's chunk after its first): the new rows go to the pool from this parity's
+  // store buffer.
+  const Packed fresh = store_packed_[p].get();
+  ops::int4_quantize(keys, values, device_rows(fresh, store_rows_));
+  issue_store(layer, fresh, store_rows_, n);
+  // This pass's attention reads its rows as later passes will: dequantised from their codes.
+  dequantize_into_staging(layer, fresh, store_rows_, 0, n, length());
 }
 
 KvStore::View Int4Kv::view(int64_t layer) {

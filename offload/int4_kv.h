@@ -8,8 +8,8 @@
 // (layer, K/V, sequence, head) run of tokens is contiguous in both.
 // Device buffers, by layer parity: the loaded codes and meta ([2][B][H][capacity] rows, the
 // pool's layout for one layer), which dequantise into the pipeline's fp16 staging K and V
-// (B, H, capacity, d); a store buffer ([2][B][H][1] rows) carries each decode step's new token
-// to the pool.
+// (B, H, capacity, d); a store buffer ([2][B][H][rows] rows: 1, or the prompt's chunk) carries
+// each decode step's new token, or a prompt chunk's rows, to the pool.
 //
 // Bytes: a decode step with n tokens per sequence in the pool loads
 // 2 * L * B * n * H * (d / 2 + 4 * G) (packed nibbles plus two fp16 per group; G = d / 64, or 1
@@ -17,7 +17,11 @@
 //
 // The new token's K and V are quantised, and attention reads their dequantised values (not the
 // fresh fp32 ones), so a step's attention sees exactly what later steps will load. The prefill's
-// attention reads the fresh rows (the model does that); the store only keeps their codes.
+// attention reads the fresh rows (the model does that); the store only keeps their codes. A
+// prompt computed in chunks (OffloadOptions::prefill_chunk) is a prefill of its first chunk,
+// then passes that read every row before them, and their own, dequantised, as decode steps do:
+// its logits differ from one pass's by the quantisation error of what the early chunks left
+// (with chunks of 1, the prompt is decoded token by token, and the logits are a decode's).
 //
 // Where the steps run: quantising (the prefill's rows into this parity's load buffers, a decode
 // step's token into its store buffer) and dequantising (the loaded rows in view, the new token in
@@ -47,10 +51,16 @@ namespace infinigen {
 struct KvPolicy;
 const KvPolicy& int4_kv_policy();  // its entry (offload/kv_policy.h)
 
+// Rows per (K/V, sequence, head) of the store buffers: a decode step's one, or a prompt's chunk
+// (OffloadOptions::prefill_chunk, at most `capacity`).
+int64_t int4_store_rows(int64_t prefill_chunk, int64_t capacity);
+
 class Int4Kv : public KvStore {
  public:
+  // `prefill_chunk`: the prompt's passes after the first carry up to this many tokens per
+  // sequence (0: the prompt is one pass).
   Int4Kv(const ModelConfig& config, int64_t batch, int64_t capacity, Device device,
-         TransferEngine& engine, OffloadStats& stats);
+         TransferEngine& engine, OffloadStats& stats, int64_t prefill_chunk = 0);
 
   void append(int64_t layer, const Tensor& keys, const Tensor& values) override;
   View view(int64_t layer) override;
@@ -103,6 +113,7 @@ class Int4Kv : public KvStore {
   void dequantize_into_staging(int64_t layer, Packed src, int64_t src_rows, int64_t t0, int64_t t1,
                                int64_t row0);
 
+  int64_t store_rows_;  // rows per (K/V, sequence, head) of store_packed_
   int64_t num_heads_;
   int64_t head_dim_;
   size_t code_bytes_;  // d / 2
@@ -110,7 +121,7 @@ class Int4Kv : public KvStore {
   Device device_;
   PackedBuffer host_;                          // [L][2][B][H][capacity] rows, pinned
   std::array<PackedBuffer, 2> loaded_packed_;  // [2][B][H][capacity] rows by parity
-  std::array<PackedBuffer, 2> store_packed_;   // [2][B][H][1] rows by parity
+  std::array<PackedBuffer, 2> store_packed_;   // [2][B][H][store_rows_] rows by parity
   // Staging K and V (B, H, capacity, d) fp16 by parity. Last: its destructor waits for the
   // transfers that read and write the buffers above.
   LayerPipeline pipeline_;

@@ -47,6 +47,7 @@ void LayerPipeline::end_pass(const KvStore& store) {
 
 void LayerPipeline::poison(int64_t layer) {
   if (!debug_poison()) return;
+  await_store_reads(layer);  // a store may still read rows of the staging (an extension's)
   fill_nan(keys(layer));
   fill_nan(values(layer));
 }

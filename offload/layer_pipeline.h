@@ -12,8 +12,8 @@
 //   compute that writes a device buffer of parity p first waits for the latest store that read
 //   one (await_store_reads);
 // - the step statistics: a step opens with the pass that starts it and closes with the pass that
-//   ends it (the prompt is one step even when a shared prefix takes it two passes), bytes are
-//   counted per transfer, and the prefill ends with the store stream drained, because its stores
+//   ends it (the prompt is one step however many passes it takes: a shared prefix's, chunks),
+//   bytes are counted per transfer, and the prefill ends with the store stream drained, because its stores
 //   read staging buffers the first decode loads overwrite.
 // Every transfer follows the compute enqueued before it (offload/transfer_engine.h), so a load
 // never overwrites staging that attention still reads.
@@ -36,7 +36,7 @@
 namespace infinigen {
 
 // Opens and closes the steps of a run's statistics as a store's passes go: the prompt is one step
-// even when a shared prefix takes it two passes.
+// however many passes it takes (a shared prefix's, chunks).
 class StepClock {
  public:
   StepClock(int64_t num_layers, TransferEngine& engine, OffloadStats& stats)

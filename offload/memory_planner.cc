@@ -2,6 +2,7 @@
 #include "offload/memory_planner.h"
 
 #include <algorithm>
+#include <bit>
 #include <cstdio>
 #include <limits>
 #include <map>
@@ -100,6 +101,9 @@ namespace {
 
 // Shares of the full KV that a capped InfiniGen pool is offered at (--kv-pool-limit).
 constexpr double kPoolLimits[] = {0.5, 0.25, 0.1};
+// The smallest prompt chunk offered (--prefill-chunk): below it a pass's GEMMs are too thin to
+// keep a GPU busy, and each chunk reloads the KV before it.
+constexpr int64_t kSmallestChunk = 256;
 
 // A configuration that fits, the flags that make it, and the pool limit those flags name.
 struct Candidate {
@@ -121,6 +125,9 @@ std::string flags_for(const MemoryRequest& from, const Candidate& to) {
   if (now.kv_block_tokens != was.kv_block_tokens) {
     add(cat(option("kv_block_tokens"), " ", now.kv_block_tokens));
   }
+  if (now.prefill_chunk != was.prefill_chunk) {
+    add(cat(option("prefill_chunk"), " ", now.prefill_chunk));
+  }
   if (to.pool_limit > 0) add(cat(option("kv_pool_limit"), " ", to.pool_limit));
   if (r.batch != from.batch) add(cat(option("batch"), " ", r.batch));
   if (r.gen_len != from.gen_len) add(cat(option("gen_len"), " ", r.gen_len));
@@ -129,11 +136,14 @@ std::string flags_for(const MemoryRequest& from, const Candidate& to) {
 
 // A configuration close to `request` that fits; none when nothing does. Every candidate is
 // planned here, so what is suggested is what the planner accepts. Preference, from the change
-// that alters the experiment least: pool blocks no longer than the default; a smaller batch; a
-// capped host pool for a policy that reads one; per policy (the asked one first unless it is
-// exact, then the exact ones in registration order, offloading before resident as it needs the
-// least device memory) the largest share of weights on the device (steps of 5) with the batch
-// kept, then with the largest batch that fits at that share; last, fewer generated tokens.
+// that alters the experiment least: pool blocks no longer than the default; the prompt in the
+// largest chunk that fits (powers of two down to kSmallestChunk) for a policy that computes it in
+// chunks; then, each on the request as asked and else with the smallest chunk: a smaller batch;
+// a capped host pool for a policy that reads one (as asked only: no chunk with it); per policy
+// (the asked one first unless it is exact, then the exact ones in registration order, offloading
+// before resident as it needs the least device memory) the largest share of weights on the device
+// (steps of 5) with the batch kept, then with the largest batch that fits at that share; last,
+// fewer generated tokens.
 std::optional<Candidate> suggest_fitting(const MemoryRequest& asked) {
   // Candidates are planned against the capacities less the margin, and flags are relative to
   // what was asked.
@@ -155,13 +165,40 @@ std::optional<Candidate> suggest_fitting(const MemoryRequest& asked) {
     shorter_blocks.request.options.kv_block_tokens = default_block;
     if (fits(shorter_blocks.request)) return shorter_blocks;
   }
-  if (const int64_t batch = largest_fitting(request, &MemoryRequest::batch, request.batch - 1);
-      batch > 0) {
-    Candidate smaller{request};
-    smaller.request.batch = batch;
-    return smaller;
+  const bool chunkable = policy_reads_option(request.options.policy, "prefill_chunk") &&
+                         request.kv_pool_tokens == 0;
+  if (chunkable) {
+    const int64_t rows = request.options.prefill_chunk > 0
+                             ? std::min(request.options.prefill_chunk, request.prompt_len)
+                             : request.prompt_len;
+    for (int64_t chunk = static_cast<int64_t>(std::bit_floor(static_cast<uint64_t>(rows - 1)));
+         rows > kSmallestChunk && chunk >= kSmallestChunk; chunk /= 2) {
+      Candidate chunked{request};
+      chunked.request.options.prefill_chunk = chunk;
+      if (fits(chunked.request)) return chunked;
+    }
   }
-  if (request.kv_pool_tokens == 0 && policy_reads_option(request.options.policy, "kv_pool_limit")) {
+  // The changes below are tried on the request as asked, then (when no chunk alone fits) with
+  // its prompt in the smallest chunk offered, so that a suggestion names a chunk only when it
+  // needs one.
+  std::vector<MemoryRequest> bases = {request};
+  if (chunkable && request.prompt_len > kSmallestChunk &&
+      (request.options.prefill_chunk == 0 || request.options.prefill_chunk > kSmallestChunk)) {
+    bases.push_back(request);
+    bases.back().options.prefill_chunk = kSmallestChunk;
+  }
+  // The largest smaller batch (the asked prompt's passes on a tie).
+  std::optional<Candidate> smaller;
+  for (const MemoryRequest& base : bases) {
+    const int64_t batch = largest_fitting(base, &MemoryRequest::batch, request.batch - 1);
+    if (batch > 0 && (!smaller || batch > smaller->request.batch)) {
+      smaller = Candidate{base};
+      smaller->request.batch = batch;
+    }
+  }
+  if (smaller) return smaller;
+  if (request.kv_pool_tokens == 0 && request.options.prefill_chunk == 0 &&
+      policy_reads_option(request.options.policy, "kv_pool_limit")) {
     const int64_t tokens = request_positions(request);
     for (double limit : kPoolLimits) {
       Candidate capped{request, limit};
@@ -176,43 +213,56 @@ std::optional<Candidate> suggest_fitting(const MemoryRequest& asked) {
   for (const KvPolicy* policy : kv_policies()) {
     if (policy->exact) policies.push_back(policy);
   }
-  for (const KvPolicy* policy : policies) {
-    Candidate candidate{request};
-    candidate.request.options.policy = policy->name;
-    if (!policy_reads_option(policy->name, "kv_pool_limit")) candidate.request.kv_pool_tokens = 0;
-    for (int percent = 100; percent >= 0; percent -= 5) {
-      candidate.request.options.weights_gpu_percent = percent;
-      if (fits(candidate.request)) return candidate;
-    }
-    for (int percent = 100; percent >= 0; percent -= 5) {
-      candidate.request.options.weights_gpu_percent = percent;
-      if (const int64_t batch =
-              largest_fitting(candidate.request, &MemoryRequest::batch, request.batch);
-          batch > 0) {
-        candidate.request.batch = batch;
-        return candidate;
+  for (const MemoryRequest& base : bases) {
+    for (const KvPolicy* policy : policies) {
+      Candidate candidate{base};
+      candidate.request.options.policy = policy->name;
+      if (!policy_reads_option(policy->name, "kv_pool_limit")) candidate.request.kv_pool_tokens = 0;
+      if (!policy_reads_option(policy->name, "prefill_chunk")) {
+        candidate.request.options.prefill_chunk = request.options.prefill_chunk;
+      }
+      for (int percent = 100; percent >= 0; percent -= 5) {
+        candidate.request.options.weights_gpu_percent = percent;
+        if (fits(candidate.request)) return candidate;
+      }
+      for (int percent = 100; percent >= 0; percent -= 5) {
+        candidate.request.options.weights_gpu_percent = percent;
+        if (const int64_t batch =
+                largest_fitting(candidate.request, &MemoryRequest::batch, request.batch);
+            batch > 0) {
+          candidate.request.batch = batch;
+          return candidate;
+        }
       }
     }
   }
-  if (const int64_t gen = largest_fitting(request, &MemoryRequest::gen_len, request.gen_len - 1);
-      gen > 0) {
-    Candidate shorter{request};
-    shorter.request.gen_len = gen;
-    return shorter;
+  for (const MemoryRequest& base : bases) {
+    if (const int64_t gen = largest_fitting(base, &MemoryRequest::gen_len, request.gen_len - 1);
+        gen > 0) {
+      Candidate shorter{base};
+      shorter.request.gen_len = gen;
+      return shorter;
+    }
   }
   return std::nullopt;
 }
 
 // Why nothing fits, in terms of the resource that is short: the weights alone when the host
 // cannot hold them (device and host sharing one RAM), else the leanest plan there is (batch 1,
-// one generated token, all weights streamed, the exact policy that needs the least device
-// memory) and what it lacks.
+// one generated token, all weights streamed, the prompt in the smallest chunk offered, the exact
+// policy that needs the least device memory) and what it lacks.
 std::string why_nothing_fits(const MemoryRequest& request) {
   MemoryRequest lean = request;
   lean.batch = 1;
   lean.gen_len = 1;
   lean.options.weights_gpu_percent = 0;
   lean.kv_pool_tokens = 0;
+  // The exact policies take chunks: the smallest offered, or the asked one when smaller.
+  const int64_t lean_chunk = request.options.prefill_chunk > 0
+                                 ? std::min(request.options.prefill_chunk, kSmallestChunk)
+                                 : kSmallestChunk;
+  const bool chunked = request.prompt_len > lean_chunk;
+  if (chunked) lean.options.prefill_chunk = lean_chunk;
   std::optional<MemoryPlan> leanest;
   std::string lean_policy;
   for (const KvPolicy* policy : kv_policies()) {
@@ -234,22 +284,41 @@ std::string why_nothing_fits(const MemoryRequest& request) {
                " GiB available");
   }
   const std::string lean_setting =
-      cat("even batch 1 with the ", request.prompt_len, "-token prompt, ", option("gen_len"),
+      cat("even batch 1 with the ", request.prompt_len, "-token prompt",
+          chunked ? cat(" in chunks of ", lean_chunk) : std::string(), ", ", option("gen_len"),
           " 1, ", option("policy"), " ", lean_policy, " ", option("weights_gpu_percent"), " 0");
+  // Suggestions keep a margin of every capacity free: a plan within it is short of the margin.
+  const std::string margin =
+      request.suggestion_margin > 0
+          ? cat(" (less the ", format_number(100 * request.suggestion_margin),
+                "% a suggestion keeps free)")
+          : std::string();
+  const auto keep = [&](size_t capacity) {
+    return capacity == std::numeric_limits<size_t>::max()
+               ? capacity
+               : static_cast<size_t>(static_cast<double>(capacity) *
+                                     (1.0 - request.suggestion_margin));
+  };
+  lean.device_capacity = keep(lean.device_capacity);
+  lean.pinned_capacity = keep(lean.pinned_capacity);
+  lean.host_capacity = keep(lean.host_capacity);
+  const auto beyond = [&](size_t need, size_t capacity, const char* what) {
+    return cat(gib(need - std::min(need, keep(capacity)), 2), " GiB more than ", what,
+               need <= capacity ? margin : std::string());
+  };
   if (!device_fits(plan, lean)) {
-    const size_t short_by = plan.device_total() - request.device_capacity;
     return cat("no configuration fits: ", lean_setting, " needs ", gib(plan.device_total(), 2),
-               " GiB of device memory, ", gib(short_by, 2), " GiB more than the device has");
+               " GiB of device memory, ",
+               beyond(plan.device_total(), request.device_capacity, "the device has"));
   }
   if (!pinned_fits(plan, lean)) {
-    const size_t short_by = plan.host_total() - request.pinned_capacity;
     return cat("no configuration fits: ", lean_setting, " pins ", gib(plan.host_total(), 2),
-               " GiB of host memory, ", gib(short_by, 2), " GiB more than could be pinned");
+               " GiB of host memory, ",
+               beyond(plan.host_total(), request.pinned_capacity, "could be pinned"));
   }
   const size_t need = host_need(plan, lean);
-  const size_t short_by = need > request.host_capacity ? need - request.host_capacity : 0;
   return cat("no configuration fits: ", lean_setting, " needs ", gib(need, 2),
-             " GiB of host memory, ", gib(short_by, 2), " GiB more than is available");
+             " GiB of host memory, ", beyond(need, request.host_capacity, "is available"));
 }
 
 }  // namespace
@@ -350,19 +419,21 @@ MemoryPlan compute_memory_plan(const MemoryRequest& r) {
   plan.host_kv_pool = kv.host;
 
   // Activations: the model's buffers (core/activations.h, the list the forward pass computes
-  // in), sized for the largest pass, the prefill of B sequences of n = prompt_len rows, as the
-  // run allocates them before its first pass; then the attention kernel's score blocks, which
-  // are not the model's.
+  // in), sized for the largest pass, the prompt's of B sequences of `rows` rows (the prompt, or
+  // its chunk: OffloadOptions::prefill_chunk), as the run allocates them before its first pass;
+  // then the attention kernel's score blocks, which are not the model's, over the n =
+  // prompt_len keys the prompt's last rows see.
   const int64_t B = r.batch, n = r.prompt_len;
-  const size_t model_buffers = activation_bytes(c, B, n);
+  const int64_t rows = r.options.prefill_chunk > 0 ? std::min(n, r.options.prefill_chunk) : n;
+  const size_t model_buffers = activation_bytes(c, B, rows);
   const size_t score_blocks = saturating_product({kScoreBlockRows, n, 4, kScoreThreads});
   plan.device_activations = saturating_sum({model_buffers, score_blocks});
-  // GEMM scratch: the widest prefill input (B * n rows of the FFN's or the attention's width) as
-  // 16 bits, when the weights are 16-bit, and the cuBLAS workspace.
+  // GEMM scratch: the widest input of the prompt's passes (B * rows rows of the FFN's or the
+  // attention's width) as 16 bits, when the weights are 16-bit, and the cuBLAS workspace.
   if (r.gemm_scratch) {
     const int64_t widest = std::max({c.hidden_size, c.q_dim(), c.ffn_dim});
-    plan.device_scratch =
-        saturating_sum({c.dtype == DType::F32 ? size_t{0} : saturating_product({B, n, widest, 2}),
+    plan.device_scratch = saturating_sum(
+        {c.dtype == DType::F32 ? size_t{0} : saturating_product({B, rows, widest, 2}),
                         kCublasWorkspaceBytes});
     // The host gather lands each way's largest transfer, a layer's K and V at every position (a
     // pool's store reserves it: PagedKv), on the device and in pinned staging: two layers'

@@ -55,6 +55,11 @@ OptionTable<OffloadOptions> make_table() {
       integer_option<O>(
           "kv_block_tokens", "Tokens per block of the host KV pool",
           [](auto& o) -> auto& { return o.kv_block_tokens; }),
+      integer_option<O>(
+          "prefill_chunk",
+          "full, gpu, int4, infinigen: tokens per sequence in each pass of the prompt, so that "
+          "its activations are bounded by the chunk (0: the whole prompt in one pass)",
+          [](auto& o) -> auto& { return o.prefill_chunk; }),
       choice_option<O, bool>(
           "share_prefix",
           "full, gpu, infinigen: compute and keep once per group the whole KV blocks of the "
@@ -152,6 +157,15 @@ void OffloadOptions::validate() const {
   INFINIGEN_CHECK(link.latency_us >= 0 && link.latency_us <= kMaxEmulatedLatencyUs,
                   option("emulate_link_latency_us"), " must be in [0, ",
                   static_cast<int64_t>(kMaxEmulatedLatencyUs), "] (a second), got ", link.latency_us);
+  INFINIGEN_CHECK(prefill_chunk >= 0, option("prefill_chunk"),
+                  " must be >= 0 (0: the whole prompt in one pass), got ", prefill_chunk);
+  INFINIGEN_CHECK(prefill_chunk == 0 || policy_reads_option(policy, "prefill_chunk"),
+                  option("prefill_chunk"), ": ", option("policy"), " ", policy,
+                  " scores the whole prompt in one pass");
+  INFINIGEN_CHECK(prefill_chunk == 0 || kv_pool_limit == 0, option("prefill_chunk"),
+                  " with ", option("kv_pool_limit"),
+                  ": the capped pool chooses the prompt tokens it keeps from the whole prompt's "
+                  "attention, in one pass");
   INFINIGEN_CHECK(kv_block_tokens >= 1, option("kv_block_tokens"), " must be at least 1, got ",
                   kv_block_tokens);
   speculation.validate();

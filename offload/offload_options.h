@@ -24,6 +24,9 @@ struct OffloadOptions {
   // memory before the DMA reads them again.
   GatherMode gather = GatherMode::Device;
   int64_t kv_block_tokens = 128;       // tokens per block of the host KV pool
+  // Tokens per sequence in each pass of the prompt (Model::prefill): the activations of a pass
+  // grow with it, not with the prompt; 0 = the whole prompt in one pass.
+  int64_t prefill_chunk = 0;
   // Policies full, gpu and infinigen (uncapped): the whole KV blocks of the prompt prefixes that
   // groups of the batch's sequences share are computed and kept once per group
   // (find_shared_prefixes, KvStore::share_prefixes).

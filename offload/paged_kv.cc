@@ -66,8 +66,10 @@ void PagedKv::append(int64_t layer, const Tensor& keys, const Tensor& values) {
     return;
   }
   // Decode: the new rows join this step's staging (attention reads them). One row goes to the
-  // pool from the token buffer; the rows of an extension go from the staging, and are in the pool
-  // before the load of layer + 2 overwrites it.
+  // pool from the token buffer; the rows of an extension go from the staging, on the store stream
+  // while the next layers compute: the next write of those rows, layer + 2's, waits for that
+  // store, and the loads into the staging write only the rows before them.
+  if (store_.pass_tokens() > 1) pipeline_.await_store_reads(layer);
   ops::cache_store(keys, staged_keys, store_.length());
   ops::cache_store(values, staged_values, store_.length());
   if (store_.pass_tokens() == 1) {
@@ -75,7 +77,6 @@ void PagedKv::append(int64_t layer, const Tensor& keys, const Tensor& values) {
     return;
   }
   store_rows(layer, staged_keys, staged_values, store_.length(), store_.pass_tokens());
-  pipeline_.stored(layer)->wait();
 }
 
 void PagedKv::store_token(int64_t layer, const Tensor& keys, const Tensor& values) {

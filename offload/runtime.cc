@@ -118,6 +118,8 @@ void generate_offloaded(const ModelSource& source, const GenerationRequest& requ
     for (const std::vector<int32_t>& prompt : request.prompts) {
       longest = std::max<int64_t>(longest, static_cast<int64_t>(prompt.size()));
     }
+    // A prompt computed in chunks runs passes of the chunk's rows.
+    if (options.prefill_chunk > 0) longest = std::min(longest, options.prefill_chunk);
     const int64_t rows = static_cast<int64_t>(request.prompts.size()) * longest;
     const int64_t widest = std::max({config.hidden_size, config.embed_dim(), config.ffn_dim,
                                      config.num_heads * config.head_dim()});
@@ -138,7 +140,8 @@ void generate_offloaded(const ModelSource& source, const GenerationRequest& requ
     return policy.make_store({config, batch, capacity, request.kv_dtype, device, options,
                               pool_positions, engine, run.stats, replay});
   };
-  const GenerationRequest shared = with_shared_prefix(request, options, conversation);
+  GenerationRequest shared = with_shared_prefix(request, options, conversation);
+  shared.prefill_chunk = options.prefill_chunk;
   run.shared_prefixes = conversation && !conversation->history().empty()
                             ? conversation->shared_prefixes()
                             : shared.shared_prefixes;

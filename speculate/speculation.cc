@@ -89,25 +89,64 @@ int64_t partial_columns(double ratio, int64_t head_dim) {
                            static_cast<int64_t>(std::floor(ratio * static_cast<double>(head_dim))));
 }
 
+namespace {
+
+// A CPU view of `t`: itself, or a copy when it lives on the device.
+Tensor on_host(const Tensor& t) { return t.device() == Device::Cpu ? t : t.to(Device::Cpu); }
+
+}  // namespace
+
 void PartialLayer::build(const PartialSource& source, const std::vector<int32_t>& first_valid,
                          int64_t num_heads, int64_t num_kv_heads, int64_t capacity, int64_t r,
                          PartialIndexRule rule, const std::vector<int32_t>* position_tokens,
                          DType key_dtype) {
+  const int64_t B = std::ssize(first_valid);
+  begin_prompt(source, B, num_heads, num_kv_heads, r, rule, key_dtype);
+  std::vector<int64_t> sequences(static_cast<size_t>(B));
+  std::iota(sequences.begin(), sequences.end(), 0);
+  accumulate(source.queries, source.keys, sequences, first_valid, 0);
+  choose_columns(source.q_weight, source.q_bias, capacity);
+  if (dry_run()) return;  // a dry run keeps no partial keys
+  // Partial key cache of the prompt tokens the pool holds (padding too when every position is
+  // its own token; speculation skips it).
+  const int64_t n = source.queries.dim(0) / B, KV = kv_heads_ * head_dim_;
+  INFINIGEN_CHECK(position_tokens || n <= capacity_, "partial key cache of ", capacity_,
+                  " positions cannot hold ", n, " tokens");
+  const Tensor host_keys = on_host(source.keys);
+  const float* k = host_keys.data<float>();
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t b = 0; b < batch_; ++b) {
+    for (int64_t g = 0; g < kv_heads_; ++g) {
+      for (int64_t p = 0; p < (position_tokens ? capacity_ : n); ++p) {
+        const int64_t t =
+            position_tokens
+                ? (*position_tokens)[static_cast<size_t>((b * kv_heads_ + g) * capacity_ + p)]
+                : p;
+        if (t < 0) continue;
+        INFINIGEN_CHECK(t < n, "partial key cache: token ", t, " of a prompt of ", n);
+        write_partial_key(b, g, p, k + (b * n + t) * KV + g * head_dim_);
+      }
+    }
+  }
+}
+
+void PartialLayer::begin_prompt(const PartialSource& source, int64_t batch, int64_t num_heads,
+                                int64_t num_kv_heads, int64_t r, PartialIndexRule rule,
+                                DType key_dtype) {
   INFINIGEN_CHECK(key_dtype == DType::F32 || key_dtype == DType::F16, option("partial_key_dtype"),
                   " must be f32 or f16, got ", dtype_name(key_dtype));
   INFINIGEN_CHECK(num_kv_heads >= 1 && num_heads % num_kv_heads == 0, "speculation: ", num_kv_heads,
                   " KV heads do not divide ", num_heads, " heads");
   key_dtype_ = key_dtype;
-  batch_ = static_cast<int64_t>(first_valid.size());
+  batch_ = batch;
   shared_ = {};
   heads_ = num_heads;
   kv_heads_ = num_kv_heads;
   group_ = num_heads / num_kv_heads;
-  const int64_t Q = source.queries.dim(1), n = source.queries.dim(0) / batch_;
-  const int64_t D = source.q_weight.dim(1);
+  rule_ = rule;
+  const int64_t Q = source.queries.dim(1);
   head_dim_ = Q / num_heads;
   const int64_t d = head_dim_, KV = kv_heads_ * d;
-  capacity_ = capacity;
   r_ = r;
   INFINIGEN_CHECK(source.keys.dim(1) == KV && source.q_weight.dim(0) == Q, "speculation: keys (",
                   source.keys.dim(1), " wide) or query weights (", source.q_weight.dim(0),
@@ -128,7 +167,7 @@ void PartialLayer::build(const PartialSource& source, const std::vector<int32_t>
   skew_.assign(skewed ? static_cast<size_t>(kv_heads_ * d * d) : 0, 0.0f);
   if (!dry_run()) {
     if (rotary) {
-      const Tensor freq = source.rope_inv_freq.to(Device::Cpu);
+      const Tensor freq = on_host(source.rope_inv_freq);
       std::copy_n(freq.data<float>(), inv_freq_.size(), inv_freq_.begin());
     }
     if (skewed) {
@@ -136,39 +175,74 @@ void PartialLayer::build(const PartialSource& source, const std::vector<int32_t>
       std::copy_n(a.data<float>(), skew_.size(), skew_.begin());
     }
   }
+  column_scores_.assign(dry_run() ? 0 : static_cast<size_t>(batch_ * KV), 0.0);
+  prompt_rows_ = 0;
+}
 
-  columns_.assign(static_cast<size_t>(kv_heads_ * r_), 0);
-  needed_.assign(static_cast<size_t>(kv_heads_), {});
-  if (traced("partial_build", {batch_, kv_heads_, n, r_, D}, key_dtype_)) {
-    for (int64_t g = 0; g < kv_heads_; ++g) {
-      std::iota(columns_.begin() + g * r_, columns_.begin() + (g + 1) * r_, 0);
-    }
-  } else {
-    // Column scores per KV head over every valid prompt token of every sequence: |Q~| of the
-    // group's query heads (+ |K~|), in the skewed space.
-    const float* q = source.queries.data<float>();
-    const float* k = source.keys.data<float>();
-    std::vector<double> score(static_cast<size_t>(KV), 0.0);
-    std::vector<float> skewed_row(static_cast<size_t>(d));
+void PartialLayer::accumulate(const Tensor& queries, const Tensor& keys,
+                              const std::vector<int64_t>& sequences,
+                              const std::vector<int32_t>& first_valid, int64_t first_row) {
+  const int64_t P = std::ssize(sequences), n = queries.dim(0) / P;
+  prompt_rows_ = first_row + n;
+  if (dry_run()) return;
+  const int64_t d = head_dim_, Q = heads_ * d, KV = kv_heads_ * d;
+  const Tensor host_queries = on_host(queries), host_keys = on_host(keys);
+  const float* q = host_queries.data<float>();
+  const float* k = host_keys.data<float>();
+  std::vector<float> skewed_row(static_cast<size_t>(d));
+  // Column scores per KV head over the pass's rows that hold tokens: |Q~| of the group's query
+  // heads (+ |K~|), in the skewed space, into each sequence's own sums (so that a prompt in
+  // several passes adds each sequence's tokens in the order one pass would).
+  for (int64_t i = 0; i < P; ++i) {
+    double* score = column_scores_.data() + sequences[static_cast<size_t>(i)] * KV;
     const auto add = [&](const float* row, int64_t g) {
       const float* v = row;
-      if (skewed) {
+      if (!skew_.empty()) {
         const float* a = skew_.data() + g * d * d;
         for (int64_t c = 0; c < d; ++c) {
           float sum = 0.0f;
-          for (int64_t i = 0; i < d; ++i) sum += row[i] * a[i * d + c];
+          for (int64_t j = 0; j < d; ++j) sum += row[j] * a[j * d + c];
           skewed_row[static_cast<size_t>(c)] = sum;
         }
         v = skewed_row.data();
       }
-      for (int64_t c = 0; c < d; ++c) score[static_cast<size_t>(g * d + c)] += std::fabs(v[c]);
+      for (int64_t c = 0; c < d; ++c) score[g * d + c] += std::fabs(v[c]);
     };
+    for (int64_t j = std::max<int64_t>(0, first_valid[static_cast<size_t>(i)] - first_row); j < n;
+         ++j) {
+      for (int64_t h = 0; h < heads_; ++h) add(q + (i * n + j) * Q + h * d, h / group_);
+      if (rule_ == PartialIndexRule::QK) {
+        for (int64_t g = 0; g < kv_heads_; ++g) add(k + (i * n + j) * KV + g * d, g);
+      }
+    }
+  }
+}
+
+void PartialLayer::continue_from_prefixes(const SharedPrefixes& shared) {
+  const size_t KV = static_cast<size_t>(kv_heads_ * head_dim_);
+  if (column_scores_.empty()) return;  // a dry run
+  for (int64_t b = 0; b < shared.batch(); ++b) {
+    const int64_t leader = shared.source(b);
+    if (shared.prefix_length(b) == 0 || leader == b) continue;
+    std::copy_n(column_scores_.begin() + static_cast<std::ptrdiff_t>(leader * KV), KV,
+                column_scores_.begin() + static_cast<std::ptrdiff_t>(b * KV));
+  }
+}
+
+void PartialLayer::choose_columns(const Tensor& q_weight, const Tensor& q_bias, int64_t capacity) {
+  const int64_t d = head_dim_, KV = kv_heads_ * d, D = q_weight.dim(1);
+  capacity_ = capacity;
+  columns_.assign(static_cast<size_t>(kv_heads_ * r_), 0);
+  if (traced("partial_build", {batch_, kv_heads_, prompt_rows_, r_, D}, key_dtype_)) {
+    for (int64_t g = 0; g < kv_heads_; ++g) {
+      std::iota(columns_.begin() + g * r_, columns_.begin() + (g + 1) * r_, 0);
+    }
+  } else {
+    // The sums of every sequence, added in order.
+    std::vector<double> score(static_cast<size_t>(KV), 0.0);
     for (int64_t b = 0; b < batch_; ++b) {
-      for (int64_t t = first_valid[static_cast<size_t>(b)]; t < n; ++t) {
-        for (int64_t h = 0; h < heads_; ++h) add(q + (b * n + t) * Q + h * d, h / group_);
-        if (rule == PartialIndexRule::QK) {
-          for (int64_t g = 0; g < kv_heads_; ++g) add(k + (b * n + t) * KV + g * d, g);
-        }
+      for (int64_t c = 0; c < KV; ++c) {
+        score[static_cast<size_t>(c)] += column_scores_[static_cast<size_t>(b * KV + c)];
       }
     }
     for (int64_t g = 0; g < kv_heads_; ++g) {
@@ -181,18 +255,18 @@ void PartialLayer::build(const PartialSource& source, const std::vector<int32_t>
       std::copy(order.begin(), order.begin() + r_, columns_.begin() + g * r_);
     }
   }
+  column_scores_ = {};
 
-  derive_needed_rows(rotary, skewed);
+  derive_needed_rows(!inv_freq_.empty(), !skew_.empty());
   // Partial query weights: the needed rows of W_q (HF layout: rows are output features), in its
   // own dtype, and their biases.
   const int64_t rows = head_rows_.back();
-  weight_ = Tensor::empty({rows, D}, source.q_weight.dtype());
+  weight_ = Tensor::empty({rows, D}, q_weight.dtype());
   bias_ = Tensor::empty({rows}, DType::F32);
   allocate_query_rows();
   if (dry_run()) return;  // a dry run keeps no partial keys
-  const Tensor w = source.q_weight.to(Device::Cpu);
-  const Tensor bq =
-      source.q_bias.defined() ? source.q_bias.to(Device::Cpu).to_dtype(DType::F32) : Tensor();
+  const Tensor w = q_weight.to(Device::Cpu);
+  const Tensor bq = q_bias.defined() ? q_bias.to(Device::Cpu).to_dtype(DType::F32) : Tensor();
   const size_t row_bytes = static_cast<size_t>(D) * dtype_size(w.dtype());
   for (int64_t h = 0; h < heads_; ++h) {
     const std::vector<int32_t>& dims = needed_[static_cast<size_t>(h / group_)];
@@ -205,30 +279,15 @@ void PartialLayer::build(const PartialSource& source, const std::vector<int32_t>
       bias_.data<float>()[dst] = bq.defined() ? bq.data<float>()[src] : 0.0f;
     }
   }
-
-  // Partial key cache of the prompt tokens the pool holds (padding too when every position is
-  // its own token; speculation skips it).
-  INFINIGEN_CHECK(position_tokens || n <= capacity_, "partial key cache of ", capacity_,
-                  " positions cannot hold ", n, " tokens");
   keys_.assign(static_cast<size_t>(batch_ * kv_heads_ * capacity_ * r_) * dtype_size(key_dtype_),
                0);
-  const float* k = source.keys.data<float>();
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t b = 0; b < batch_; ++b) {
-    for (int64_t g = 0; g < kv_heads_; ++g) {
-      std::vector<float> row(static_cast<size_t>(r_));
-      for (int64_t p = 0; p < (position_tokens ? capacity_ : n); ++p) {
-        const int64_t t =
-            position_tokens
-                ? (*position_tokens)[static_cast<size_t>((b * kv_heads_ + g) * capacity_ + p)]
-                : p;
-        if (t < 0) continue;
-        INFINIGEN_CHECK(t < n, "partial key cache: token ", t, " of a prompt of ", n);
-        partial_of(k + (b * n + t) * KV + g * d, g, row.data());
-        write_key(key_offset(b, g, p), row.data());
-      }
-    }
-  }
+}
+
+void PartialLayer::write_partial_key(int64_t b, int64_t g, int64_t position, const float* key) {
+  thread_local std::vector<float> row;  // called once per prompt token and head: no allocation
+  row.resize(static_cast<size_t>(r_));
+  partial_of(key, g, row.data());
+  write_key(key_offset(b, g, position), row.data());
 }
 
 void PartialLayer::derive_needed_rows(bool rotary, bool skewed) {

@@ -112,6 +112,26 @@ class PartialLayer {
              int64_t num_heads, int64_t num_kv_heads, int64_t capacity, int64_t r,
              PartialIndexRule rule, const std::vector<int32_t>* position_tokens = nullptr,
              DType key_dtype = DType::F32);
+  // build() in steps, for a prompt computed in several passes (chunks, or a shared prefix's
+  // pass and the sequences' own tokens after it), with the columns chosen from all of it:
+  // begin_prompt, accumulate per pass, choose_columns after the last, then write_partial_key for
+  // every stored token. begin_prompt takes the rotation and skew of `source` (its queries and
+  // keys give the widths) for a batch of `batch`.
+  void begin_prompt(const PartialSource& source, int64_t batch, int64_t num_heads,
+                    int64_t num_kv_heads, int64_t r, PartialIndexRule rule, DType key_dtype);
+  // Adds the column rule's sums over a pass's rows, queries (P * n, H * d) and keys (P * n,
+  // H_kv * d), to each sequence's own: row j of the pass's sequence i is token first_row + j of
+  // sequence sequences[i], and counts from first_valid[i]. A prompt in several passes thus sums
+  // each sequence's tokens in the order one pass would.
+  void accumulate(const Tensor& queries, const Tensor& keys, const std::vector<int64_t>& sequences,
+                  const std::vector<int32_t>& first_valid, int64_t first_row);
+  // After the sharing pass (the groups' leaders): each member's sums start from its leader's.
+  void continue_from_prefixes(const SharedPrefixes& shared);
+  // The columns from every sequence's sums, the partial query weights from W_q (H * d, D) and
+  // its bias (or undefined), and an empty partial key cache of `capacity` positions.
+  void choose_columns(const Tensor& q_weight, const Tensor& q_bias, int64_t capacity);
+  // The partial key of a key row (d fp32, rotated) of KV head g, at `position` of (b, g).
+  void write_partial_key(int64_t b, int64_t g, int64_t position, const float* key);
   // After a build from the prompt prefixes that groups of a batch share (`from_leaders`: the
   // sharing pass, a batch of the groups' leaders, whose slots become the leaders'), or a restore
   // for the batch: each sequence's prefix positions [shared.begin(b), shared.rows()) read its
@@ -216,6 +236,11 @@ class PartialLayer {
   mutable Tensor query_rows_;
   DType key_dtype_ = DType::F32;
   std::vector<char> keys_;  // (B, H_kv, capacity, r) in key_dtype_
+  // Between begin_prompt and choose_columns: the rule, each sequence's column sums (B, H_kv * d)
+  // and the prompt's rows so far.
+  PartialIndexRule rule_ = PartialIndexRule::QK;
+  std::vector<double> column_scores_;
+  int64_t prompt_rows_ = 0;
 
   // Offset in keys_ of position p of (b, g) (its group leader's for a shared position).
   size_t key_offset(int64_t b, int64_t g, int64_t p) const {

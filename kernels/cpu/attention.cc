@@ -87,6 +87,12 @@ void attention_decode(const float* q, const void* k_cache, const void* v_cache, 
     for (int64_t b = 0; b < B; ++b) {
       for (int64_t h = 0; h < H; ++h) {
         const int64_t start = first_valid[b];
+        // Queries before the sequence's first row are padding: zero. Query i sees the rows up to
+        // its own, shared + (length - n + i + 1 - start) of them.
+        const int64_t first_query = std::clamp<int64_t>(start - (length - n), 0, n);
+        StridedOut O(out + (b * n) * D + h * d, n, d, Eigen::OuterStride<>(D));
+        O.topRows(first_query).setZero();
+        if (first_query == n) continue;  // every query is padding (a prompt's early chunk)
         const int64_t kv_head = h / group;
         // The prefix's rows of its leader's slice, then the sequence's own rows.
         const int64_t from = prefix_end > 0 ? prefix_begin[b] : 0;
@@ -104,11 +110,6 @@ void attention_decode(const float* q, const void* k_cache, const void* v_cache, 
         widen(k_cache, cache_type, base, keys.data() + shared_size, keys.size() - shared_size);
         widen(v_cache, cache_type, base, values.data() + shared_size, values.size() - shared_size);
         const Eigen::Map<const RowMajor> K(keys.data(), rows, d), V(values.data(), rows, d);
-        // Queries before the sequence's first row are padding: zero. Query i sees the rows up to
-        // its own, shared + (length - n + i + 1 - start) of them.
-        const int64_t first_query = std::clamp<int64_t>(start - (length - n), 0, n);
-        StridedOut O(out + (b * n) * D + h * d, n, d, Eigen::OuterStride<>(D));
-        O.topRows(first_query).setZero();
         for (int64_t i0 = first_query; i0 < n; i0 += kQueryBlock) {
           const int64_t i1 = std::min(n, i0 + kQueryBlock);
           const Strided Q(q + (b * n + i0) * D + h * d, i1 - i0, d, Eigen::OuterStride<>(D));
