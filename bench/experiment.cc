@@ -332,6 +332,10 @@ ScaledPoint scale_point(const ModelConfig& config, const BenchSettings& settings
   p.settings.prompt_len = scaled(settings.prompt_len, scale, 16);
   p.settings.gen_len = scaled(settings.gen_len, scale, 4);
   if (settings.history_len > 0) p.settings.history_len = scaled(settings.history_len, scale, 16);
+  // A prompt in chunks stays in about as many chunks.
+  if (settings.offload.prefill_chunk > 0) {
+    p.settings.offload.prefill_chunk = scaled(settings.offload.prefill_chunk, scale, 8);
+  }
   p.settings.shared_prefix_groups = std::min(settings.shared_prefix_groups, p.settings.batch);
   if (settings.shared_prefix_len > 0) {
     p.settings.shared_prefix_len =

@@ -134,6 +134,19 @@ std::string flags_for(const MemoryRequest& from, const Candidate& to) {
   return flags;
 }
 
+// The first of `bases` on which a smaller `member` (at most `most`) fits, with the largest such.
+std::optional<Candidate> first_fitting(const std::vector<MemoryRequest>& bases,
+                                       int64_t MemoryRequest::*member, int64_t most) {
+  for (const MemoryRequest& base : bases) {
+    if (const int64_t value = largest_fitting(base, member, most); value > 0) {
+      Candidate candidate{base};
+      candidate.request.*member = value;
+      return candidate;
+    }
+  }
+  return std::nullopt;
+}
+
 // A configuration close to `request` that fits; none when nothing does. Every candidate is
 // planned here, so what is suggested is what the planner accepts. Preference, from the change
 // that alters the experiment least: pool blocks no longer than the default; the prompt in the
@@ -187,16 +200,7 @@ std::optional<Candidate> suggest_fitting(const MemoryRequest& asked) {
     bases.push_back(request);
     bases.back().options.prefill_chunk = kSmallestChunk;
   }
-  // The largest smaller batch (the asked prompt's passes on a tie).
-  std::optional<Candidate> smaller;
-  for (const MemoryRequest& base : bases) {
-    const int64_t batch = largest_fitting(base, &MemoryRequest::batch, request.batch - 1);
-    if (batch > 0 && (!smaller || batch > smaller->request.batch)) {
-      smaller = Candidate{base};
-      smaller->request.batch = batch;
-    }
-  }
-  if (smaller) return smaller;
+  if (auto smaller = first_fitting(bases, &MemoryRequest::batch, request.batch - 1)) return smaller;
   if (request.kv_pool_tokens == 0 && request.options.prefill_chunk == 0 &&
       policy_reads_option(request.options.policy, "kv_pool_limit")) {
     const int64_t tokens = request_positions(request);
@@ -219,7 +223,7 @@ std::optional<Candidate> suggest_fitting(const MemoryRequest& asked) {
       candidate.request.options.policy = policy->name;
       if (!policy_reads_option(policy->name, "kv_pool_limit")) candidate.request.kv_pool_tokens = 0;
       if (!policy_reads_option(policy->name, "prefill_chunk")) {
-        candidate.request.options.prefill_chunk = request.options.prefill_chunk;
+        candidate.request.options.prefill_chunk = 0;
       }
       for (int percent = 100; percent >= 0; percent -= 5) {
         candidate.request.options.weights_gpu_percent = percent;
@@ -236,15 +240,7 @@ std::optional<Candidate> suggest_fitting(const MemoryRequest& asked) {
       }
     }
   }
-  for (const MemoryRequest& base : bases) {
-    if (const int64_t gen = largest_fitting(base, &MemoryRequest::gen_len, request.gen_len - 1);
-        gen > 0) {
-      Candidate shorter{base};
-      shorter.request.gen_len = gen;
-      return shorter;
-    }
-  }
-  return std::nullopt;
+  return first_fitting(bases, &MemoryRequest::gen_len, request.gen_len - 1);
 }
 
 // Why nothing fits, in terms of the resource that is short: the weights alone when the host

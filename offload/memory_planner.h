@@ -2,10 +2,10 @@
 //
 // Device: resident weights, staging for streamed weights (two layers), KV (the whole cache for
 // the `gpu` policy; for offloading policies a double-buffered staging of K and V for one layer,
-// plus for `infinigen` every layer's partial key cache and partial query weights in fp32; for
-// `h2o` the staging holds only the kept entries and the new token), and activations (the model's
-// buffers of core/activations.h sized for the prefill, the largest pass, and one prefill
-// attention score block per worker of the CPU kernel), and on the CUDA backend the GEMMs' scratch
+// plus for `infinigen` every layer's partial key cache (fp16 by default) and partial query
+// weights; for `h2o` the staging holds only the kept entries and the new token), and activations
+// (the model's buffers of core/activations.h sized for the prompt's largest pass, the whole
+// prompt or its chunk, and one prefill attention score block per worker of the CPU kernel), and on the CUDA backend the GEMMs' scratch
 // (the 16-bit copy of the largest input, cuBLAS's workspace).
 // Host (pinned): host-resident weights and the KV pool (for `h2o`, only the kept entries).
 // If the plan does not fit, `plan_memory` throws one line with the numbers and a configuration

@@ -38,8 +38,8 @@ const char* const kMinimal = "x: batch\nplot: latency\ndefaults: {model: opt-125
 TEST(Experiment, EveryBundledExperimentLoads) {
   const std::vector<std::string> names = bundled_experiment_names();
   EXPECT_EQ(names, (std::vector<std::string>{"fig14", "fig15", "fig16a", "fig16b", "fig17", "fig18",
-                                             "gpu-check", "llama-gqa", "sessions", "shared_prefix",
-                                             "shared_prefix_groups"}));
+                                             "gpu-check", "llama-gqa", "long-context", "sessions",
+                                             "shared_prefix", "shared_prefix_groups"}));
   for (const std::string& name : names) {
     const Experiment e = load_experiment(name);
     EXPECT_EQ(e.name, name);

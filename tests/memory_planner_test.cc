@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdio>
 #include <functional>
@@ -59,6 +60,8 @@ MemoryRequest apply_suggestion(MemoryRequest request, const std::string& message
       if (value != "infinigen") request.kv_pool_tokens = 0;
     } else if (flag == "--kv-block-tokens") {
       request.options.kv_block_tokens = std::stoll(value);
+    } else if (flag == "--prefill-chunk") {
+      request.options.prefill_chunk = std::stoll(value);
     } else if (flag == "--gen-len") {
       request.gen_len = std::stoll(value);
     } else if (flag == "--kv-pool-limit") {
@@ -311,13 +314,14 @@ TEST(MemoryPlanner, FittingPlanIsReturned) {
 
 TEST(MemoryPlanner, SmallerBatchIsSuggestedAndFits) {
   MemoryRequest r = opt13b_request();
-  r.device_capacity = 30 * kGiB;
+  r.device_capacity = 26 * kGiB;
+  r.options.prefill_chunk = 256;  // the smallest chunk offered: a smaller batch comes next
   const MemoryPlan plan = compute_memory_plan(r);
   const auto [refusal, fixed] = expect_suggestion_fits(r, "; try --batch ");
   EXPECT_EQ(refusal.rfind("plan does not fit: the device needs " + gib1(plan.device_total()) +
                               " GiB (weights " + gib1(plan.device_weights) + ", KV " +
                               gib1(plan.device_kv) + ", activations " +
-                              gib1(plan.device_activations) + ") but has 30.0 GiB; try --batch ",
+                              gib1(plan.device_activations) + ") but has 26.0 GiB; try --batch ",
                           0),
             0u)
       << refusal;
@@ -325,6 +329,35 @@ TEST(MemoryPlanner, SmallerBatchIsSuggestedAndFits) {
   MemoryRequest one_more = fixed;
   one_more.batch += 1;
   EXPECT_THROW(plan_memory(one_more), Error);  // the largest batch that fits
+}
+
+// A long prompt whose one pass needs more activations than the device has is offered the
+// largest chunk that fits, before anything that changes the batch or the policy; the plan counts
+// the chunk's activations, not the prompt's.
+TEST(MemoryPlanner, ALongPromptIsOfferedTheLargestChunkThatFits) {
+  MemoryRequest r =
+      testing_util::preset_request<MemoryRequest>("llama-3.1-8b", 4, 32768, 128, "full");
+  r.device_capacity = 32 * kGiB;  // weights 15.0 GiB, activations of one pass 23.1 GiB
+  r.host_capacity = 512 * kGiB;
+  const MemoryPlan whole = compute_memory_plan(r);
+  const MemoryRequest fixed = expect_suggestion_fits(r, "; try --prefill-chunk ").fixed;
+  EXPECT_EQ(fixed.batch, r.batch);
+  EXPECT_EQ(fixed.options.policy, r.options.policy);
+  EXPECT_EQ(std::popcount(static_cast<uint64_t>(fixed.options.prefill_chunk)), 1);
+  MemoryRequest larger = fixed;
+  larger.options.prefill_chunk *= 2;
+  EXPECT_THROW(plan_memory(larger), Error);  // the largest that fits
+  const MemoryPlan chunked = compute_memory_plan(fixed);
+  // Half the rows; the attention kernel's score blocks still span the whole prompt's keys.
+  EXPECT_LT(chunked.device_activations, whole.device_activations * 6 / 10);
+  EXPECT_EQ(chunked.device_kv, whole.device_kv);
+  EXPECT_EQ(chunked.host_kv_pool, whole.host_kv_pool);
+  // Where even the smallest chunk offered does not fit, the refusal says it was tried.
+  r.device_capacity = kGiB;
+  EXPECT_NE(plan_error(r).find("no configuration fits: even batch 1 with the 32768-token prompt "
+                               "in chunks of 256,"),
+            std::string::npos)
+      << plan_error(r);
 }
 
 TEST(MemoryPlanner, WeightsOffTheDeviceWhenEvenBatchOneDoesNotFit) {

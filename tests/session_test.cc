@@ -340,9 +340,12 @@ TEST(SessionFiles, RestoredPartialKeysAreTheSavedOnes) {
   const auto& infinigen = dynamic_cast<const InfinigenKv&>(*store);
   const auto saved =
       SafetensorsFile::open((path / "seg-000001" / "layer-002.safetensors").string());
-  const SafetensorsEntry& keys = *saved->find("partial_keys");  // (B, H, R, r) f32
+  const SafetensorsEntry& keys = *saved->find("partial_keys");  // (B, H, R, r), the key dtype
+  EXPECT_EQ(keys.dtype, SpeculationOptions{}.partial_key_dtype);
   const int64_t H = keys.shape[1], R = keys.shape[2], r = keys.shape[3];
-  const float* data = static_cast<const float*>(saved->bytes(keys));
+  std::vector<float> widened(keys.nbytes / dtype_size(keys.dtype));
+  convert_to_f32(saved->bytes(keys), keys.dtype, widened.data(), widened.size());
+  const float* data = widened.data();
   const std::vector<std::vector<int32_t>> prompts = turn_prompts(1);
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < H; ++h) {

@@ -30,6 +30,11 @@ const char* const kDefaultPrompts[] = {
     "And Jesus answered and said unto them,",
 };
 
+// " in passes of N" when a prompt of `longest` tokens is computed in chunks of N, else "".
+std::string prompt_passes(int64_t longest, int64_t chunk) {
+  return chunk > 0 && chunk < longest ? " in passes of " + std::to_string(chunk) : "";
+}
+
 struct RunOptions {
   std::string model = kBuiltinModel;
   std::string prompt;
@@ -257,12 +262,12 @@ int run(const RunOptions& o) {
       offload, device);
   if (o.dry_run) {
     std::printf(
-        "model: %s\ndevice: %s\npolicy %s, batch %lld, prompt %lld tokens (longest), "
+        "model: %s\ndevice: %s\npolicy %s, batch %lld, prompt %lld tokens (longest)%s, "
         "%lld generated tokens per sequence: the plan fits\n%s",
         loaded.description.c_str(), device_description(device).c_str(),
         offload.policy.c_str(), static_cast<long long>(prompt_plan.batch),
-        static_cast<long long>(longest), static_cast<long long>(o.gen_len),
-        plan.describe().c_str());
+        static_cast<long long>(longest), prompt_passes(longest, offload.prefill_chunk).c_str(),
+        static_cast<long long>(o.gen_len), plan.describe().c_str());
     return 0;
   }
 
@@ -359,8 +364,9 @@ int run(const RunOptions& o) {
                   ? (format_number(offload.link.gbps) + " GB/s (emulated)").c_str()
                   : "not emulated");
   std::printf(
-      "batch %lld, prompt %lld tokens (longest), %lld generated tokens per sequence, %s\n\n",
+      "batch %lld, prompt %lld tokens (longest)%s, %lld generated tokens per sequence, %s\n\n",
       static_cast<long long>(result.batch), static_cast<long long>(result.prompt_len),
+      prompt_passes(result.prompt_len, offload.prefill_chunk).c_str(),
       static_cast<long long>(result.gen_len), describe(request.sampling).c_str());
   if (!prompt_plan.prefix.empty()) {
     std::printf("every prompt follows %s (%zu tokens)\n\n", o.shared_prefix.c_str(),
