@@ -291,10 +291,10 @@ GenerationResult generate(Model& model, const GenerationRequest& request,
           }
           // Kept until the decode steps are done: were the first step to drop the last
           // reference, it would free memory.
-          const Tensor first_logits = history || !shared.empty()
-                                          ? model.extend(tokens, cache, request.prefill_chunk)
-                                          : model.prefill(tokens, first_valid, cache, false,
-                                                          request.prefill_chunk);
+          const Tensor first_logits =
+              history || !shared.empty()
+                  ? model.extend(tokens, cache, request.prefill_chunk)
+                  : model.prefill(tokens, first_valid, cache, false, request.prefill_chunk);
           result.last_logits = first_logits;
           if (conversation) {
             cache.finish_stores();

@@ -136,9 +136,7 @@ Tensor Model::run_prompt(const std::vector<int32_t>& tokens, KvStore& cache, boo
     for (int64_t b = 0; b < B; ++b) {
       std::copy_n(tokens.begin() + b * n + t0, c, part.begin() + b * c);
     }
-    const Tensor logits = run_pass(part, cache, all_positions ? Logits::All
-                                                : t1 == n      ? Logits::Last
-                                                               : Logits::None);
+    const Tensor logits = run_pass(part, cache, all_positions || t1 == n ? wanted : Logits::None);
     if (t1 == n && !all_positions) return logits.clone();
     if (!all_positions) continue;
     for (int64_t b = 0; b < B; ++b) {  // (B, c, V) into rows [t0, t1) of (B, n, V)

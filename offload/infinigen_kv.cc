@@ -143,8 +143,7 @@ void InfinigenKv::prompt_layer(int64_t layer, const Tensor& keys, const Tensor& 
   prompt_tokens_ = length() + pass_tokens();
   const AttentionInput& in = *input_;
   PartialLayer& partial = partial_[static_cast<size_t>(layer)];
-  const PartialSource source{in.queries,     keys,          in.q_weight,
-                             in.q_bias,      in.rope_inv_freq, in.skew};
+  const PartialSource source{in.queries, keys, in.q_weight, in.q_bias, in.rope_inv_freq, in.skew};
   if (capped_) {
     // One pass (OffloadOptions::validate refuses chunks with a pool limit): the pool keeps the
     // prompt tokens it chooses, and the partial key cache their positions.
@@ -168,7 +167,9 @@ void InfinigenKv::prompt_layer(int64_t layer, const Tensor& keys, const Tensor& 
                          options_.partial_key_dtype);
   }
   pass_sequences_.resize(static_cast<size_t>(pass_batch()));
-  for (int64_t i = 0; i < pass_batch(); ++i) pass_sequences_[static_cast<size_t>(i)] = pass_sequence(i);
+  for (int64_t i = 0; i < pass_batch(); ++i) {
+    pass_sequences_[static_cast<size_t>(i)] = pass_sequence(i);
+  }
   partial.accumulate(in.queries, keys, pass_sequences_, pass_first_valid(), length());
   if (sharing_pass()) partial.continue_from_prefixes(shared());
   if (!last_prompt_pass()) return;

@@ -142,7 +142,7 @@ TEST(Interrupt, SkewWhileCalibratingLeavesNoDirectory) {
   // The signal is checked between the halves of each layer and before each head's SVD. The
   // calibration keeps the 12 layers busy for several seconds while each half stays well under
   // kStopWithin: 2048 tokens take about 5 s in a release build, 256 about 15 s under ASan.
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(INFINIGEN_SANITIZED)
   const std::string calib_len = "256";
 #else
   const std::string calib_len = "2048";
