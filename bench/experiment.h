@@ -85,9 +85,9 @@ std::map<std::string, double> paper_values_for(const Experiment& experiment,
                                                const BenchSettings& settings);
 
 // A figure's point shrunk so that it runs on a small machine: prompt and generation lengths (and
-// a prompt chunk) times `scale`, the batch times sqrt(scale) rounded up (so batch sweeps keep distinct points), the
-// model's layers and heads times `scale` (head size kept; FFN 4x the width; vocabulary times
-// scale^2, so the LM head keeps its share of the work). Scale 1 returns the inputs unchanged.
+// a prompt chunk) times `scale`, the batch times sqrt(scale) rounded up (so batch sweeps keep
+// distinct points), the model's layers and heads times `scale` (head size kept; FFN 4x the
+// width; vocabulary times scale^2, so the LM head keeps its share of the work). Scale 1 returns the inputs unchanged.
 // Minimums: 4 layers, 2 heads, batch 1, 16 prompt tokens, 4 generated, chunks of 8.
 struct ScaledPoint {
   ModelConfig config;

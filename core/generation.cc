@@ -77,8 +77,6 @@ int64_t check_request(const ModelConfig& config, const GenerationRequest& reques
   INFINIGEN_CHECK(!request.prompts.empty(), option("batch"), " must be at least 1");
   INFINIGEN_CHECK(request.gen_len > 0, option("gen_len"), " must be at least 1, got ",
                   request.gen_len);
-  INFINIGEN_CHECK(request.prefill_chunk >= 0, option("prefill_chunk"),
-                  " must be >= 0 (0: the whole prompt in one pass), got ", request.prefill_chunk);
   int64_t longest = 0;
   for (size_t b = 0; b < request.prompts.size(); ++b) {
     const auto& prompt = request.prompts[b];
@@ -262,9 +260,7 @@ GenerationResult generate(Model& model, const GenerationRequest& request,
   // or its part after the shared prefixes; a chunk of it when it is computed in chunks), the
   // sharing pass (each group's leader), and the decode steps (one row per sequence) all fit in
   // them.
-  const int64_t pass_rows = std::ssize(tokens) / B;
-  model.reserve_activations(
-      B, request.prefill_chunk > 0 ? std::min(request.prefill_chunk, pass_rows) : pass_rows);
+  model.reserve_activations(B, largest_prompt_pass(std::ssize(tokens) / B, request.prefill_chunk));
   if (!shared.empty()) model.reserve_activations(shared.num_groups(), shared.rows());
   if (!shared.empty()) cache.share_prefixes(shared, first_valid);
   // Where each sequence's rows of this turn start: after its own history.

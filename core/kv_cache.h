@@ -182,6 +182,8 @@ class KvStore {
   // Whether this pass extends stored tokens by the rows of a prompt (a chunk after the first,
   // the own tokens after a shared prefix, a resumed conversation's turn), or by more than one.
   bool extending() const { return length_ > 0 && (prompt_pass() || pass_tokens_ > 1); }
+  // Whether the store continues a conversation (resume): its first pass extends a history.
+  bool resumed() const { return num_restored_layers_ > 0; }
   // Whether sequence b's row t holds one of its tokens (not padding).
   bool holds_token(int64_t b, int64_t t) const {
     return t >= first_valid_[static_cast<size_t>(b)] || (t >= 0 && shared_.in_prefix(b, t));
@@ -200,7 +202,7 @@ class KvStore {
   SharedPrefixes shared_;
   int64_t prompt_end_ = 0;    // expect_prompt's end; passes before it are the prompt's
   bool prompt_open_ = false;  // a prompt's passes have begun and its last has not ended
-  int64_t passes_ = 0;                 // passes ended so far
+  int64_t passes_ = 0;        // passes ended so far
   std::vector<int32_t> first_valid_;
 };
 

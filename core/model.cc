@@ -125,7 +125,7 @@ Tensor Model::run_prompt(const std::vector<int32_t>& tokens, KvStore& cache, boo
   INFINIGEN_CHECK(chunk >= 0, "a prompt's chunk of ", chunk, " tokens");
   const int64_t B = cache.batch(), n = std::ssize(tokens) / B;
   const Logits wanted = all_positions ? Logits::All : Logits::Last;
-  if (chunk == 0 || chunk >= n) return run_pass(tokens, cache, wanted).clone();
+  if (largest_prompt_pass(n, chunk) == n) return run_pass(tokens, cache, wanted).clone();
   // Every row's logits are gathered chunk by chunk; only the last chunk's last rows otherwise.
   Tensor all = all_positions ? Tensor::empty({B, n, config_.vocab_size}, DType::F32) : Tensor();
   const size_t row_bytes = static_cast<size_t>(config_.vocab_size) * sizeof(float);

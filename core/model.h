@@ -124,6 +124,12 @@ class Model {
   std::unique_ptr<LayerWeightSource> layers_;
 };
 
+// Rows per sequence of the largest pass of a prompt of `rows` rows computed in chunks of `chunk`
+// (Model::prefill's; 0: one pass).
+inline int64_t largest_prompt_pass(int64_t rows, int64_t chunk) {
+  return chunk > 0 && chunk < rows ? chunk : rows;
+}
+
 // The model of `config`'s family. `weights` holds the globals and, when `layers` is null, every
 // layer resident; otherwise its layers may be empty and `layers` supplies them.
 std::unique_ptr<Model> make_model(const ModelConfig& config, ModelWeights weights, Device device,

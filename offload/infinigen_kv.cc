@@ -132,7 +132,7 @@ void InfinigenKv::observe(int64_t, const AttentionInput& input) {
 void InfinigenKv::append(int64_t layer, const Tensor& keys, const Tensor& values) {
   // A resumed conversation's turn keeps the speculation state it restored: its prompt extends it
   // as decode steps do.
-  if (prompt_pass() && !resumed_) {
+  if (prompt_pass() && !resumed()) {
     prompt_layer(layer, keys, values);
   } else {
     decode_layer(layer, keys, values);
@@ -436,7 +436,6 @@ void InfinigenKv::resume(int64_t length, std::vector<int32_t> first_valid, int64
                   " yet");
   KvStore::resume(length, std::move(first_valid), num_layers, std::move(restore));
   paged_.resume(length);
-  resumed_ = true;
 }
 
 std::vector<KvStore::TokenStream> InfinigenKv::token_streams(int64_t layer) const {

@@ -112,7 +112,6 @@ class InfinigenKv : public KvStore {
   int64_t num_layers_;
   int64_t prompt_tokens_ = 0;  // tokens per sequence of the prompt: decode step = length -
                                // prompt_tokens + 1
-  bool resumed_ = false;       // a conversation's speculation state was restored
   std::vector<int64_t> pass_sequences_;  // the open prompt pass's sequences (pass_sequence)
   int64_t head_dim_;
   int64_t heads_;     // H: query heads

@@ -11,6 +11,7 @@
 
 #include "core/activations.h"
 #include "core/error.h"
+#include "core/model.h"
 #include "core/saturating.h"
 #include "core/weights.h"
 #include "offload/kv_policy.h"
@@ -134,6 +135,22 @@ std::string flags_for(const MemoryRequest& from, const Candidate& to) {
   return flags;
 }
 
+// A capacity less the suggestion margin of `request` (unlimited stays unlimited).
+size_t kept_capacity(size_t capacity, const MemoryRequest& request) {
+  if (request.suggestion_margin <= 0 || capacity == std::numeric_limits<size_t>::max()) {
+    return capacity;
+  }
+  return static_cast<size_t>(static_cast<double>(capacity) * (1.0 - request.suggestion_margin));
+}
+
+// `request` planned against its capacities less its suggestion margin.
+MemoryRequest less_margin(MemoryRequest request) {
+  request.device_capacity = kept_capacity(request.device_capacity, request);
+  request.host_capacity = kept_capacity(request.host_capacity, request);
+  request.pinned_capacity = kept_capacity(request.pinned_capacity, request);
+  return request;
+}
+
 // The first of `bases` on which a smaller `member` (at most `most`) fits, with the largest such.
 std::optional<Candidate> first_fitting(const std::vector<MemoryRequest>& bases,
                                        int64_t MemoryRequest::*member, int64_t most) {
@@ -160,17 +177,7 @@ std::optional<Candidate> first_fitting(const std::vector<MemoryRequest>& bases,
 std::optional<Candidate> suggest_fitting(const MemoryRequest& asked) {
   // Candidates are planned against the capacities less the margin, and flags are relative to
   // what was asked.
-  MemoryRequest request = asked;
-  if (request.suggestion_margin > 0) {
-    const double keep = 1.0 - request.suggestion_margin;
-    request.device_capacity =
-        static_cast<size_t>(static_cast<double>(request.device_capacity) * keep);
-    request.host_capacity = static_cast<size_t>(static_cast<double>(request.host_capacity) * keep);
-    if (request.pinned_capacity != std::numeric_limits<size_t>::max()) {
-      request.pinned_capacity =
-          static_cast<size_t>(static_cast<double>(request.pinned_capacity) * keep);
-    }
-  }
+  const MemoryRequest request = less_margin(asked);
   // Pool blocks longer than a sequence only add padding: blocks of the default size first.
   const int64_t default_block = OffloadOptions{}.kv_block_tokens;
   if (request.options.kv_block_tokens > std::max(default_block, request_positions(request))) {
@@ -181,9 +188,7 @@ std::optional<Candidate> suggest_fitting(const MemoryRequest& asked) {
   const bool chunkable = policy_reads_option(request.options.policy, "prefill_chunk") &&
                          request.kv_pool_tokens == 0;
   if (chunkable) {
-    const int64_t rows = request.options.prefill_chunk > 0
-                             ? std::min(request.options.prefill_chunk, request.prompt_len)
-                             : request.prompt_len;
+    const int64_t rows = largest_prompt_pass(request.prompt_len, request.options.prefill_chunk);
     for (int64_t chunk = static_cast<int64_t>(std::bit_floor(static_cast<uint64_t>(rows - 1)));
          rows > kSmallestChunk && chunk >= kSmallestChunk; chunk /= 2) {
       Candidate chunked{request};
@@ -289,18 +294,10 @@ std::string why_nothing_fits(const MemoryRequest& request) {
           ? cat(" (less the ", format_number(100 * request.suggestion_margin),
                 "% a suggestion keeps free)")
           : std::string();
-  const auto keep = [&](size_t capacity) {
-    return capacity == std::numeric_limits<size_t>::max()
-               ? capacity
-               : static_cast<size_t>(static_cast<double>(capacity) *
-                                     (1.0 - request.suggestion_margin));
-  };
-  lean.device_capacity = keep(lean.device_capacity);
-  lean.pinned_capacity = keep(lean.pinned_capacity);
-  lean.host_capacity = keep(lean.host_capacity);
+  lean = less_margin(lean);
   const auto beyond = [&](size_t need, size_t capacity, const char* what) {
-    return cat(gib(need - std::min(need, keep(capacity)), 2), " GiB more than ", what,
-               need <= capacity ? margin : std::string());
+    return cat(gib(need - std::min(need, kept_capacity(capacity, request)), 2), " GiB more than ",
+               what, need <= capacity ? margin : std::string());
   };
   if (!device_fits(plan, lean)) {
     return cat("no configuration fits: ", lean_setting, " needs ", gib(plan.device_total(), 2),
@@ -420,7 +417,7 @@ MemoryPlan compute_memory_plan(const MemoryRequest& r) {
   // then the attention kernel's score blocks, which are not the model's, over the n =
   // prompt_len keys the prompt's last rows see.
   const int64_t B = r.batch, n = r.prompt_len;
-  const int64_t rows = r.options.prefill_chunk > 0 ? std::min(n, r.options.prefill_chunk) : n;
+  const int64_t rows = largest_prompt_pass(n, r.options.prefill_chunk);
   const size_t model_buffers = activation_bytes(c, B, rows);
   const size_t score_blocks = saturating_product({kScoreBlockRows, n, 4, kScoreThreads});
   plan.device_activations = saturating_sum({model_buffers, score_blocks});

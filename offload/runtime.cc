@@ -6,6 +6,7 @@
 #include <optional>
 
 #include "core/interrupt.h"
+#include "core/model.h"
 #include "core/ops.h"
 #include "core/model_loader.h"
 #include "core/pin_ahead.h"
@@ -118,9 +119,8 @@ void generate_offloaded(const ModelSource& source, const GenerationRequest& requ
     for (const std::vector<int32_t>& prompt : request.prompts) {
       longest = std::max<int64_t>(longest, static_cast<int64_t>(prompt.size()));
     }
-    // A prompt computed in chunks runs passes of the chunk's rows.
-    if (options.prefill_chunk > 0) longest = std::min(longest, options.prefill_chunk);
-    const int64_t rows = static_cast<int64_t>(request.prompts.size()) * longest;
+    const int64_t rows = static_cast<int64_t>(request.prompts.size()) *
+                         largest_prompt_pass(longest, options.prefill_chunk);
     const int64_t widest = std::max({config.hidden_size, config.embed_dim(), config.ffn_dim,
                                      config.num_heads * config.head_dim()});
     ops::reserve_cuda_scratch(static_cast<size_t>(8 * rows),

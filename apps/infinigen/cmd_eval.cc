@@ -214,7 +214,8 @@ int eval(EvalCommandOptions& o) {
   }
   fs::create_directories(o.out);
   INFINIGEN_CHECK(fs::is_directory(o.out), "--out ", o.out, ": cannot create the directory");
-  std::fprintf(stderr, "infinigen: %zu window%s of %lld tokens (%lld prefilled, %lld scored), %zu "
+  std::fprintf(stderr,
+               "infinigen: %zu window%s of %lld tokens (%lld prefilled, %lld scored), %zu "
                "setting%s\n",
                windows.size(), windows.size() == 1 ? "" : "s", static_cast<long long>(window),
                static_cast<long long>(o.perplexity.prefill),

@@ -32,7 +32,8 @@ const char* const kDefaultPrompts[] = {
 
 // " in passes of N" when a prompt of `longest` tokens is computed in chunks of N, else "".
 std::string prompt_passes(int64_t longest, int64_t chunk) {
-  return chunk > 0 && chunk < longest ? " in passes of " + std::to_string(chunk) : "";
+  const int64_t pass = largest_prompt_pass(longest, chunk);
+  return pass < longest ? " in passes of " + std::to_string(pass) : "";
 }
 
 struct RunOptions {
