@@ -106,6 +106,13 @@ Tensor Tensor::view(void* data, Shape shape, DType dtype, Device device,
   return t;
 }
 
+Tensor Tensor::pinned(Shape shape, DType dtype, std::string_view purpose, Device device) {
+  const size_t bytes = static_cast<size_t>(shape_numel(shape)) * dtype_size(dtype);
+  void* data = pinned_alloc(bytes, purpose);
+  return view(data, std::move(shape), dtype, device,
+              std::shared_ptr<void>(data, [](void* p) { pinned_free(p); }));
+}
+
 Tensor Tensor::from_floats(Shape shape, const std::vector<float>& values) {
   INFINIGEN_CHECK(shape_numel(shape) == static_cast<int64_t>(values.size()), "from_floats: shape ",
                   shape_string(shape), " does not hold ", values.size(), " values");

@@ -11,6 +11,7 @@
 #include <initializer_list>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/device.h"
@@ -38,6 +39,11 @@ class Tensor {
   // A view of memory someone else owns; `owner` keeps it alive for the tensor's lifetime.
   static Tensor view(void* data, Shape shape, DType dtype, Device device,
                      std::shared_ptr<void> owner);
+  // Pinned host memory (pinned_alloc: mapped, so a kernel may read or write it over the link),
+  // uninitialised, for `purpose` (named when it cannot be pinned); `device` is the device whose
+  // ops take it (Device::Cuda for what kernels read in place).
+  static Tensor pinned(Shape shape, DType dtype, std::string_view purpose,
+                       Device device = Device::Cpu);
   // fp32 CPU tensor holding a copy of `values`.
   static Tensor from_floats(Shape shape, const std::vector<float>& values);
 

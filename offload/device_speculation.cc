@@ -13,19 +13,6 @@
 #include "core/error.h"
 
 namespace infinigen {
-namespace {
-
-// Pinned host memory (mapped: a kernel may read or write it over the link) as a tensor; `device`
-// is the device whose ops take it (Device::Cuda for what kernels read in place).
-Tensor pinned_tensor(Shape shape, DType dtype, const char* purpose, Device device = Device::Cpu) {
-  const size_t bytes = static_cast<size_t>(shape_numel(shape)) * dtype_size(dtype);
-  void* data = pinned_alloc(bytes, purpose);
-  return Tensor::view(data, std::move(shape), dtype, device,
-                      std::shared_ptr<void>(data, [](void* p) { pinned_free(p); }));
-}
-
-}  // namespace
-
 DeviceSpeculation::DeviceSpeculation(int64_t num_layers, int64_t batch, int64_t kv_heads,
                                      int64_t positions, int64_t fetch_cap, const KvPoolShape& pool,
                                      bool capped, const Shape& staging, DType kv_dtype,
@@ -40,30 +27,30 @@ DeviceSpeculation::DeviceSpeculation(int64_t num_layers, int64_t batch, int64_t 
   const int64_t rows = batch * kv_heads;
   for (size_t p = 0; p < 2; ++p) {
     selected_[p] = device_selection(batch, kv_heads, fetch_cap);
-    summary_[p] = pinned_tensor({2 + batch}, DType::I32, "a speculation's summary");
+    summary_[p] = Tensor::pinned({2 + batch}, DType::I32, "a speculation's summary");
     block_tables_[p] =
-        pinned_tensor({2 * batch * blocks}, DType::I64, "the KV pool's block tables");
+        Tensor::pinned({2 * batch * blocks}, DType::I64, "the KV pool's block tables");
     if (capped) {
-      tokens_[p] = pinned_tensor({rows, fetch_cap}, DType::I32, "a speculation's selection");
-      placed_[p] = pinned_tensor({batch, kv_heads}, DType::I32, "a capped pool's placed positions",
+      tokens_[p] = Tensor::pinned({rows, fetch_cap}, DType::I32, "a speculation's selection");
+      placed_[p] = Tensor::pinned({batch, kv_heads}, DType::I32, "a capped pool's placed positions",
                                  Device::Cuda);
       static_assert(sizeof(CopyChunk) % sizeof(int64_t) == 0);
-      token_pieces_[p] = pinned_tensor(
+      token_pieces_[p] = Tensor::pinned(
           {rows * static_cast<int64_t>(sizeof(CopyChunk) / sizeof(int64_t))}, DType::I64,
           "a capped pool's token table updates");
-      token_value_[p] = pinned_tensor({1}, DType::I32, "a capped pool's new token");
+      token_value_[p] = Tensor::pinned({1}, DType::I32, "a capped pool's new token");
     }
   }
   if (capped) {
-    host_keys_ = pinned_tensor(staging, kv_dtype, "a dense layer's staged keys");
-    host_queries_ = pinned_tensor({batch, query_width}, DType::F32, "a dense layer's queries");
+    host_keys_ = Tensor::pinned(staging, kv_dtype, "a dense layer's staged keys");
+    host_queries_ = Tensor::pinned({batch, query_width}, DType::F32, "a dense layer's queries");
   }
 }
 
 void DeviceSpeculation::upload(int64_t layer, PartialLayer& partial,
-                               const std::vector<int32_t>* position_tokens) {
+                               const std::vector<int32_t>* position_tokens, bool keys_on_host) {
   const size_t l = static_cast<size_t>(layer);
-  layers_[l].upload(partial);
+  layers_[l].upload(partial, keys_on_host);
   partial.release_keys();
   if (position_tokens != nullptr) {
     Tensor& tokens = position_tokens_[l];

@@ -41,8 +41,10 @@ class DeviceSpeculation {
                     DType kv_dtype, int64_t query_width);
 
   // Layer `layer`'s partial state, and in a capped pool its token per position (B, H_kv,
-  // positions), to the device; the host's partial key cache is released.
-  void upload(int64_t layer, PartialLayer& partial, const std::vector<int32_t>* position_tokens);
+  // positions), to the device (the partial key cache to mapped pinned host memory when
+  // `keys_on_host`); the host's partial key cache is released.
+  void upload(int64_t layer, PartialLayer& partial, const std::vector<int32_t>* position_tokens,
+              bool keys_on_host = false);
 
   // Speculates layer `layer` from the previous layer's attention input x (B, D) on the device,
   // with the new tokens at rotary positions `rope_positions`, over positions [0, used): the

@@ -14,54 +14,70 @@
 
 namespace infinigen {
 
+namespace {
+
+// A staging as `full`'s and the pool (capped or not), plus per speculated layer the partial key
+// cache (B, H_kv, tokens, r) (in pinned host memory for the last partial_key_host_layers of
+// them), and per layer the partial query weights (H, rows, D) in the weights' dtype with an fp32
+// bias: r rows per head, or at most d with a rotation (the rotary pairs of the columns, or every
+// row under a skew) and the skew (H_kv, d, d) fp32; per layer the partial query rows (B, H, rows)
+// fp32 and, under a pool limit, the token of each position (B, H_kv, positions) I32; once the
+// logits (B, H_kv, tokens) fp32 and two selections (B, H_kv, n' cap) I32. With the dense layers'
+// KV on the device, their whole K and V (B, H_kv, tokens, d) in the KV dtype.
+KvMemory infinigen_memory(const MemoryRequest& r) {
+  const ModelConfig& c = r.config;
+  const int64_t tokens = request_positions(r);
+  const int64_t pooled = r.kv_pool_tokens > 0 ? std::min(r.kv_pool_tokens, tokens) : tokens;
+  const SpeculationOptions& s = r.options.speculation;
+  const int64_t rp = partial_columns(s.partial_ratio, c.head_dim());
+  const int64_t d = c.head_dim(), rows = c.rope.enabled() ? d : rp;
+  const auto key_size = static_cast<int64_t>(dtype_size(s.partial_key_dtype));
+  const auto weight_size = static_cast<int64_t>(dtype_size(c.dtype));
+  const int64_t on_host = partial_key_host_layers(r.options, c.num_layers);
+  const int64_t on_device = speculated_layers(r.options, c.num_layers) - on_host;
+  const auto partial_keys = [&](int64_t layers) {
+    return saturating_product({layers, r.batch, c.kv_heads(), tokens, rp, key_size});
+  };
+  const size_t device = saturating_sum(
+      {kv_staging_bytes(r, tokens), partial_keys(on_device),
+       saturating_product({c.num_layers, c.num_heads, rows, c.hidden_size, weight_size}),
+       saturating_product({c.num_layers, c.num_heads, rows, 4}),
+       c.rope.enabled() ? saturating_product({c.num_layers, c.kv_heads(), d, d, 4}) : 0,
+       saturating_product({c.num_layers, r.batch, c.num_heads, rows, 4}),
+       r.kv_pool_tokens > 0 ? saturating_product({c.num_layers, r.batch, c.kv_heads(), pooled, 4})
+                            : 0,
+       saturating_product({r.batch, c.kv_heads(), pooled, 4}),
+       saturating_product({2, r.batch, c.kv_heads(), s.fetch_cap(tokens), 4}),
+       saturating_product({resident_dense_layers(r.options, c.num_layers, r.kv_pool_tokens > 0),
+                           2, r.batch, c.kv_heads(), tokens, d,
+                           static_cast<int64_t>(dtype_size(r.kv_dtype))})});
+  return {device, saturating_sum({kv_pool_bytes(r, pooled), partial_keys(on_host)}),
+          kv_pool_shape(r, pooled)};
+}
+
+}  // namespace
+
 const KvPolicy& infinigen_kv_policy() {
   static const KvPolicy policy{
       "infinigen",
       "all KV in host memory, each layer loads the tokens speculated at the layer before",
       {"alpha", "partial_ratio", "partial_index_rule", "partial_key_dtype", "fetch_rule",
-       "max_num_kv", "dense_layers", "kv_pool_limit", "eviction", "check_recall", "kv_block_tokens",
-       "share_prefix", "prefill_chunk"},
+       "max_num_kv", "dense_layers", "dense_kv", "partial_key_host_layers", "kv_pool_limit",
+       "eviction", "check_recall", "kv_block_tokens", "share_prefix", "prefill_chunk"},
       /*exact=*/false,
       /*selects_loads=*/true,
       // Speculation runs on the host, or on the device (speculate/device_partial.h).
       [](Device) { return true; },
-      [](const MemoryRequest& r) -> KvMemory {
-        // A staging as `full`'s and the pool (capped or not), plus per layer the partial key
-        // cache (B, H_kv, tokens, r) and the partial query weights (H, rows, D) in the weights'
-        // dtype with an fp32 bias: r rows per head, or at most d with a rotation (the rotary
-        // pairs of the columns, or every row under a skew) and the skew (H_kv, d, d) fp32; per
-        // layer the partial query rows (B, H, rows) fp32 and, under a pool limit, the token of
-        // each position (B, H_kv, positions) I32; once the logits (B, H_kv, tokens) fp32 and two
-        // selections (B, H_kv, n' cap) I32.
-        const ModelConfig& c = r.config;
-        const int64_t tokens = request_positions(r);
-        const int64_t pooled = r.kv_pool_tokens > 0 ? std::min(r.kv_pool_tokens, tokens) : tokens;
-        const SpeculationOptions& s = r.options.speculation;
-        const int64_t rp = partial_columns(s.partial_ratio, c.head_dim());
-        const int64_t d = c.head_dim(), rows = c.rope.enabled() ? d : rp;
-        const auto key_size = static_cast<int64_t>(dtype_size(s.partial_key_dtype));
-        const auto weight_size = static_cast<int64_t>(dtype_size(c.dtype));
-        return {
-            saturating_sum(
-                {kv_staging_bytes(r, tokens),
-                 saturating_product({c.num_layers, r.batch, c.kv_heads(), tokens, rp, key_size}),
-                 saturating_product({c.num_layers, c.num_heads, rows, c.hidden_size, weight_size}),
-                 saturating_product({c.num_layers, c.num_heads, rows, 4}),
-                 c.rope.enabled() ? saturating_product({c.num_layers, c.kv_heads(), d, d, 4}) : 0,
-                 saturating_product({c.num_layers, r.batch, c.num_heads, rows, 4}),
-                 r.kv_pool_tokens > 0
-                     ? saturating_product({c.num_layers, r.batch, c.kv_heads(), pooled, 4})
-                     : 0,
-                 saturating_product({r.batch, c.kv_heads(), pooled, 4}),
-                 saturating_product({2, r.batch, c.kv_heads(), s.fetch_cap(tokens), 4})}),
-            kv_pool_bytes(r, pooled), kv_pool_shape(r, pooled)};
-      },
+      infinigen_memory,
       [](const KvStoreArgs& a) -> std::unique_ptr<KvStore> {
         const OffloadOptions& o = a.options;
-        return std::make_unique<InfinigenKv>(a.config, a.batch, a.capacity, a.kv_dtype, a.device,
-                                             o.kv_block_tokens, a.engine, a.stats, o.speculation,
-                                             o.check_recall,
-                                             KvPoolLimit{a.pool_positions, o.eviction}, a.replay);
+        return std::make_unique<InfinigenKv>(
+            a.config, a.batch, a.capacity, a.kv_dtype, a.device, o.kv_block_tokens, a.engine,
+            a.stats, o.speculation, o.check_recall, KvPoolLimit{a.pool_positions, o.eviction},
+            a.replay,
+            InfinigenPlacement{
+                resident_dense_layers(o, a.config.num_layers, a.pool_positions > 0) > 0,
+                partial_key_host_layers(o, a.config.num_layers)});
       },
       /*resumable=*/true,
       // The saved partial keys and columns depend on these.
@@ -72,9 +88,11 @@ const KvPolicy& infinigen_kv_policy() {
 InfinigenKv::InfinigenKv(const ModelConfig& config, int64_t batch, int64_t capacity, DType kv_dtype,
                          Device device, int64_t block_tokens, TransferEngine& engine,
                          OffloadStats& stats, const SpeculationOptions& options, bool check_recall,
-                         const KvPoolLimit& limit, const FetchReplay* replay)
+                         const KvPoolLimit& limit, const FetchReplay* replay,
+                         const InfinigenPlacement& placement)
     : KvStore(batch, capacity),
       options_(options),
+      placement_(placement),
       check_recall_(check_recall),
       replay_(replay),
       num_layers_(config.num_layers),
@@ -88,7 +106,10 @@ InfinigenKv::InfinigenKv(const ModelConfig& config, int64_t batch, int64_t capac
       partial_(static_cast<size_t>(config.num_layers)),
       selection_(static_cast<size_t>(config.num_layers)),
       paged_(*this, config, kv_dtype, device, block_tokens, engine, stats,
-             slots_ < capacity ? slots_ : 0) {
+             slots_ < capacity ? slots_ : 0,
+             placement.dense_kv_on_device && slots_ == capacity
+                 ? std::clamp<int64_t>(options.dense_layers, 0, config.num_layers)
+                 : 0) {
   options_.validate();
   INFINIGEN_CHECK(slots_ >= 2, option("kv_pool_limit"), " leaves ", slots_,
                   " position per sequence and head; at least 2 are needed");
@@ -285,7 +306,8 @@ void InfinigenKv::end_pass(int64_t n_new) {
     // layer's partial state moves to the device for good, before the first decode step.
     for (int64_t layer = options_.dense_layers; layer < num_layers_; ++layer) {
       device_->upload(layer, partial_[static_cast<size_t>(layer)],
-                      capped_ ? &capped_->position_tokens(layer) : nullptr);
+                      capped_ ? &capped_->position_tokens(layer) : nullptr,
+                      partial_keys_on_host(layer));
     }
   }
   paged_.end_pass();
@@ -336,6 +358,7 @@ std::vector<int32_t> InfinigenKv::replayed_take(int64_t layer) const {
 void InfinigenKv::select_and_load(int64_t layer, const Tensor& x,
                                   const std::vector<int32_t>& positions) {
   const size_t l = static_cast<size_t>(layer);
+  if (partial_keys_on_host(layer)) read_host_partial_keys(layer, used_positions());
   if (device_) {
     selection_[l] = device_->select(layer, x, positions, used_positions(), first_valid(), options_,
                                     paged_.pipeline().engine().compute_stream());
@@ -350,6 +373,24 @@ void InfinigenKv::select_and_load(int64_t layer, const Tensor& x,
                             capped_ ? &capped_->position_tokens(layer) : nullptr, &take);
   if (capped_) capped_->count_fetches(layer, selection_[l], length());
   load_selection(layer);
+}
+
+void InfinigenKv::read_host_partial_keys(int64_t layer, int64_t used) {
+  LayerPipeline& pipeline = paged_.pipeline();
+  const uint64_t bytes = static_cast<uint64_t>(batch() * kv_heads_ * used *
+                                               partial_columns(options_.partial_ratio, head_dim_)) *
+                         dtype_size(options_.partial_key_dtype);
+  pipeline.traffic(layer).kv_h2d_bytes += bytes;
+  pipeline.step().h2d_bytes += bytes;
+  if (!dry_run()) return;  // the speculation kernels read them in place
+  // A kernel's read, one contiguous run per (sequence, KV head), that speculation waits for.
+  TransferEngine& engine = pipeline.engine();
+  const EventPtr read =
+      engine.load_by_kernel([](void*) { return 0; }, bytes, batch() * kv_heads_, nullptr,
+                            {"partial_key_read", layer, TransferContent::KvRange});
+  StepStats& step = pipeline.step();
+  engine.compute_waits(read, {&step.layers[static_cast<size_t>(layer)].load_wait_seconds,
+                              &step.load_wait_seconds});
 }
 
 void InfinigenKv::load_selection(int64_t layer) {

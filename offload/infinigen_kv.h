@@ -12,12 +12,18 @@
 // compact: for sequence b, rows [n' - take[b], n') hold its selected positions in order and row
 // n' the new token; attention reads rows [n' - take[b], n' + 1) (the view's own first_valid).
 // Dense layers (and every layer of an extension pass) load their whole KV a layer ahead, as
-// `full` does; under a pool limit they load every valid position the same compact way.
+// `full` does, unless their KV is kept on the device (InfinigenPlacement: PagedKv's resident
+// layers, written as they are computed, so a step loads none of it); under a pool limit they load
+// every valid position the same compact way.
 //
 // On CUDA the partial state of the speculated layers moves to the device once the prompt's passes
 // are done (offload/device_speculation.h): the selection is made there and the selected rows are
 // gathered from the pool by a kernel that reads the positions where they were chosen; the host
-// reads back each sequence's take (docs/cuda.md: the one host wait per speculated layer).
+// reads back each sequence's take (docs/cuda.md: the one host wait per speculated layer). The
+// partial key cache of the last InfinigenPlacement::partial_key_host_layers speculated layers
+// moves to mapped pinned host memory instead, where the speculation kernels read it over the link
+// (its bytes count as the layer's loads; a dry run records the read as a transfer the
+// speculation waits for).
 #pragma once
 
 #include <array>
@@ -27,6 +33,7 @@
 #include "core/kv_cache.h"
 #include "offload/capped_pool.h"
 #include "offload/device_speculation.h"
+#include "offload/offload_options.h"
 #include "offload/paged_kv.h"
 #include "speculate/speculation.h"
 
@@ -35,12 +42,20 @@ namespace infinigen {
 struct KvPolicy;
 const KvPolicy& infinigen_kv_policy();  // its entry (offload/kv_policy.h)
 
+
+// Where the store keeps what it may keep on the device or in host memory (the memory plan's
+// placements, offload/memory_planner.h).
+struct InfinigenPlacement {
+  bool dense_kv_on_device = false;      // the dense layers' whole KV (PagedKv's resident layers)
+  int64_t partial_key_host_layers = 0;  // the last speculated layers' partial keys in host memory
+};
+
 class InfinigenKv : public KvStore {
  public:
   InfinigenKv(const ModelConfig& config, int64_t batch, int64_t capacity, DType kv_dtype,
               Device device, int64_t block_tokens, TransferEngine& engine, OffloadStats& stats,
               const SpeculationOptions& options, bool check_recall, const KvPoolLimit& limit = {},
-              const FetchReplay* replay = nullptr);
+              const FetchReplay* replay = nullptr, const InfinigenPlacement& placement = {});
 
   // A capped pool keeps positions, not tokens: nothing to share there.
   bool can_share_prefix() const override { return !capped_; }
@@ -73,6 +88,13 @@ class InfinigenKv : public KvStore {
 
  private:
   bool dense(int64_t layer) const { return layer < options_.dense_layers; }
+  // Whether a speculated layer's partial key cache is in host memory (InfinigenPlacement).
+  bool partial_keys_on_host(int64_t layer) const {
+    return !dense(layer) && layer >= num_layers_ - placement_.partial_key_host_layers;
+  }
+  // A decode step's read of layer `layer`'s partial keys in host memory over positions [0, used):
+  // counted as the layer's loads, and in a dry run recorded as a transfer speculation waits for.
+  void read_host_partial_keys(int64_t layer, int64_t used);
   // Whether layer `layer` loads what speculation selects (else it loads every entry).
   bool speculated(int64_t layer) const { return !extending() && !dense(layer); }
   // Compact views are used by speculated layers, and by every layer under a pool limit.
@@ -107,6 +129,7 @@ class InfinigenKv : public KvStore {
   double measure_recall(int64_t layer);
 
   SpeculationOptions options_;
+  InfinigenPlacement placement_;
   bool check_recall_;
   const FetchReplay* replay_;  // what a dry run fetches (core/trace.h); null otherwise
   int64_t num_layers_;

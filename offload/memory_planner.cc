@@ -129,6 +129,12 @@ std::string flags_for(const MemoryRequest& from, const Candidate& to) {
   if (now.prefill_chunk != was.prefill_chunk) {
     add(cat(option("prefill_chunk"), " ", now.prefill_chunk));
   }
+  if (now.dense_kv != was.dense_kv) {
+    add(cat(option("dense_kv"), " ", find_option(offload_option_table(), "dense_kv")->format(now)));
+  }
+  if (now.partial_key_host_layers != was.partial_key_host_layers) {
+    add(cat(option("partial_key_host_layers"), " ", now.partial_key_host_layers));
+  }
   if (to.pool_limit > 0) add(cat(option("kv_pool_limit"), " ", to.pool_limit));
   if (r.batch != from.batch) add(cat(option("batch"), " ", r.batch));
   if (r.gen_len != from.gen_len) add(cat(option("gen_len"), " ", r.gen_len));
@@ -184,6 +190,22 @@ std::optional<Candidate> suggest_fitting(const MemoryRequest& asked) {
     Candidate shorter_blocks{request};
     shorter_blocks.request.options.kv_block_tokens = default_block;
     if (fits(shorter_blocks.request)) return shorter_blocks;
+  }
+  // The dense layers' KV asked on the device: in the host pool, loaded every step, as `auto`
+  // would place it.
+  if (request.options.dense_kv == KvPlacement::Device) {
+    Candidate loaded{request};
+    loaded.request.options.dense_kv = KvPlacement::Host;
+    if (fits(loaded.request)) return loaded;
+  }
+  // Partial keys of a number of layers asked in host memory: as many as the plan needs.
+  if (request.options.partial_key_host_layers >= 0 &&
+      policy_reads_option(request.options.policy, "partial_key_host_layers")) {
+    Candidate more{request};
+    more.request.options.partial_key_host_layers = -1;
+    more.request = with_placements(more.request);
+    more.request.options.dense_kv = request.options.dense_kv;
+    if (fits(more.request)) return more;
   }
   const bool chunkable = policy_reads_option(request.options.policy, "prefill_chunk") &&
                          request.kv_pool_tokens == 0;
@@ -368,10 +390,69 @@ std::string MemoryPlan::describe() const {
   if (device_scratch > 0) row("GEMM scratch", human(device_scratch), "-");
   if (device_gather > 0) row("host gather", human(device_gather), human(host_gather));
   row("total", human(device_total()), human(host_total()));
+  if (partial_key_host_layers.value_or(0) > 0) {
+    text += cat("  ", *partial_key_host_layers,
+                " speculated layers keep their partial keys in host memory: every step reads "
+                "them over the link\n");
+  }
+  if (dense_kv == KvPlacement::Device) {
+    text += "  the dense layers' KV is kept on the device: no step loads it\n";
+  } else if (dense_kv == KvPlacement::Host) {
+    text += "  the dense layers' KV is in the host pool: every step loads it whole\n";
+  }
   return text;
 }
 
-MemoryPlan compute_memory_plan(const MemoryRequest& r) {
+MemoryRequest with_placements(const MemoryRequest& request) {
+  MemoryRequest placed = request;
+  OffloadOptions& options = placed.options;
+  // Under a pool limit the dense layers load what the pool keeps: no placement to choose.
+  if (!policy_reads_option(options.policy, "dense_kv") || request.kv_pool_tokens > 0) {
+    if (options.dense_kv == KvPlacement::Auto) options.dense_kv = KvPlacement::Host;
+  }
+  if (!policy_reads_option(options.policy, "partial_key_host_layers")) {
+    options.partial_key_host_layers = 0;
+  }
+  const bool choose_keys = options.partial_key_host_layers < 0;
+  if (options.dense_kv != KvPlacement::Auto && !choose_keys) return placed;
+  // Every request planned below has its placements decided. First every partial key on the
+  // device (or as many as asked), with the dense layers' KV there when it fits.
+  const std::vector<KvPlacement> dense =
+      options.dense_kv == KvPlacement::Auto
+          ? std::vector<KvPlacement>{KvPlacement::Device, KvPlacement::Host}
+          : std::vector<KvPlacement>{options.dense_kv};
+  if (choose_keys) options.partial_key_host_layers = 0;
+  for (KvPlacement where : dense) {
+    options.dense_kv = where;
+    if (fits(placed)) return placed;
+  }
+  if (!choose_keys) return placed;
+  // Then the fewest layers' partial keys in host memory with which the device part fits (it
+  // shrinks as they grow; the host part grows), the dense layers' KV where it takes the least
+  // device memory. A dense layer's KV on the device saves as many link bytes per step as the
+  // device bytes it takes would when given to partial keys, which are read on the critical path:
+  // partial keys first.
+  const int64_t most = speculated_layers(options, request.config.num_layers);
+  const auto device_fits_with = [&](int64_t layers) {
+    options.partial_key_host_layers = layers;
+    return device_fits(compute_memory_plan(placed), placed);
+  };
+  int64_t lo = 1, hi = most;
+  if (!device_fits_with(most)) lo = most;  // nothing fits: the leanest, for the refusal
+  while (lo < hi) {  // the device fits at hi
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (device_fits_with(mid)) {
+      hi = mid;
+    } else {
+      lo = mid + 1;
+    }
+  }
+  options.partial_key_host_layers = hi;
+  return placed;
+}
+
+MemoryPlan compute_memory_plan(const MemoryRequest& request) {
+  const MemoryRequest r = with_placements(request);
   const ModelConfig& c = r.config;
   INFINIGEN_CHECK(
       c.num_layers > 0 && c.hidden_size > 0 && c.num_heads > 0 && c.ffn_dim > 0 && c.vocab_size > 0,
@@ -410,6 +491,10 @@ MemoryPlan compute_memory_plan(const MemoryRequest& r) {
   const KvMemory kv = kv_policy(r.options.policy).memory(r);
   plan.device_kv = kv.device;
   plan.host_kv_pool = kv.host;
+  if (policy_reads_option(r.options.policy, "dense_kv")) plan.dense_kv = r.options.dense_kv;
+  if (policy_reads_option(r.options.policy, "partial_key_host_layers")) {
+    plan.partial_key_host_layers = partial_key_host_layers(r.options, c.num_layers);
+  }
 
   // Activations: the model's buffers (core/activations.h, the list the forward pass computes
   // in), sized for the largest pass, the prompt's of B sequences of `rows` rows (the prompt, or

@@ -2,11 +2,13 @@
 //
 // Device: resident weights, staging for streamed weights (two layers), KV (the whole cache for
 // the `gpu` policy; for offloading policies a double-buffered staging of K and V for one layer,
-// plus for `infinigen` every layer's partial key cache (fp16 by default) and partial query
-// weights; for `h2o` the staging holds only the kept entries and the new token), and activations
-// (the model's buffers of core/activations.h sized for the prompt's largest pass, the whole
-// prompt or its chunk, and one prefill attention score block per worker of the CPU kernel), and on the CUDA backend the GEMMs' scratch
-// (the 16-bit copy of the largest input, cuBLAS's workspace).
+// plus for `infinigen` every speculated layer's partial key cache (fp16 by default; those placed
+// in host memory count there) and partial query weights, and the dense layers' whole KV where it
+// is placed on the device; for `h2o` the staging
+// holds only the kept entries and the new token), and activations (the model's buffers of
+// core/activations.h sized for the prompt's largest pass, the whole prompt or its chunk, and one
+// prefill attention score block per worker of the CPU kernel), and on the CUDA backend the GEMMs'
+// scratch (the 16-bit copy of the largest input, cuBLAS's workspace).
 // Host (pinned): host-resident weights and the KV pool (for `h2o`, only the kept entries).
 // If the plan does not fit, `plan_memory` throws one line with the numbers and a configuration
 // that the planner itself accepts (a smaller batch, a capped InfiniGen pool, fewer weights on the
@@ -17,6 +19,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <string>
 
 #include "core/model_config.h"
@@ -64,6 +67,13 @@ struct MemoryPlan {
   size_t host_gather = 0;
   size_t host_weights = 0;
   size_t host_kv_pool = 0;
+  // Where the dense layers' KV lives, for a policy that reads OffloadOptions::dense_kv: as asked,
+  // or for `auto` the device when the plan fits there, else the host (never auto).
+  std::optional<KvPlacement> dense_kv;
+  // How many speculated layers keep their partial key cache in pinned host memory, for a policy
+  // that reads OffloadOptions::partial_key_host_layers: as asked, or for -1 the fewest with which
+  // the plan fits (all of them when nothing does).
+  std::optional<int64_t> partial_key_host_layers;
   size_t device_total() const;
   size_t host_total() const;
   std::string describe() const;  // multi-line breakdown for --stats
@@ -80,7 +90,12 @@ size_t kv_staging_bytes(const MemoryRequest& request, int64_t rows);
 KvPoolShape kv_pool_shape(const MemoryRequest& request, int64_t positions);
 size_t kv_pool_bytes(const MemoryRequest& request, int64_t positions);
 
-// Sizes of the plan, without checking capacities.
+// `request` with every placement it leaves to the planner decided, the faster first: the dense
+// layers' KV (OffloadOptions::dense_kv auto) on the device, and as few layers' partial keys in
+// host memory (partial_key_host_layers -1) as then fit; else the dense layers' KV in the host pool
+// and as few partial key layers as fit there; when nothing fits, everything in host memory.
+MemoryRequest with_placements(const MemoryRequest& request);
+// Sizes of the plan of with_placements(request), without checking capacities.
 MemoryPlan compute_memory_plan(const MemoryRequest& request);
 // compute_memory_plan, then checks both capacities; throws Error (one line) if it cannot fit.
 MemoryPlan plan_memory(const MemoryRequest& request);

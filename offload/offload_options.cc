@@ -98,6 +98,19 @@ OptionTable<OffloadOptions> make_table() {
           "infinigen: cap on the host KV pool, a fraction (<= 1) of the full KV or "
           "bytes (> 1); 0 = none",
           [](auto& o) -> auto& { return o.kv_pool_limit; }),
+      choice_option<O, KvPlacement>(
+          "dense_kv",
+          "infinigen: where the dense layers' KV lives: device (kept there, no step loads it), "
+          "host (loaded whole every step) or auto (the device when the plan fits there)",
+          [](auto& o) -> auto& { return o.dense_kv; },
+          {{"auto", KvPlacement::Auto}, {"device", KvPlacement::Device},
+           {"host", KvPlacement::Host}}),
+      integer_option<O>(
+          "partial_key_host_layers",
+          "infinigen: speculated layers (the last ones) whose partial key cache stays in pinned "
+          "host memory, read over the link by each step's speculation (-1: as few as the plan "
+          "needs to fit)",
+          [](auto& o) -> auto& { return o.partial_key_host_layers; }),
       choice_option<O, EvictionPolicy>(
           "eviction", "infinigen: victim when the capped pool is full",
           [](auto& o) -> auto& { return o.eviction; }, eviction_choices()),
@@ -127,6 +140,7 @@ OptionTable<OffloadOptions> make_table() {
   table.insert(table.begin() + 5, device_memory);
   for (OptionSpec<O>& spec : table) {
     if (spec.key == "eviction") spec.in_effect = [](const O& o) { return o.kv_pool_limit > 0; };
+    if (spec.key == "dense_kv") spec.in_effect = [](const O& o) { return o.kv_pool_limit == 0; };
   }
   return table;
 }
@@ -144,6 +158,20 @@ bool policy_reads_option(const std::string& policy, std::string_view key) {
   }
   const std::vector<std::string>& reads = kv_policy(policy).options;
   return std::find(reads.begin(), reads.end(), key) != reads.end();
+}
+
+int64_t resident_dense_layers(const OffloadOptions& options, int64_t num_layers, bool capped) {
+  if (capped || options.dense_kv == KvPlacement::Host) return 0;
+  return std::clamp<int64_t>(options.speculation.dense_layers, 0, num_layers);
+}
+
+int64_t speculated_layers(const OffloadOptions& options, int64_t num_layers) {
+  return num_layers - std::clamp<int64_t>(options.speculation.dense_layers, 0, num_layers);
+}
+
+int64_t partial_key_host_layers(const OffloadOptions& options, int64_t num_layers) {
+  return std::clamp<int64_t>(options.partial_key_host_layers, 0,
+                             speculated_layers(options, num_layers));
 }
 
 void OffloadOptions::validate() const {
@@ -174,6 +202,11 @@ void OffloadOptions::validate() const {
   INFINIGEN_CHECK(kv_pool_limit == 0 || policy_reads_option(policy, "kv_pool_limit"),
                   option("kv_pool_limit"), " needs a policy with a pool to limit (",
                   option("policy"), " ", policy, " has none)");
+  INFINIGEN_CHECK(dense_kv != KvPlacement::Device || kv_pool_limit == 0, option("dense_kv"),
+                  " device with ", option("kv_pool_limit"),
+                  ": a capped pool keeps positions, not a layer's whole KV (use auto or host)");
+  INFINIGEN_CHECK(partial_key_host_layers >= -1, option("partial_key_host_layers"),
+                  " must be >= 0, or -1 (as few as the plan needs), got ", partial_key_host_layers);
   INFINIGEN_CHECK(h2o_budget > 0 && h2o_budget <= 1, option("h2o_budget"),
                   " must be in (0, 1], got ", h2o_budget);
 }

@@ -14,6 +14,11 @@
 
 namespace infinigen {
 
+// Where a part of the KV lives: on the device for the whole run (a step loads none of it), in
+// the host pool (loaded when a step needs it), or where the memory plan fits (the device when it
+// does: MemoryPlan says which).
+enum class KvPlacement { Auto, Device, Host };
+
 struct OffloadOptions {
   std::string policy = "infinigen";    // a KV policy's name (offload/kv_policy.h)
   double weights_gpu_percent = 100.0;  // share of each layer's weights kept on the device
@@ -37,6 +42,16 @@ struct OffloadOptions {
   // Policy infinigen: cap on the host KV pool, as a fraction (<= 1) of the full KV of the
   // request or as bytes (> 1); 0 = no cap.
   double kv_pool_limit = 0.0;
+  // Policy infinigen (uncapped): where the dense layers' KV lives. On the device its rows are
+  // written there as they are computed (and stored to the pool as well, which sessions read), so
+  // a decode step moves none of it; in the host pool it is loaded whole every step, as `full`
+  // loads every layer.
+  KvPlacement dense_kv = KvPlacement::Auto;
+  // Policy infinigen: how many speculated layers (the last ones) keep their partial key cache in
+  // pinned host memory rather than on the device. On CUDA their speculation kernels read it there
+  // over the link, every step; on the CPU backend both are the same memory. -1: as few as the
+  // memory plan needs to fit (0 when everything fits on the device).
+  int64_t partial_key_host_layers = -1;
   EvictionPolicy eviction = EvictionPolicy::Counter;  // victims of a capped pool
   double h2o_budget = 0.2;  // policy h2o: share of the tokens kept per (layer, sequence, head)
 
@@ -44,6 +59,15 @@ struct OffloadOptions {
   // pool to limit).
   void validate() const;
 };
+
+// Policy infinigen: the layers whose KV stays on the device for the whole run: the dense ones unless `options`
+// place them in the host pool (auto counts as the device: the planner decides it before a run),
+// none under a pool limit (`capped`), whose positions are not a layer's whole KV.
+int64_t resident_dense_layers(const OffloadOptions& options, int64_t num_layers, bool capped);
+// The layers that speculate (those past the dense ones), and how many of them, the last ones,
+// keep their partial key cache in pinned host memory (-1, left to the planner, counts as none).
+int64_t speculated_layers(const OffloadOptions& options, int64_t num_layers);
+int64_t partial_key_host_layers(const OffloadOptions& options, int64_t num_layers);
 
 // Every option of OffloadOptions, in the order `--help` lists them.
 const OptionTable<OffloadOptions>& offload_option_table();

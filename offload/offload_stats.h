@@ -15,7 +15,9 @@ struct LayerTraffic {
   uint64_t kv_d2h_bytes = 0;      // new KV stored from this layer
   uint64_t weight_h2d_bytes = 0;  // streamed weights of this layer
   double load_wait_seconds = 0;   // compute stalled waiting for this layer's loads
-  uint64_t tokens_fetched = 0;    // (sequence, head, token) rows loaded, padding excluded
+  // (sequence, head, token) rows attention read from the device, padding excluded: loaded this
+  // step, or resident there (a layer whose KV stays on the device, offload/paged_kv.h).
+  uint64_t tokens_fetched = 0;
   uint64_t tokens_stored = 0;     // rows the pool held for this layer, padding excluded
   double recall = -1.0;           // share of full attention weight on the fetched rows (-1: n/a)
 };

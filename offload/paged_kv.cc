@@ -8,7 +8,7 @@ namespace infinigen {
 
 PagedKv::PagedKv(const KvStore& store, const ModelConfig& config, DType kv_dtype, Device device,
                  int64_t block_tokens, TransferEngine& engine, OffloadStats& stats,
-                 int64_t pool_tokens)
+                 int64_t pool_tokens, int64_t resident_layers)
     : store_(store),
       pool_({config.num_layers, store.batch(), config.kv_heads(), config.head_dim(),
              pool_tokens > 0 ? pool_tokens : store.capacity(), block_tokens, kv_dtype}),
@@ -21,6 +21,16 @@ PagedKv::PagedKv(const KvStore& store, const ModelConfig& config, DType kv_dtype
     token_keys_[p] = Tensor::empty(token, kv_dtype, device);
     token_values_[p] = Tensor::empty(token, kv_dtype, device);
   }
+  INFINIGEN_CHECK(resident_layers >= 0 && resident_layers <= config.num_layers &&
+                      (resident_layers == 0 || pool_tokens == 0),
+                  "a paged KV store keeps ", resident_layers, " of ", config.num_layers,
+                  " layers resident", pool_tokens > 0 ? " in a capped pool" : "");
+  const Shape whole = {batch, config.kv_heads(), capacity, config.head_dim()};
+  for (int64_t l = 0; l < resident_layers; ++l) {
+    resident_keys_.push_back(Tensor::empty(whole, kv_dtype, device));
+    resident_values_.push_back(Tensor::empty(whole, kv_dtype, device));
+  }
+  resident_rows_.assign(static_cast<size_t>(resident_layers), 0);
   // The largest transfer either way: a layer's K and V, one chunk per (sequence, head, block).
   const int64_t blocks = (capacity + block_tokens - 1) / block_tokens;
   engine.reserve_gathers(
@@ -29,16 +39,31 @@ PagedKv::PagedKv(const KvStore& store, const ModelConfig& config, DType kv_dtype
           dtype_size(kv_dtype));
 }
 
+Tensor& PagedKv::keys_of(int64_t layer) {
+  return resident(layer) ? resident_keys_[static_cast<size_t>(layer)] : pipeline_.keys(layer);
+}
+
+Tensor& PagedKv::values_of(int64_t layer) {
+  return resident(layer) ? resident_values_[static_cast<size_t>(layer)] : pipeline_.values(layer);
+}
+
 void PagedKv::load_layer(int64_t layer) {
-  Tensor& keys = pipeline_.keys(layer);
-  Tensor& values = pipeline_.values(layer);
-  pipeline_.poison(layer);
+  Tensor& keys = keys_of(layer);
+  Tensor& values = values_of(layer);
   const int64_t length = store_.length();
-  std::vector<CopyChunk> chunks;
-  pool_.gather_chunks(layer, KvKind::Key, 0, length, keys.raw(), store_.capacity(), 0, &chunks);
-  pool_.gather_chunks(layer, KvKind::Value, 0, length, values.raw(), store_.capacity(), 0,
-                      &chunks);
-  // Rows each sequence's attention reads (a shared row once per sequence that reads it).
+  // A resident layer that holds every stored row loads nothing (and waits for no store).
+  const bool loads = !resident(layer) || resident_rows_[static_cast<size_t>(layer)] < length;
+  if (loads) {
+    if (!resident(layer)) pipeline_.poison(layer);
+    std::vector<CopyChunk> chunks;
+    pool_.gather_chunks(layer, KvKind::Key, 0, length, keys.raw(), store_.capacity(), 0, &chunks);
+    pool_.gather_chunks(layer, KvKind::Value, 0, length, values.raw(), store_.capacity(), 0,
+                        &chunks);
+    pipeline_.load(layer, std::move(chunks));
+    if (resident(layer)) resident_rows_[static_cast<size_t>(layer)] = length;
+  }
+  // Rows each sequence's attention reads (a shared row once per sequence that reads it), loaded
+  // or resident.
   LayerTraffic& traffic = pipeline_.traffic(layer);
   for (int64_t b = 0; b < store_.batch(); ++b) {
     const int64_t own = length - store_.first_valid()[static_cast<size_t>(b)];
@@ -46,16 +71,19 @@ void PagedKv::load_layer(int64_t layer) {
         static_cast<uint64_t>((store_.shared().prefix_length(b) + own) * keys.dim(1));
   }
   traffic.tokens_stored = traffic.tokens_fetched;
-  pipeline_.load(layer, std::move(chunks));
 }
 
 void PagedKv::append(int64_t layer, const Tensor& keys, const Tensor& values) {
-  Tensor& staged_keys = pipeline_.keys(layer);
-  Tensor& staged_values = pipeline_.values(layer);
+  Tensor& staged_keys = keys_of(layer);
+  Tensor& staged_values = values_of(layer);
+  // A resident layer's rows are written once, after every row a store of it still reads: it
+  // awaits no store.
+  const bool own = resident(layer);
+  if (own) resident_rows_[static_cast<size_t>(layer)] = store_.length() + store_.pass_tokens();
   if (store_.length() == 0) {
     // Prefill: attention reads the fresh rows directly; the staging only carries them to the
-    // pool, once the store that last read it is done.
-    pipeline_.await_store_reads(layer);
+    // pool, once the store that last read it is done (a resident layer keeps them).
+    if (!own) pipeline_.await_store_reads(layer);
     store_.store_pass_rows(keys, staged_keys);
     store_.store_pass_rows(values, staged_values);
     if (store_.sharing_pass()) {
@@ -69,10 +97,11 @@ void PagedKv::append(int64_t layer, const Tensor& keys, const Tensor& values) {
   // pool from the token buffer; the rows of an extension go from the staging, on the store stream
   // while the next layers compute: the next write of those rows, layer + 2's, waits for that
   // store, and the loads into the staging write only the rows before them.
-  if (store_.pass_tokens() > 1) pipeline_.await_store_reads(layer);
+  // A resident layer stores its new rows from where they stay.
+  if (store_.pass_tokens() > 1 && !own) pipeline_.await_store_reads(layer);
   ops::cache_store(keys, staged_keys, store_.length());
   ops::cache_store(values, staged_values, store_.length());
-  if (store_.pass_tokens() == 1) {
+  if (store_.pass_tokens() == 1 && !own) {
     store_token(layer, keys, values);
     return;
   }
@@ -141,16 +170,16 @@ void PagedKv::store_shared_prefixes(int64_t layer) {
   if (pool_.num_blocks() == 0) pool_.share(store_.shared());
   std::vector<CopyChunk> chunks;
   const int64_t rows = store_.shared_rows();
-  pool_.scatter_shared_chunks(layer, KvKind::Key, pipeline_.keys(layer).raw(), store_.capacity(), 0,
+  pool_.scatter_shared_chunks(layer, KvKind::Key, keys_of(layer).raw(), store_.capacity(), 0, rows,
+                              &chunks);
+  pool_.scatter_shared_chunks(layer, KvKind::Value, values_of(layer).raw(), store_.capacity(), 0,
                               rows, &chunks);
-  pool_.scatter_shared_chunks(layer, KvKind::Value, pipeline_.values(layer).raw(),
-                              store_.capacity(), 0, rows, &chunks);
   pipeline_.store(layer, std::move(chunks));
 }
 
 KvStore::View PagedKv::view(int64_t layer) {
   pipeline_.wait_for_load(layer);
-  return {&pipeline_.keys(layer), &pipeline_.values(layer),
+  return {&keys_of(layer), &values_of(layer),
           store_.length() + store_.pass_tokens(), nullptr, &store_.shared()};
 }
 

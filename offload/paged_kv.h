@@ -11,6 +11,13 @@
 // blocks come once, into its group leader's rows, which every member reads. Stores: the prompt's
 // rows from staging (its attention read the fresh rows; staging only carries them), a decode
 // step's token from the token buffer, an extension's rows from staging.
+//
+// Resident layers (the first `resident_layers`; InfiniGen's dense layers when their KV is placed
+// on the device) keep their whole K and V (B, H, capacity, d) on the device for the store's life,
+// in the staging's layout: every pass writes its rows there (a shared prefix's into its group
+// leader's rows) and stores them to the pool from there, as the pool is what sessions save and
+// read. A load of a resident layer brings only rows it does not hold yet (all of them once after
+// a conversation is resumed into the pool, none afterwards).
 #pragma once
 
 #include <array>
@@ -40,16 +47,22 @@ class PagedKv {
  public:
   // `store`: the KvStore that owns this (its length, padding and shared prefixes are read).
   // `pool_tokens`: positions per (layer, sequence, head) in the pool; 0 = capacity.
+  // `resident_layers`: layers [0, resident_layers) kept on the device (needs pool_tokens 0).
   PagedKv(const KvStore& store, const ModelConfig& config, DType kv_dtype, Device device,
           int64_t block_tokens, TransferEngine& engine, OffloadStats& stats,
-          int64_t pool_tokens = 0);
+          int64_t pool_tokens = 0, int64_t resident_layers = 0);
 
   KvPool& pool() { return pool_; }
   const KvPool& pool() const { return pool_; }
   LayerPipeline& pipeline() { return pipeline_; }
+  bool resident(int64_t layer) const { return layer < std::ssize(resident_keys_); }
+  // Where layer `layer`'s attention reads its KV, (B, H, capacity, d): its resident buffers, or
+  // the staging of its parity.
+  Tensor& keys_of(int64_t layer);
+  Tensor& values_of(int64_t layer);
 
   // Starts loading every stored row of layer `layer` into its staging, at the rows of their
-  // tokens.
+  // tokens (a resident layer: the rows it does not hold yet).
   void load_layer(int64_t layer);
   // The pass's new rows of `layer`, (pass_batch() * n, H * d) fp32: the prompt's into the pool;
   // a decode step's or an extension's into the layer's staging at row length() (attention reads
@@ -91,6 +104,9 @@ class PagedKv {
   const KvStore& store_;
   KvPool pool_;
   std::array<Tensor, 2> token_keys_, token_values_;  // (B, H, 1, d) by layer parity
+  // Per resident layer: its K and V (B, H, capacity, d), and the rows [0, n) they hold.
+  std::vector<Tensor> resident_keys_, resident_values_;
+  std::vector<int64_t> resident_rows_;
   LayerPipeline pipeline_;  // last: its destructor waits for transfers reading the buffers above
 };
 

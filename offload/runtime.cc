@@ -35,6 +35,11 @@ std::string plan_within_pinned(MemoryRequest memory, const OffloadOptions& optio
   return "yet the memory plan fits in that much: the plan undercounts what this run pins";
 }
 
+OffloadOptions with_plan_placements(OffloadOptions options, const MemoryPlan& plan) {
+  if (plan.dense_kv) options.dense_kv = *plan.dense_kv;
+  return options;
+}
+
 bool policy_runs_on(const std::string& policy, Device device) {
   if (device == Device::Cpu) return true;
   return ops::device_runs_transformer(device) && kv_policy(policy).runs_on(device);
@@ -195,6 +200,7 @@ OffloadRun run_offloaded(const ModelSource& source, const GenerationRequest& req
   const MemoryRequest memory = planned_memory(config, request, options, conversation);
   OffloadRun run;
   run.plan = plan_offloaded_run(memory, options, device);
+  const OffloadOptions placed = with_plan_placements(options, run.plan);
   // On CUDA the host pool is pinned while the weights load rather than inside the prompt's pass.
   std::optional<PinAhead> pool_pinned_ahead;
   if (device == Device::Cuda) {
@@ -205,7 +211,7 @@ OffloadRun run_offloaded(const ModelSource& source, const GenerationRequest& req
   }
 
   try {
-    generate_offloaded(source, request, options, device, memory.kv_pool_tokens, nullptr, progress,
+    generate_offloaded(source, request, placed, device, memory.kv_pool_tokens, nullptr, progress,
                        run, conversation);
   } catch (const PinnedAllocationError& e) {
     fail(e.message(), "; ", plan_within_pinned(memory, options, device, e.pinned_before()));

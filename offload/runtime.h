@@ -40,6 +40,8 @@ MemoryRequest offload_memory_request(const ModelConfig& config, int64_t batch, i
 // Plans `memory` against what `device` and the host can give now (options.device_memory, when
 // set, is the device's size). Throws the planner's one-line Error when it cannot fit.
 MemoryPlan plan_offloaded_run(MemoryRequest memory, const OffloadOptions& options, Device device);
+// `options` with the placements `plan` decided where they left them to the planner (auto).
+OffloadOptions with_plan_placements(OffloadOptions options, const MemoryPlan& plan);
 // When a run could pin only `pinned` bytes of host memory: the refusal of the plan with that as
 // its pinned capacity, which names a configuration that fits in it (or the resource short).
 std::string plan_within_pinned(MemoryRequest memory, const OffloadOptions& options, Device device,
@@ -47,7 +49,7 @@ std::string plan_within_pinned(MemoryRequest memory, const OffloadOptions& optio
 
 // The trace (core/trace.h) of `request` on `device` with `options`, run dry: nothing is computed,
 // copied or allocated, and no memory plan is checked (the caller plans against the hardware it
-// asks about). `replay` says what a policy that selects its loads (kv_policy(...).selects_loads)
+// asks about; OffloadOptions::dense_kv auto runs as the device). `replay` says what a policy that selects its loads (kv_policy(...).selects_loads)
 // fetches; it is required for one.
 // With a `conversation` (a DrySessionTurn, offload/session.h), the turn continues it.
 Trace dry_run_trace(const ModelConfig& config, const GenerationRequest& request,

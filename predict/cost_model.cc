@@ -19,15 +19,16 @@ PredictedRun predict_run(const CostModelInput& input, const HardwareProfile& pro
       static_cast<size_t>(std::min(profile.device_memory_bytes, static_cast<double>(SIZE_MAX / 2)));
   memory.host_capacity = SIZE_MAX / 2;  // the profile describes the device side only
   memory.gemm_scratch = profile.backend != "cpu";
+  CostModelInput placed = input;
   try {
-    plan_memory(memory);
+    placed.options = with_plan_placements(input.options, plan_memory(memory));
   } catch (const Error& e) {
     run.fits = false;
     run.does_not_fit = e.what();
     return run;
   }
 
-  const Schedule schedule = run_schedule(input);
+  const Schedule schedule = run_schedule(placed);
   run.host_kv_bytes = schedule.host_kv_bytes;
   const std::vector<OpTiming> timing = simulate(schedule, profile);
   const int64_t L = input.config.num_layers;

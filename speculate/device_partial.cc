@@ -2,6 +2,7 @@
 #include "speculate/device_partial.h"
 
 #include <algorithm>
+#include <cstring>
 #include <utility>
 
 #include "core/device.h"
@@ -19,7 +20,7 @@ Tensor device_ints(const std::vector<int32_t>& values) {
 
 }  // namespace
 
-void DevicePartialLayer::upload(const PartialLayer& layer) {
+void DevicePartialLayer::upload(const PartialLayer& layer, bool keys_on_host) {
   const int64_t B = layer.batch(), H = layer.num_heads(), r = layer.r();
   const int64_t H_kv = std::ssize(layer.columns()) / r, group = H / H_kv;
   for (const auto& [name, tensor] : layer.state()) {
@@ -44,10 +45,17 @@ void DevicePartialLayer::upload(const PartialLayer& layer) {
   tensors_.needed_dims = device_ints(needed);
   tensors_.columns = device_ints(layer.columns()).reshape({H_kv, r});
   const std::vector<char>& keys = layer.key_bytes();
-  tensors_.keys = Tensor::empty({B, H_kv, layer.capacity(), r}, layer.key_dtype(), Device::Cuda);
+  const Shape key_shape = {B, H_kv, layer.capacity(), r};
+  tensors_.keys = keys_on_host ? Tensor::pinned(key_shape, layer.key_dtype(),
+                                                "a layer's partial key cache", Device::Cuda)
+                               : Tensor::empty(key_shape, layer.key_dtype(), Device::Cuda);
   INFINIGEN_CHECK(keys.size() == tensors_.keys.nbytes(),
                   "speculation: no partial key cache to upload (", keys.size(), " bytes)");
-  device_copy(tensors_.keys.raw(), Device::Cuda, keys.data(), Device::Cpu, keys.size());
+  if (keys_on_host) {
+    std::memcpy(tensors_.keys.raw(), keys.data(), keys.size());
+  } else {
+    device_copy(tensors_.keys.raw(), Device::Cuda, keys.data(), Device::Cpu, keys.size());
+  }
   tensors_.heads = H;
   tensors_.head_dim = layer.head_dim();
   query_rows_ = Tensor::empty({B, weight_.dim(0)}, DType::F32, Device::Cuda);

@@ -23,8 +23,9 @@ namespace infinigen {
 class DevicePartialLayer {
  public:
   // Copies `layer`'s state (columns, partial weights, skew, rotary frequencies, shared prefixes)
-  // and its partial key cache (B, H_kv, capacity, r) to the CUDA device.
-  void upload(const PartialLayer& layer);
+  // and its partial key cache (B, H_kv, capacity, r) to the CUDA device; with `keys_on_host` the
+  // cache goes to mapped pinned host memory instead, which the kernels read over the link.
+  void upload(const PartialLayer& layer, bool keys_on_host = false);
 
   // Speculates the layer from x (B, D) on the device, the previous layer's attention input, with
   // the new token of sequence b at rotary position rope_positions[b], over positions [0, used):

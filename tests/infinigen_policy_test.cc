@@ -17,11 +17,13 @@ double logit_error(const GenerationResult& a, const GenerationResult& b) {
 
 class InfinigenPolicy : public testing_util::SmallRunTest {
  protected:
-  OffloadRun run(const std::string& policy, const SpeculationOptions& speculation = {}) {
+  OffloadRun run(const std::string& policy, const SpeculationOptions& speculation = {},
+                 KvPlacement dense_kv = KvPlacement::Auto) {
     OffloadOptions options;
     options.policy = policy;
     options.speculation = speculation;
     options.kv_block_tokens = 4;
+    options.dense_kv = dense_kv;
     return run_offloaded(source_, request_, options, Device::Cpu);
   }
 
@@ -72,7 +74,7 @@ TEST_F(InfinigenPolicy, SpeculatedLayersLoadOnlyTheSelectedRows) {
   SpeculationOptions sparse;
   sparse.alpha = 0.5;
   sparse.max_num_kv = 4;
-  const OffloadRun r = run("infinigen", sparse);
+  const OffloadRun r = run("infinigen", sparse, KvPlacement::Host);
   const ModelConfig& c = source_.config;
   const uint64_t row_bytes = static_cast<uint64_t>(c.head_dim()) * 2;  // fp16
   for (size_t i = 1; i < r.stats.steps().size(); ++i) {
@@ -87,6 +89,82 @@ TEST_F(InfinigenPolicy, SpeculatedLayersLoadOnlyTheSelectedRows) {
         EXPECT_LE(layers[l].tokens_fetched, 2u * c.num_heads * 4) << l;  // n' <= max_num_kv
       }
     }
+  }
+}
+
+// The dense layers' KV kept on the device: the same tokens and logits as when it is loaded every
+// step, with a shared prefix, left padding and the prompt in chunks, and not a byte of it loaded
+// after the prompt; the pool still receives every row (sessions read it there).
+TEST_F(InfinigenPolicy, DenseLayersKeptOnTheDeviceComputeTheSameAndLoadNothing) {
+  set_debug_poison(true);  // a resident row no pass wrote would be NaN
+  request_.prompts = {{2, 10, 11, 12, 13, 14, 15, 16, 17, 30, 31, 32, 33},
+                      {2, 10, 11, 12, 13, 14, 15, 16, 17, 50},
+                      {2, 60, 61}};
+  request_.gen_len = 6;
+  SpeculationOptions sparse;
+  sparse.alpha = 1.0;
+  sparse.max_num_kv = 5;
+  for (int64_t chunk : {0, 3}) {
+    OffloadOptions options;
+    options.policy = "infinigen";
+    options.speculation = sparse;
+    options.kv_block_tokens = 4;
+    options.prefill_chunk = chunk;
+    options.dense_kv = KvPlacement::Host;
+    const OffloadRun loaded = run_offloaded(source_, request_, options, Device::Cpu);
+    options.dense_kv = KvPlacement::Auto;  // fits: the device
+    const OffloadRun resident = run_offloaded(source_, request_, options, Device::Cpu);
+    ASSERT_EQ(resident.plan.dense_kv, KvPlacement::Device);
+    EXPECT_EQ(resident.shared_prefixes.num_groups(), 1);
+    EXPECT_EQ(resident.result.tokens, loaded.result.tokens) << "chunk " << chunk;
+    EXPECT_EQ(logit_error(resident.result, loaded.result), 0.0) << "chunk " << chunk;
+    ASSERT_EQ(resident.stats.steps().size(), loaded.stats.steps().size());
+    for (size_t i = 1; i < resident.stats.steps().size(); ++i) {
+      const auto& ours = resident.stats.steps()[i].layers;
+      const auto& theirs = loaded.stats.steps()[i].layers;
+      for (size_t l = 0; l < ours.size(); ++l) {
+        if (l < 2) {
+          EXPECT_EQ(ours[l].kv_h2d_bytes, 0u) << "step " << i << " layer " << l;
+          EXPECT_GT(theirs[l].kv_h2d_bytes, 0u) << "step " << i << " layer " << l;
+        } else {
+          EXPECT_EQ(ours[l].kv_h2d_bytes, theirs[l].kv_h2d_bytes) << "step " << i;
+        }
+        EXPECT_EQ(ours[l].kv_d2h_bytes, theirs[l].kv_d2h_bytes) << "step " << i << " layer " << l;
+        EXPECT_EQ(ours[l].tokens_fetched, theirs[l].tokens_fetched) << "step " << i;
+      }
+    }
+  }
+}
+
+// Partial keys in host memory change nothing a step computes; on the CPU backend they are the
+// same memory, and each step counts their bytes as the layer's loads (the link a GPU reads them
+// over).
+TEST_F(InfinigenPolicy, PartialKeysInHostMemoryCountTheirBytesAndComputeTheSame) {
+  SpeculationOptions sparse;
+  sparse.alpha = 1.0;
+  sparse.max_num_kv = 5;
+  OffloadOptions options;
+  options.policy = "infinigen";
+  options.speculation = sparse;
+  options.kv_block_tokens = 4;
+  const OffloadRun device = run_offloaded(source_, request_, options, Device::Cpu);
+  ASSERT_EQ(device.plan.partial_key_host_layers, 0);
+  options.partial_key_host_layers = 1;
+  const OffloadRun host = run_offloaded(source_, request_, options, Device::Cpu);
+  ASSERT_EQ(host.plan.partial_key_host_layers, 1);
+  EXPECT_EQ(host.result.tokens, device.result.tokens);
+  EXPECT_EQ(logit_error(host.result, device.result), 0.0);
+  const ModelConfig& c = source_.config;  // 4 layers: the last one's partial keys on the host
+  const int64_t r = partial_columns(sparse.partial_ratio, c.head_dim());
+  for (size_t i = 1; i < host.stats.steps().size(); ++i) {
+    const auto& ours = host.stats.steps()[i].layers;
+    const auto& theirs = device.stats.steps()[i].layers;
+    for (size_t l = 0; l < 3; ++l) EXPECT_EQ(ours[l].kv_h2d_bytes, theirs[l].kv_h2d_bytes);
+    // Every stored position's partial key of the layer: B * H_kv * positions * r * 2 bytes.
+    const int64_t positions = 12 + static_cast<int64_t>(i) - 1;
+    EXPECT_EQ(ours[3].kv_h2d_bytes - theirs[3].kv_h2d_bytes,
+              static_cast<uint64_t>(2 * c.kv_heads() * positions * r * 2))
+        << "step " << i;
   }
 }
 

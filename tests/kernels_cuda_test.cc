@@ -1007,6 +1007,18 @@ INSTANTIATE_TEST_SUITE_P(
                 kLlamaPrompts,
                 {"INFINIGEN_DEBUG_NAN=1"}},
         CliCase{"infinigen_chunked", {"--prefill-chunk", "4"}, kMixedPrompts},
+        // Where the KV and the partial keys live: the dense layers' KV loaded every step (on the
+        // device, the default that fits, elsewhere), and speculated layers' partial keys in
+        // mapped host memory, read by the speculation kernels in place (poisoned: a row the
+        // device did not write shows).
+        CliCase{"infinigen_dense_kv_host", {"--dense-kv", "host"}, kMixedPrompts},
+        CliCase{"infinigen_partial_keys_on_host",
+                {"--partial-key-host-layers", "3", "--prefill-chunk", "5"},
+                kMixedPrompts,
+                {"INFINIGEN_DEBUG_NAN=1"}},
+        CliCase{"infinigen_partial_keys_on_host_llama",
+                {"--model", "builtin-llama", "--partial-key-host-layers", "100"},
+                kSharedPromptsNoNearTie},
         CliCase{"infinigen_chunked_llama", {"--model", "builtin-llama", "--prefill-chunk", "6"}},
         CliCase{"infinigen_chunked_shared_prefix",
                 {"--kv-block-tokens", "4", "--prefill-chunk", "3"},

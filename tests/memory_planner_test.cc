@@ -62,6 +62,11 @@ MemoryRequest apply_suggestion(MemoryRequest request, const std::string& message
       request.options.kv_block_tokens = std::stoll(value);
     } else if (flag == "--prefill-chunk") {
       request.options.prefill_chunk = std::stoll(value);
+    } else if (flag == "--dense-kv") {
+      EXPECT_EQ(value, "host") << message;  // the only placement the planner changes
+      request.options.dense_kv = KvPlacement::Host;
+    } else if (flag == "--partial-key-host-layers") {
+      request.options.partial_key_host_layers = std::stoll(value);
     } else if (flag == "--gen-len") {
       request.gen_len = std::stoll(value);
     } else if (flag == "--kv-pool-limit") {
@@ -469,6 +474,90 @@ TEST(MemoryPlanner, SharedMemorySuggestionsFit) {
 
 // A host too small for InfiniGen's whole pool is offered a capped pool before anything that
 // changes the policy.
+// InfiniGen's dense layers keep their whole KV on the device when the plan fits with it there
+// (auto), and stay in the host pool when it does not; asked on the device, a plan that does not
+// fit is offered the host.
+TEST(MemoryPlanner, DenseLayersKvIsPlacedOnTheDeviceWhenItFits) {
+  MemoryRequest r =
+      testing_util::preset_request<MemoryRequest>("llama-3.1-8b", 4, 32768, 128, "infinigen");
+  r.options.prefill_chunk = 4096;
+  r.host_capacity = 512 * kGiB;
+  r.device_capacity = 80 * kGiB;
+  MemoryRequest host = r;
+  host.options.dense_kv = KvPlacement::Host;
+  const MemoryPlan loaded = compute_memory_plan(host);
+  EXPECT_EQ(loaded.dense_kv, KvPlacement::Host);
+  const MemoryPlan placed = plan_memory(r);
+  EXPECT_EQ(placed.dense_kv, KvPlacement::Device);
+  // Two dense layers' K and V, (4, 8, 32896, 128) fp16 each.
+  EXPECT_EQ(placed.device_kv - loaded.device_kv, size_t{2} * 2 * 4 * 8 * 32896 * 128 * 2);
+  EXPECT_EQ(placed.host_kv_pool, loaded.host_kv_pool);  // the pool keeps every layer still
+  EXPECT_NE(placed.describe().find("dense layers' KV is kept on the device"), std::string::npos);
+  EXPECT_NE(loaded.describe().find("dense layers' KV is in the host pool"), std::string::npos);
+  // Between the two plans' needs, auto places the dense layers' KV in the host pool, before it
+  // moves any partial keys there.
+  r.device_capacity = (loaded.device_total() + placed.device_total()) / 2;
+  EXPECT_EQ(plan_memory(r).dense_kv, KvPlacement::Host);
+  EXPECT_EQ(plan_memory(r).partial_key_host_layers, 0);
+  // Asked on the device, with every partial key there too, the refusal offers the host pool.
+  r.options.dense_kv = KvPlacement::Device;
+  r.options.partial_key_host_layers = 0;
+  const MemoryRequest fixed = expect_suggestion_fits(r, "; try --dense-kv host").fixed;
+  EXPECT_EQ(fixed.batch, r.batch);
+  // A policy without dense layers has no placement to report, and a capped pool keeps positions.
+  EXPECT_FALSE(compute_memory_plan(opt13b_request()).dense_kv.has_value());
+  MemoryRequest capped = host;
+  capped.options.dense_kv = KvPlacement::Auto;
+  capped.options.prefill_chunk = 0;
+  capped.kv_pool_tokens = 1000;
+  EXPECT_EQ(compute_memory_plan(capped).dense_kv, KvPlacement::Host);
+}
+
+// ShadowKV's points on an A100 (79 GiB usable, the a100-pcie4 profile), Llama-3.1-8B with its
+// prompt in chunks: the largest do not fit with every speculated layer's partial keys on the
+// device; the planner keeps as few layers' of them in host memory as it must.
+TEST(MemoryPlanner, PartialKeysOfTheFewestLayersGoToHostMemoryWhenTheDeviceIsShort) {
+  struct Point {
+    int64_t batch, prompt_len, chunk;
+  };
+  for (const Point p : {Point{24, 124928, 1024}, Point{48, 61440, 512}}) {
+    MemoryRequest r = testing_util::preset_request<MemoryRequest>("llama-3.1-8b", p.batch,
+                                                                  p.prompt_len, 128, "infinigen");
+    r.options.prefill_chunk = p.chunk;
+    r.device_capacity = size_t{84825604096};
+    r.host_capacity = 4096 * kGiB;
+    r.gemm_scratch = true;
+    const MemoryPlan plan = plan_memory(r);
+    ASSERT_TRUE(plan.partial_key_host_layers.has_value());
+    const int64_t on_host = *plan.partial_key_host_layers;
+    EXPECT_GT(on_host, 0) << p.batch;
+    EXPECT_LT(on_host, 30) << p.batch;
+    MemoryRequest fewer = r;
+    fewer.options.partial_key_host_layers = on_host - 1;
+    fewer.options.dense_kv = *plan.dense_kv;
+    EXPECT_THROW(plan_memory(fewer), Error) << p.batch;  // the fewest
+    // One layer's partial keys, (B, 8, tokens, 38) fp16, moved from the device to the host.
+    MemoryRequest one_more = fewer;
+    one_more.options.partial_key_host_layers = on_host;
+    const MemoryPlan a = compute_memory_plan(fewer), b = compute_memory_plan(one_more);
+    const size_t layer = size_t{2} * p.batch * 8 * (p.prompt_len + 128) * 38;
+    EXPECT_EQ(a.device_kv - b.device_kv, layer);
+    EXPECT_EQ(b.host_kv_pool - a.host_kv_pool, layer);
+    EXPECT_NE(plan.describe().find(" speculated layers keep their partial keys in host memory"),
+              std::string::npos);
+    // Asked for fewer than it needs, the refusal offers the number that fits.
+    expect_suggestion_fits(fewer,
+                           cat("; try --partial-key-host-layers ", on_host));
+  }
+  // A point that fits keeps every partial key on the device.
+  MemoryRequest small =
+      testing_util::preset_request<MemoryRequest>("llama-3.1-8b", 4, 32768, 128, "infinigen");
+  small.options.prefill_chunk = 4096;
+  small.device_capacity = size_t{84825604096};
+  small.host_capacity = 512 * kGiB;
+  EXPECT_EQ(plan_memory(small).partial_key_host_layers, 0);
+}
+
 TEST(MemoryPlanner, InfinigenIsOfferedACappedPool) {
   MemoryRequest r = opt13b_request();
   r.options.policy = "infinigen";

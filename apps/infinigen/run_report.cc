@@ -35,7 +35,7 @@ nlohmann::json transfers_json(const TransferSummary& s) {
 }
 
 nlohmann::json plan_json(const MemoryPlan& p) {
-  return {{"device_weights_bytes", p.device_weights},
+  nlohmann::json plan = {{"device_weights_bytes", p.device_weights},
           {"device_weight_staging_bytes", p.device_weight_staging},
           {"device_kv_bytes", p.device_kv},
           {"device_activations_bytes", p.device_activations},
@@ -43,6 +43,13 @@ nlohmann::json plan_json(const MemoryPlan& p) {
           {"host_weights_bytes", p.host_weights},
           {"host_kv_pool_bytes", p.host_kv_pool},
           {"host_total_bytes", p.host_total()}};
+  if (p.dense_kv) {
+    OffloadOptions placed;
+    placed.dense_kv = *p.dense_kv;
+    plan["dense_kv"] = find_option(offload_option_table(), "dense_kv")->format(placed);
+  }
+  if (p.partial_key_host_layers) plan["partial_key_host_layers"] = *p.partial_key_host_layers;
+  return plan;
 }
 
 nlohmann::json steps_json(const OffloadStats& stats) {
