@@ -147,6 +147,7 @@ TEST_F(InfinigenPolicy, PartialKeysInHostMemoryCountTheirBytesAndComputeTheSame)
   options.policy = "infinigen";
   options.speculation = sparse;
   options.kv_block_tokens = 4;
+  options.dense_kv = KvPlacement::Host;
   const OffloadRun device = run_offloaded(source_, request_, options, Device::Cpu);
   ASSERT_EQ(device.plan.partial_key_host_layers, 0);
   options.partial_key_host_layers = 1;
@@ -154,6 +155,15 @@ TEST_F(InfinigenPolicy, PartialKeysInHostMemoryCountTheirBytesAndComputeTheSame)
   ASSERT_EQ(host.plan.partial_key_host_layers, 1);
   EXPECT_EQ(host.result.tokens, device.result.tokens);
   EXPECT_EQ(logit_error(host.result, device.result), 0.0);
+  // Left to the planner on a device one byte short of the first plan, they go to host memory
+  // (the fewest layers: one), and the run follows the plan.
+  options.partial_key_host_layers = -1;
+  options.device_memory = device.plan.device_total() - 1;
+  const OffloadRun planned = run_offloaded(source_, request_, options, Device::Cpu);
+  ASSERT_EQ(planned.plan.partial_key_host_layers, 1);
+  for (size_t i = 1; i < host.stats.steps().size(); ++i) {
+    EXPECT_EQ(planned.stats.steps()[i].h2d_bytes, host.stats.steps()[i].h2d_bytes) << i;
+  }
   const ModelConfig& c = source_.config;  // 4 layers: the last one's partial keys on the host
   const int64_t r = partial_columns(sparse.partial_ratio, c.head_dim());
   for (size_t i = 1; i < host.stats.steps().size(); ++i) {
