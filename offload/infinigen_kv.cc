@@ -75,9 +75,8 @@ const KvPolicy& infinigen_kv_policy() {
             a.config, a.batch, a.capacity, a.kv_dtype, a.device, o.kv_block_tokens, a.engine,
             a.stats, o.speculation, o.check_recall, KvPoolLimit{a.pool_positions, o.eviction},
             a.replay,
-            InfinigenPlacement{
-                resident_dense_layers(o, a.config.num_layers, a.pool_positions > 0) > 0,
-                partial_key_host_layers(o, a.config.num_layers)});
+            InfinigenPlacement{resident_dense_layers(o, a.config.num_layers, a.pool_positions > 0),
+                               partial_key_host_layers(o, a.config.num_layers)});
       },
       /*resumable=*/true,
       // The saved partial keys and columns depend on these.
@@ -106,10 +105,7 @@ InfinigenKv::InfinigenKv(const ModelConfig& config, int64_t batch, int64_t capac
       partial_(static_cast<size_t>(config.num_layers)),
       selection_(static_cast<size_t>(config.num_layers)),
       paged_(*this, config, kv_dtype, device, block_tokens, engine, stats,
-             slots_ < capacity ? slots_ : 0,
-             placement.dense_kv_on_device && slots_ == capacity
-                 ? std::clamp<int64_t>(options.dense_layers, 0, config.num_layers)
-                 : 0) {
+             slots_ < capacity ? slots_ : 0, slots_ < capacity ? 0 : placement.resident_layers) {
   options_.validate();
   INFINIGEN_CHECK(slots_ >= 2, option("kv_pool_limit"), " leaves ", slots_,
                   " position per sequence and head; at least 2 are needed");

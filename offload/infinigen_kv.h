@@ -46,8 +46,11 @@ const KvPolicy& infinigen_kv_policy();  // its entry (offload/kv_policy.h)
 // Where the store keeps what it may keep on the device or in host memory (the memory plan's
 // placements, offload/memory_planner.h).
 struct InfinigenPlacement {
-  bool dense_kv_on_device = false;      // the dense layers' whole KV (PagedKv's resident layers)
-  int64_t partial_key_host_layers = 0;  // the last speculated layers' partial keys in host memory
+  // The first layers whose whole KV stays on the device (PagedKv's resident layers: the dense
+  // ones, or none; resident_dense_layers), and how many speculated layers, the last ones, keep
+  // their partial keys in host memory.
+  int64_t resident_layers = 0;
+  int64_t partial_key_host_layers = 0;
 };
 
 class InfinigenKv : public KvStore {
