@@ -421,7 +421,14 @@ MemoryRequest with_placements(const MemoryRequest& request) {
       options.dense_kv == KvPlacement::Auto
           ? std::vector<KvPlacement>{KvPlacement::Device, KvPlacement::Host}
           : std::vector<KvPlacement>{options.dense_kv};
-  if (choose_keys) options.partial_key_host_layers = 0;
+  const int64_t most = speculated_layers(options, request.config.num_layers);
+  const int64_t asked_keys = options.partial_key_host_layers;
+  // The leanest placement's device part first: when even it does not fit, no placement does (the
+  // device part only shrinks as more goes to the host), and one plan says so, not a search.
+  options.dense_kv = dense.back();
+  if (choose_keys) options.partial_key_host_layers = most;
+  if (!device_fits(compute_memory_plan(placed), placed)) return placed;
+  options.partial_key_host_layers = choose_keys ? 0 : asked_keys;
   for (KvPlacement where : dense) {
     options.dense_kv = where;
     if (fits(placed)) return placed;
@@ -432,13 +439,11 @@ MemoryRequest with_placements(const MemoryRequest& request) {
   // device memory. A dense layer's KV on the device saves as many link bytes per step as the
   // device bytes it takes would when given to partial keys, which are read on the critical path:
   // partial keys first.
-  const int64_t most = speculated_layers(options, request.config.num_layers);
   const auto device_fits_with = [&](int64_t layers) {
     options.partial_key_host_layers = layers;
     return device_fits(compute_memory_plan(placed), placed);
   };
   int64_t lo = 1, hi = most;
-  if (!device_fits_with(most)) lo = most;  // nothing fits: the leanest, for the refusal
   while (lo < hi) {  // the device fits at hi
     const int64_t mid = lo + (hi - lo) / 2;
     if (device_fits_with(mid)) {
