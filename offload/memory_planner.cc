@@ -403,7 +403,13 @@ std::string MemoryPlan::describe() const {
   return text;
 }
 
-MemoryRequest with_placements(const MemoryRequest& request) {
+namespace {
+
+MemoryPlan plan_sizes(const MemoryRequest& r);
+
+// The plan of `request` with the placements it leaves to the planner decided (with_placements'
+// order), each candidate planned once.
+MemoryPlan placed_plan(const MemoryRequest& request) {
   MemoryRequest placed = request;
   OffloadOptions& options = placed.options;
   // Under a pool limit the dense layers load what the pool keeps: no placement to choose.
@@ -414,9 +420,7 @@ MemoryRequest with_placements(const MemoryRequest& request) {
     options.partial_key_host_layers = 0;
   }
   const bool choose_keys = options.partial_key_host_layers < 0;
-  if (options.dense_kv != KvPlacement::Auto && !choose_keys) return placed;
-  // Every request planned below has its placements decided. First every partial key on the
-  // device (or as many as asked), with the dense layers' KV there when it fits.
+  if (options.dense_kv != KvPlacement::Auto && !choose_keys) return plan_sizes(placed);
   const std::vector<KvPlacement> dense =
       options.dense_kv == KvPlacement::Auto
           ? std::vector<KvPlacement>{KvPlacement::Device, KvPlacement::Host}
@@ -427,37 +431,53 @@ MemoryRequest with_placements(const MemoryRequest& request) {
   // device part only shrinks as more goes to the host), and one plan says so, not a search.
   options.dense_kv = dense.back();
   if (choose_keys) options.partial_key_host_layers = most;
-  if (!device_fits(compute_memory_plan(placed), placed)) return placed;
+  MemoryPlan plan = plan_sizes(placed);
+  if (!device_fits(plan, placed)) return plan;
+  // Then every partial key on the device (or as many as asked), with the dense layers' KV there
+  // when it fits.
   options.partial_key_host_layers = choose_keys ? 0 : asked_keys;
   for (KvPlacement where : dense) {
     options.dense_kv = where;
-    if (fits(placed)) return placed;
+    plan = plan_sizes(placed);
+    if (device_fits(plan, placed) && host_fits(plan, placed)) return plan;
   }
-  if (!choose_keys) return placed;
+  if (!choose_keys) return plan;
   // Then the fewest layers' partial keys in host memory with which the device part fits (it
   // shrinks as they grow; the host part grows), the dense layers' KV where it takes the least
   // device memory. A dense layer's KV on the device saves as many link bytes per step as the
   // device bytes it takes would when given to partial keys, which are read on the critical path:
   // partial keys first.
-  const auto device_fits_with = [&](int64_t layers) {
-    options.partial_key_host_layers = layers;
-    return device_fits(compute_memory_plan(placed), placed);
-  };
   int64_t lo = 1, hi = most;
   while (lo < hi) {  // the device fits at hi
-    const int64_t mid = lo + (hi - lo) / 2;
-    if (device_fits_with(mid)) {
-      hi = mid;
+    options.partial_key_host_layers = lo + (hi - lo) / 2;
+    if (device_fits(plan_sizes(placed), placed)) {
+      hi = options.partial_key_host_layers;
     } else {
-      lo = mid + 1;
+      lo = options.partial_key_host_layers + 1;
     }
   }
   options.partial_key_host_layers = hi;
+  return plan_sizes(placed);
+}
+
+}  // namespace
+
+MemoryRequest with_placements(const MemoryRequest& request) {
+  MemoryRequest placed = request;
+  const MemoryPlan plan = placed_plan(request);
+  if (plan.dense_kv) placed.options.dense_kv = *plan.dense_kv;
+  if (plan.partial_key_host_layers) {
+    placed.options.partial_key_host_layers = *plan.partial_key_host_layers;
+  }
   return placed;
 }
 
-MemoryPlan compute_memory_plan(const MemoryRequest& request) {
-  const MemoryRequest r = with_placements(request);
+MemoryPlan compute_memory_plan(const MemoryRequest& request) { return placed_plan(request); }
+
+namespace {
+
+// The sizes of a request whose placements are decided.
+MemoryPlan plan_sizes(const MemoryRequest& r) {
   const ModelConfig& c = r.config;
   INFINIGEN_CHECK(
       c.num_layers > 0 && c.hidden_size > 0 && c.num_heads > 0 && c.ffn_dim > 0 && c.vocab_size > 0,
@@ -528,6 +548,8 @@ MemoryPlan compute_memory_plan(const MemoryRequest& request) {
   }
   return plan;
 }
+
+}  // namespace
 
 MemoryPlan plan_memory(const MemoryRequest& request) {
   const MemoryPlan plan = compute_memory_plan(request);
