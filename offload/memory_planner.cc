@@ -207,8 +207,8 @@ std::optional<Candidate> suggest_fitting(const MemoryRequest& asked) {
     more.request.options.dense_kv = request.options.dense_kv;
     if (fits(more.request)) return more;
   }
-  const bool chunkable = policy_reads_option(request.options.policy, "prefill_chunk") &&
-                         request.kv_pool_tokens == 0;
+  const bool chunkable =
+      policy_reads_option(request.options.policy, "prefill_chunk") && request.kv_pool_tokens == 0;
   if (chunkable) {
     const int64_t rows = largest_prompt_pass(request.prompt_len, request.options.prefill_chunk);
     for (int64_t chunk = static_cast<int64_t>(std::bit_floor(static_cast<uint64_t>(rows - 1)));
@@ -336,6 +336,58 @@ std::string why_nothing_fits(const MemoryRequest& request) {
              " GiB of host memory, ", beyond(need, request.host_capacity, "is available"));
 }
 
+// The plan's table; with `checked`, its capacities below the total and a line for each one the
+// plan does not fit in (the device, what can be pinned, the host), so that a refused plan shows
+// where it is short.
+std::string describe_plan(const MemoryPlan& plan, const MemoryRequest* checked) {
+  char line[160];
+  std::string text;
+  auto row = [&](const char* what, const std::string& device, const std::string& host) {
+    std::snprintf(line, sizeof(line), "  %-16s %12s %14s\n", what, device.c_str(), host.c_str());
+    text += line;
+  };
+  row("memory plan", "device", "host (pinned)");
+  row("weights", human(plan.device_weights), human(plan.host_weights));
+  row("weight staging", human(plan.device_weight_staging), "-");
+  row("KV cache", human(plan.device_kv), human(plan.host_kv_pool));
+  row("activations", human(plan.device_activations), "-");
+  if (plan.device_scratch > 0) row("GEMM scratch", human(plan.device_scratch), "-");
+  if (plan.device_gather > 0) {
+    row("host gather", human(plan.device_gather), human(plan.host_gather));
+  }
+  row("total", human(plan.device_total()), human(plan.host_total()));
+  if (checked) {
+    const MemoryRequest& r = *checked;
+    row("available", human(r.device_capacity), human(r.host_capacity));
+    const auto short_by = [](size_t need, size_t have) { return human(need - have); };
+    if (!device_fits(plan, r)) {
+      text += cat("  does not fit: the device is ",
+                  short_by(plan.device_total(), r.device_capacity), " short\n");
+    }
+    if (!pinned_fits(plan, r)) {
+      text += cat("  does not fit: the host part pins ", human(plan.host_total()), ", ",
+                  short_by(plan.host_total(), r.pinned_capacity), " more than could be pinned\n");
+    } else if (!host_fits(plan, r)) {
+      const size_t need = host_need(plan, r);
+      text += cat("  does not fit: the host is ", short_by(need, r.host_capacity), " short",
+                  r.shared_memory ? cat(" (it holds the device's part too: ", human(need), ")")
+                                  : std::string(),
+                  "\n");
+    }
+  }
+  if (plan.partial_key_host_layers.value_or(0) > 0) {
+    text += cat("  ", *plan.partial_key_host_layers,
+                " speculated layers keep their partial keys in host memory: every step reads "
+                "them over the link\n");
+  }
+  if (plan.dense_kv == KvPlacement::Device) {
+    text += "  the dense layers' KV is kept on the device: no step loads it\n";
+  } else if (plan.dense_kv == KvPlacement::Host) {
+    text += "  the dense layers' KV is in the host pool: every step loads it whole\n";
+  }
+  return text;
+}
+
 }  // namespace
 
 int64_t request_positions(const MemoryRequest& r) {
@@ -376,31 +428,11 @@ size_t MemoryPlan::host_total() const {
 }
 
 std::string MemoryPlan::describe() const {
-  char line[160];
-  std::string text;
-  auto row = [&](const char* what, const std::string& device, const std::string& host) {
-    std::snprintf(line, sizeof(line), "  %-16s %12s %14s\n", what, device.c_str(), host.c_str());
-    text += line;
-  };
-  row("memory plan", "device", "host (pinned)");
-  row("weights", human(device_weights), human(host_weights));
-  row("weight staging", human(device_weight_staging), "-");
-  row("KV cache", human(device_kv), human(host_kv_pool));
-  row("activations", human(device_activations), "-");
-  if (device_scratch > 0) row("GEMM scratch", human(device_scratch), "-");
-  if (device_gather > 0) row("host gather", human(device_gather), human(host_gather));
-  row("total", human(device_total()), human(host_total()));
-  if (partial_key_host_layers.value_or(0) > 0) {
-    text += cat("  ", *partial_key_host_layers,
-                " speculated layers keep their partial keys in host memory: every step reads "
-                "them over the link\n");
-  }
-  if (dense_kv == KvPlacement::Device) {
-    text += "  the dense layers' KV is kept on the device: no step loads it\n";
-  } else if (dense_kv == KvPlacement::Host) {
-    text += "  the dense layers' KV is in the host pool: every step loads it whole\n";
-  }
-  return text;
+  return describe_plan(*this, nullptr);
+}
+
+std::string MemoryPlan::describe(const MemoryRequest& checked) const {
+  return describe_plan(*this, &checked);
 }
 
 namespace {
@@ -472,7 +504,9 @@ MemoryRequest with_placements(const MemoryRequest& request) {
   return placed;
 }
 
-MemoryPlan compute_memory_plan(const MemoryRequest& request) { return placed_plan(request); }
+MemoryPlan compute_memory_plan(const MemoryRequest& request) {
+  return placed_plan(request);
+}
 
 namespace {
 
@@ -537,7 +571,7 @@ MemoryPlan plan_sizes(const MemoryRequest& r) {
     const int64_t widest = std::max({c.hidden_size, c.q_dim(), c.ffn_dim});
     plan.device_scratch = saturating_sum(
         {c.dtype == DType::F32 ? size_t{0} : saturating_product({B, rows, widest, 2}),
-                        kCublasWorkspaceBytes});
+         kCublasWorkspaceBytes});
     // The host gather lands each way's largest transfer, a layer's K and V at every position (a
     // pool's store reserves it: PagedKv), on the device and in pinned staging: two layers'
     // staging in all.
@@ -591,7 +625,7 @@ MemoryPlan plan_memory(const MemoryRequest& request) {
   }
   std::string message = "plan does not fit: ";
   for (size_t i = 0; i < parts.size(); ++i) message += (i ? "; " : "") + parts[i];
-  throw Error(message);
+  throw PlanRefused(message, plan.describe(request));
 }
 
 }  // namespace infinigen

@@ -19,9 +19,12 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 
+#include "core/error.h"
 #include "core/model_config.h"
 #include "offload/kv_pool.h"
 #include "offload/offload_options.h"
@@ -76,7 +79,22 @@ struct MemoryPlan {
   std::optional<int64_t> partial_key_host_layers;
   size_t device_total() const;
   size_t host_total() const;
-  std::string describe() const;  // multi-line breakdown for --stats
+  std::string describe() const;  // multi-line breakdown (--stats, --dry-run)
+  // The breakdown, then what `checked`'s capacities allow and a line for each one the plan does
+  // not fit in (the device, the memory that can be pinned, the host).
+  std::string describe(const MemoryRequest& checked) const;
+};
+
+// plan_memory's refusal (one line, as every Error), with the plan it refused described against
+// the capacities (MemoryPlan::describe(request)): what `--dry-run` shows above the refusal.
+class PlanRefused : public Error {
+ public:
+  PlanRefused(const std::string& message, std::string marked_plan)
+      : Error(message), marked_plan_(std::make_shared<const std::string>(std::move(marked_plan))) {}
+  const std::string& marked_plan() const { return *marked_plan_; }
+
+ private:
+  std::shared_ptr<const std::string> marked_plan_;  // shared: copying must not throw
 };
 
 // Positions per sequence, prompt and generated (saturating: both lengths come from the user).
@@ -97,7 +115,8 @@ size_t kv_pool_bytes(const MemoryRequest& request, int64_t positions);
 MemoryRequest with_placements(const MemoryRequest& request);
 // Sizes of the plan of with_placements(request), without checking capacities.
 MemoryPlan compute_memory_plan(const MemoryRequest& request);
-// compute_memory_plan, then checks both capacities; throws Error (one line) if it cannot fit.
+// compute_memory_plan, then checks both capacities; throws PlanRefused (one line) if it cannot
+// fit.
 MemoryPlan plan_memory(const MemoryRequest& request);
 
 }  // namespace infinigen

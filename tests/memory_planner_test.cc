@@ -401,6 +401,43 @@ TEST(MemoryPlanner, HostShortfallSaysNeededAndAvailable) {
             "31.2) but has 16.0 GiB available; try --batch 10");
 }
 
+// A refused plan carries its table with the capacities and where it is short, for --dry-run to
+// print above the refusal (a dry run printed only the refusal).
+TEST(MemoryPlanner, ARefusalShowsThePlanWithWhatDoesNotFit) {
+  MemoryRequest r = opt13b_request();
+  r.device_capacity = 26 * kGiB;
+  const MemoryPlan plan = compute_memory_plan(r);
+  std::string marked;
+  try {
+    plan_memory(r);
+  } catch (const PlanRefused& refused) {
+    marked = refused.marked_plan();
+  }
+  EXPECT_EQ(marked, plan.describe(r));
+  const std::string table = plan.describe();
+  ASSERT_EQ(marked.rfind(table.substr(0, table.find("  total")), 0), 0u) << marked;
+  EXPECT_NE(marked.find("  available           26.00 GiB     256.00 GiB\n"), std::string::npos)
+      << marked;
+  const double short_gib = (static_cast<double>(plan.device_total()) - 26 * kGiB) / kGiB;
+  char line[96];
+  std::snprintf(line, sizeof line, "  does not fit: the device is %.2f GiB short\n", short_gib);
+  EXPECT_NE(marked.find(line), std::string::npos) << marked;
+  EXPECT_EQ(marked.find("the host"), std::string::npos) << marked;
+
+  // The host short as well: one RAM for both (the CPU backend) counts the device's part there.
+  r.host_capacity = 16 * kGiB;
+  r.shared_memory = true;
+  const std::string both = plan.describe(r);
+  EXPECT_NE(both.find("does not fit: the device is"), std::string::npos) << both;
+  EXPECT_NE(both.find("does not fit: the host is"), std::string::npos) << both;
+  EXPECT_NE(both.find("(it holds the device's part too: "), std::string::npos) << both;
+  r.pinned_capacity = kGiB;
+  EXPECT_NE(plan.describe(r).find("more than could be pinned"), std::string::npos);
+  // A plan that fits: the capacities and no such line.
+  EXPECT_EQ(compute_memory_plan(opt13b_request()).describe(opt13b_request()).find("does not fit"),
+            std::string::npos);
+}
+
 TEST(MemoryPlanner, NothingFitsSaysSo) {
   MemoryRequest r = opt13b_request();
   r.device_capacity = kGiB / 2;
@@ -546,8 +583,7 @@ TEST(MemoryPlanner, PartialKeysOfTheFewestLayersGoToHostMemoryWhenTheDeviceIsSho
     EXPECT_NE(plan.describe().find(" speculated layers keep their partial keys in host memory"),
               std::string::npos);
     // Asked for fewer than it needs, the refusal offers the number that fits.
-    expect_suggestion_fits(fewer,
-                           cat("; try --partial-key-host-layers ", on_host));
+    expect_suggestion_fits(fewer, cat("; try --partial-key-host-layers ", on_host));
   }
   // A point that fits keeps every partial key on the device.
   MemoryRequest small =

@@ -5,11 +5,10 @@
 
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "core/model_loader.h"
 #include "tests/test_util.h"
@@ -52,6 +51,22 @@ TEST(PlanRefusal, ABillionSequencesAreRefusedAtOnceWithABatchThatFits) {
   const std::vector<std::string> args = {"run", "--batch", "1000000000", "--gen-len", "2"};
   const std::string refusal = expect_quick_refusal(args, {"plan does not fit", "; try --batch "});
   expect_suggestion_accepted(args, refusal);
+}
+
+// --dry-run of a plan that does not fit prints the plan, with the capacities and where it is
+// short, then the one-line refusal with its suggestion, and fails (it printed only the refusal).
+TEST(PlanRefusal, ADryRunShowsThePlanItRefuses) {
+  const std::vector<std::string> args = {"run", "--batch", "1000000000", "--gen-len", "2"};
+  std::vector<std::string> dry = args;
+  dry.push_back("--dry-run");
+  const MeasuredCommand r = testing_util::expect_one_line_failure(
+      dry, ChildOptions().timeout(30.0), {"plan does not fit", "; try --batch "});
+  for (const char* fragment : {"batch 1000000000", "the plan does not fit\n", "  memory plan ",
+                               "  KV cache ", "  total ", "  available ", "  does not fit: the "}) {
+    EXPECT_NE(r.out.find(fragment), std::string::npos) << fragment << "\n" << r.out;
+  }
+  EXPECT_EQ(r.out.find("the plan fits"), std::string::npos) << r.out;
+  expect_suggestion_accepted(args, r.err);
 }
 
 TEST(PlanRefusal, ManySyntheticPromptsAreRefusedAtOnce) {

@@ -257,18 +257,34 @@ int run(const RunOptions& o) {
     }
   }
   check_context(loaded.config, longest, o.gen_len);
-  const MemoryPlan plan = plan_offloaded_run(
-      offload_memory_request(loaded.config, prompt_plan.batch, longest, o.gen_len, kv_dtype,
-                             offload),
-      offload, device);
-  if (o.dry_run) {
+  // What --dry-run says about the request before its plan, fitting or not.
+  const auto dry_run_header = [&](const char* verdict) {
     std::printf(
         "model: %s\ndevice: %s\npolicy %s, batch %lld, prompt %lld tokens (longest)%s, "
-        "%lld generated tokens per sequence: the plan fits\n%s",
-        loaded.description.c_str(), device_description(device).c_str(),
-        offload.policy.c_str(), static_cast<long long>(prompt_plan.batch),
-        static_cast<long long>(longest), prompt_passes(longest, offload.prefill_chunk).c_str(),
-        static_cast<long long>(o.gen_len), plan.describe().c_str());
+        "%lld generated tokens per sequence: %s\n",
+        loaded.description.c_str(), device_description(device).c_str(), offload.policy.c_str(),
+        static_cast<long long>(prompt_plan.batch), static_cast<long long>(longest),
+        prompt_passes(longest, offload.prefill_chunk).c_str(), static_cast<long long>(o.gen_len),
+        verdict);
+  };
+  MemoryPlan plan;
+  try {
+    plan = plan_offloaded_run(offload_memory_request(loaded.config, prompt_plan.batch, longest,
+                                                     o.gen_len, kv_dtype, offload),
+                              offload, device);
+  } catch (const PlanRefused& refused) {
+    // A dry run shows the plan it refused, with where it is short, above the refusal (one line on
+    // stderr, with its suggestion) and exits non-zero as any refused run does.
+    if (o.dry_run) {
+      dry_run_header("the plan does not fit");
+      std::printf("%s", refused.marked_plan().c_str());
+      std::fflush(stdout);
+    }
+    throw;
+  }
+  if (o.dry_run) {
+    dry_run_header("the plan fits");
+    std::printf("%s", plan.describe().c_str());
     return 0;
   }
 
