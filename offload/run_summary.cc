@@ -17,7 +17,7 @@ TransferSummary summarize(const OffloadRun& run) {
   s.shared_prefix_tokens = shared.kept_tokens();
   s.shared_prefix_groups = shared.num_groups();
   for (int32_t group : shared.groups()) s.shared_prefix_sequences += group >= 0 ? 1 : 0;
-  double busy = 0, wait = 0, fetched = 0, stored = 0, recall_sum = 0;
+  double busy = 0, wait = 0, hidden = 0, fetched = 0, stored = 0, recall_sum = 0;
   int64_t recall_count = 0;
   std::vector<double> layer_recall, layer_recall_n, layer_fetched, layer_stored, step_seconds;
   for (size_t i = 1; i < steps.size(); ++i) {
@@ -47,6 +47,8 @@ TransferSummary summarize(const OffloadRun& run) {
     s.decode_step_allocations_and_frees += steps[i].allocations + steps[i].frees;
     busy += steps[i].load_busy_seconds;
     wait += steps[i].load_wait_seconds;
+    // Per step: a step's wait cannot hide another step's transfer.
+    hidden += steps[i].hidden_load_seconds();
   }
   s.decode_steps = steps.empty() ? 0 : static_cast<int64_t>(steps.size()) - 1;
   if (s.decode_steps > 0) {
@@ -55,7 +57,8 @@ TransferSummary summarize(const OffloadRun& run) {
     s.d2h_bytes_per_step /= n;
     s.load_busy_per_step = busy / n;
     s.load_wait_per_step = wait / n;
-    s.hidden_fraction = busy > 0 ? std::max(0.0, busy - wait) / busy : 0.0;
+    s.load_hidden_per_step = hidden / n;
+    s.hidden_fraction = busy > 0 ? hidden / busy : 0.0;
     for (double& w : s.layer_load_wait) w /= n;
     std::sort(step_seconds.begin(), step_seconds.end());
     const size_t mid = step_seconds.size() / 2;

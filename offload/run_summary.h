@@ -14,10 +14,24 @@ struct TransferSummary {
   int64_t decode_steps = 0;
   double h2d_bytes_per_step = 0;
   double d2h_bytes_per_step = 0;
-  double load_busy_per_step = 0;  // seconds the load stream was transferring
-  double load_wait_per_step = 0;  // seconds compute waited on loads
-  double hidden_fraction = 0;     // share of load time overlapped with compute
-  uint64_t host_kv_bytes = 0;     // the host pool after the last step (`full` pools)
+  // Loads, in seconds per decode step. A load's transfer time runs from its start on the load
+  // stream to its end, not counting the time it sat queued behind other loads or waited for its
+  // inputs (the speculation that chose its rows, say); compute's wait on loads counts from when
+  // compute needed them to when they had arrived, so it holds both a load's transfer and any
+  // time before that load began, and it can be longer than all the transfers together.
+  //   load_busy = load_hidden + load_exposed: transfer time under compute, and transfer time
+  //     compute waited through (per step, at most the step's wait);
+  //   load_wait = load_exposed + the rest, compute waiting for loads that had not begun.
+  double load_busy_per_step = 0;    // the load stream transferring
+  double load_wait_per_step = 0;    // compute waiting for loads
+  double load_hidden_per_step = 0;  // transfer time overlapped with compute
+  double hidden_fraction = 0;       // load_hidden / load_busy (0 without loads)
+  // The parts of a step's transfer and of its wait above.
+  double load_exposed_per_step() const { return load_busy_per_step - load_hidden_per_step; }
+  double load_wait_before_start_per_step() const {
+    return load_wait_per_step - load_exposed_per_step();
+  }
+  uint64_t host_kv_bytes = 0;  // the host pool after the last step (`full` pools)
   // Shared prompt prefixes (core/shared_prefixes.h): their tokens, each kept once, how many
   // there are, and the sequences that read them.
   int64_t shared_prefix_tokens = 0;

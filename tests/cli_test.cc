@@ -7,12 +7,15 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
-#include <nlohmann/json.hpp>
 
 #include "core/model_loader.h"
+#include "offload/run_summary.h"
 #include "tests/test_util.h"
 
 namespace infinigen {
@@ -226,8 +229,8 @@ TEST(Cli, FlagErrorsNameTheFlagInOurWords) {
   // No library wording in any of them.
   for (const auto& [args, fragments] : cases) {
     const CommandResult r = run_infinigen(args);
-    for (const char* phrase : {"At Most", "required but received", "Could not convert",
-                               "INI was", "was not expected", "filesystem error"}) {
+    for (const char* phrase : {"At Most", "required but received", "Could not convert", "INI was",
+                               "was not expected", "filesystem error"}) {
       EXPECT_EQ(r.err.find(phrase), std::string::npos) << r.err;
     }
   }
@@ -358,6 +361,115 @@ TEST(Cli, NonFiniteWeightsAreNamed) {
   f.close();
   expect_one_line_error({"run", "--model", copy.string(), "--gen-len", "2"},
                         {"model.safetensors", name, "nan", "not finite"});
+}
+
+// The lines of `text` that contain `fragment`.
+std::vector<std::string> lines_with(const std::string& text, const std::string& fragment) {
+  std::vector<std::string> lines;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) {
+    if (line.find(fragment) != std::string::npos) lines.push_back(line);
+  }
+  return lines;
+}
+
+// --check-recall where every layer is dense measures nothing: the report says so (it printed
+// nothing at all).
+TEST(Cli, CheckRecallSaysWhyNothingWasMeasured) {
+  CommandResult r = run_infinigen({"run", "--model", kTiny, "--prompt-len", "20", "--gen-len", "3",
+                                   "--check-recall", "--dense-layers", "2"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("recall           not measured: every layer is dense (--dense-layers 2, "
+                       "the model has 2)"),
+            std::string::npos)
+      << r.out;
+  // With a speculated layer, the measured recall and no such line.
+  r = run_infinigen({"run", "--model", kTiny, "--prompt-len", "20", "--gen-len", "3",
+                     "--check-recall", "--dense-layers", "1"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("; recall "), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("not measured"), std::string::npos) << r.out;
+}
+
+// Floats print as the decimal they were given (0.8, not 0.800000011920929), and what was not
+// measured is null, not -1.
+TEST(Cli, JsonHasShortestFloatsAndNullForMissing) {
+  const CommandResult r =
+      run_infinigen({"run", "--model", kTiny, "--policy", "full", "--prompt-len", "10", "--gen-len",
+                     "3", "--temperature", "0.8", "--top-p", "0.9", "--json", "--stats"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("\"temperature\": 0.8,"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\"top_p\": 0.9\n"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find(": -1"), std::string::npos) << r.out;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["sampling"]["temperature"].get<double>(), 0.8);
+  EXPECT_EQ(j["sampling"]["top_p"].get<double>(), 0.9);
+  EXPECT_TRUE(j["transfer"]["mean_recall"].is_null()) << j["transfer"];
+  EXPECT_TRUE(j["transfer"]["min_layer_recall"].is_null()) << j["transfer"];
+  EXPECT_TRUE(j["steps"][1]["layers"][0]["recall"].is_null()) << j["steps"][1];
+}
+
+// The load lines of a run's report: the transfer time, and compute's wait split into the
+// transfer it waited through (never more than the transfer) and the time before the loads
+// began. It printed "loads 0.19 ms/step, 0% hidden (1.17 ms/step exposed)".
+TEST(Cli, LoadReportKeepsTheExposedTimeWithinTheTransfer) {
+  // Three decode steps: one whose wait is longer than its loads, one that hides most of them.
+  OffloadRun run;
+  TransferCounters counters;
+  run.stats.begin_step(1, counters);  // the prefill
+  run.stats.end_step(counters);
+  const std::vector<std::pair<double, double>> busy_wait = {{0.2, 1.2}, {1.0, 0.1}, {0, 0}};
+  for (const auto& [busy, wait] : busy_wait) {
+    run.stats.begin_step(1, counters);
+    run.stats.current().load_wait_seconds = wait;
+    counters.h2d_busy_seconds += busy;
+    run.stats.end_step(counters);
+  }
+  const TransferSummary s = summarize(run);
+  EXPECT_NEAR(s.load_busy_per_step, 1.2 / 3, 1e-12);
+  EXPECT_NEAR(s.load_wait_per_step, 1.3 / 3, 1e-12);
+  EXPECT_NEAR(s.load_hidden_per_step, 0.9 / 3, 1e-12);  // the second step's
+  EXPECT_NEAR(s.load_exposed_per_step(), 0.3 / 3, 1e-12);
+  EXPECT_NEAR(s.load_wait_before_start_per_step(), 1.0 / 3, 1e-12);
+  EXPECT_NEAR(s.hidden_fraction, 0.75, 1e-12);
+
+  // And as printed by a run whose loads cross an emulated link.
+  const CommandResult r =
+      run_infinigen({"run", "--model", kTiny, "--policy", "full", "--prompt-len", "40", "--gen-len",
+                     "4", "--weights-gpu-percent", "0", "--emulate-link-gbps", "0.5"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::smatch m;
+  const std::regex loads(R"(loads +([0-9.]+) ms/step transferring, ([0-9]+)% of it under compute)");
+  ASSERT_TRUE(std::regex_search(r.out, m, loads)) << r.out;
+  const double transfer = std::stod(m[1]);
+  EXPECT_GT(transfer, 0.0);
+  const std::regex waits(
+      R"(load waits +([0-9.]+) ms/step compute idle: ([0-9.]+) ms on transfers, ([0-9.]+) ms before the loads began)");
+  ASSERT_TRUE(std::regex_search(r.out, m, waits)) << r.out;
+  EXPECT_LE(std::stod(m[2]), transfer + 0.01) << r.out;
+  EXPECT_NEAR(std::stod(m[2]) + std::stod(m[3]), std::stod(m[1]), 0.011) << r.out;
+}
+
+// --stats printed "memory plan" above the plan's table, whose header says it again.
+TEST(Cli, StatsPrintTheMemoryPlanOnce) {
+  const CommandResult r =
+      run_infinigen({"run", "--model", kTiny, "--prompt-len", "10", "--gen-len", "3", "--stats"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(lines_with(r.out, "memory plan").size(), 1u) << r.out;
+}
+
+// The report's sizes are MiB and GiB (it printed a session's bytes in MB beside MiB), and the
+// link's rate says its GB is 10^9 bytes.
+TEST(Cli, TheReportUsesOneUnitConvention) {
+  TempDir dir("cli-units");
+  const std::string session = (dir.path() / "s").string();
+  const CommandResult r = run_infinigen({"run", "--model", kTiny, "--prompt-len", "10", "--gen-len",
+                                         "3", "--session", session, "--emulate-link-gbps", "8"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::string report = r.out.substr(r.out.find("prefill latency"));  // past the texts
+  EXPECT_NE(report.find("MiB written"), std::string::npos) << report;
+  EXPECT_FALSE(std::regex_search(report, std::regex(R"(\bMB\b)"))) << report;
+  EXPECT_NE(r.out.find("8 GB/s (emulated; 1 GB = 10^9 bytes)"), std::string::npos) << r.out;
 }
 
 }  // namespace

@@ -20,6 +20,8 @@
 namespace infinigen::cli {
 namespace {
 
+constexpr double kMiB = 1024.0 * 1024.0;  // the report's memory sizes are in MiB and GiB
+
 // Prompts of the default run, from the two sources the built-in model learned from (the Python
 // documentation and the King James Bible, docs/builtin-model.md), of different lengths so that
 // left padding is exercised from the start.
@@ -56,9 +58,9 @@ struct RunOptions {
   bool debug_nan = false;
   bool dry_run = false;
   std::string shared_prefix;  // a file whose text every prompt follows
-  std::string session;  // a new session saved here after the run
-  std::string resume;   // a session continued (and saved back)
-  OffloadOptions offload;  // defaults, help and flags from offload_option_table()
+  std::string session;        // a new session saved here after the run
+  std::string resume;         // a session continued (and saved back)
+  OffloadOptions offload;     // defaults, help and flags from offload_option_table()
 };
 
 std::vector<std::string> read_prompt_file(const std::string& path) {
@@ -142,11 +144,10 @@ PromptPlan plan_prompts(const RunOptions& o, const ModelSource& loaded,
   // Sequence b uses text b % texts; a batch smaller than the file uses only its first texts.
   texts.resize(static_cast<size_t>(std::min<int64_t>(plan.batch, std::ssize(texts))));
   for (const std::string& text : texts) {
-    const std::string which = !o.prompt.empty() ? std::string("--prompt")
-                              : o.prompt_file.empty()
-                                  ? std::string("a default prompt")
-                                  : cat("--prompt-file ", o.prompt_file, ": prompt ",
-                                        plan.texts.size() + 1);
+    const std::string which = !o.prompt.empty()       ? std::string("--prompt")
+                              : o.prompt_file.empty() ? std::string("a default prompt")
+                                                      : cat("--prompt-file ", o.prompt_file,
+                                                            ": prompt ", plan.texts.size() + 1);
     std::vector<int32_t> ids;
     const std::optional<int32_t> bos = prompt_bos(loaded);
     if (bos && !session) ids.push_back(*bos);
@@ -203,6 +204,18 @@ std::string shorten(const std::string& text, size_t limit) {
   return text.substr(0, cut) + "...";
 }
 
+// Why --check-recall measured nothing: recall is measured on the speculated layers of the decode
+// steps.
+std::string why_no_recall(const TransferSummary& transfers, const OffloadOptions& offload,
+                          int64_t layers) {
+  if (transfers.decode_steps == 0) return "no decode step (--gen-len 1)";
+  if (speculated_layers(offload, layers) == 0) {
+    return cat("every layer is dense (--dense-layers ", offload.speculation.dense_layers,
+               ", the model has ", layers, "), and recall is measured on the speculated layers");
+  }
+  return "no speculated layer reported it";
+}
+
 int run(const RunOptions& o) {
   INFINIGEN_CHECK(o.gen_len >= 1, "--gen-len must be at least 1, got ", o.gen_len);
   INFINIGEN_CHECK(!o.batch_given || o.batch >= 1, "--batch must be at least 1, got ", o.batch);
@@ -235,8 +248,8 @@ int run(const RunOptions& o) {
   std::unique_ptr<DiskSession> session;
   if (!o.session.empty() || !o.resume.empty()) {
     const SessionKey key = session_key(loaded, offload, kv_dtype, device);
-    session = o.resume.empty() ? DiskSession::create(o.session, key)
-                               : DiskSession::open(o.resume, key);
+    session =
+        o.resume.empty() ? DiskSession::create(o.session, key) : DiskSession::open(o.resume, key);
   }
   const DiskSession* resumed = o.resume.empty() ? nullptr : session.get();
   const PromptPlan prompt_plan = plan_prompts(o, loaded, resumed);
@@ -345,8 +358,8 @@ int run(const RunOptions& o) {
                              {"gen_len", result.gen_len},
                              {"kv_dtype", dtype_name(kv_dtype)},
                              {"sampling",
-                              {{"temperature", request.sampling.temperature},
-                               {"top_p", request.sampling.top_p},
+                              {{"temperature", json_float(request.sampling.temperature)},
+                               {"top_p", json_float(request.sampling.top_p)},
                                {"seed", request.sampling.seed}}},
                              {"prefill_latency_s", result.prefill_seconds},
                              {"decode_latency_s", result.decode_seconds},
@@ -375,11 +388,12 @@ int run(const RunOptions& o) {
   }
   std::printf("model: %s\ndevice: %s (%d threads)\n", loaded.description.c_str(),
               device_description(device).c_str(), omp_get_max_threads());
-  std::printf("policy %s, %.0f%% of weights on the device, link %s\n", offload.policy.c_str(),
-              offload.weights_gpu_percent,
-              offload.link.gbps > 0
-                  ? (format_number(offload.link.gbps) + " GB/s (emulated)").c_str()
-                  : "not emulated");
+  std::printf(
+      "policy %s, %.0f%% of weights on the device, link %s\n", offload.policy.c_str(),
+      offload.weights_gpu_percent,
+      offload.link.gbps > 0
+          ? (format_number(offload.link.gbps) + " GB/s (emulated; 1 GB = 10^9 bytes)").c_str()
+          : "not emulated");
   std::printf(
       "batch %lld, prompt %lld tokens (longest)%s, %lld generated tokens per sequence, %s\n\n",
       static_cast<long long>(result.batch), static_cast<long long>(result.prompt_len),
@@ -390,8 +404,7 @@ int run(const RunOptions& o) {
                 prompt_plan.prefix.size());
   }
   for (size_t b = 0; b < request.prompts.size(); ++b) {
-    std::printf("[%zu] %s\n    -> %s\n", b + 1,
-                shorten(render(loaded, given(b)), 160).c_str(),
+    std::printf("[%zu] %s\n    -> %s\n", b + 1, shorten(render(loaded, given(b)), 160).c_str(),
                 render(loaded, result.tokens[b]).c_str());
   }
   std::printf("\nprefill latency  %9.3f s\n", result.prefill_seconds);
@@ -400,15 +413,19 @@ int run(const RunOptions& o) {
   std::printf("throughput       %9.1f tok/s  (decode only: %.1f tok/s)\n", result.throughput(),
               result.decode_throughput());
   print_transfers(transfers, run, o.stats);
+  if (offload.check_recall && transfers.mean_recall < 0) {
+    std::printf("recall           not measured: %s\n",
+                why_no_recall(transfers, offload, loaded.config.num_layers).c_str());
+  }
   if (session) {
     const SessionStats& s = session->stats();
     std::printf("session          %s: %s", (o.resume.empty() ? o.session : o.resume).c_str(),
                 o.resume.empty() ? "saved" : "continued and saved");
     if (s.bytes_read > 0) {
-      std::printf("; history read %.1f MB in %.3f s, the first pass waited %.3f s for it",
-                  static_cast<double>(s.bytes_read) / 1e6, s.read_seconds, s.restore_wait_seconds);
+      std::printf("; history read %.1f MiB in %.3f s, the first pass waited %.3f s for it",
+                  static_cast<double>(s.bytes_read) / kMiB, s.read_seconds, s.restore_wait_seconds);
     }
-    std::printf("; %.1f MB written in %.3f s\n", static_cast<double>(s.bytes_written) / 1e6,
+    std::printf("; %.1f MiB written in %.3f s\n", static_cast<double>(s.bytes_written) / kMiB,
                 s.write_seconds);
   }
   return 0;

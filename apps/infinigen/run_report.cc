@@ -1,7 +1,10 @@
 // apps/infinigen: transfer summaries, JSON and tables for `infinigen run`.
 #include "apps/infinigen/run_report.h"
 
+#include <charconv>
 #include <cstdio>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 namespace infinigen::cli {
@@ -11,7 +14,20 @@ double mib(double bytes) {
   return bytes / (1024.0 * 1024.0);
 }
 
+// A measurement that may be missing (-1: not measured) as JSON: null when missing.
+nlohmann::json measured(double value) {
+  return value < 0 ? nlohmann::json(nullptr) : nlohmann::json(value);
+}
+
 }  // namespace
+
+nlohmann::json json_float(float value) {
+  // The shortest text that reads back as this float, read as a double: 0.8f is 0.8, not the
+  // double nearest the float (0.800000011920929).
+  char text[32];
+  const auto end = std::to_chars(text, text + sizeof(text), value).ptr;
+  return std::strtod(std::string(text, end).c_str(), nullptr);
+}
 
 nlohmann::json transfers_json(const TransferSummary& s) {
   return {{"decode_steps", s.decode_steps},
@@ -19,6 +35,7 @@ nlohmann::json transfers_json(const TransferSummary& s) {
           {"d2h_bytes_per_decode_step", s.d2h_bytes_per_step},
           {"load_busy_s_per_decode_step", s.load_busy_per_step},
           {"load_wait_s_per_decode_step", s.load_wait_per_step},
+          {"load_hidden_s_per_decode_step", s.load_hidden_per_step},
           {"hidden_load_fraction", s.hidden_fraction},
           {"prefill_h2d_bytes", s.prefill_h2d_bytes},
           {"host_kv_bytes", s.host_kv_bytes},
@@ -29,20 +46,20 @@ nlohmann::json transfers_json(const TransferSummary& s) {
           {"total_h2d_bytes", s.total_h2d_bytes},
           {"total_d2h_bytes", s.total_d2h_bytes},
           {"kv_fetched_fraction", s.fetched_fraction},
-          {"mean_recall", s.mean_recall},
-          {"min_layer_recall", s.min_layer_recall},
+          {"mean_recall", measured(s.mean_recall)},
+          {"min_layer_recall", measured(s.min_layer_recall)},
           {"decode_step_allocations_and_frees", s.decode_step_allocations_and_frees}};
 }
 
 nlohmann::json plan_json(const MemoryPlan& p) {
   nlohmann::json plan = {{"device_weights_bytes", p.device_weights},
-          {"device_weight_staging_bytes", p.device_weight_staging},
-          {"device_kv_bytes", p.device_kv},
-          {"device_activations_bytes", p.device_activations},
-          {"device_total_bytes", p.device_total()},
-          {"host_weights_bytes", p.host_weights},
-          {"host_kv_pool_bytes", p.host_kv_pool},
-          {"host_total_bytes", p.host_total()}};
+                         {"device_weight_staging_bytes", p.device_weight_staging},
+                         {"device_kv_bytes", p.device_kv},
+                         {"device_activations_bytes", p.device_activations},
+                         {"device_total_bytes", p.device_total()},
+                         {"host_weights_bytes", p.host_weights},
+                         {"host_kv_pool_bytes", p.host_kv_pool},
+                         {"host_total_bytes", p.host_total()}};
   if (p.dense_kv) {
     OffloadOptions placed;
     placed.dense_kv = *p.dense_kv;
@@ -63,7 +80,7 @@ nlohmann::json steps_json(const OffloadStats& stats) {
                         {"load_wait_s", l.load_wait_seconds},
                         {"tokens_fetched", l.tokens_fetched},
                         {"tokens_stored", l.tokens_stored},
-                        {"recall", l.recall}});
+                        {"recall", measured(l.recall)}});
     }
     steps.push_back({{"seconds", step.seconds},
                      {"h2d_bytes", step.h2d_bytes},
@@ -104,11 +121,19 @@ void print_transfers(const TransferSummary& s, const OffloadRun& run, bool per_l
   } else if (s.shared_prefix_groups > 0) {
     std::printf("shared prefixes  computed once: %s\n", groups.c_str());
   }
+  // The load stream's transfer time and how much of it ran under compute; then compute's wait
+  // for loads, split into the transfer it waited through and the time before those loads began
+  // (queued behind other loads, or waiting for their inputs): TransferSummary's terms.
   if (s.load_busy_per_step > 0) {
+    std::printf("loads            %9.2f ms/step transferring, %.0f%% of it under compute\n",
+                1e3 * s.load_busy_per_step, 100.0 * s.hidden_fraction);
+  }
+  if (s.load_wait_per_step > 0) {
     std::printf(
-        "loads            %9.2f ms/step, %.0f%% hidden under compute (%.2f ms/step "
-        "exposed)\n",
-        1e3 * s.load_busy_per_step, 100.0 * s.hidden_fraction, 1e3 * s.load_wait_per_step);
+        "load waits       %9.2f ms/step compute idle: %.2f ms on transfers, %.2f ms before "
+        "the loads began\n",
+        1e3 * s.load_wait_per_step, 1e3 * s.load_exposed_per_step(),
+        1e3 * s.load_wait_before_start_per_step());
   }
   if (s.fetched_fraction > 0) {
     std::printf("KV fetched       %9.1f%% of the stored tokens (decode, all layers)",
@@ -119,7 +144,7 @@ void print_transfers(const TransferSummary& s, const OffloadRun& run, bool per_l
     std::printf("\n");
   }
   if (!per_layer) return;
-  std::printf("\nmemory plan\n%s\n", run.plan.describe().c_str());
+  std::printf("\n%s\n", run.plan.describe().c_str());  // the table names itself
   const auto& steps = run.stats.steps();
   if (steps.size() < 2) return;
   std::printf("per layer, mean over %lld decode steps\n", static_cast<long long>(s.decode_steps));

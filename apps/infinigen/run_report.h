@@ -9,6 +9,8 @@
 
 namespace infinigen::cli {
 
+// A float option or setting as JSON: its shortest decimal (0.8, not 0.800000011920929).
+nlohmann::json json_float(float value);
 nlohmann::json transfers_json(const TransferSummary& summary);
 nlohmann::json plan_json(const MemoryPlan& plan);
 nlohmann::json steps_json(const OffloadStats& stats);
