@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "core/model_loader.h"
+#include "offload/kv_policy.h"
 #include "offload/run_summary.h"
 #include "tests/test_util.h"
 
@@ -391,6 +392,19 @@ TEST(Cli, CheckRecallSaysWhyNothingWasMeasured) {
   EXPECT_EQ(r.out.find("not measured"), std::string::npos) << r.out;
 }
 
+// make-model writes every preset, Llama-family ones too; its help said "OPT".
+TEST(Cli, MakeModelHelpNamesEveryFamily) {
+  CommandResult r = run_infinigen({"make-model", "--help"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  for (const char* preset : {"opt-125m", "llama-2-7b", "llama-3.1-8b", "qwen2.5-7b"}) {
+    EXPECT_NE(r.out.find(preset), std::string::npos) << preset << "\n" << r.out;
+  }
+  EXPECT_NE(r.out.find("OPT or Llama family"), std::string::npos) << r.out;
+  r = run_infinigen({"--help"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out.find("synthetic OPT checkpoint"), std::string::npos) << r.out;
+}
+
 // Floats print as the decimal they were given (0.8, not 0.800000011920929), and what was not
 // measured is null, not -1.
 TEST(Cli, JsonHasShortestFloatsAndNullForMissing) {
@@ -470,6 +484,20 @@ TEST(Cli, TheReportUsesOneUnitConvention) {
   EXPECT_NE(report.find("MiB written"), std::string::npos) << report;
   EXPECT_FALSE(std::regex_search(report, std::regex(R"(\bMB\b)"))) << report;
   EXPECT_NE(r.out.find("8 GB/s (emulated; 1 GB = 10^9 bytes)"), std::string::npos) << r.out;
+}
+
+// --policy's help lists the registered policies one per line (it was one paragraph).
+TEST(Cli, PolicyHelpListsOnePolicyPerLine) {
+  for (const char* command : {"run", "eval"}) {
+    const CommandResult r = run_infinigen({command, "--help"});
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    for (const KvPolicy* policy : kv_policies()) {
+      const std::vector<std::string> lines = lines_with(r.out, policy->help);
+      ASSERT_EQ(lines.size(), 1u) << command << ": " << policy->name << "\n" << r.out;
+      const std::regex own_line("^ +" + policy->name + " +" + policy->help.substr(0, 10));
+      EXPECT_TRUE(std::regex_search(lines[0], own_line)) << command << ": " << lines[0];
+    }
+  }
 }
 
 }  // namespace

@@ -140,6 +140,20 @@ TEST(EvalCli, FullPolicyMatchesTransformersOnTheBuiltinModel) {
   EXPECT_LT(std::fabs(engine / hf - 1.0), 0.005) << "engine " << engine << ", transformers " << hf;
 }
 
+// The window count is printed once, in the report, in the singular for one: eval printed it on
+// stderr before the run and again as "1 windows" above the table.
+TEST(EvalCli, SaysItsWindowCountOnce) {
+  TempDir dir("eval-count");
+  const CommandResult r =
+      run_infinigen({"eval", "--model", kTiny, "--text", kText, "--prefill", "32", "--decode", "32",
+                     "--max-windows", "1", "--policy", "full", "--no-plot", "--out", dir.str()});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("\n1 window of 64 tokens: 32 prefilled, 32 scored"), std::string::npos)
+      << r.out;
+  EXPECT_EQ(r.out.find("windows"), std::string::npos) << r.out;
+  EXPECT_EQ(r.err.find("window"), std::string::npos) << r.err;
+}
+
 TEST(EvalCli, BadInputsEndWithOneLine) {
   TempDir dir("eval-bad");
   const std::string out = dir.str();

@@ -54,6 +54,11 @@ struct SweepPoint {
   PerplexityResult result;
 };
 
+// "1 window", "3 windows".
+std::string counted(size_t count, const std::string& noun) {
+  return cat(count, " ", noun, count == 1 ? "" : "s");
+}
+
 std::string number(double value) {
   std::ostringstream out;
   out << value;
@@ -214,16 +219,9 @@ int eval(EvalCommandOptions& o) {
   }
   fs::create_directories(o.out);
   INFINIGEN_CHECK(fs::is_directory(o.out), "--out ", o.out, ": cannot create the directory");
-  std::fprintf(stderr,
-               "infinigen: %zu window%s of %lld tokens (%lld prefilled, %lld scored), %zu "
-               "setting%s\n",
-               windows.size(), windows.size() == 1 ? "" : "s", static_cast<long long>(window),
-               static_cast<long long>(o.perplexity.prefill),
-               static_cast<long long>(window - o.perplexity.prefill), points.size(),
-               points.size() == 1 ? "" : "s");
-
   {
-    Progress progress("evaluating");
+    Progress progress(cat("evaluating ", counted(points.size(), "setting"), " on ",
+                          counted(windows.size(), "window")));
     for (size_t i = 0; i < points.size(); ++i) {
       points[i].result = with_interrupt_context(
           [&] {
@@ -273,9 +271,10 @@ int eval(EvalCommandOptions& o) {
     return 0;
   }
 
-  std::printf("model: %s\n%zu windows: %lld tokens prefilled, %lld scored one decode step each\n\n",
-              model.description.c_str(), windows.size(),
-              static_cast<long long>(o.perplexity.prefill),
+  // The windows, once (the progress display names them only while it runs).
+  std::printf("model: %s\n%s of %lld tokens: %lld prefilled, %lld scored one decode step each\n\n",
+              model.description.c_str(), counted(windows.size(), "window").c_str(),
+              static_cast<long long>(window), static_cast<long long>(o.perplexity.prefill),
               static_cast<long long>(window - o.perplexity.prefill));
   // KV loaded: share of the full KV (every earlier token, every head) loaded per decode step,
   // over all layers and over the speculated ones (past --dense-layers).
@@ -324,7 +323,7 @@ Command add_eval_command(CLI::App& app) {
            for (const std::string& name : names) kv_policy(name);
            o->policies = names;
          },
-         "KV policies to compare (comma-separated)")
+         policy_list_help("KV policies to compare (comma-separated):"))
       ->delimiter(',')
       ->default_str("full,infinigen");
   add_option_list_flags(app, offload_option_table(), o->sweeps, {"policy"});

@@ -1,4 +1,5 @@
-// apps/infinigen: `infinigen make-model`, a synthetic HF-layout OPT checkpoint.
+// apps/infinigen: `infinigen make-model`, a synthetic HF-layout checkpoint of any preset (the
+// OPT and Llama families).
 #include <cstdio>
 
 #include "apps/infinigen/commands.h"
@@ -49,7 +50,9 @@ int make_model(const MakeModelOptions& o) {
 Command add_make_model_command(CLI::App& app) {
   auto o = std::make_shared<MakeModelOptions>();
   SyntheticModelOptions& s = o->synthetic;
-  app.add_option("--preset", o->preset, "Model preset (configs/models), e.g. opt-125m")->required();
+  std::string presets;
+  for (const std::string& name : preset_names()) presets += (presets.empty() ? "" : ", ") + name;
+  app.add_option("--preset", o->preset, "Model preset (configs/models): " + presets)->required();
   app.add_option("--out,-o", o->out, "Output directory (must not exist, or be empty)")->required();
   app.add_option("--seed", s.seed, "Seed of the weights")
       ->check(unsigned_integer())

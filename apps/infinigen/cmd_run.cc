@@ -466,6 +466,8 @@ Command add_run_command(CLI::App& app) {
   app.add_flag("--json", o->json, "Print the result as JSON on stdout");
   app.add_flag("--stats", o->stats, "Per-layer and per-step transfer statistics");
   add_option_flags(app, offload_option_table(), o->offload);
+  // The policies one per line, rather than the table's one paragraph.
+  app.get_option(flag_spelling("policy"))->description(policy_list_help("KV policy:"));
   auto* shared_prefix = app.add_option(
       "--shared-prefix", o->shared_prefix,
       "File whose text every prompt follows (a system prompt, a document): with share_prefix on, "

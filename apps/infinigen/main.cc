@@ -50,7 +50,8 @@ int run_cli(int argc, char** argv) {
     commands[command] = register_options(*command);
   };
   add("run", "Generate text (batch inference)", cli::add_run_command);
-  add("make-model", "Write a synthetic OPT checkpoint", cli::add_make_model_command);
+  add("make-model", "Write a synthetic checkpoint of a preset, OPT or Llama family (HF layout)",
+      cli::add_make_model_command);
   add("skew", "Write a copy of a checkpoint with SVD-skewed query/key projections",
       cli::add_skew_command);
   add("bench", "Run the paper's latency experiments (CSV, JSON, plot); predict other hardware",

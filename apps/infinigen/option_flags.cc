@@ -6,6 +6,8 @@
 #include <charconv>
 #include <cstdint>
 
+#include "offload/kv_policy.h"
+
 namespace infinigen::cli {
 
 std::string flag_spelling(std::string_view key) {
@@ -13,6 +15,17 @@ std::string flag_spelling(std::string_view key) {
   flag.append(key);
   std::replace(flag.begin() + 2, flag.end(), '_', '-');
   return flag;
+}
+
+std::string policy_list_help(std::string_view lead) {
+  size_t width = 0;
+  for (const KvPolicy* policy : kv_policies()) width = std::max(width, policy->name.size());
+  std::string help(lead);
+  for (const KvPolicy* policy : kv_policies()) {
+    help +=
+        "\n  " + policy->name + std::string(width + 2 - policy->name.size(), ' ') + policy->help;
+  }
+  return help;
 }
 
 CLI::Validator float_type_in(std::vector<DType> allowed) {
