@@ -1,4 +1,4 @@
-// core: the synthetic weight generator (every family: it names tensors by their role).
+// core: the synthetic weight generator (every family: it draws each tensor by its role).
 #include "core/synthetic_model.h"
 
 #include <Eigen/Dense>
@@ -73,8 +73,9 @@ Matrix orthonormal_columns(const Matrix& random) {
 
 class Generator {
  public:
-  Generator(const ModelConfig& config, const SyntheticModelOptions& options)
-      : c_(config), o_(options) {
+  Generator(const ModelConfig& config, const SyntheticModelOptions& options,
+            const WeightLayout& layout)
+      : c_(config), o_(options), layout_(layout) {
     const int64_t D = c_.hidden_size;
     const int64_t n_outliers = std::clamp<int64_t>(o_.outlier_channels, 0, D / 16);
     // Outlier channels and their signs: a fixed draw, the same for every layer.
@@ -117,57 +118,70 @@ class Generator {
     }
   }
 
-  Tensor make(const std::string& name, const Shape& shape) const {
-    const NormalStream normal(o_.seed, name);
-    const int64_t rows = shape[0], cols = shape.size() > 1 ? shape[1] : 1;
+  Tensor make(const TensorSpec& spec) const {
+    const NormalStream normal(o_.seed, spec.name);
+    const int64_t rows = spec.shape[0], cols = spec.shape.size() > 1 ? spec.shape[1] : 1;
+    const size_t l = static_cast<size_t>(spec.layer);  // of a layer tensor
     Matrix m;
-    if (name.ends_with("embed_tokens.weight")) {
-      m = gaussian(normal, rows, cols, o_.embed_std);
-      // The outlier and sink channels are the residual stream's (D wide). A projected embedding
-      // (E != D columns, OPT-350m) is not in the stream's channels: its stream gets its outliers
-      // from the layers' fc2 biases only.
-      const bool in_stream = cols == c_.hidden_size;
-      for (size_t i = 0; in_stream && i < outliers_.size(); ++i) {
-        m.col(outliers_[i]).array() += o_.outlier_ratio * stream_std_[0] * outlier_signs_[i];
+    switch (spec.role) {
+      case TensorRole::TokenEmbedding: {
+        m = gaussian(normal, rows, cols, o_.embed_std);
+        // The outlier and sink channels are the residual stream's (D wide). A projected
+        // embedding (E != D columns, OPT-350m) is not in the stream's channels: its stream gets
+        // its outliers from the layers' FFN output biases only.
+        const bool in_stream = cols == c_.hidden_size;
+        for (size_t i = 0; in_stream && i < outliers_.size(); ++i) {
+          m.col(outliers_[i]).array() += o_.outlier_ratio * stream_std_[0] * outlier_signs_[i];
+        }
+        if (in_stream && sink_channel_ >= 0) {
+          m.col(sink_channel_).setZero();
+          m(c_.bos_token_id, sink_channel_) = o_.outlier_ratio * stream_std_[0];
+        }
+        break;
       }
-      if (in_stream && sink_channel_ >= 0) {
-        m.col(sink_channel_).setZero();
-        m(c_.bos_token_id, sink_channel_) = o_.outlier_ratio * stream_std_[0];
-      }
-    } else if (name.ends_with("fc2.bias")) {
-      // Grows the outlier channels with the stream, keeping them outlier_ratio times larger.
-      m = gaussian(normal, rows, 1, 0.5f * o_.weight_std);
-      const size_t l = static_cast<size_t>(layer_index(name));
-      for (size_t i = 0; i < outliers_.size(); ++i) {
-        m(outliers_[i], 0) +=
-            o_.outlier_ratio * (stream_std_[l + 1] - stream_std_[l]) * outlier_signs_[i];
-      }
-    } else if (name.ends_with("embed_positions.weight")) {
-      m = gaussian(normal, rows, cols, 0.1f * o_.embed_std);
-    } else if (name.ends_with("norm.weight")) {  // LayerNorm's and RMSNorm's gains
-      m = Matrix::Ones(rows, 1) + gaussian(normal, rows, 1, 0.02f);
-    } else if (name.ends_with(".bias")) {
-      m = gaussian(normal, rows, 1, 0.5f * o_.weight_std);
-    } else if (name.ends_with("fc2.weight") || name.ends_with("out_proj.weight") ||
-               name.ends_with("down_proj.weight") || name.ends_with("o_proj.weight")) {
-      m = gaussian(normal, rows, cols,
-                   output_scale_[static_cast<size_t>(layer_index(name))] * o_.weight_std);
-    } else if (name.ends_with("q_proj.weight") || name.ends_with("k_proj.weight")) {
-      m = query_key(name, normal, rows, cols);
-    } else {
-      m = gaussian(normal, rows, cols, o_.weight_std);
+      case TensorRole::FfnOutputBias:
+        // Grows the outlier channels with the stream, keeping them outlier_ratio times larger.
+        m = gaussian(normal, rows, 1, 0.5f * o_.weight_std);
+        for (size_t i = 0; i < outliers_.size(); ++i) {
+          m(outliers_[i], 0) +=
+              o_.outlier_ratio * (stream_std_[l + 1] - stream_std_[l]) * outlier_signs_[i];
+        }
+        break;
+      case TensorRole::PositionEmbedding:
+        m = gaussian(normal, rows, cols, 0.1f * o_.embed_std);
+        break;
+      case TensorRole::NormWeight:  // LayerNorm's and RMSNorm's gains
+        m = Matrix::Ones(rows, 1) + gaussian(normal, rows, 1, 0.02f);
+        break;
+      case TensorRole::NormBias:
+      case TensorRole::QueryBias:
+      case TensorRole::KeyBias:
+      case TensorRole::ValueBias:
+      case TensorRole::AttentionOutputBias:
+      case TensorRole::FfnInputBias:
+        m = gaussian(normal, rows, 1, 0.5f * o_.weight_std);
+        break;
+      case TensorRole::AttentionOutputWeight:
+      case TensorRole::FfnOutputWeight:
+        m = gaussian(normal, rows, cols, output_scale_[l] * o_.weight_std);
+        break;
+      case TensorRole::QueryWeight:
+      case TensorRole::KeyWeight:
+        m = query_key(spec, normal, rows, cols);
+        break;
+      case TensorRole::EmbeddingProjection:
+      case TensorRole::ValueWeight:
+      case TensorRole::FfnInputWeight:
+      case TensorRole::LmHead:
+        m = gaussian(normal, rows, cols, o_.weight_std);
+        break;
     }
-    Tensor out = Tensor::empty(shape, c_.dtype);
+    Tensor out = Tensor::empty(spec.shape, c_.dtype);
     convert_from_f32(m.data(), out.raw(), c_.dtype, static_cast<size_t>(m.size()));
     return out;
   }
 
  private:
-  static int64_t layer_index(const std::string& name) {
-    const size_t start = name.find("layers.") + 7;
-    return std::stoll(name.substr(start, name.find('.', start) - start));
-  }
-
   // Head h of W_q is s * U_h V_h^T and of W_k is s * U_h R_h V_h^T (plus small noise), with V_h
   // (D x r) orthonormal and away from the outlier channels, U_h (d x r) orthonormal and R_h an
   // r x r rotation. Then q.k / sqrt(d) = s^2 (V^T x_q)^T R (V^T x_k) / sqrt(d), whose std between
@@ -176,10 +190,10 @@ class Generator {
   // queries, the query heads of a KV head's group share its U, V and sink direction (they differ
   // by their noise). A rotary model rotates q and k by their positions after this, which blurs
   // the structure with distance; the statistics are for timing, not for accuracy.
-  Matrix query_key(const std::string& name, const NormalStream& noise, int64_t D_out,
+  Matrix query_key(const TensorSpec& spec, const NormalStream& noise, int64_t D_out,
                    int64_t D_in) const {
-    const bool is_key = name.ends_with("k_proj.weight");
-    const std::string layer = name.substr(0, name.find("self_attn"));
+    const bool is_key = spec.role == TensorRole::KeyWeight;
+    const std::string layer = layout_.layer_tensor_name(spec.layer, "");  // the heads' seeds
     const int64_t d = c_.head_dim(), H = D_out / d,
                   group = is_key ? 1 : c_.num_heads / c_.kv_heads();
     const int64_t r = std::clamp<int64_t>(o_.attention_rank, 1, d);
@@ -221,6 +235,7 @@ class Generator {
 
   const ModelConfig& c_;
   const SyntheticModelOptions& o_;
+  const WeightLayout& layout_;
   std::vector<int64_t> outliers_;
   std::vector<float> outlier_signs_;
   std::vector<float> stream_std_;    // (L + 1): typical residual channel std before each layer
@@ -236,11 +251,12 @@ class Generator {
 void generate_synthetic_weights(
     const ModelConfig& config, const SyntheticModelOptions& options,
     const std::function<void(const std::string&, const Tensor&)>& sink) {
-  const Generator generator(config, options);
-  for (const TensorSpec& spec : weight_layout(config).all()) {
+  const WeightLayout layout = weight_layout(config);
+  const Generator generator(config, options, layout);
+  layout.visit([&](const TensorSpec& spec) {
     check_interrupt();
-    sink(spec.name, generator.make(spec.name, spec.shape));
-  }
+    sink(spec.name, generator.make(spec));
+  });
 }
 
 ModelWeights synthetic_weights(const ModelConfig& config, const SyntheticModelOptions& options,

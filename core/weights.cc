@@ -18,7 +18,9 @@ std::string WeightLayout::layer_tensor_name(int64_t index, const std::string& na
 void WeightLayout::visit(const std::function<void(const TensorSpec&)>& visitor) const {
   for (const TensorSpec& spec : first) visitor(spec);
   for (int64_t l = 0; l < num_layers; ++l) {
-    for (const TensorSpec& spec : layer) visitor({layer_tensor_name(l, spec.name), spec.shape});
+    for (const TensorSpec& spec : layer) {
+      visitor({layer_tensor_name(l, spec.name), spec.shape, spec.role, l});
+    }
   }
   for (const TensorSpec& spec : last) visitor(spec);
 }

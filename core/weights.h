@@ -19,9 +19,36 @@
 
 namespace infinigen {
 
+// What a tensor is to the model, whatever its family names it: code that treats tensors by kind
+// (the synthetic-weight generator, the skew) reads the role, never the name.
+enum class TensorRole {
+  TokenEmbedding,       // (vocab, E) token table (OPT's is also the LM head)
+  PositionEmbedding,    // learned position table
+  EmbeddingProjection,  // between the embedding width and the model's (OPT's project_in/out)
+  NormWeight,           // a LayerNorm's or RMSNorm's gain
+  NormBias,             // a LayerNorm's bias
+  QueryWeight,
+  QueryBias,
+  KeyWeight,
+  KeyBias,
+  ValueWeight,
+  ValueBias,
+  AttentionOutputWeight,  // the projection from the heads back to the residual stream
+  AttentionOutputBias,
+  FfnInputWeight,  // OPT's fc1; the Llama family's gate_proj and up_proj
+  FfnInputBias,
+  FfnOutputWeight,  // back to the residual stream: OPT's fc2, the Llama family's down_proj
+  FfnOutputBias,
+  LmHead,  // an LM head not tied to the token table
+};
+
 struct TensorSpec {
   std::string name;
   Shape shape;
+  TensorRole role;
+  // The layer of a tensor WeightLayout::visit gives; -1 for the globals (`first`, `last`) and in
+  // WeightLayout::layer itself.
+  int64_t layer = -1;
 };
 
 // Every tensor of a model, in checkpoint order: `first` (e.g. embeddings), each layer's
@@ -34,10 +61,11 @@ struct WeightLayout {
   int64_t num_layers = 0;
 
   std::string layer_tensor_name(int64_t index, const std::string& name) const;
-  // Calls visitor(spec) for every tensor with its full name, in checkpoint order, building none
-  // ahead (a caller that stops early by throwing has paid for what it visited only).
+  // Calls visitor(spec) for every tensor with its full name (and a layer tensor with its layer),
+  // in checkpoint order, building none ahead (a caller that stops early by throwing has paid for
+  // what it visited only).
   void visit(const std::function<void(const TensorSpec&)>& visitor) const;
-  // Every tensor with its full name, in checkpoint order.
+  // Every tensor as visit gives it, in checkpoint order.
   std::vector<TensorSpec> all() const;
 };
 

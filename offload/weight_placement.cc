@@ -19,18 +19,12 @@ std::vector<WeightHome> place_weights(const ModelConfig& config, double gpu_perc
   std::vector<WeightHome> homes;
   std::vector<int64_t> groups;
   std::map<int64_t, size_t> group_bytes;
-  const auto add = [&](const TensorSpec& spec, int64_t group) {
+  layout.visit([&](const TensorSpec& spec) {
     homes.push_back(
         {spec.name, static_cast<size_t>(shape_numel(spec.shape)) * element_bytes, true});
-    groups.push_back(group);
-    group_bytes[group] += homes.back().bytes;
-  };
-  for (const TensorSpec& spec : layout.first) add(spec, -1);
-  for (int64_t l = 0; l < layout.num_layers; ++l) {
-    for (const TensorSpec& spec : layout.layer)
-      add({layout.layer_tensor_name(l, spec.name), spec.shape}, l);
-  }
-  for (const TensorSpec& spec : layout.last) add(spec, -1);
+    groups.push_back(spec.layer);
+    group_bytes[spec.layer] += homes.back().bytes;
+  });
   // Walk each group in order: a tensor whose byte midpoint lies in the first gpu_percent of its
   // group's bytes stays on the device (so 100% keeps everything and 0% no layer weight).
   std::map<int64_t, size_t> group_offset;

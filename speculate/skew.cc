@@ -43,6 +43,13 @@ Tensor on_host(const Tensor& t) {
   return t.device() == Device::Cpu ? t : t.to(Device::Cpu);
 }
 
+// Whether a skew folded into the weights rotates a tensor of this role: the query and key
+// projections, weights and biases.
+bool folded_skew(TensorRole role) {
+  return role == TensorRole::QueryWeight || role == TensorRole::QueryBias ||
+         role == TensorRole::KeyWeight || role == TensorRole::KeyBias;
+}
+
 // Rows [begin, begin + count) of a CPU tensor (rows, cols) of any floating dtype, as fp64
 // (count, cols). A rank-1 tensor is one column.
 Eigen::MatrixXd rows_f64(const Tensor& t, int64_t begin, int64_t count) {
@@ -353,24 +360,17 @@ SkewReport skew_checkpoint(const std::string& in_dir, const std::string& out_dir
   report.energy_before = matrices.energy_before;
   report.energy_after = matrices.energy_after;
 
-  // Stored name of each rotated tensor -> its layer.
-  const WeightLayout layout = weight_layout(config);
-  std::map<std::string, std::string, std::less<>> stored_name;  // layout name -> stored name
-  const std::vector<TensorSpec> specs = layout.all();
-  for (size_t i = 0; i < specs.size(); ++i) stored_name[specs[i].name] = stored[i];
   // Rotary models keep the skew beside the weights (they are copied unchanged); the others have
-  // it folded into their query and key projections.
+  // it folded into their query and key projections: stored name of each rotated tensor -> its
+  // layer.
   const bool beside = config.rope.enabled();
+  const std::vector<TensorSpec> specs = weight_layout(config).all();
   std::map<std::string, size_t, std::less<>> rotated;
-  for (int64_t l = 0; l < config.num_layers && !beside; ++l) {
-    for (const char* name : {"self_attn.q_proj.weight", "self_attn.q_proj.bias",
-                             "self_attn.k_proj.weight", "self_attn.k_proj.bias"}) {
-      rotated[stored_name.at(layout.layer_tensor_name(l, name))] = static_cast<size_t>(l);
-    }
+  for (size_t i = 0; i < specs.size() && !beside; ++i) {
+    if (folded_skew(specs[i].role)) rotated[stored[i]] = static_cast<size_t>(specs[i].layer);
   }
-  report.dtype =
-      checkpoint.entry(stored_name.at(layout.layer_tensor_name(0, "self_attn.q_proj.weight")))
-          .dtype;
+  const auto query = std::ranges::find(specs, TensorRole::QueryWeight, &TensorSpec::role);
+  report.dtype = checkpoint.entry(stored[static_cast<size_t>(query - specs.begin())]).dtype;
 
   // Every tensor of the input, in its original order (file, then offset).
   std::vector<std::string> names = checkpoint.names();

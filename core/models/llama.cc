@@ -165,26 +165,28 @@ json llama_config_to_json(const ModelConfig& c) {
 }
 
 WeightLayout llama_weight_layout(const ModelConfig& c) {
+  using R = TensorRole;
   const int64_t D = c.hidden_size, F = c.ffn_dim, Q = c.q_dim(), KV = c.kv_dim();
   WeightLayout layout;
   layout.layer_prefix = "model.layers.";
   layout.num_layers = c.num_layers;
-  layout.first = {{"model.embed_tokens.weight", {c.vocab_size, D}}};
-  const auto add = [&](const std::string& name, Shape shape, bool with_bias) {
-    layout.layer.push_back({name + ".weight", shape});
-    if (with_bias) layout.layer.push_back({name + ".bias", {shape[0]}});
+  layout.first = {{"model.embed_tokens.weight", {c.vocab_size, D}, R::TokenEmbedding}};
+  const auto add = [&](const std::string& name, Shape shape, TensorRole weight, TensorRole bias,
+                       bool with_bias) {
+    layout.layer.push_back({name + ".weight", shape, weight});
+    if (with_bias) layout.layer.push_back({name + ".bias", {shape[0]}, bias});
   };
-  add("self_attn.q_proj", {Q, D}, c.qkv_bias);
-  add("self_attn.k_proj", {KV, D}, c.qkv_bias);
-  add("self_attn.v_proj", {KV, D}, c.qkv_bias);
-  add("self_attn.o_proj", {D, Q}, c.out_bias);
-  add("mlp.gate_proj", {F, D}, c.ffn_bias);
-  add("mlp.up_proj", {F, D}, c.ffn_bias);
-  add("mlp.down_proj", {D, F}, c.ffn_bias);
-  layout.layer.push_back({"input_layernorm.weight", {D}});
-  layout.layer.push_back({"post_attention_layernorm.weight", {D}});
-  layout.last = {{"model.norm.weight", {D}}};
-  if (!c.tied_embeddings) layout.last.push_back({"lm_head.weight", {c.vocab_size, D}});
+  add("self_attn.q_proj", {Q, D}, R::QueryWeight, R::QueryBias, c.qkv_bias);
+  add("self_attn.k_proj", {KV, D}, R::KeyWeight, R::KeyBias, c.qkv_bias);
+  add("self_attn.v_proj", {KV, D}, R::ValueWeight, R::ValueBias, c.qkv_bias);
+  add("self_attn.o_proj", {D, Q}, R::AttentionOutputWeight, R::AttentionOutputBias, c.out_bias);
+  add("mlp.gate_proj", {F, D}, R::FfnInputWeight, R::FfnInputBias, c.ffn_bias);
+  add("mlp.up_proj", {F, D}, R::FfnInputWeight, R::FfnInputBias, c.ffn_bias);
+  add("mlp.down_proj", {D, F}, R::FfnOutputWeight, R::FfnOutputBias, c.ffn_bias);
+  layout.layer.push_back({"input_layernorm.weight", {D}, R::NormWeight});
+  layout.layer.push_back({"post_attention_layernorm.weight", {D}, R::NormWeight});
+  layout.last = {{"model.norm.weight", {D}, R::NormWeight}};
+  if (!c.tied_embeddings) layout.last.push_back({"lm_head.weight", {c.vocab_size, D}, R::LmHead});
   return layout;
 }
 

@@ -87,30 +87,43 @@ nlohmann::json opt_config_to_json(const ModelConfig& c) {
 }
 
 WeightLayout opt_weight_layout(const ModelConfig& c) {
+  using R = TensorRole;
   const int64_t D = c.hidden_size, F = c.ffn_dim, E = c.embed_dim();
   WeightLayout layout;
   layout.layer_prefix = global("layers.");
   layout.num_layers = c.num_layers;
-  layout.first = {{global("embed_tokens.weight"), {c.vocab_size, E}},
-                  {global("embed_positions.weight"), {c.max_positions + kOptPositionOffset, D}}};
-  if (E != D) layout.first.push_back({global("project_in.weight"), {D, E}});
-  for (const char* proj : {"q_proj", "k_proj", "v_proj", "out_proj"}) {
-    layout.layer.push_back({std::string("self_attn.") + proj + ".weight", {D, D}});
-    layout.layer.push_back({std::string("self_attn.") + proj + ".bias", {D}});
+  layout.first = {{global("embed_tokens.weight"), {c.vocab_size, E}, R::TokenEmbedding},
+                  {global("embed_positions.weight"),
+                   {c.max_positions + kOptPositionOffset, D},
+                   R::PositionEmbedding}};
+  if (E != D) layout.first.push_back({global("project_in.weight"), {D, E}, R::EmbeddingProjection});
+  const struct {
+    const char* name;
+    TensorRole weight, bias;
+  } projections[] = {{"q_proj", R::QueryWeight, R::QueryBias},
+                     {"k_proj", R::KeyWeight, R::KeyBias},
+                     {"v_proj", R::ValueWeight, R::ValueBias},
+                     {"out_proj", R::AttentionOutputWeight, R::AttentionOutputBias}};
+  for (const auto& proj : projections) {
+    layout.layer.push_back(
+        {std::string("self_attn.") + proj.name + ".weight", {D, D}, proj.weight});
+    layout.layer.push_back({std::string("self_attn.") + proj.name + ".bias", {D}, proj.bias});
   }
-  layout.layer.insert(layout.layer.end(), {{"self_attn_layer_norm.weight", {D}},
-                                           {"self_attn_layer_norm.bias", {D}},
-                                           {"fc1.weight", {F, D}},
-                                           {"fc1.bias", {F}},
-                                           {"fc2.weight", {D, F}},
-                                           {"fc2.bias", {D}},
-                                           {"final_layer_norm.weight", {D}},
-                                           {"final_layer_norm.bias", {D}}});
+  layout.layer.insert(layout.layer.end(), {{"self_attn_layer_norm.weight", {D}, R::NormWeight},
+                                           {"self_attn_layer_norm.bias", {D}, R::NormBias},
+                                           {"fc1.weight", {F, D}, R::FfnInputWeight},
+                                           {"fc1.bias", {F}, R::FfnInputBias},
+                                           {"fc2.weight", {D, F}, R::FfnOutputWeight},
+                                           {"fc2.bias", {D}, R::FfnOutputBias},
+                                           {"final_layer_norm.weight", {D}, R::NormWeight},
+                                           {"final_layer_norm.bias", {D}, R::NormBias}});
   if (c.final_norm) {
-    layout.last = {{global("final_layer_norm.weight"), {D}},
-                   {global("final_layer_norm.bias"), {D}}};
+    layout.last = {{global("final_layer_norm.weight"), {D}, R::NormWeight},
+                   {global("final_layer_norm.bias"), {D}, R::NormBias}};
   }
-  if (E != D) layout.last.push_back({global("project_out.weight"), {E, D}});
+  if (E != D) {
+    layout.last.push_back({global("project_out.weight"), {E, D}, R::EmbeddingProjection});
+  }
   return layout;
 }
 
