@@ -8,6 +8,7 @@
 
 #include "core/ops.h"
 #include "core/trace.h"
+#include "kernels/cpu/rope.h"
 
 namespace infinigen {
 
@@ -394,17 +395,8 @@ void PartialLayer::partial_query(const float* rows, int64_t h, int32_t rope_posi
   // The head's query with only its needed dimensions (zero elsewhere)...
   std::vector<float> q(static_cast<size_t>(d), 0.0f);
   for (size_t j = 0; j < dims.size(); ++j) q[static_cast<size_t>(dims[j])] = rows[j];
-  // ... rotated as the model rotates it (pairs of needed dimensions are complete) ...
-  if (!inv_freq_.empty()) {
-    const int64_t half = d / 2;
-    for (int64_t i = 0; i < half; ++i) {
-      const float angle = static_cast<float>(rope_position) * inv_freq_[static_cast<size_t>(i)];
-      const float c = std::cos(angle), s = std::sin(angle);
-      const float x1 = q[static_cast<size_t>(i)], x2 = q[static_cast<size_t>(i + half)];
-      q[static_cast<size_t>(i)] = x1 * c - x2 * s;
-      q[static_cast<size_t>(i + half)] = x2 * c + x1 * s;
-    }
-  }
+  // ... rotated by the model's own RoPE kernel (pairs of needed dimensions are complete) ...
+  if (!inv_freq_.empty()) kernels::cpu::rope(q.data(), &rope_position, inv_freq_.data(), 1, 1, d);
   // ... then its partial columns, scaled like the real queries.
   partial_of(q.data(), g, out);
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
