@@ -105,6 +105,13 @@ int64_t h2o_choose_victim(std::span<const float> scores, std::span<const int32_t
   return victim;
 }
 
+void h2o_accumulate_scores(const float* query, const float* keys, int64_t n, int64_t d,
+                           float* probs, float* scores) {
+  for (int64_t r = 0; r < n; ++r) probs[r] = dot(query, keys + r * d, d);
+  softmax_inplace(probs, n);
+  for (int64_t r = 0; r < n; ++r) scores[r] += probs[r];
+}
+
 int64_t h2o_slots(double budget, int64_t capacity) {
   // The epsilon keeps products such as 0.29 * 100 = 28.999... at the intended count.
   return std::max<int64_t>(
@@ -441,16 +448,12 @@ void H2oKv::score_on_host(int64_t layer, const Tensor& keys) {
       // Each query head's softmax over the kept entries and the new token, as attention
       // computes it.
       const int64_t row0 = slots_ - count_[static_cast<size_t>(b)], n = slots_ + 1 - row0;
+      const size_t first = entry(layer, b, h, row0);  // the kept rows follow it
       std::vector<float> probs(static_cast<size_t>(n));
       for (int64_t head = h * group_; head < (h + 1) * group_; ++head) {
-        const float* qi = qd + (b * H * group_ + head) * d;
-        for (int64_t r = 0; r < n; ++r) {
-          probs[static_cast<size_t>(r)] =
-              dot(qi, &host_keys_[entry(layer, b, h, row0 + r) * static_cast<size_t>(d)], d);
-        }
-        softmax_inplace(probs.data(), n);
-        for (int64_t r = 0; r < n; ++r)
-          scores_[entry(layer, b, h, row0 + r)] += probs[static_cast<size_t>(r)];
+        h2o_accumulate_scores(qd + (b * H * group_ + head) * d,
+                              &host_keys_[first * static_cast<size_t>(d)], n, d, probs.data(),
+                              &scores_[first]);
       }
     }
   }

@@ -81,6 +81,13 @@ int64_t h2o_choose_victim(std::span<const float> scores, std::span<const int32_t
 // and the store agree through it.
 int64_t h2o_slots(double budget, int64_t capacity);
 
+// The decode's scoring of one query head on the host: `scores` (n) += the softmax of the dots of
+// `query` (d) with the `n` kept keys (n, d), fp32; `probs` (n) is scratch. Each product is
+// rounded on its own and summed in order, as the device's scores are (kernels/cuda/h2o.cu), so
+// both backends keep the same tokens.
+void h2o_accumulate_scores(const float* query, const float* keys, int64_t n, int64_t d,
+                           float* probs, float* scores);
+
 class H2oKv : public KvStore {
  public:
   // `budget`: the fraction of `capacity` (prompt + generation) kept per (layer, sequence, head).

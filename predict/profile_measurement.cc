@@ -16,6 +16,7 @@
 #include "core/model_loader.h"
 #include "core/ops.h"
 #include "kernels/cpu/int4.h"
+#include "offload/h2o_kv.h"
 #include "offload/row_gather.h"
 #include "offload/transfer_engine.h"
 #include "predict/cost_model.h"
@@ -289,13 +290,25 @@ size_t last_level_cache_bytes() {
   return best;
 }
 
-}  // namespace
+// What every step of a measurement shares: how hard it works, where it reports, and the op
+// overhead its rates are net of (0 until measured, by the first step).
+struct Measurement {
+  Effort effort;
+  std::function<void(const std::string&)> say;
+  double overhead = 0;
+  // `amount` per second of an op that took `seconds`, net of the op overhead.
+  double rate(double amount, double seconds) const {
+    return amount / std::max(seconds - overhead, 1e-9);
+  }
+};
 
-HardwareProfile measure_cpu_backend_profile(const std::function<void(const std::string&)>& progress,
-                                            ProfileEffort effort_level) {
-  const auto say = [&](const std::string& line) {
-    if (progress) progress(line);
-  };
+// The sources' words for a timed op.
+std::string measured(const std::string& what) {
+  return "measured by measure_cpu_backend_profile: median of repeated runs of " + what;
+}
+
+// The profile's name and description, the host's cache and memory; the effort's rotating set.
+HardwareProfile host_profile(Effort& effort) {
   HardwareProfile p;
   p.name = "cpu-backend";
   p.backend = "cpu";
@@ -303,55 +316,52 @@ HardwareProfile measure_cpu_backend_profile(const std::function<void(const std::
   p.description = cat("the engine's CPU backend (emulated device in host memory) on ", cpu_name(),
                       ", ", threads, " hardware threads; measured by measure_cpu_backend_profile");
   p.device_cache_bytes = static_cast<double>(last_level_cache_bytes());
-  Effort effort;
-  effort.quick = effort_level == ProfileEffort::Quick;
   effort.memory_set = effort.quick ? std::max(16.0 * 1048576.0, 2.0 * p.device_cache_bytes)
                                    : std::max(128.0 * 1048576.0, 4.0 * p.device_cache_bytes);
   if (effort.quick) p.description += " (quick measurement: few repetitions, rough)";
-  const std::string how = "measured by measure_cpu_backend_profile: median of repeated runs of ";
-
   p.device_memory_bytes = static_cast<double>(available_host_memory());
   p.sources["device_memory_bytes"] = "available host memory when measured (MemAvailable)";
+  return p;
+}
 
-  // Fixed cost of an op: a residual add of 16 elements, all bookkeeping and no work.
-  {
-    Tensor y = random_tensor({1, 16}, DType::F32, 3);
-    const Tensor x = random_tensor({1, 16}, DType::F32, 4);
-    p.op_overhead_s = median_seconds([&] { ops::add_inplace(y, x); }, effort.reps(2001), 50);
-    p.sources["op_overhead_s"] = how + "ops::add_inplace on 16 elements";
-    say(cat("op overhead: ", p.op_overhead_s * 1e6, " us"));
-  }
-  const double overhead = p.op_overhead_s;
-  const auto rate = [&](double amount, double seconds) {
-    return amount / std::max(seconds - overhead, 1e-9);
-  };
+// Fixed cost of an op: a residual add of 16 elements, all bookkeeping and no work.
+void measure_op_overhead(HardwareProfile& p, Measurement& m) {
+  Tensor y = random_tensor({1, 16}, DType::F32, 3);
+  const Tensor x = random_tensor({1, 16}, DType::F32, 4);
+  p.op_overhead_s = median_seconds([&] { ops::add_inplace(y, x); }, m.effort.reps(2001), 50);
+  p.sources["op_overhead_s"] = measured("ops::add_inplace on 16 elements");
+  m.say(cat("op overhead: ", p.op_overhead_s * 1e6, " us"));
+  m.overhead = p.op_overhead_s;
+}
 
-  // Prefill-shape GEMM: compute-bound.
-  {
-    const int64_t M = 512, N = 1024, K = 1024;
-    const Tensor x = random_tensor({M, K}, DType::F32, 5);
-    const Tensor w = random_tensor({N, K}, DType::F16, 6);
-    const Tensor b = random_tensor({N}, DType::F32, 7);
-    Tensor y = Tensor::empty({M, N}, DType::F32);
-    const double t = median_seconds([&] { ops::linear(x, w, b, y); }, effort.reps(9));
-    p.gemm_flops = rate(linear_flops(M, N, K), t);
-    p.sources["gemm_flops"] = how + "ops::linear x (512, 1024) . w (1024, 1024)^T, fp16 weights";
-    say(cat("gemm (prefill shape): ", p.gemm_flops / 1e9, " GFLOP/s"));
-  }
-  // Decode-shape projections: weight streaming from memory (fp16 matrices rotating over a set
-  // beyond the last-level cache), then the linear cost table from memory and from the cache
-  // (rotating over half of it).
+// Prefill-shape GEMM: compute-bound.
+void measure_gemm(HardwareProfile& p, const Measurement& m) {
+  const int64_t M = 512, N = 1024, K = 1024;
+  const Tensor x = random_tensor({M, K}, DType::F32, 5);
+  const Tensor w = random_tensor({N, K}, DType::F16, 6);
+  const Tensor b = random_tensor({N}, DType::F32, 7);
+  Tensor y = Tensor::empty({M, N}, DType::F32);
+  const double t = median_seconds([&] { ops::linear(x, w, b, y); }, m.effort.reps(9));
+  p.gemm_flops = m.rate(linear_flops(M, N, K), t);
+  p.sources["gemm_flops"] = measured("ops::linear x (512, 1024) . w (1024, 1024)^T, fp16 weights");
+  m.say(cat("gemm (prefill shape): ", p.gemm_flops / 1e9, " GFLOP/s"));
+}
+
+// Decode-shape projections: weight streaming from memory (fp16 matrices rotating over a set
+// beyond the last-level cache), then the linear cost table from memory and from the cache
+// (rotating over half of it).
+void measure_decode_projections(HardwareProfile& p, const Measurement& m) {
+  const Effort& effort = m.effort;
   p.sources["device_cache_bytes"] = "the host's largest cache level (sysfs cpu0 cache)";
-  say(cat("last-level cache: ", p.device_cache_bytes / 1048576.0, " MiB"));
+  m.say(cat("last-level cache: ", p.device_cache_bytes / 1048576.0, " MiB"));
   const double memory_set = effort.memory_set, cache_set = p.device_cache_bytes / 2;
   {
     DecodeLinear linear(4, 2048, 2048, copies_for(memory_set, 2048.0 * 2048 * 2));
-    p.device_memory_bytes_per_s = rate(linear.bytes(), linear_seconds(linear, effort));
-    p.sources["device_memory_bytes_per_s"] =
-        how +
+    p.device_memory_bytes_per_s = m.rate(linear.bytes(), linear_seconds(linear, effort));
+    p.sources["device_memory_bytes_per_s"] = measured(
         "ops::linear x (4, 2048) . w (2048, 2048)^T, fp16 weights rotating beyond the "
-        "last-level cache";
-    say(cat("weight streaming (decode shape): ", p.device_memory_bytes_per_s / 1e9, " GB/s"));
+        "last-level cache");
+    m.say(cat("weight streaming (decode shape): ", p.device_memory_bytes_per_s / 1e9, " GB/s"));
   }
   if (effort.quick) {
     p.linear_table.rows = {1, 2, 4, 8, 16};
@@ -361,7 +371,7 @@ HardwareProfile measure_cpu_backend_profile(const std::function<void(const std::
     p.linear_table.k = {512, 1024, 2048, 4096};
   }
   p.linear_table.memory = measure_linear_grid(
-      p.linear_table, memory_set, [](int64_t) { return int64_t{2048}; }, say, "memory", effort);
+      p.linear_table, memory_set, [](int64_t) { return int64_t{2048}; }, m.say, "memory", effort);
   // In the cache two copies of the wide matrix must fit in the set; without room for a width
   // twice the narrow one, the cache is too small to matter and shares the memory grid.
   const auto cache_wide = [&](int64_t K) {
@@ -369,16 +379,18 @@ HardwareProfile measure_cpu_backend_profile(const std::function<void(const std::
   };
   bool cache_room = true;
   for (const int64_t K : p.linear_table.k) cache_room = cache_room && cache_wide(K) >= 1024;
-  p.linear_table.cache =
-      cache_room ? measure_linear_grid(p.linear_table, cache_set, cache_wide, say, "cache", effort)
-                 : p.linear_table.memory;
-  p.sources["linear_table"] =
-      how +
+  p.linear_table.cache = cache_room ? measure_linear_grid(p.linear_table, cache_set, cache_wide,
+                                                          m.say, "cache", effort)
+                                    : p.linear_table.memory;
+  p.sources["linear_table"] = measured(
       "ops::linear x (rows, K) . w (N, K)^T at N 512 and N 2048 (cache: up to 2048, two copies "
       "in the set), fp16 weights rotating beyond the last-level cache (memory) or over half of "
       "it (cache); the two widths give fixed_s and bytes_per_s; each cell the median of " +
-      std::to_string(effort.sweeps()) + " sweeps";
-  // Attention.
+      std::to_string(effort.sweeps()) + " sweeps");
+}
+
+// Attention: the prefill's (compute) and the decode's (KV streaming from memory).
+void measure_attention(HardwareProfile& p, const Measurement& m) {
   {
     const int64_t B = 2, H = 8, n = 256, d = 128;
     const Tensor q = random_tensor({B * n, H * d}, DType::F32, 8);
@@ -387,207 +399,236 @@ HardwareProfile measure_cpu_backend_profile(const std::function<void(const std::
     Tensor out = Tensor::empty({B * n, H * d}, DType::F32);
     const std::vector<int32_t> first_valid(static_cast<size_t>(B), 0);
     const double t = median_seconds(
-        [&] { ops::attention_prefill(q, k, v, out, B, H, first_valid); }, effort.reps(7));
-    p.attention_flops = rate(attention_prefill_flops(B, H, n, d), t);
-    p.sources["attention_flops"] = how + "ops::attention_prefill, B 2, H 8, n 256, d 128";
-    say(cat("attention (prefill): ", p.attention_flops / 1e9, " GFLOP/s"));
+        [&] { ops::attention_prefill(q, k, v, out, B, H, first_valid); }, m.effort.reps(7));
+    p.attention_flops = m.rate(attention_prefill_flops(B, H, n, d), t);
+    p.sources["attention_flops"] = measured("ops::attention_prefill, B 2, H 8, n 256, d 128");
+    m.say(cat("attention (prefill): ", p.attention_flops / 1e9, " GFLOP/s"));
   }
-  {
-    DecodeAttention attention(memory_set, 100);
-    const double t = median_seconds([&] { attention.run(); },
-                                    effort.reps(4 * attention.copies() + 1), attention.copies());
-    using A = DecodeAttention;
-    p.attention_bytes_per_s = rate(attention_decode_bytes(A::B, A::H, A::n, A::d, 2), t);
-    p.sources["attention_bytes_per_s"] =
-        how +
-        "ops::attention_decode over fp16 KV, B 4, H 8, 1024 rows, d 128, rotating beyond the "
-        "last-level cache";
-    say(cat("attention (decode): ", p.attention_bytes_per_s / 1e9, " GB/s of KV"));
-  }
-  // Elementwise: LayerNorm.
-  {
-    const int64_t rows = 512, D = 1024;
-    const Tensor x = random_tensor({rows, D}, DType::F32, 14);
-    const Tensor g = random_tensor({D}, DType::F32, 15);
-    const Tensor b = random_tensor({D}, DType::F32, 16);
-    Tensor y = Tensor::empty({rows, D}, DType::F32);
-    const double t = median_seconds([&] { ops::layer_norm(x, g, b, 1e-5f, y); }, effort.reps(21));
-    p.elementwise_bytes_per_s = rate(layer_norm_bytes(rows, D), t);
-    p.sources["elementwise_bytes_per_s"] = how + "ops::layer_norm on (512, 1024) fp32";
-    say(cat("elementwise: ", p.elementwise_bytes_per_s / 1e9, " GB/s"));
-  }
-  // The int4 codec: dequantising rows into fp16 staging, one thread, as Int4Kv does on the CPU
-  // backend (ops::int4_dequantize runs kernels::cpu::int4_dequantize_row_f16 row by row).
-  {
-    const int64_t rows = 8192, d = 128;
-    const size_t code_bytes = ops::int4_code_bytes(d);
-    const size_t meta_halves = ops::int4_meta_bytes(d) / sizeof(uint16_t);
-    const Tensor x = random_tensor({rows, d}, DType::F32, 17);
-    std::vector<uint8_t> codes(static_cast<size_t>(rows) * code_bytes);
-    std::vector<uint16_t> meta(static_cast<size_t>(rows) * meta_halves);
-    std::vector<uint16_t> out(static_cast<size_t>(rows * d));
-    for (int64_t r = 0; r < rows; ++r) {
-      const auto i = static_cast<size_t>(r);
-      kernels::cpu::int4_quantize_row(x.data<float>() + r * d, d, codes.data() + i * code_bytes,
-                                      meta.data() + i * meta_halves);
-    }
-    const double t = median_seconds(
-        [&] {
-          for (int64_t r = 0; r < rows; ++r) {
-            const auto i = static_cast<size_t>(r);
-            kernels::cpu::int4_dequantize_row_f16(codes.data() + i * code_bytes,
-                                                  meta.data() + i * meta_halves, d,
-                                                  out.data() + r * d);
-          }
-        },
-        effort.reps(11));
-    p.kv_codec_bytes_per_s = static_cast<double>(rows * d * 2) / t;
-    p.sources["kv_codec_bytes_per_s"] =
-        how + "int4_dequantize_row into fp16, 8192 rows of d 128, one thread";
-    say(cat("int4 codec: ", p.kv_codec_bytes_per_s / 1e9, " GB/s of fp16 rows"));
-  }
-  // Speculation: PartialLayer::speculate per byte of partial keys scanned, over layers whose
-  // partial key caches together exceed the last-level cache, as a decode step's layers do.
-  {
-    const int64_t B = 4, H = 8, d = 128, D = H * d, n = 2048, r = 38;
-    const Tensor q = random_tensor({B * n, D}, DType::F32, 18);
-    const Tensor k = random_tensor({B * n, D}, DType::F32, 19);
-    const Tensor wq = random_tensor({D, D}, DType::F16, 20);
-    const Tensor bq = random_tensor({D}, DType::F32, 21);
-    const Tensor x = random_tensor({B, D}, DType::F32, 22);
-    const std::vector<int32_t> first_valid(static_cast<size_t>(B), 0);
-    SpeculationOptions options;
-    options.max_num_kv = options.fetch_cap(n);
-    const int copies = copies_for(memory_set, 4.0 * static_cast<double>(B * H * n * r));
-    std::vector<PartialLayer> layers(static_cast<size_t>(copies));
-    const Tensor none;
-    for (PartialLayer& layer : layers) {
-      layer.build({q, k, wq, bq, none, none}, first_valid, H, H, n, r, PartialIndexRule::QK);
-    }
-    size_t next = 0;
-    const double t = median_seconds(
-        [&] {
-          (void)layers[next].speculate(x, {}, n, first_valid, options);
-          next = (next + 1) % layers.size();
-        },
-        effort.reps(4 * copies + 1), copies);
-    p.speculation_bytes_per_s = rate(4.0 * static_cast<double>(B * H * n * r), t);
-    p.sources["speculation_bytes_per_s"] =
-        how +
-        "PartialLayer::speculate (projection, scores, selection), B 4, H 8, r 38, 2048 "
-        "positions, per byte of partial keys, layers rotating beyond the last-level cache";
-    say(cat("speculation: ", p.speculation_bytes_per_s / 1e9, " GB/s of partial keys"));
-  }
-  // H2O's score accumulation: per (sequence, head), a sequential fp32 dot of the new query with
-  // each kept key and a softmax, rows spread over OpenMP threads as the h2o store does.
-  {
-    const int64_t rows = 32, entries = 512, d = 128;
-    const Tensor keys = random_tensor({rows, entries, d}, DType::F32, 23);
-    const Tensor queries = random_tensor({rows, d}, DType::F32, 24);
-    std::vector<float> scores(static_cast<size_t>(rows * entries), 0.0f);
-    const float* kd = keys.data<float>();
-    const float* qd = queries.data<float>();
-    const double t = median_seconds(
-        [&] {
-#pragma omp parallel for schedule(static)
-          for (int64_t row = 0; row < rows; ++row) {
-            std::vector<float> probs(static_cast<size_t>(entries));
-            for (int64_t e = 0; e < entries; ++e) {
-              float sum = 0.0f;
-              const float* key = kd + (row * entries + e) * d;
-              for (int64_t c = 0; c < d; ++c) sum += qd[row * d + c] * key[c];
-              probs[static_cast<size_t>(e)] = sum;
-            }
-            const float top = *std::max_element(probs.begin(), probs.end());
-            float total = 0.0f;
-            for (float& v : probs) total += (v = std::exp(v - top));
-            for (int64_t e = 0; e < entries; ++e) {
-              scores[static_cast<size_t>(row * entries + e)] +=
-                  probs[static_cast<size_t>(e)] / total;
-            }
-          }
-        },
-        effort.reps(21));
-    p.scoring_flops = static_cast<double>(rows * entries * (2 * d + 4)) / t;
-    p.sources["scoring_flops"] =
-        how + "sequential fp32 dots and softmax of 32 rows x 512 kept entries, d 128 (H2O's loop)";
-    say(cat("h2o scoring: ", p.scoring_flops / 1e9, " GFLOP/s"));
-  }
+  DecodeAttention attention(m.effort.memory_set, 100);
+  const double t = median_seconds([&] { attention.run(); },
+                                  m.effort.reps(4 * attention.copies() + 1), attention.copies());
+  using A = DecodeAttention;
+  p.attention_bytes_per_s = m.rate(attention_decode_bytes(A::B, A::H, A::n, A::d, 2), t);
+  p.sources["attention_bytes_per_s"] = measured(
+      "ops::attention_decode over fp16 KV, B 4, H 8, 1024 rows, d 128, rotating beyond "
+      "the last-level cache");
+  m.say(cat("attention (decode): ", p.attention_bytes_per_s / 1e9, " GB/s of KV"));
+}
 
-  // Transfers through the engine itself, no link emulation: the host copy work of a transfer.
+// Elementwise: LayerNorm.
+void measure_elementwise(HardwareProfile& p, const Measurement& m) {
+  const int64_t rows = 512, D = 1024;
+  const Tensor x = random_tensor({rows, D}, DType::F32, 14);
+  const Tensor g = random_tensor({D}, DType::F32, 15);
+  const Tensor b = random_tensor({D}, DType::F32, 16);
+  Tensor y = Tensor::empty({rows, D}, DType::F32);
+  const double t = median_seconds([&] { ops::layer_norm(x, g, b, 1e-5f, y); }, m.effort.reps(21));
+  p.elementwise_bytes_per_s = m.rate(layer_norm_bytes(rows, D), t);
+  p.sources["elementwise_bytes_per_s"] = measured("ops::layer_norm on (512, 1024) fp32");
+  m.say(cat("elementwise: ", p.elementwise_bytes_per_s / 1e9, " GB/s"));
+}
+
+// The int4 codec: dequantising rows into fp16 staging, one thread, as Int4Kv does on the CPU
+// backend (ops::int4_dequantize runs kernels::cpu::int4_dequantize_row_f16 row by row).
+void measure_int4_codec(HardwareProfile& p, const Measurement& m) {
+  const int64_t rows = 8192, d = 128;
+  const size_t code_bytes = ops::int4_code_bytes(d);
+  const size_t meta_halves = ops::int4_meta_bytes(d) / sizeof(uint16_t);
+  const Tensor x = random_tensor({rows, d}, DType::F32, 17);
+  std::vector<uint8_t> codes(static_cast<size_t>(rows) * code_bytes);
+  std::vector<uint16_t> meta(static_cast<size_t>(rows) * meta_halves);
+  std::vector<uint16_t> out(static_cast<size_t>(rows * d));
+  for (int64_t r = 0; r < rows; ++r) {
+    const auto i = static_cast<size_t>(r);
+    kernels::cpu::int4_quantize_row(x.data<float>() + r * d, d, codes.data() + i * code_bytes,
+                                    meta.data() + i * meta_halves);
+  }
+  const double t = median_seconds(
+      [&] {
+        for (int64_t r = 0; r < rows; ++r) {
+          const auto i = static_cast<size_t>(r);
+          kernels::cpu::int4_dequantize_row_f16(
+              codes.data() + i * code_bytes, meta.data() + i * meta_halves, d, out.data() + r * d);
+        }
+      },
+      m.effort.reps(11));
+  p.kv_codec_bytes_per_s = static_cast<double>(rows * d * 2) / t;
+  p.sources["kv_codec_bytes_per_s"] =
+      measured("int4_dequantize_row into fp16, 8192 rows of d 128, one thread");
+  m.say(cat("int4 codec: ", p.kv_codec_bytes_per_s / 1e9, " GB/s of fp16 rows"));
+}
+
+// Speculation: PartialLayer::speculate per byte of partial keys scanned, over layers whose
+// partial key caches together exceed the last-level cache, as a decode step's layers do.
+void measure_speculation(HardwareProfile& p, const Measurement& m) {
+  const int64_t B = 4, H = 8, d = 128, D = H * d, n = 2048, r = 38;
+  const Tensor q = random_tensor({B * n, D}, DType::F32, 18);
+  const Tensor k = random_tensor({B * n, D}, DType::F32, 19);
+  const Tensor wq = random_tensor({D, D}, DType::F16, 20);
+  const Tensor bq = random_tensor({D}, DType::F32, 21);
+  const Tensor x = random_tensor({B, D}, DType::F32, 22);
+  const std::vector<int32_t> first_valid(static_cast<size_t>(B), 0);
+  SpeculationOptions options;
+  options.max_num_kv = options.fetch_cap(n);
+  const int copies = copies_for(m.effort.memory_set, 4.0 * static_cast<double>(B * H * n * r));
+  std::vector<PartialLayer> layers(static_cast<size_t>(copies));
+  const Tensor none;
+  for (PartialLayer& layer : layers) {
+    layer.build({q, k, wq, bq, none, none}, first_valid, H, H, n, r, PartialIndexRule::QK);
+  }
+  size_t next = 0;
+  const double t = median_seconds(
+      [&] {
+        (void)layers[next].speculate(x, {}, n, first_valid, options);
+        next = (next + 1) % layers.size();
+      },
+      m.effort.reps(4 * copies + 1), copies);
+  p.speculation_bytes_per_s = m.rate(4.0 * static_cast<double>(B * H * n * r), t);
+  p.sources["speculation_bytes_per_s"] = measured(
+      "PartialLayer::speculate (projection, scores, selection), B 4, H 8, r 38, 2048 "
+      "positions, per byte of partial keys, layers rotating beyond the last-level cache");
+  m.say(cat("speculation: ", p.speculation_bytes_per_s / 1e9, " GB/s of partial keys"));
+}
+
+// H2O's score accumulation: per (sequence, head), the h2o store's own scoring of the new query
+// against each kept key (h2o_accumulate_scores: sequential fp32 dots and a softmax), rows spread
+// over OpenMP threads as the store spreads them.
+void measure_h2o_scoring(HardwareProfile& p, const Measurement& m) {
+  const int64_t rows = 32, entries = 512, d = 128;
+  const Tensor keys = random_tensor({rows, entries, d}, DType::F32, 23);
+  const Tensor queries = random_tensor({rows, d}, DType::F32, 24);
+  std::vector<float> scores(static_cast<size_t>(rows * entries), 0.0f);
+  const float* kd = keys.data<float>();
+  const float* qd = queries.data<float>();
+  const double t = median_seconds(
+      [&] {
+#pragma omp parallel for schedule(static)
+        for (int64_t row = 0; row < rows; ++row) {
+          std::vector<float> probs(static_cast<size_t>(entries));
+          h2o_accumulate_scores(qd + row * d, kd + row * entries * d, entries, d, probs.data(),
+                                scores.data() + row * entries);
+        }
+      },
+      m.effort.reps(21));
+  p.scoring_flops = static_cast<double>(rows * entries * (2 * d + 4)) / t;
+  p.sources["scoring_flops"] = measured(
+      "sequential fp32 dots and softmax of 32 rows x 512 kept entries, d 128 (H2O's loop)");
+  m.say(cat("h2o scoring: ", p.scoring_flops / 1e9, " GFLOP/s"));
+}
+
+// Device memory of the CPU backend, freed on scope exit.
+struct DeviceBuffer {
+  explicit DeviceBuffer(size_t bytes)
+      : data(static_cast<char*>(device_alloc(Device::Cpu, bytes))), size(bytes) {
+    std::memset(data, 0, bytes);
+  }
+  ~DeviceBuffer() { device_free(Device::Cpu, data); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  char* data;
+  size_t size;
+};
+
+// Transfers through the engine itself, no link emulation: the host copy work of a transfer, from
+// `pool` into `dst`. Returns the contiguous runs (`bulk`), which the contention step copies too.
+std::vector<CopyChunk> measure_host_copies(HardwareProfile& p, const Measurement& m,
+                                           const Pinned& pool, const DeviceBuffer& dst) {
   TransferEngine engine(Device::Cpu, {});
-  const size_t pool_bytes = size_t{128} << 20;  // beyond the last-level cache
-  Pinned pool(pool_bytes);
-  const size_t dst_bytes = size_t{32} << 20;
-  char* dst = static_cast<char*>(device_alloc(Device::Cpu, dst_bytes));
-  std::memset(dst, 0, dst_bytes);
   const auto transfer_seconds = [&](const std::vector<CopyChunk>& chunks, int reps) {
-    return median_seconds([&] { engine.load(chunks)->wait(); }, effort.reps(reps));
+    return median_seconds([&] { engine.load(chunks)->wait(); }, m.effort.reps(reps));
   };
   // Contiguous runs of one 128-token block row (128 x 256 B), as the `full` load gathers them.
-  const std::vector<CopyChunk> bulk = scattered_chunks(dst, pool, 32768, 1024, 25);
+  std::vector<CopyChunk> bulk = scattered_chunks(dst.data, pool, 32768, 1024, 25);
   p.host_copy_bytes_per_s = static_cast<double>(total_bytes(bulk)) / transfer_seconds(bulk, 11);
   p.sources["host_copy_bytes_per_s"] =
-      how + "TransferEngine::load of 1024 contiguous 32 KiB runs from a 128 MiB pinned pool";
-  say(cat("host copy (contiguous runs): ", p.host_copy_bytes_per_s / 1e9, " GB/s"));
-  const std::vector<CopyChunk> few_rows = scattered_chunks(dst, pool, 256, 2048, 26);
+      measured("TransferEngine::load of 1024 contiguous 32 KiB runs from a 128 MiB pinned pool");
+  m.say(cat("host copy (contiguous runs): ", p.host_copy_bytes_per_s / 1e9, " GB/s"));
+  const std::vector<CopyChunk> few_rows = scattered_chunks(dst.data, pool, 256, 2048, 26);
   p.host_row_copy_bytes_per_s =
       static_cast<double>(total_bytes(few_rows)) / transfer_seconds(few_rows, 41);
   p.sources["host_row_copy_bytes_per_s"] =
-      how + "TransferEngine::load of 2048 scattered 256-byte rows (one thread)";
-  say(cat("host row copy (one thread): ", p.host_row_copy_bytes_per_s / 1e9, " GB/s"));
+      measured("TransferEngine::load of 2048 scattered 256-byte rows (one thread)");
+  m.say(cat("host row copy (one thread): ", p.host_row_copy_bytes_per_s / 1e9, " GB/s"));
   // The cuda backend's host gather into pinned staging spreads the rows over OpenMP threads.
-  const std::vector<CopyChunk> many_rows = scattered_chunks(dst, pool, 256, 65536, 27);
-  const double gather_t = median_seconds([&] { gather_rows(many_rows); }, effort.reps(21));
+  const std::vector<CopyChunk> many_rows = scattered_chunks(dst.data, pool, 256, 65536, 27);
+  const double gather_t = median_seconds([&] { gather_rows(many_rows); }, m.effort.reps(21));
   p.host_gather_bytes_per_s = static_cast<double>(total_bytes(many_rows)) / gather_t;
-  p.sources["host_gather_bytes_per_s"] =
-      how + "gather_rows (every OpenMP thread) copying 65536 scattered 256-byte rows out of a " +
-      "128 MiB pinned pool";
-  say(cat("host gather (OpenMP): ", p.host_gather_bytes_per_s / 1e9, " GB/s"));
+  p.sources["host_gather_bytes_per_s"] = measured(
+      "gather_rows (every OpenMP thread) copying 65536 scattered 256-byte rows out of a 128 MiB "
+      "pinned pool");
+  m.say(cat("host gather (OpenMP): ", p.host_gather_bytes_per_s / 1e9, " GB/s"));
+  return bulk;
+}
 
-  // Contention: a decode layer's compute (a projection, then attention over a batch's KV, both
-  // streaming from memory) against 32 MiB loads.
-  {
-    DecodeLinear linear(4, 2048, 2048, 8);
-    DecodeAttention attention(memory_set, 200);
-    const Slowdowns slowdowns = contention(
-        [&] {
-          linear.run();
-          attention.run();
-        },
-        bulk, effort);
-    p.compute_slowdown_under_copy = slowdowns.compute;
-    p.copy_slowdown_under_compute = slowdowns.copy;
-    const std::string what =
-        cat("ops::linear x (4, 2048) . w (2048, 2048)^T then ops::attention_decode (B 4, H 8, "
-            "1024 rows, d 128), both rotating beyond the last-level cache, on the main thread, "
-            "and 32 MiB TransferEngine::load copies on the engine's worker (a fresh engine for "
-            "each of ",
-            effort.pairs(), " pairs, mean); ");
-    p.sources["compute_slowdown_under_copy"] =
-        how + what + "the compute's time while copies run over its time alone";
-    p.sources["copy_slowdown_under_compute"] =
-        how + what + "a copy's time while the compute runs over its time alone";
-    say(cat("contention: compute ", p.compute_slowdown_under_copy, "x slower under copies, copies ",
+// Contention: a decode layer's compute (a projection, then attention over a batch's KV, both
+// streaming from memory) against 32 MiB loads (`bulk`).
+void measure_contention(HardwareProfile& p, const Measurement& m,
+                        const std::vector<CopyChunk>& bulk) {
+  DecodeLinear linear(4, 2048, 2048, 8);
+  DecodeAttention attention(m.effort.memory_set, 200);
+  const Slowdowns slowdowns = contention(
+      [&] {
+        linear.run();
+        attention.run();
+      },
+      bulk, m.effort);
+  p.compute_slowdown_under_copy = slowdowns.compute;
+  p.copy_slowdown_under_compute = slowdowns.copy;
+  const std::string what =
+      cat("ops::linear x (4, 2048) . w (2048, 2048)^T then ops::attention_decode (B 4, H 8, "
+          "1024 rows, d 128), both rotating beyond the last-level cache, on the main thread, "
+          "and 32 MiB TransferEngine::load copies on the engine's worker (a fresh engine for "
+          "each of ",
+          m.effort.pairs(), " pairs, mean); ");
+  p.sources["compute_slowdown_under_copy"] =
+      measured(what + "the compute's time while copies run over its time alone");
+  p.sources["copy_slowdown_under_compute"] =
+      measured(what + "a copy's time while the compute runs over its time alone");
+  m.say(cat("contention: compute ", p.compute_slowdown_under_copy, "x slower under copies, copies ",
             p.copy_slowdown_under_compute, "x slower under compute"));
-  }
-  // Link emulation: how much an emulated transfer overruns latency + bytes / bandwidth (the copy
-  // thread's timed sleep wakes late), for a transfer the size of one small layer's KV.
-  {
-    const LinkEmulation link{12.0, 0.0};
-    TransferEngine emulated(Device::Cpu, link);
-    const std::vector<CopyChunk> layer = scattered_chunks(dst, pool, 32768, 32, 28);
-    const double requested = static_cast<double>(total_bytes(layer)) / (link.gbps * 1e9);
-    const double t = median_seconds([&] { emulated.load(layer)->wait(); }, effort.reps(41));
-    p.link_emulation_overhead_s = std::max(0.0, t - requested);
-    p.sources["link_emulation_overhead_s"] =
-        how + "an emulated 12 GB/s TransferEngine::load of 1 MiB, minus its requested time";
-    say(cat("link emulation overrun: ", p.link_emulation_overhead_s * 1e6, " us per transfer"));
-  }
-  device_free(Device::Cpu, dst);
+}
 
-  p = with_link(p, 0.0, 0.0);
-  return p;
+// Link emulation: how much an emulated transfer overruns latency + bytes / bandwidth (the copy
+// thread's timed sleep wakes late), for a transfer the size of one small layer's KV.
+void measure_link_emulation(HardwareProfile& p, const Measurement& m, const Pinned& pool,
+                            const DeviceBuffer& dst) {
+  const LinkEmulation link{12.0, 0.0};
+  TransferEngine emulated(Device::Cpu, link);
+  const std::vector<CopyChunk> layer = scattered_chunks(dst.data, pool, 32768, 32, 28);
+  const double requested = static_cast<double>(total_bytes(layer)) / (link.gbps * 1e9);
+  const double t = median_seconds([&] { emulated.load(layer)->wait(); }, m.effort.reps(41));
+  p.link_emulation_overhead_s = std::max(0.0, t - requested);
+  p.sources["link_emulation_overhead_s"] =
+      measured("an emulated 12 GB/s TransferEngine::load of 1 MiB, minus its requested time");
+  m.say(cat("link emulation overrun: ", p.link_emulation_overhead_s * 1e6, " us per transfer"));
+}
+
+}  // namespace
+
+HardwareProfile measure_cpu_backend_profile(const std::function<void(const std::string&)>& progress,
+                                            ProfileEffort effort_level) {
+  Measurement m;
+  m.effort.quick = effort_level == ProfileEffort::Quick;
+  m.say = [&](const std::string& line) {
+    if (progress) progress(line);
+  };
+  HardwareProfile p = host_profile(m.effort);
+  measure_op_overhead(p, m);
+  measure_gemm(p, m);
+  measure_decode_projections(p, m);
+  measure_attention(p, m);
+  measure_elementwise(p, m);
+  measure_int4_codec(p, m);
+  measure_speculation(p, m);
+  measure_h2o_scoring(p, m);
+  {
+    const Pinned pool(size_t{128} << 20);  // beyond the last-level cache
+    const DeviceBuffer dst(size_t{32} << 20);
+    const std::vector<CopyChunk> bulk = measure_host_copies(p, m, pool, dst);
+    measure_contention(p, m, bulk);
+    measure_link_emulation(p, m, pool, dst);
+  }
+  return with_link(p, 0.0, 0.0);
 }
 
 }  // namespace infinigen
