@@ -1,4 +1,4 @@
-// speculate: offline skewing of a checkpoint (InfiniGen, DESIGN.md section 1).
+// speculate: offline skewing of a checkpoint (InfiniGen, OSDI'24; docs/skewing.md).
 //
 // Per layer l and head h, the queries of calibration text Q_h (n, d), taken before the 1/sqrt(d)
 // scaling, have the SVD Q_h = U S V^T; A_h = V (d, d) has the right singular vectors as columns,

@@ -1,4 +1,4 @@
-// speculate: InfiniGen's per-layer state and its decode-time speculation (DESIGN.md section 1).
+// speculate: InfiniGen's per-layer state and its decode-time speculation (docs/infinigen.md).
 //
 // At prefill, for each layer and head, the r = floor(ratio * d) "partial" columns with the largest
 // sum over the prompt of |Q~| + |K~| (rule qk, the paper's) or |Q~| (rule q, the reference code's)
