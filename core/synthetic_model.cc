@@ -6,6 +6,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <numbers>
 
@@ -246,11 +247,51 @@ class Generator {
   float normed_var_ = 1.0f;
 };
 
+// The largest finite value of a float storage type.
+double largest_finite(DType dtype) {
+  return dtype == DType::F16 ? 65504.0 : static_cast<double>(std::numeric_limits<float>::max());
+}
+
+// A knob in [low, high] (or (low, high] when !low_included); NaN is in no range.
+void check_range(std::string_view key, double value, double low, double high, bool low_included,
+                 const std::string& why = "") {
+  const bool above_low = low_included ? value >= low : value > low;
+  INFINIGEN_CHECK(above_low && value <= high, option(key), " must be in ", low_included ? "[" : "(",
+                  low, ", ", high, "]", why, ", got ", value);
+}
+
 }  // namespace
+
+void SyntheticModelOptions::validate(const ModelConfig& config) const {
+  check_range("outlier_channels", static_cast<double>(outlier_channels), 0,
+              static_cast<double>(config.hidden_size / 16), true,
+              cat(" (D/16 of ", config.name, "'s ", config.hidden_size, " channels)"));
+  check_range("outlier_ratio", outlier_ratio, 1, 1000, true);
+  check_range("embed_std", embed_std, 0, 10, false);
+  check_range("attention_rank", static_cast<double>(attention_rank), 1,
+              static_cast<double>(config.head_dim()), true,
+              cat(" (", config.name, "'s head size)"));
+  check_range("attention_logit_std", attention_logit_std, 0, 100, false);
+  check_range("attention_sink_logit", attention_sink_logit, 0, 100, true);
+  check_range("weight_std", weight_std, 0, 1, false);
+  check_range("residual_update_ratio", residual_update_ratio, 0, 1, false);
+  // The outlier channels are outlier_ratio * embed_std * (1 + ratio^2)^(L/2) after the last of L
+  // layers, and the weights that grow them as large: they must stay finite in the model's dtype.
+  const double headroom =
+      largest_finite(config.dtype) / (static_cast<double>(outlier_ratio) * embed_std);
+  const double layers = static_cast<double>(std::max<int64_t>(config.num_layers, 1));
+  const double highest = std::min(1.0, std::sqrt(std::pow(headroom, 2.0 / layers) - 1.0));
+  check_range(
+      "residual_update_ratio", residual_update_ratio, 0, highest, false,
+      cat(" for ", config.name, "'s ", config.num_layers, " layers in ", dtype_name(config.dtype),
+          " with ", option("outlier_ratio"), " ", outlier_ratio, " and ", option("embed_std"), " ",
+          embed_std, ", or the outlier channels pass the dtype's largest value"));
+}
 
 void generate_synthetic_weights(
     const ModelConfig& config, const SyntheticModelOptions& options,
     const std::function<void(const std::string&, const Tensor&)>& sink) {
+  options.validate(config);
   const WeightLayout layout = weight_layout(config);
   const Generator generator(config, options, layout);
   layout.visit([&](const TensorSpec& spec) {
@@ -270,6 +311,7 @@ ModelWeights synthetic_weights(const ModelConfig& config, const SyntheticModelOp
 void write_synthetic_checkpoint(const ModelConfig& config, const SyntheticModelOptions& options,
                                 const std::string& directory,
                                 const std::function<void(int64_t, int64_t)>& progress) {
+  options.validate(config);  // before anything is written
   const std::filesystem::path target = checked_output_directory(directory);
   const Tokenizer tokenizer = Tokenizer::bundled();
   INFINIGEN_CHECK(config.vocab_size >= tokenizer.vocab_size(), config.name, ": vocab_size ",

@@ -20,20 +20,29 @@
 
 namespace infinigen {
 
+// The knobs, each with the range validate() allows (D: hidden size, d: head size).
 struct SyntheticModelOptions {
   uint64_t seed = 0;
-  int64_t outlier_channels = 4;  // residual channels with massive activations (<= D/16 used)
-  float outlier_ratio = 10.0f;   // outlier magnitude / typical channel magnitude, every layer
-  float embed_std = 0.1f;        // std of the other embedding entries
-  float residual_update_ratio = 0.15f;  // each layer's update std / the residual stream's
-  int64_t attention_rank = 8;           // rank of each head's query-key interaction (<= head_dim)
-  float attention_logit_std = 6.0f;     // target std of attention logits between unrelated tokens
-  float attention_sink_logit = 0.0f;    // logit every query gives the BOS token (0: no sink)
-  float weight_std = 0.02f;             // std of the remaining matrices (as OPT's init_std)
+  int64_t outlier_channels = 4;  // residual channels with massive activations, [0, D/16]
+  float outlier_ratio = 10.0f;   // outlier magnitude / typical channel's, every layer, [1, 1000]
+  float embed_std = 0.1f;        // std of the other embedding entries, (0, 10]
+  // Each layer's update std / the residual stream's, (0, 1], and low enough that the outlier
+  // channels, which grow with the stream, stay finite in the model's dtype.
+  float residual_update_ratio = 0.15f;
+  int64_t attention_rank = 8;         // rank of each head's query-key interaction, [1, d]
+  float attention_logit_std = 6.0f;   // target std of attention logits between unrelated tokens,
+                                      // (0, 100]
+  float attention_sink_logit = 0.0f;  // logit every query gives BOS (0: no sink), [0, 100]
+  float weight_std = 0.02f;           // std of the remaining matrices (OPT's init_std), (0, 1]
+
+  // Refuses a knob outside its range for `config` with one line naming the knob (by its key, which
+  // the CLI spells as its flag) and the range; NaN is outside every range.
+  void validate(const ModelConfig& config) const;
 };
 
 // Calls `sink(name, tensor)` for every tensor of the model's layout (weight_layout), in
-// checkpoint order; each tensor is a fresh CPU tensor of config.dtype.
+// checkpoint order; each tensor is a fresh CPU tensor of config.dtype. Validates the options
+// first.
 void generate_synthetic_weights(const ModelConfig& config, const SyntheticModelOptions& options,
                                 const std::function<void(const std::string&, const Tensor&)>& sink);
 

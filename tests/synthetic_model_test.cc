@@ -6,6 +6,7 @@
 
 #include <Eigen/Dense>
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <random>
 
@@ -134,6 +135,71 @@ TEST(SyntheticModel, AttentionIsConcentratedOnFewTokens) {
   top_mass /= static_cast<double>(rows);
   EXPECT_LT(within_alpha, 0.2) << "tokens within alpha = 4 of the top logit";
   EXPECT_GT(top_mass, 0.6) << "attention mass of the top 10% of tokens";
+}
+
+// Each knob outside its range is one line naming the knob and the range, before anything is
+// generated or written; the defaults fit every preset.
+TEST(SyntheticModel, AbsurdKnobsAreRefusedWithTheirRange) {
+  const ModelConfig tiny = load_preset("opt-tiny");  // D 64, head size 16, 2 layers, f16
+  const auto refused = [&](const ModelConfig& config, auto set, const std::string& key,
+                           const std::string& range) {
+    SyntheticModelOptions o;
+    set(o);
+    try {
+      o.validate(config);
+      ADD_FAILURE() << key << " accepted";
+    } catch (const Error& e) {
+      const std::string message = e.what();
+      EXPECT_NE(message.find(key), std::string::npos) << message;
+      EXPECT_NE(message.find(range), std::string::npos) << message;
+      EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+    }
+  };
+  refused(
+      tiny, [](auto& o) { o.outlier_channels = 1000000; }, "outlier_channels", "[0, 4]");
+  refused(
+      tiny, [](auto& o) { o.outlier_channels = -1; }, "outlier_channels", "[0, 4]");
+  refused(
+      tiny, [](auto& o) { o.outlier_ratio = 1e30f; }, "outlier_ratio", "[1, 1000]");
+  refused(
+      tiny, [](auto& o) { o.outlier_ratio = std::nanf(""); }, "outlier_ratio", "[1, 1000]");
+  refused(
+      tiny, [](auto& o) { o.embed_std = 1e6f; }, "embed_std", "(0, 10]");
+  refused(
+      tiny, [](auto& o) { o.residual_update_ratio = 50.0f; }, "residual_update_ratio", "(0, 1]");
+  refused(
+      tiny, [](auto& o) { o.attention_rank = 1 << 20; }, "attention_rank", "[1, 16]");
+  refused(
+      tiny, [](auto& o) { o.attention_logit_std = 1e9f; }, "attention_logit_std", "(0, 100]");
+  refused(
+      tiny, [](auto& o) { o.attention_sink_logit = -3.0f; }, "attention_sink_logit", "[0, 100]");
+  refused(
+      tiny, [](auto& o) { o.weight_std = INFINITY; }, "weight_std", "(0, 1]");
+  // 40 layers in f16: an update ratio of 0.95 grows the outlier channels past 65504.
+  const ModelConfig opt13b = load_preset("opt-13b");
+  refused(
+      opt13b, [](auto& o) { o.residual_update_ratio = 0.95f; }, "residual_update_ratio",
+      "(0, 0.86");
+  for (const std::string& name : preset_names())
+    SyntheticModelOptions{}.validate(load_preset(name));
+  // Nothing generated: the sink is never called.
+  SyntheticModelOptions absurd;
+  absurd.outlier_ratio = 1e30f;
+  int tensors = 0;
+  EXPECT_THROW(generate_synthetic_weights(tiny, absurd, [&](auto&, auto&) { ++tensors; }), Error);
+  EXPECT_EQ(tensors, 0);
+}
+
+TEST(SyntheticModel, MakeModelRefusesAnAbsurdKnobInOneLine) {
+  testing_util::TempDir dir("synthetic-absurd");
+  const std::string out = (dir.path() / "m").string();
+  testing_util::expect_one_line_error(
+      {"make-model", "--preset", "opt-tiny", "--out", out, "--outlier-ratio", "1e30"},
+      {"--outlier-ratio", "[1, 1000]"});
+  testing_util::expect_one_line_error(
+      {"make-model", "--preset", "opt-tiny", "--out", out, "--attention-rank", "4096"},
+      {"--attention-rank", "[1, 16]"});
+  EXPECT_FALSE(std::filesystem::exists(out));
 }
 
 }  // namespace

@@ -23,12 +23,7 @@ int make_model(const MakeModelOptions& o) {
   ModelConfig config = load_preset(o.preset);
   if (!o.dtype.empty()) config.dtype = parse_float_dtype(o.dtype);
   const SyntheticModelOptions& s = o.synthetic;
-  INFINIGEN_CHECK(s.outlier_channels >= 0, "--outlier-channels must be >= 0");
-  INFINIGEN_CHECK(s.attention_rank >= 1, "--attention-rank must be >= 1");
-  INFINIGEN_CHECK(s.attention_logit_std > 0, "--attention-logit-std must be > 0");
-  INFINIGEN_CHECK(s.embed_std > 0 && s.weight_std > 0, "--embed-std and --weight-std must be > 0");
-  INFINIGEN_CHECK(s.residual_update_ratio > 0, "--residual-update-ratio must be > 0");
-  INFINIGEN_CHECK(s.attention_sink_logit >= 0, "--attention-sink-logit must be >= 0");
+  s.validate(config);  // each knob in its range for this preset, before anything is written
   {
     Progress progress("writing tensors");
     with_interrupt_context(
