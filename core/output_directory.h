@@ -4,7 +4,9 @@
 #include <filesystem>
 #include <functional>
 #include <string>
-#include <string_view>
+
+// The files such a directory is filled with (write_text_file, staging_path, replace_file).
+#include "core/file_io.h"
 
 namespace infinigen {
 
@@ -17,14 +19,5 @@ std::filesystem::path checked_output_directory(const std::string& directory);
 // checkpoint never appears under the target's name.
 void write_directory_atomically(const std::filesystem::path& target,
                                 const std::function<void(const std::filesystem::path&)>& fill);
-
-// Writes `text` to `path`: into a hidden sibling first, renamed over `path` once complete, so a
-// failure (a full disk) or an interruption never leaves a partial file under `path`. Error
-// naming the path when it cannot.
-void write_text_file(const std::filesystem::path& path, std::string_view text);
-
-// The hidden sibling a file is written to before replace_file renames it to `target`.
-std::filesystem::path staging_path(const std::filesystem::path& target);
-void replace_file(const std::filesystem::path& staging, const std::filesystem::path& target);
 
 }  // namespace infinigen

@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "core/error.h"
-#include "core/output_directory.h"
+#include "core/file_io.h"
 
 namespace infinigen {
 namespace {
@@ -101,69 +101,6 @@ bool checked_nbytes(const Shape& shape, size_t element_size, size_t* out) {
   return true;
 }
 
-std::string errno_text(int error) {
-  return std::strerror(error);
-}
-
-// Closes a descriptor on scope exit unless released.
-class FdGuard {
- public:
-  explicit FdGuard(int fd) : fd_(fd) {}
-  ~FdGuard() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  FdGuard(const FdGuard&) = delete;
-  FdGuard& operator=(const FdGuard&) = delete;
-  int get() const { return fd_; }
-
- private:
-  int fd_;
-};
-
-// Opens `path` for reading and checks it is a regular file; returns the descriptor and size.
-// O_NONBLOCK keeps a FIFO from blocking the open until fstat can refuse it; it changes nothing
-// for regular files.
-int open_regular_file(const std::string& path, size_t* size) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  if (fd < 0) {
-    const int error = errno;
-    if (error == ENOENT) fail(path, ": no such file");
-    fail(path, ": cannot open: ", errno_text(error));
-  }
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    const int error = errno;
-    ::close(fd);
-    fail(path, ": cannot stat: ", errno_text(error));
-  }
-  if (S_ISDIR(st.st_mode)) {
-    ::close(fd);
-    fail(path, ": is a directory, not a file");
-  }
-  if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
-    fail(path, ": not a regular file");
-  }
-  *size = static_cast<size_t>(st.st_size);
-  return fd;
-}
-
-std::string read_text_file(const std::string& path) {
-  size_t size = 0;
-  FdGuard fd(open_regular_file(path, &size));
-  std::string text(size, '\0');
-  size_t done = 0;
-  while (done < size) {
-    const ssize_t n = ::read(fd.get(), text.data() + done, size - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) fail(path, ": cannot read: ", errno_text(errno));
-    if (n == 0) break;  // shrank while reading; parse what is there
-    done += static_cast<size_t>(n);
-  }
-  text.resize(done);
-  return text;
-}
-
 json parse_json(const std::string& path, const char* what, const char* first, const char* last) {
   // The JSON library keeps the last of a key an object gives twice; a header naming a tensor
   // twice (or an index mapping one twice) would then silently load another tensor's bytes.
@@ -192,21 +129,6 @@ const char* json_type(const json& value) {
   return value.type_name();
 }
 
-// Writes all of `data`, retrying short writes; throws naming `path` on failure.
-void write_fully(int fd, const std::string& path, const void* data, size_t nbytes) {
-  const char* p = static_cast<const char*>(data);
-  while (nbytes > 0) {
-    // Linux caps one write at just under 2 GiB; chunking keeps the count portable.
-    const size_t chunk = std::min<size_t>(nbytes, size_t{1} << 30);
-    const ssize_t n = ::write(fd, p, chunk);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) fail(path, ": write failed: ", errno_text(errno));
-    if (n == 0) fail(path, ": write failed: no progress");
-    p += n;
-    nbytes -= static_cast<size_t>(n);
-  }
-}
-
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -219,7 +141,7 @@ std::shared_ptr<const SafetensorsFile> SafetensorsFile::open(const std::string& 
 
   size_t file_size = 0;
   {
-    FdGuard fd(open_regular_file(path, &file_size));
+    const FileDescriptor fd = open_regular_file(path, &file_size);
     if (file_size == 0) fail(path, ": file is empty");
     if (file_size < 8) {
       fail(path, ": file is ", file_size, " bytes, shorter than the 8-byte header length");
@@ -495,21 +417,18 @@ struct SafetensorsWriter::Impl {
   std::vector<TensorRecord> records;
   std::vector<size_t> sizes;  // bytes of records[i]
   size_t next = 0;            // index of the record `write` expects next
-  int fd = -1;
+  FileDescriptor fd;
   bool finished = false;
   bool broken = false;  // an I/O error happened; the tmp file is garbage
 
   ~Impl() {
-    if (fd >= 0) ::close(fd);
     if (!finished && !tmp_path.empty()) ::unlink(tmp_path.c_str());
   }
 
   void write_bytes(const void* data, size_t nbytes) {
-    try {
-      write_fully(fd, tmp_path, data, nbytes);
-    } catch (const Error&) {
+    if (const int error = write_all(fd.get(), data, nbytes); error != 0) {
       broken = true;
-      throw;
+      fail(tmp_path, ": write failed: ", errno_text(error));
     }
   }
 };
@@ -553,8 +472,9 @@ SafetensorsWriter::SafetensorsWriter(std::string path, std::vector<TensorRecord>
   for (int i = 0; i < 8; ++i) prefix[i] = static_cast<unsigned char>(text.size() >> (8 * i));
 
   impl.tmp_path = impl.path + ".tmp";
-  impl.fd = ::open(impl.tmp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (impl.fd < 0) {
+  impl.fd =
+      FileDescriptor(::open(impl.tmp_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  if (!impl.fd) {
     const int error = errno;
     impl.tmp_path.clear();  // nothing of ours to remove
     fail(impl.path, ".tmp: cannot create: ", errno_text(error));
@@ -594,15 +514,10 @@ void SafetensorsWriter::finish() {
     fail(impl.path, ": finish() with ", impl.next, " of ", impl.records.size(),
          " tensors written; tensor ", quote_name(impl.records[impl.next].name), " is missing");
   }
-  // fsync before rename: otherwise a crash could leave the new name pointing at unwritten data.
-  if (::fsync(impl.fd) != 0) {
+  const char* step = nullptr;
+  if (const int error = sync_and_close(impl.fd.release(), &step); error != 0) {
     impl.broken = true;
-    fail(impl.tmp_path, ": fsync failed: ", errno_text(errno));
-  }
-  const int fd = std::exchange(impl.fd, -1);
-  if (::close(fd) != 0) {
-    impl.broken = true;
-    fail(impl.tmp_path, ": close failed: ", errno_text(errno));
+    fail(impl.tmp_path, ": ", step, " failed: ", errno_text(error));
   }
   if (::rename(impl.tmp_path.c_str(), impl.path.c_str()) != 0) {
     impl.broken = true;

@@ -24,6 +24,8 @@
 // sibling written, fsynced and renamed, the directory fsynced): a crash or kill at any point
 // leaves the previous manifest and every file it names. Files no manifest names (a save that was
 // killed) are removed by the next save.
+//
+// The key is made in session_key.h, the manifest read and written in session_manifest.h.
 #pragma once
 
 #include <condition_variable>
@@ -36,27 +38,12 @@
 #include <thread>
 #include <vector>
 
+#include "core/file_io.h"  // drop_from_page_cache: how a session's restore is timed cold
 #include "core/generation.h"
-#include "core/model_loader.h"
-#include "offload/offload_options.h"
+#include "offload/session_key.h"
+#include "offload/session_manifest.h"
 
 namespace infinigen {
-
-// What must stay the same across a session's turns.
-struct SessionKey {
-  std::string model;     // for messages: the model's name
-  std::string identity;  // CRC-32 (hex) of the config and the weights' names, dtypes and shapes
-  std::string policy;
-  DType kv_dtype = DType::F16;
-  std::vector<std::pair<std::string, std::string>> options;  // the policy's session_options
-  int64_t num_layers = 0;
-  int64_t kv_heads = 0;
-};
-
-// The key of a run of `source` with `options` and `kv_dtype`; a one-line Error when the policy
-// cannot keep a session or the device cannot (sessions are read and written in host memory).
-SessionKey session_key(const ModelSource& source, const OffloadOptions& options, DType kv_dtype,
-                       Device device);
 
 // Time and bytes of a turn's session I/O.
 struct SessionStats {
@@ -81,9 +68,9 @@ class DiskSession : public Conversation {
   ~DiskSession() override;
 
   // Sequences of the session (0 for a new one).
-  int64_t batch() const { return static_cast<int64_t>(tokens_.size()); }
+  int64_t batch() const { return std::ssize(manifest_.tokens); }
   // Per sequence, every token of the conversation so far.
-  const std::vector<std::vector<int32_t>>& tokens() const { return tokens_; }
+  const std::vector<std::vector<int32_t>>& tokens() const { return manifest_.tokens; }
   // The prompts a turn's request carries for `new_prompts` (one per sequence): for a resumed
   // session each sequence's last generated token (not yet through the model) then its new
   // prompt; for a new session the prompts themselves. Remembered for the save.
@@ -91,7 +78,7 @@ class DiskSession : public Conversation {
       const std::vector<std::vector<int32_t>>& new_prompts);
 
   const std::vector<std::vector<int32_t>>& history() const override { return history_; }
-  const SharedPrefixes& shared_prefixes() const override { return shared_; }
+  const SharedPrefixes& shared_prefixes() const override { return manifest_.shared; }
   void begin() override;
   void restore_layer(int64_t layer, KvStore& store) override;
   void after_first_pass(const KvStore& store, const std::vector<int32_t>& rows_from) override;
@@ -103,16 +90,6 @@ class DiskSession : public Conversation {
   // Reads every file the manifest names and checks its size and checksum (one-line Error).
   void verify() const;
 
-  struct FileRecord {
-    std::string path;  // relative to the session directory
-    uint64_t bytes = 0;
-    uint32_t crc32 = 0;
-  };
-  struct Segment {
-    std::vector<int32_t> rows;       // (B): rows each sequence has in this segment
-    std::vector<FileRecord> layers;  // (L)
-  };
-
  private:
   DiskSession(std::filesystem::path directory, SessionKey key);
   // Reads and checks every file of layers [0, L) in order, at most kReadAhead layers ahead of
@@ -122,10 +99,9 @@ class DiskSession : public Conversation {
   // [rows_from[i], rows_from[i] + rows[i]) of `store`'s sequence sequences[i] (every sequence, or
   // for the shared prefixes each group's leader), its layer files into `layer_files`.
   void write_segment(const KvStore& store, const std::vector<int32_t>& sequences,
-                     const std::vector<int32_t>& rows_from, const Segment& segment,
+                     const std::vector<int32_t>& rows_from, const SessionSegment& segment,
                      const std::string& directory, bool with_state,
-                     std::vector<FileRecord>* layer_files, std::vector<FileRecord>* state_files);
-  void commit();
+                     std::vector<SessionFile>* layer_files, std::vector<SessionFile>* state_files);
   // Removes the segment directories (and manifest staging files) the manifest does not name:
   // what an earlier save that never committed, or this turn's abandoned one, left.
   void remove_uncommitted() noexcept;
@@ -133,14 +109,9 @@ class DiskSession : public Conversation {
   std::filesystem::path directory_;
   bool created_directory_ = false;  // this turn made directory_ (a new session's first save)
   SessionKey key_;
-  std::vector<std::vector<int32_t>> tokens_;   // (B): the conversation so far
+  SessionManifest manifest_;  // what the session holds: as read, or as last committed
   std::vector<std::vector<int32_t>> history_;  // (B): tokens whose rows are stored
   std::vector<std::vector<int32_t>> prompts_;  // (B): this turn's prompts, for the save
-  std::vector<Segment> segments_;
-  Segment prefix_;  // the prefixes groups of the conversations share, each kept once: rows (G)
-  SharedPrefixes shared_;          // those groups; empty: none
-  std::vector<FileRecord> state_;  // (L): path empty where a layer keeps no state
-  int64_t next_segment_ = 1;
   SessionStats stats_;
 
   // The read-ahead: per layer its files read and checked, or the error that stopped it.
@@ -155,15 +126,11 @@ class DiskSession : public Conversation {
   // The turn's first-pass segment, written while the decode steps run.
   std::thread writer_;
   std::exception_ptr writer_error_;
-  std::vector<Segment> new_segments_;
-  Segment new_prefix_;
+  std::vector<SessionSegment> new_segments_;
+  SessionSegment new_prefix_;
   SharedPrefixes new_shared_;
-  std::vector<FileRecord> new_state_;
+  std::vector<SessionFile> new_state_;
 };
-
-// Drops every file under `directory` from the page cache (flushed first), so that the next read
-// comes from the disk: how a session's restore is timed cold.
-void drop_from_page_cache(const std::filesystem::path& directory);
 
 // A resumed turn in a dry run (core/trace.h), for the cost model: every sequence holds
 // `history_len` tokens, whose layers are read from the disk one after another from the turn's

@@ -1,0 +1,52 @@
+// offload: a session's key, from the model, the policy and its options.
+#include "offload/session_key.h"
+
+#include <sstream>
+
+#include "core/error.h"
+#include "core/file_io.h"
+#include "core/safetensors.h"
+#include "offload/kv_policy.h"
+
+namespace infinigen {
+
+SessionKey session_key(const ModelSource& source, const OffloadOptions& options, DType kv_dtype,
+                       Device device) {
+  const KvPolicy& policy = kv_policy(options.policy);
+  INFINIGEN_CHECK(policy.resumable, option("policy"), " ", policy.name,
+                  " cannot keep a session (its store is not saved yet); use full, gpu or "
+                  "infinigen");
+  INFINIGEN_CHECK(device == Device::Cpu || policy.host_token_rows, "a session on ",
+                  option("device"), " cuda needs a policy that keeps its KV in host memory (",
+                  option("policy"), " full); ", policy.name, " keeps it on the device");
+  INFINIGEN_CHECK(options.kv_pool_limit == 0.0, option("kv_pool_limit"),
+                  " cannot be used with a session yet");
+  const ModelConfig& c = source.config;
+  std::ostringstream text;
+  text << "family=" << c.family << " layers=" << c.num_layers << " hidden=" << c.hidden_size
+       << " heads=" << c.num_heads << " kv_heads=" << c.kv_heads() << " head_dim=" << c.head_dim()
+       << " ffn=" << c.ffn_dim << " vocab=" << c.vocab_size << " positions=" << c.max_positions
+       << " dtype=" << dtype_name(c.dtype) << "\n";
+  if (source.directory.empty()) {
+    text << "synthetic seed=" << source.seed << "\n";
+  } else {
+    const SafetensorsCheckpoint checkpoint = SafetensorsCheckpoint::open(source.directory);
+    for (const std::string& name : checkpoint.names()) {
+      const SafetensorsEntry& entry = checkpoint.entry(name);
+      text << name << " " << dtype_name(entry.dtype) << " " << shape_string(entry.shape) << "\n";
+    }
+  }
+  SessionKey key;
+  key.model = c.name;
+  key.identity = hex32(crc32_of(text.str()));
+  key.policy = policy.name;
+  key.kv_dtype = kv_dtype;
+  for (const std::string& name : policy.session_options) {
+    key.options.emplace_back(name, find_option(offload_option_table(), name)->format(options));
+  }
+  key.num_layers = c.num_layers;
+  key.kv_heads = c.kv_heads();
+  return key;
+}
+
+}  // namespace infinigen
