@@ -12,6 +12,7 @@
 #include <string>
 
 #include "core/model_loader.h"
+#include "offload/kv_policy.h"
 #include "offload/runtime.h"
 #include "speculate/speculation.h"
 #include "tests/test_util.h"
@@ -51,10 +52,13 @@ class DryTrace : public testing_util::SmallRunTest {
   }
 };
 
+// A policy that selects its loads from the data replays a real run's fetches in a dry run: those
+// are checked below, replaying everything.
 TEST_F(DryTrace, RecordsWhatTheRealRunDoes) {
-  for (const char* policy : {"gpu", "full", "int4", "h2o"}) {
+  for (const KvPolicy* policy : kv_policies()) {
+    if (policy->selects_loads) continue;
     OffloadOptions options;
-    options.policy = policy;
+    options.policy = policy->name;
     expect_same_trace(options);
   }
 }
@@ -66,20 +70,30 @@ TEST_F(DryTrace, RecordsStreamedWeights) {
   expect_same_trace(options);
 }
 
-TEST_F(DryTrace, InfinigenReplayingEverythingRecordsWhatSelectingEverythingDoes) {
-  OffloadOptions options;
-  options.policy = "infinigen";
-  options.speculation.alpha = 1e9;
-  options.speculation.max_num_kv = 1 << 20;
-  FetchReplay everything;
-  everything.fraction.assign(static_cast<size_t>(source_.config.num_layers), 1.0);
-  expect_same_trace(options, &everything);
+TEST_F(DryTrace, ReplayingEverythingRecordsWhatSelectingEverythingDoes) {
+  int64_t selecting = 0;
+  for (const KvPolicy* policy : kv_policies()) {
+    if (!policy->selects_loads) continue;
+    ++selecting;
+    OffloadOptions options;
+    options.policy = policy->name;
+    options.speculation.alpha = 1e9;  // every token passes the threshold, and fits the budget
+    options.speculation.max_num_kv = 1 << 20;
+    FetchReplay everything;
+    everything.fraction.assign(static_cast<size_t>(source_.config.num_layers), 1.0);
+    expect_same_trace(options, &everything);
+  }
+  EXPECT_GE(selecting, 1);  // infinigen
 }
 
-TEST_F(DryTrace, InfinigenWithoutAReplayIsRefused) {
-  OffloadOptions options;
-  options.policy = "infinigen";
-  EXPECT_THROW(dry_run_trace(source_.config, request_, options, Device::Cpu, nullptr), Error);
+TEST_F(DryTrace, ASelectingPolicyWithoutAReplayIsRefused) {
+  for (const KvPolicy* policy : kv_policies()) {
+    if (!policy->selects_loads) continue;
+    OffloadOptions options;
+    options.policy = policy->name;
+    EXPECT_THROW(dry_run_trace(source_.config, request_, options, Device::Cpu, nullptr), Error)
+        << policy->name;
+  }
 }
 
 // Resident memory of this process now, in MiB.
@@ -100,20 +114,20 @@ TEST(DryTraceAtScale, OptThirteenBAtTheFigureFourteenPointNeedsNoMemory) {
   request.prompts.assign(20, prompt);
   request.gen_len = 4;
   request.sampling.temperature = 0;
-  for (const char* policy : {"full", "infinigen"}) {
+  for (const KvPolicy* policy : kv_policies()) {
     OffloadOptions options;
-    options.policy = policy;
+    options.policy = policy->name;
     FetchReplay replay;
     replay.fraction = {1.0, 1.0, 0.1};
     const double before = resident_mib();
     const Trace trace = dry_run_trace(source.config, request, options, Device::Cpu, &replay);
-    EXPECT_LT(resident_mib() - before, 512.0) << policy;
+    EXPECT_LT(resident_mib() - before, 512.0) << policy->name;
     // Per layer and step at least the four projections and two FFN linears.
     int64_t linears = 0;
     for (const TracedOp& op : trace.ops()) {
       linears += std::string(op.name) == "linear" ? 1 : 0;
     }
-    EXPECT_GE(linears, 6 * source.config.num_layers * request.gen_len) << policy;
+    EXPECT_GE(linears, 6 * source.config.num_layers * request.gen_len) << policy->name;
   }
 }
 
