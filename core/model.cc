@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "core/cpu_threads.h"
+#include "core/interrupt.h"
 #include "core/model_family.h"
 #include "core/ops.h"
 #include "core/trace.h"
@@ -83,6 +85,13 @@ const Tensor& Model::attention_skew(int64_t l) const {
 const TensorTable& Model::layer(int64_t l) {
   trace_layer(l);
   return layers_->layer(l);
+}
+
+const TensorTable& Model::begin_layer(int64_t l, KvStore& cache) {
+  check_interrupt();
+  adapt_cpu_threads();
+  cache.begin_layer(l);
+  return layer(l);
 }
 
 Tensor Model::prefill(const std::vector<int32_t>& tokens, const std::vector<int32_t>& first_valid,

@@ -103,6 +103,10 @@ class Model {
   const Tensor& attention_skew(int64_t l) const;
   // Layer l's weights; ops from here on belong to layer l in a trace (core/trace.h).
   const TensorTable& layer(int64_t l);
+  // The start of layer l of a pass, a safe point: a pending interrupt is honoured, the CPU
+  // backend's team is resized to the cores other processes leave (core/cpu_threads.h), the cache
+  // begins the layer; returns layer(l).
+  const TensorTable& begin_layer(int64_t l, KvStore& cache);
 
   ModelConfig config_;
   Device device_;

@@ -1,7 +1,6 @@
 // apps/infinigen: `infinigen bench`, the paper's latency experiments (configs/experiments/) as
 // CSV, JSON and a plot; `--predict` adds the cost model's figures for a hardware profile, and
 // `--measure-profile` writes the profile of this machine's CPU backend.
-#include <omp.h>
 
 #include <cstdio>
 #include <filesystem>
@@ -38,7 +37,6 @@ struct BenchCommandOptions {
   double fractions_scale = 0.05;
   double fetched_fraction = 0.0;
   bool no_plot = false;
-  int threads = 0;
   uint64_t seed = 0;
   std::string measure_profile;
   bool list = false;
@@ -67,8 +65,6 @@ int measure_profile(const BenchCommandOptions& o) {
 }
 
 int bench(const BenchCommandOptions& o) {
-  INFINIGEN_CHECK(o.threads >= 0, "--threads must be at least 1, got ", o.threads);
-  if (o.threads > 0) omp_set_num_threads(o.threads);
   if (o.list) return list_bundled();
   if (!o.measure_profile.empty()) return measure_profile(o);
   INFINIGEN_CHECK(!o.experiment.empty(), "--experiment is required (a file, or one of the ",
@@ -175,7 +171,7 @@ Command add_bench_command(CLI::App& app) {
                  "of measured shares (0 = measured)")
       ->capture_default_str();
   app.add_flag("--no-plot", o->no_plot, "Write CSV and JSON only");
-  app.add_option("--threads", o->threads, "CPU threads (default: all cores)");
+  add_threads_flag(app);
   app.add_option("--seed", o->seed, "Seed of the synthetic weights and prompts")
       ->check(unsigned_integer())
       ->capture_default_str();

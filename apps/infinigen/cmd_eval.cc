@@ -1,6 +1,5 @@
 // apps/infinigen: `infinigen eval`, perplexity through the engine's decode loop for a sweep of KV
 // policies and their settings (bench/perplexity.h), as a table, CSV, JSON and a plot.
-#include <omp.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -40,7 +39,6 @@ struct EvalCommandOptions {
   bool no_recall = false;
   std::string device = "auto";
   std::string kv_dtype = "f16";
-  int threads = 0;
   std::string out = "eval-results";
   bool no_plot = false;
   bool json = false;
@@ -166,8 +164,6 @@ std::string points_csv(const std::vector<SweepPoint>& points, double full_perple
 }
 
 int eval(EvalCommandOptions& o) {
-  INFINIGEN_CHECK(o.threads >= 0, "--threads must be at least 1, got ", o.threads);
-  if (o.threads > 0) omp_set_num_threads(o.threads);
   INFINIGEN_CHECK(o.max_windows >= 0, "--max-windows must be at least 1, got ", o.max_windows);
   const DType kv_dtype = parse_float_dtype(o.kv_dtype);  // checked by its flag
   std::vector<SweepPoint> points = sweep(o);
@@ -333,7 +329,7 @@ Command add_eval_command(CLI::App& app) {
   app.add_option("--kv-dtype", o->kv_dtype, "KV cache element type: f16 or f32")
       ->check(float_type_in({DType::F16, DType::F32}))
       ->capture_default_str();
-  app.add_option("--threads", o->threads, "CPU threads (default: all cores)");
+  add_threads_flag(app);
   app.add_option("--out,-o", o->out, "Directory for eval.csv, eval.json and eval.png")
       ->capture_default_str();
   app.add_flag("--no-plot", o->no_plot, "Write CSV and JSON only");

@@ -1,5 +1,4 @@
 // apps/infinigen: `infinigen run`, batch generation with timings.
-#include <omp.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -12,6 +11,7 @@
 #include "apps/infinigen/option_flags.h"
 #include "apps/infinigen/progress.h"
 #include "apps/infinigen/run_report.h"
+#include "core/cpu_threads.h"
 #include "core/generation.h"
 #include "core/model_loader.h"
 #include "offload/runtime.h"
@@ -52,7 +52,6 @@ struct RunOptions {
   std::optional<float> top_p;
   std::string device = "auto";
   std::string kv_dtype = "f16";
-  int threads = 0;
   bool json = false;
   bool stats = false;
   bool debug_nan = false;
@@ -221,8 +220,6 @@ int run(const RunOptions& o) {
   INFINIGEN_CHECK(!o.batch_given || o.batch >= 1, "--batch must be at least 1, got ", o.batch);
   INFINIGEN_CHECK(!o.prompt_len_given || o.prompt_len >= 1, "--prompt-len must be at least 1, got ",
                   o.prompt_len);
-  INFINIGEN_CHECK(o.threads >= 0, "--threads must be at least 1, got ", o.threads);
-  if (o.threads > 0) omp_set_num_threads(o.threads);
   const DType kv_dtype = parse_float_dtype(o.kv_dtype);  // checked by its flag
 
   const OffloadOptions& offload = o.offload;
@@ -352,7 +349,8 @@ int run(const RunOptions& o) {
                              {"synthetic_weights", loaded.synthetic},
                              {"device", device_name(device)},
                              {"device_description", device_description(device)},
-                             {"threads", omp_get_max_threads()},
+                             {"threads", cpu_threads().most},
+                             {"threads_adapt", cpu_threads().adapts},
                              {"batch", result.batch},
                              {"prompt_len", result.prompt_len},
                              {"gen_len", result.gen_len},
@@ -386,8 +384,10 @@ int run(const RunOptions& o) {
     std::printf("%s\n", report.dump(2).c_str());
     return 0;
   }
-  std::printf("model: %s\ndevice: %s (%d threads)\n", loaded.description.c_str(),
-              device_description(device).c_str(), omp_get_max_threads());
+  const CpuThreads threads = cpu_threads();
+  std::printf("model: %s\ndevice: %s (%d threads%s)\n", loaded.description.c_str(),
+              device_description(device).c_str(), threads.most,
+              threads.adapts ? ", fewer while other processes keep cores busy" : "");
   std::printf(
       "policy %s, %.0f%% of weights on the device, link %s\n", offload.policy.c_str(),
       offload.weights_gpu_percent,
@@ -462,7 +462,7 @@ Command add_run_command(CLI::App& app) {
   app.add_option("--kv-dtype", o->kv_dtype, "KV cache element type: f16 or f32")
       ->check(float_type_in({DType::F16, DType::F32}))
       ->capture_default_str();
-  app.add_option("--threads", o->threads, "CPU threads (default: all cores)");
+  add_threads_flag(app);
   app.add_flag("--json", o->json, "Print the result as JSON on stdout");
   app.add_flag("--stats", o->stats, "Per-layer and per-step transfer statistics");
   add_option_flags(app, offload_option_table(), o->offload);

@@ -6,6 +6,7 @@
 #include <charconv>
 #include <cstdint>
 
+#include "core/cpu_threads.h"
 #include "offload/kv_policy.h"
 
 namespace infinigen::cli {
@@ -60,6 +61,22 @@ CLI::Validator unsigned_integer() {
         return "must be a whole number from 0 to 18446744073709551615, got '" + text + "'";
       },
       "");  // the option's type name says it
+}
+
+void add_threads_flag(CLI::App& app) {
+  app.add_option_function<int>(
+         "--threads", [](int threads) { configure_cpu_threads(threads); },
+         "CPU threads (default: every core other processes leave free, measured as the run goes)")
+      ->type_name("N")
+      ->check(CLI::Validator(
+          [](std::string& text) -> std::string {
+            int value = -1;
+            const char* end = text.data() + text.size();
+            const auto [stop, error] = std::from_chars(text.data(), end, value);
+            if (error == std::errc() && stop == end && value >= 0 && value <= 4096) return "";
+            return "must be a whole number from 0 (every free core) to 4096, got '" + text + "'";
+          },
+          ""));
 }
 
 }  // namespace infinigen::cli

@@ -25,6 +25,10 @@ CLI::Validator float_type_in(std::vector<DType> allowed);
 // a whole number of 0 or more that fits 64 bits (CLI11 would wrap "-1" into an unsigned 2^64 - 1).
 CLI::Validator unsigned_integer();
 
+// --threads N: the CPU backend's OpenMP threads (core/cpu_threads.h), fixed when the flag is
+// read; without it (or with 0) the cores other processes leave free, measured as the run goes.
+void add_threads_flag(CLI::App& app);
+
 // The help of a --policy flag: `lead`, then one line per registered policy (offload/kv_policy.h),
 // its name and what it does, in the registry's order.
 std::string policy_list_help(std::string_view lead);

@@ -224,9 +224,7 @@ Tensor LlamaModel::forward(const std::vector<int32_t>& tokens, int64_t n, KvStor
 
   ops::embed(tokens, {}, globals().get("model.embed_tokens.weight"), Tensor(), h);
   for (int64_t l = 0; l < c.num_layers; ++l) {
-    check_interrupt();
-    cache.begin_layer(l);
-    const TensorTable& w = layer(l);
+    const TensorTable& w = begin_layer(l, cache);
     // Self-attention block: h += o_proj(attention(rope(q), rope(k), v)) of RMSNorm(h).
     ops::rms_norm(h, w.get("input_layernorm.weight"), c.norm_eps, x);
     const Tensor& wq = w.get("self_attn.q_proj.weight");

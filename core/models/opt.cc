@@ -164,9 +164,7 @@ Tensor OptModel::forward(const std::vector<int32_t>& tokens, int64_t n, KvStore&
   // Pre-LayerNorm blocks normalise their input; post-LayerNorm ones (opt-350m) their output.
   const bool pre = c.pre_norm;
   for (int64_t l = 0; l < c.num_layers; ++l) {
-    check_interrupt();
-    cache.begin_layer(l);
-    const TensorTable& w = layer(l);
+    const TensorTable& w = begin_layer(l, cache);
     // Self-attention block: h += out_proj(attention(LN(h))) (pre), h = LN(h + ...) (post).
     if (pre) {
       ops::layer_norm(h, w.get("self_attn_layer_norm.weight"), w.get("self_attn_layer_norm.bias"),
