@@ -10,13 +10,19 @@
 namespace infinigen {
 
 CappedPool::CappedPool(int64_t num_layers, int64_t batch, int64_t kv_heads, int64_t slots,
-                       EvictionPolicy eviction)
+                       EvictionPolicy eviction, OffloadStats* stats, size_t pool_bytes)
     : batch_(batch),
       kv_heads_(kv_heads),
       slots_(slots),
+      stats_(stats ? &stats->pool_cap() : nullptr),
       tokens_(static_cast<size_t>(num_layers),
               std::vector<int32_t>(static_cast<size_t>(batch * kv_heads * slots), -1)) {
-  for (int64_t l = 0; l < num_layers; ++l) eviction_.emplace_back(eviction, batch * kv_heads, slots);
+  for (int64_t l = 0; l < num_layers; ++l)
+    eviction_.emplace_back(eviction, batch * kv_heads, slots);
+  if (stats_) {
+    stats_->positions = slots;
+    stats_->bytes = pool_bytes;
+  }
 }
 
 std::vector<std::vector<int32_t>> CappedPool::keep_prompt(int64_t layer, const Tensor& queries,
@@ -37,10 +43,9 @@ std::vector<std::vector<int32_t>> CappedPool::keep_prompt(int64_t layer, const T
 #pragma omp parallel for schedule(dynamic)
   for (int64_t row = 0; row < B * H; ++row) {
     const int64_t b = row / H, g = row % H;
-    keep[static_cast<size_t>(row)] =
-        keep_prompt_tokens(q + b * n * Q + g * group * d, Q, group, k + b * n * KV + g * d, KV,
-                           first_valid[static_cast<size_t>(b)], n, d, slots_, alpha,
-                           eviction_[l].policy());
+    keep[static_cast<size_t>(row)] = keep_prompt_tokens(
+        q + b * n * Q + g * group * d, Q, group, k + b * n * KV + g * d, KV,
+        first_valid[static_cast<size_t>(b)], n, d, slots_, alpha, eviction_[l].policy());
   }
   std::vector<std::vector<int32_t>> kept(static_cast<size_t>(B * H));
   for (int64_t row = 0; row < B * H; ++row) {
@@ -50,6 +55,11 @@ std::vector<std::vector<int32_t>> CappedPool::keep_prompt(int64_t layer, const T
       eviction_[l].on_insert(row, static_cast<int64_t>(j), chosen.tokens[j]);
     }
     eviction_[l].seed_row(row, chosen.fetches, chosen.last_fetch);
+    if (stats_) {
+      const int64_t valid = n - first_valid[static_cast<size_t>(row / H)];
+      stats_->prompt_not_kept +=
+          static_cast<uint64_t>(std::max<int64_t>(0, valid - std::ssize(chosen.tokens)));
+    }
     kept[static_cast<size_t>(row)] = std::move(chosen.tokens);
   }
   return kept;
@@ -59,8 +69,9 @@ std::vector<int32_t> CappedPool::place_token(int64_t layer, int64_t token) {
   const size_t l = static_cast<size_t>(layer);
   std::vector<int32_t> positions(static_cast<size_t>(batch_ * kv_heads_));
   for (int64_t row = 0; row < batch_ * kv_heads_; ++row) {
-    const int64_t at =
-        eviction_[l].full(row) ? eviction_[l].victim(row, token) : eviction_[l].size(row);
+    const bool full = eviction_[l].full(row);
+    const int64_t at = full ? eviction_[l].victim(row, token) : eviction_[l].size(row);
+    if (full && stats_) ++stats_->evictions;
     positions[static_cast<size_t>(row)] = static_cast<int32_t>(at);
     tokens_[l][static_cast<size_t>(row * slots_ + at)] = static_cast<int32_t>(token);
     eviction_[l].on_insert(row, at, token);
@@ -118,8 +129,8 @@ void CappedPool::count_fetches(int64_t layer, const PartialLayer::Selection& sel
 }
 
 void CappedPool::count_dense_fetches(int64_t layer, const PartialLayer::Selection& selection,
-                                     const Tensor& staged_keys, const Tensor& queries,
-                                     double alpha, int64_t step) {
+                                     const Tensor& staged_keys, const Tensor& queries, double alpha,
+                                     int64_t step) {
   const int64_t H = kv_heads_, d = staged_keys.dim(3), rows = staged_keys.dim(2);
   const int64_t group = queries.dim(1) / d / H;
   const size_t row_bytes = static_cast<size_t>(d) * dtype_size(staged_keys.dtype());

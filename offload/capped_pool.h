@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "offload/offload_stats.h"
 #include "speculate/eviction.h"
 #include "speculate/speculation.h"
 
@@ -29,8 +30,10 @@ struct KvPoolLimit {
 
 class CappedPool {
  public:
+  // `stats`, when given, records the cap (S and `pool_bytes`, the pinned pool that holds it) and
+  // counts the tokens dropped: prompt tokens not kept, and decode evictions.
   CappedPool(int64_t num_layers, int64_t batch, int64_t kv_heads, int64_t slots,
-             EvictionPolicy eviction);
+             EvictionPolicy eviction, OffloadStats* stats = nullptr, size_t pool_bytes = 0);
 
   int64_t slots() const { return slots_; }  // S
   // Positions in use once `length` tokens per sequence have been stored.
@@ -46,9 +49,9 @@ class CappedPool {
   }
 
   // The prefill of layer `layer`: from the prompt's scaled queries (B * n, H * d) and keys
-  // (B * n, H_kv * d), fp32 (a device's are copied to the host), the tokens each (b, h) keeps, in the order of the
-  // positions they take ((B * H_kv) lists; position j of a row holds its j-th token), with the
-  // history the eviction policy starts decoding with.
+  // (B * n, H_kv * d), fp32 (a device's are copied to the host), the tokens each (b, h) keeps, in
+  // the order of the positions they take ((B * H_kv) lists; position j of a row holds its j-th
+  // token), with the history the eviction policy starts decoding with.
   std::vector<std::vector<int32_t>> keep_prompt(int64_t layer, const Tensor& queries,
                                                 const Tensor& keys,
                                                 const std::vector<int32_t>& first_valid,
@@ -77,6 +80,7 @@ class CappedPool {
   int64_t batch_;
   int64_t kv_heads_;
   int64_t slots_;
+  PoolCapStats* stats_ = nullptr;
   std::vector<std::vector<int32_t>> tokens_;  // per layer: (B, H_kv, S), -1 empty
   std::vector<EvictionTable> eviction_;       // per layer: B * H_kv rows of S slots
 };

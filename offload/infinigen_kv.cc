@@ -116,7 +116,10 @@ InfinigenKv::InfinigenKv(const ModelConfig& config, int64_t batch, int64_t capac
     INFINIGEN_CHECK(replay_ != nullptr, "a dry run of infinigen has no fetched share to replay");
     replay_->validate(config.num_layers);
   }
-  if (slots_ < capacity) capped_.emplace(num_layers_, batch, kv_heads_, slots_, limit.eviction);
+  if (slots_ < capacity) {
+    capped_.emplace(num_layers_, batch, kv_heads_, slots_, limit.eviction, &stats,
+                    KvPool::capacity_bytes(paged_.pool().shape()));
+  }
   if (device == Device::Cuda && !dry_run()) {
     device_.emplace(num_layers_, batch, kv_heads_, slots_, std::min(options_.max_num_kv, slots_),
                     paged_.pool().shape(), capped_.has_value(), paged_.pipeline().keys(0).shape(),

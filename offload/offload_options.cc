@@ -20,9 +20,9 @@ std::vector<std::pair<std::string, EvictionPolicy>> eviction_choices() {
 }
 
 // The keys every run reads, whatever its policy.
-const std::vector<std::string> kCommonOptions = {"policy", "weights_gpu_percent",
-                                                 "emulate_link_gbps", "emulate_link_latency_us",
-                                                 "gather", "device_memory"};
+const std::vector<std::string> kCommonOptions = {
+    "policy", "weights_gpu_percent", "emulate_link_gbps", "emulate_link_latency_us",
+    "gather", "device_memory"};
 
 OptionTable<OffloadOptions> make_table() {
   using O = OffloadOptions;
@@ -103,7 +103,8 @@ OptionTable<OffloadOptions> make_table() {
           "infinigen: where the dense layers' KV lives: device (kept there, no step loads it), "
           "host (loaded whole every step) or auto (the device when the plan fits there)",
           [](auto& o) -> auto& { return o.dense_kv; },
-          {{"auto", KvPlacement::Auto}, {"device", KvPlacement::Device},
+          {{"auto", KvPlacement::Auto},
+           {"device", KvPlacement::Device},
            {"host", KvPlacement::Host}}),
       integer_option<O>(
           "partial_key_host_layers",
@@ -145,6 +146,23 @@ OptionTable<OffloadOptions> make_table() {
   return table;
 }
 
+// Why `policy` takes no --kv-pool-limit: what it keeps, and which policies evict from a capped
+// pool instead.
+std::string kv_pool_limit_refusal(const std::string& policy) {
+  std::string capped;
+  for (const KvPolicy* p : kv_policies()) {
+    if (policy_reads_option(p->name, "kv_pool_limit")) {
+      capped += (capped.empty() ? "" : ", ") + p->name;
+    }
+  }
+  const std::string evicting = cat("; only ", capped, " chooses which tokens a capped pool evicts");
+  if (policy_reads_option(policy, "h2o_budget")) {
+    return cat("sizes its pool with ", option("h2o_budget"), evicting);
+  }
+  return cat("attends to every stored token at every step, so a capped pool would drop tokens and ",
+             "change what it computes", evicting);
+}
+
 }  // namespace
 
 const OptionTable<OffloadOptions>& offload_option_table() {
@@ -184,14 +202,15 @@ void OffloadOptions::validate() const {
                   " (1 MB/s), got ", link.gbps);
   INFINIGEN_CHECK(link.latency_us >= 0 && link.latency_us <= kMaxEmulatedLatencyUs,
                   option("emulate_link_latency_us"), " must be in [0, ",
-                  static_cast<int64_t>(kMaxEmulatedLatencyUs), "] (a second), got ", link.latency_us);
+                  static_cast<int64_t>(kMaxEmulatedLatencyUs), "] (a second), got ",
+                  link.latency_us);
   INFINIGEN_CHECK(prefill_chunk >= 0, option("prefill_chunk"),
                   " must be >= 0 (0: the whole prompt in one pass), got ", prefill_chunk);
   INFINIGEN_CHECK(prefill_chunk == 0 || policy_reads_option(policy, "prefill_chunk"),
                   option("prefill_chunk"), ": ", option("policy"), " ", policy,
                   " scores the whole prompt in one pass");
-  INFINIGEN_CHECK(prefill_chunk == 0 || kv_pool_limit == 0, option("prefill_chunk"),
-                  " with ", option("kv_pool_limit"),
+  INFINIGEN_CHECK(prefill_chunk == 0 || kv_pool_limit == 0, option("prefill_chunk"), " with ",
+                  option("kv_pool_limit"),
                   ": the capped pool chooses the prompt tokens it keeps from the whole prompt's "
                   "attention, in one pass");
   INFINIGEN_CHECK(kv_block_tokens >= 1, option("kv_block_tokens"), " must be at least 1, got ",
@@ -199,9 +218,10 @@ void OffloadOptions::validate() const {
   speculation.validate();
   INFINIGEN_CHECK(kv_pool_limit >= 0 && std::isfinite(kv_pool_limit), option("kv_pool_limit"),
                   " must be >= 0, got ", kv_pool_limit);
-  INFINIGEN_CHECK(kv_pool_limit == 0 || policy_reads_option(policy, "kv_pool_limit"),
-                  option("kv_pool_limit"), " needs a policy with a pool to limit (",
-                  option("policy"), " ", policy, " has none)");
+  if (kv_pool_limit != 0 && !policy_reads_option(policy, "kv_pool_limit")) {
+    fail(option("kv_pool_limit"), ": ", option("policy"), " ", policy, " ",
+         kv_pool_limit_refusal(policy));
+  }
   INFINIGEN_CHECK(dense_kv != KvPlacement::Device || kv_pool_limit == 0, option("dense_kv"),
                   " device with ", option("kv_pool_limit"),
                   ": a capped pool keeps positions, not a layer's whole KV (use auto or host)");

@@ -2,8 +2,20 @@
 #include "offload/offload_stats.h"
 
 #include <algorithm>
+#include <cstdio>
+
+#include "core/error.h"
 
 namespace infinigen {
+
+std::string PoolCapStats::describe() const {
+  char mib[32];
+  std::snprintf(mib, sizeof(mib), "%.2f", static_cast<double>(bytes) / (1024.0 * 1024.0));
+  return cat(positions, " positions per sequence and head (", mib, " MiB); ", evictions,
+             " evictions, ", prompt_not_kept,
+             " prompt tokens not kept (rows of every layer, "
+             "sequence and head)");
+}
 
 double StepStats::hidden_load_seconds() const {
   return std::max(0.0, load_busy_seconds - load_wait_seconds);

@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "core/device.h"
@@ -18,8 +19,8 @@ struct LayerTraffic {
   // (sequence, head, token) rows attention read from the device, padding excluded: loaded this
   // step, or resident there (a layer whose KV stays on the device, offload/paged_kv.h).
   uint64_t tokens_fetched = 0;
-  uint64_t tokens_stored = 0;     // rows the pool held for this layer, padding excluded
-  double recall = -1.0;           // share of full attention weight on the fetched rows (-1: n/a)
+  uint64_t tokens_stored = 0;  // rows the pool held for this layer, padding excluded
+  double recall = -1.0;        // share of full attention weight on the fetched rows (-1: n/a)
 };
 
 struct StepStats {
@@ -39,6 +40,17 @@ struct StepStats {
   double hidden_load_seconds() const;
 };
 
+// A capped host KV pool (--kv-pool-limit, offload/capped_pool.h): its size, and the tokens its
+// rows dropped, each (layer, sequence, KV head) row counted on its own.
+struct PoolCapStats {
+  int64_t positions = 0;         // per (layer, sequence, KV head); 0: the pool is not capped
+  uint64_t bytes = 0;            // the pinned pool holding them (K and V, every layer)
+  uint64_t evictions = 0;        // decode tokens stored over a kept token (the policy's victim)
+  uint64_t prompt_not_kept = 0;  // valid prompt tokens a row did not keep
+  // One line for a report: the cap, its bytes and the evictions.
+  std::string describe() const;
+};
+
 // Everything a run measured: steps[0] is the prefill, then one entry per decode step.
 class OffloadStats {
  public:
@@ -55,9 +67,13 @@ class OffloadStats {
   void settle_transfers(const TransferCounters& counters);
   StepStats& current() { return steps_.back(); }
   const std::vector<StepStats>& steps() const { return steps_; }
+  // The capped pool's, written by the capped pool (every batch of a run adds its evictions).
+  PoolCapStats& pool_cap() { return pool_cap_; }
+  const PoolCapStats& pool_cap() const { return pool_cap_; }
 
  private:
   std::vector<StepStats> steps_;
+  PoolCapStats pool_cap_;
   TransferCounters counters_at_start_;
   AllocationCounts allocations_at_start_;
   std::chrono::steady_clock::time_point start_;

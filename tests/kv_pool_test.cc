@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "offload/runtime.h"
 #include "tests/test_util.h"
 
 namespace infinigen {
@@ -315,6 +316,32 @@ TEST(KvPool, SharedPrefixesNeedWholeBlocksOfAnEmptyPool) {
       {"not whole blocks"});
   pool.reserve(4);
   testing_util::expect_error([&] { pool.share(SharedPrefixes({0, 0}, {4})); }, {"empty pool"});
+}
+
+// --kv-pool-limit: the run's statistics hold the cap, the bytes of the pool that holds it and the
+// tokens its rows dropped.
+class KvPoolLimitRun : public testing_util::SmallRunTest {};
+
+TEST_F(KvPoolLimitRun, TheCapAndItsEvictionsAreRecorded) {
+  OffloadOptions options;
+  options.policy = "infinigen";
+  const OffloadRun whole = run_offloaded(source_, request_, options, Device::Cpu);
+  options.kv_pool_limit = 0.5;  // 9 of the 18 positions: the prompt alone overflows it
+  const OffloadRun capped = run_offloaded(source_, request_, options, Device::Cpu);
+  const uint64_t capped_bytes = capped.stats.steps().back().host_kv_bytes;
+  const PoolCapStats& cap = capped.stats.pool_cap();
+  EXPECT_EQ(cap.positions, 9);
+  EXPECT_EQ(cap.bytes, capped_bytes);
+  const uint64_t L = source_.config.num_layers, H = source_.config.kv_heads();
+  const uint64_t B = request_.prompts.size();
+  const uint64_t steps = capped.stats.steps().size() - 1;
+  // Every decode step stores its token over a kept one in every row; each row kept 9 of its 12
+  // prompt tokens.
+  EXPECT_EQ(cap.evictions, L * B * H * steps) << cap.describe();
+  EXPECT_EQ(cap.prompt_not_kept, L * B * H * 3) << cap.describe();
+  EXPECT_NE(cap.describe().find("9 positions per sequence and head"), std::string::npos)
+      << cap.describe();
+  EXPECT_EQ(whole.stats.pool_cap().positions, 0);
 }
 
 }  // namespace

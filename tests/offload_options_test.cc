@@ -99,6 +99,22 @@ TEST(OffloadOptions, ValidateNamesTheOptionOutOfRange) {
   EXPECT_NO_THROW(capped.validate());
 }
 
+// A pool limit on a policy that takes none says why in one line: `full` has a pool, but it reads
+// every token at every step; h2o's pool has its own budget.
+TEST(OffloadOptions, APoolLimitOnAnotherPolicySaysWhy) {
+  const auto refused = [](const std::string& policy, const std::vector<std::string>& fragments) {
+    OffloadOptions o;
+    o.policy = policy;
+    o.kv_pool_limit = 0.5;
+    expect_error([&] { o.validate(); }, fragments);
+  };
+  for (const char* policy : {"full", "gpu", "int4"}) {
+    refused(policy, {"--kv-pool-limit", policy, "attends to every stored token at every step",
+                     "only infinigen chooses which tokens a capped pool evicts"});
+  }
+  refused("h2o", {"--kv-pool-limit", "sizes its pool with --h2o-budget", "only infinigen"});
+}
+
 TEST(OffloadOptionTable, EvictionIsInEffectOnlyWithAPoolLimit) {
   OffloadOptions o;
   EXPECT_FALSE(spec("eviction").in_effect(o));
