@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 
 #include "core/error.h"
@@ -251,6 +252,20 @@ const PointMetrics* metrics(const PointResult& p, bool predicted) {
   return m ? &*m : nullptr;
 }
 
+// A duration for a progress line, rounded to what a reader compares: "12.34 s", "845.2 ms",
+// "73 us".
+std::string format_seconds(double seconds) {
+  char text[40];
+  if (seconds >= 1.0) {
+    std::snprintf(text, sizeof(text), "%.2f s", seconds);
+  } else if (seconds >= 1e-3) {
+    std::snprintf(text, sizeof(text), "%.1f ms", seconds * 1e3);
+  } else {
+    std::snprintf(text, sizeof(text), "%.0f us", seconds * 1e6);
+  }
+  return text;
+}
+
 }  // namespace
 
 BenchReport run_experiment(const Experiment& experiment, const BenchOptions& options,
@@ -366,11 +381,11 @@ BenchReport run_experiment(const Experiment& experiment, const BenchOptions& opt
     if (progress) {
       std::string line = name;
       if (result.measured) {
-        line += cat(": measured ", result.measured->total_s, " s");
+        line += ": measured " + format_seconds(result.measured->total_s);
       } else if (result.status != "ok") {
         line += ": " + result.status;
       }
-      if (result.predicted) line += cat(", predicted ", result.predicted->total_s, " s");
+      if (result.predicted) line += ", predicted " + format_seconds(result.predicted->total_s);
       progress(line);
     }
     report.points.push_back(std::move(result));

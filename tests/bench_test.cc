@@ -2,14 +2,19 @@
 // experiment end to end at a scale the CPU backend runs in seconds.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <regex>
+#include <set>
 #include <sstream>
 
 #include "bench/bench_results.h"
 #include "bench/bench_runner.h"
 #include "bench/experiment.h"
 #include "core/error.h"
+#include "predict/hardware_profile.h"
 #include "tests/test_util.h"
 
 namespace infinigen {
@@ -250,6 +255,88 @@ TEST(BenchCli, BadInputsGetOneLineAndNonZeroExit) {
       "abacus");
   one_line(run_infinigen({"bench", "--experiment", "fig14", "--no-measure", "--out", out.str()}),
            "--no-measure needs --predict");
+}
+
+// Progress lines round their times ("12.34 s", "845.2 ms"), not six significant digits.
+TEST(BenchRunner, ProgressLinesRoundTheirTimes) {
+  TempDir dir("bench-progress");
+  const Experiment experiment = parse_experiment(
+      "x: batch\nplot: latency\ndefaults: {model: opt-125m, prompt_len: 64, gen_len: 8}\n"
+      "points: [{batch: 1}, {batch: 2}]\npolicies: [full, infinigen]\n",
+      "exp.yaml", "exp");
+  BenchOptions options;
+  options.measure = false;
+  options.predict = "rtx-a6000-pcie3";
+  options.fetched_fraction = 0.1;
+  std::vector<std::string> lines;
+  run_experiment(experiment, options, [&](const std::string& line) { lines.push_back(line); });
+  ASSERT_EQ(lines.size(), experiment.points.size());
+  const std::regex rounded(R"(, predicted ([0-9]+\.[0-9]{2} s|[0-9]+\.[0-9] ms|[0-9]+ us)$)");
+  for (const std::string& line : lines) EXPECT_TRUE(std::regex_search(line, rounded)) << line;
+}
+
+// --help names every bundled experiment; --list puts each column of its tables at one offset.
+TEST(BenchCli, HelpAndListShowEveryExperimentInColumns) {
+  const CommandResult help = run_infinigen({"bench", "--help"});
+  ASSERT_EQ(help.exit_code, 0) << help.err;
+  std::string flat = help.out;  // CLI11 wraps the help text
+  std::replace(flat.begin(), flat.end(), '\n', ' ');
+  for (const std::string& name : bundled_experiment_names()) {
+    EXPECT_NE(flat.find(name), std::string::npos) << name << " not in\n" << help.out;
+  }
+  const CommandResult list = run_infinigen({"bench", "--list"});
+  ASSERT_EQ(list.exit_code, 0) << list.err;
+  std::istringstream lines(list.out);
+  std::set<size_t> figure_at, title_at, description_at;
+  for (std::string line; std::getline(lines, line);) {
+    for (const std::string& name : bundled_experiment_names()) {
+      if (line.rfind("  " + name + " ", 0) != 0) continue;
+      const Experiment e = load_experiment(name);
+      figure_at.insert(line.find(e.figure, name.size() + 2));
+      title_at.insert(line.rfind(e.title));
+    }
+    for (const std::string& name : hardware_profile_names()) {
+      if (line.rfind("  " + name + " ", 0) == 0) {
+        description_at.insert(line.rfind(load_hardware_profile(name).description));
+      }
+    }
+  }
+  EXPECT_EQ(figure_at.size(), 1u) << list.out;
+  EXPECT_EQ(title_at.size(), 1u) << list.out;
+  EXPECT_EQ(description_at.size(), 1u) << list.out;
+}
+
+// The plot's title describes the paper's numbers as drawn: every diamond is hollow, in the
+// points beside ours and in the paper's own subplot (a result at scale 0.5 gets one).
+TEST(BenchPlot, PaperDiamondsAreHollowAsTheTitleSays) {
+  if (std::system("/usr/bin/python3 -c 'import matplotlib' 2>/dev/null") != 0) {
+    GTEST_SKIP() << "no /usr/bin/python3 with matplotlib";
+  }
+  TempDir dir("bench-plot");
+  const std::string script = (dir.path() / "check.py").string();
+  std::ofstream(script) << R"(import sys
+sys.path.insert(0, sys.argv[1])
+import plot_bench
+point = lambda policy, x, tput: {
+    "policy": policy, "x": x, "panel": "", "paper": {"throughput_tok_s": tput},
+    "settings": {"batch": int(x), "gen_len": 32},
+    "measured": {"total_s": 1.0, "prefill_s": 0.2, "decode_s": 0.8}}
+for x_key in ("batch", "policy"):
+    result = {"experiment": {"x": x_key, "plot": "latency", "figure": "Fig. 0", "title": "t",
+                             "paper_source": "Table 0"},
+              "settings": {"scale": 0.5, "device": "cpu", "emulated_link_gbps": 12},
+              "machine": {"device": "cpu", "cpu": "a cpu"}, "commit": "abc",
+              "points": [point("full", "1", 10.0), point("infinigen", "2", 20.0)]}
+    fig = plot_bench.draw(result)
+    assert "hollow diamonds" in fig._suptitle.get_text(), fig._suptitle.get_text()
+    for ax in fig.axes:
+        for line in ax.get_lines():
+            if line.get_marker() == "D":
+                assert line.get_markerfacecolor() == "none", (x_key, line.get_label())
+print("ok")
+)";
+  const std::string command = "/usr/bin/python3 " + script + " " INFINIGEN_SOURCE_DIR "/tools";
+  EXPECT_EQ(std::system(command.c_str()), 0) << command;
 }
 
 }  // namespace

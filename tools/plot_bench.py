@@ -15,7 +15,9 @@ import sys
 
 from plot_common import POLICY_COLORS, plt
 
+# The paper's numbers: hollow diamonds, as points beside ours and as lines in their own subplot.
 PAPER_STYLE = dict(marker="D", facecolors="none", edgecolors="black", s=60, zorder=5)
+PAPER_LINE = dict(marker="D", markerfacecolor="none", linestyle="--")
 
 
 def sides(result):
@@ -79,7 +81,7 @@ def plot_latency(result, axes_for):
                 pts = [(p["x"], paper_latency(p)) for p in points
                        if p["policy"] == policy and paper_latency(p)]
                 if pts:
-                    ax.plot([xs.index(x) for x, _ in pts], [v for _, v in pts], "D--",
+                    ax.plot([xs.index(x) for x, _ in pts], [v for _, v in pts], **PAPER_LINE,
                             color=POLICY_COLORS.get(policy), label=policy)
             ax.set_xticks(range(len(xs)), xs)
             ax.set_ylabel("total latency (s)")
@@ -234,15 +236,21 @@ def plot_block(result, axes_for):
         ax.margins(y=0.25)
 
 
-def main():
-    if len(sys.argv) != 3:
-        sys.exit("usage: plot_bench.py RESULT.json OUT.png")
-    with open(sys.argv[1]) as f:
-        result = json.load(f)
+def paper_note(kind, x_key, extra_paper):
+    """How the figure draws the paper's numbers, for its title (None: it draws none)."""
+    if kind == "block":
+        return "paper's numbers: in each bar's label"
+    if kind not in ("latency", "speedup"):
+        return None
+    if extra_paper and x_key == "policy":
+        return "paper's numbers: hollow diamonds; hatched bars in the paper's subplot"
+    return "paper's numbers: hollow diamonds"
+
+
+def draw(result):
+    """The figure of one result."""
     exp = result["experiment"]
     panels = sides(result)
-    if not panels:
-        sys.exit("plot_bench.py: %s has no measured or predicted point" % sys.argv[1])
     kind = exp["plot"]
     extra_paper = (kind == "latency" and result["settings"]["scale"] != 1 and
                    any(paper_latency(p) for p in result["points"]))
@@ -268,10 +276,22 @@ def main():
         {"latency": plot_latency, "speedup": plot_speedup, "block": plot_block,
          "ttft": plot_ttft, "transfer": plot_transfer}[kind](
             result, axes_for)
-    fig.suptitle("%s: %s\n(paper's numbers: hollow diamonds; commit %s)" % (
-        exp["figure"], exp["title"], result["commit"]), fontsize=10)
+    has_paper = any(p["paper"] for p in result["points"])
+    note = paper_note(kind, exp["x"], extra_paper) if has_paper else None
+    fig.suptitle("%s: %s\n(%scommit %s)" % (
+        exp["figure"], exp["title"], note + "; " if note else "", result["commit"]), fontsize=10)
     fig.tight_layout()
-    fig.savefig(sys.argv[2], dpi=110, format="png")
+    return fig
+
+
+def main():
+    if len(sys.argv) != 3:
+        sys.exit("usage: plot_bench.py RESULT.json OUT.png")
+    with open(sys.argv[1]) as f:
+        result = json.load(f)
+    if not sides(result):
+        sys.exit("plot_bench.py: %s has no measured or predicted point" % sys.argv[1])
+    draw(result).savefig(sys.argv[2], dpi=110, format="png")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 // CSV, JSON and a plot; `--predict` adds the cost model's figures for a hardware profile, and
 // `--measure-profile` writes the profile of this machine's CPU backend.
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -15,9 +16,9 @@
 #include "core/device.h"
 #include "core/interrupt.h"
 #include "core/output_directory.h"
+#include "offload/runtime.h"
 #include "predict/hardware_profile.h"
 #include "predict/profile_measurement.h"
-#include "offload/runtime.h"
 
 namespace infinigen::cli {
 namespace {
@@ -43,17 +44,48 @@ struct BenchCommandOptions {
   std::string command_line;
 };
 
+// Rows of columns, each column as wide as its widest cell, two spaces apart (the last column
+// unpadded).
+void print_columns(const std::vector<std::vector<std::string>>& rows) {
+  std::vector<size_t> widths;
+  for (const std::vector<std::string>& row : rows) {
+    widths.resize(std::max(widths.size(), row.size()), 0);
+    for (size_t c = 0; c < row.size(); ++c) widths[c] = std::max(widths[c], row[c].size());
+  }
+  for (const std::vector<std::string>& row : rows) {
+    std::string line = " ";
+    for (size_t c = 0; c < row.size(); ++c) {
+      line += " " + row[c];
+      if (c + 1 < row.size()) line += std::string(widths[c] - row[c].size() + 1, ' ');
+    }
+    std::printf("%s\n", line.c_str());
+  }
+}
+
 int list_bundled() {
   std::printf("experiments (configs/experiments):\n");
+  std::vector<std::vector<std::string>> experiments;
   for (const std::string& name : bundled_experiment_names()) {
     const Experiment e = load_experiment(name);
-    std::printf("  %-8s %s: %s\n", name.c_str(), e.figure.c_str(), e.title.c_str());
+    experiments.push_back({name, e.figure, e.title});
   }
+  print_columns(experiments);
   std::printf("hardware profiles (configs/hardware):\n");
+  std::vector<std::vector<std::string>> profiles;
   for (const std::string& name : hardware_profile_names()) {
-    std::printf("  %-16s %s\n", name.c_str(), load_hardware_profile(name).description.c_str());
+    profiles.push_back({name, load_hardware_profile(name).description});
   }
+  print_columns(profiles);
   return 0;
+}
+
+// The bundled experiments' names, for --experiment's help.
+std::string bundled_names() {
+  std::string names;
+  for (const std::string& name : bundled_experiment_names()) {
+    names += (names.empty() ? "" : ", ") + name;
+  }
+  return names;
 }
 
 int measure_profile(const BenchCommandOptions& o) {
@@ -145,7 +177,8 @@ int bench(const BenchCommandOptions& o) {
 Command add_bench_command(CLI::App& app) {
   auto o = std::make_shared<BenchCommandOptions>();
   app.add_option("--experiment,-e", o->experiment,
-                 "Experiment file (configs/experiments/*.yaml) or bundled name (fig14 ... fig18)");
+                 "Experiment file (configs/experiments/*.yaml) or bundled name: " +
+                     bundled_names() + " (--list describes them)");
   app.add_option("--out,-o", o->out, "Directory for NAME.csv, NAME.json and NAME.png")
       ->capture_default_str();
   app.add_option("--scale", o->scale,
