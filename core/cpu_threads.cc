@@ -10,10 +10,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <mutex>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace infinigen {
@@ -74,6 +76,37 @@ bool read_cpu_times(const std::vector<int>& cpus, double tick_seconds, CpuTimes&
   return true;
 }
 
+// This process's threads that are running or runnable now (state R in /proc/self/task/*/stat).
+int own_runnable_threads() {
+  int running = 0;
+  std::error_code error;
+  for (const auto& task : std::filesystem::directory_iterator("/proc/self/task", error)) {
+    std::ifstream stat(task.path() / "stat");
+    std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+    const size_t close = text.rfind(')');
+    if (close != std::string::npos && close + 2 < text.size() && text[close + 2] == 'R') ++running;
+  }
+  return running;
+}
+
+// Threads of other processes runnable now, before the first interval can be measured: the
+// kernel's count of runnable threads (/proc/loadavg's "running/total") less this process's, the
+// least of a few looks 200 us apart (a thread that runs for a moment is not a busy process).
+int others_runnable_now() {
+  int least = -1;
+  for (int look = 0; look < 5; ++look) {
+    if (look > 0) std::this_thread::sleep_for(std::chrono::microseconds(200));
+    std::ifstream loadavg("/proc/loadavg");
+    double one = 0, five = 0, fifteen = 0;
+    int runnable = 0;
+    char slash = 0;
+    if (!(loadavg >> one >> five >> fifteen >> runnable >> slash) || slash != '/') return 0;
+    const int others = std::max(0, runnable - own_runnable_threads());
+    least = least < 0 ? others : std::min(least, others);
+  }
+  return std::max(least, 0);
+}
+
 struct Team {
   std::mutex mutex;  // adapt_cpu_threads from one thread at a time; the others skip
   bool adapt = false;
@@ -101,10 +134,10 @@ void configure(Team& t, int fixed) {
   t.tick_seconds = 1.0 / static_cast<double>(ticks);
   if (t.cpus.empty() || !read_cpu_times(t.cpus, t.tick_seconds, t.last)) return;
   t.cores = std::min<int>(t.cores, static_cast<int>(t.cpus.size()));
-  t.threads = t.cores;
+  t.adapt = t.cores > 1;
+  t.threads = t.adapt ? free_core_threads(t.cores, others_runnable_now()) : t.cores;
   omp_set_num_threads(t.threads);
   t.last_time = Clock::now();
-  t.adapt = t.cores > 1;
 }
 
 // The process's team: adapting unless configured otherwise (a program that never calls

@@ -13,7 +13,9 @@
 // So by default the team is sized to the cores other processes leave free: the cores this process
 // may run on less the CPU time the others used on them since the last look, measured from
 // /proc/stat and /proc/self/stat at most every 100 ms at the safe points of a forward pass
-// (adapt_cpu_threads), never fewer than one. Idle, that is every core and the spinning default;
+// (adapt_cpu_threads), never fewer than one; until the first interval is measured, less the
+// threads of other processes runnable when the team was configured (a short run is over before
+// a first interval would end). Idle, that is every core and the spinning default;
 // busy, a smaller team whose barriers wait for no descheduled member. A count the user chose
 // (--threads N, or OMP_NUM_THREADS) is kept as it is.
 #pragma once

@@ -36,9 +36,11 @@ start_busy() {
   sleep 1
 }
 stop_busy() {
-  [[ ${#busy_pids[@]} -gt 0 ]] && kill "${busy_pids[@]}" 2>/dev/null && wait "${busy_pids[@]}" 2>/dev/null
+  if [[ ${#busy_pids[@]} -gt 0 ]]; then
+    kill "${busy_pids[@]}" 2>/dev/null || true
+    wait "${busy_pids[@]}" 2>/dev/null || true  # 143: ended by our SIGTERM
+  fi
   busy_pids=()
-  return 0
 }
 trap stop_busy EXIT
 
