@@ -18,6 +18,7 @@
 // changes another's prefix; a block no table refers to any more is freed.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -39,6 +40,13 @@ struct KvPoolShape {
   int64_t block_tokens = 128;
   DType dtype = DType::F16;
 };
+
+// The block of a pool capped at `positions` per (layer, sequence, head) (--kv-pool-limit):
+// `block_tokens`, or the positions when the cap is smaller, so that a cap below a block pins only
+// the positions it holds instead of a whole block it never fills.
+inline int64_t capped_block_tokens(int64_t block_tokens, int64_t positions) {
+  return std::min(block_tokens, positions);
+}
 
 class KvPool {
  public:

@@ -409,7 +409,10 @@ KvPoolShape kv_pool_shape(const MemoryRequest& r, int64_t positions) {
   pool.num_heads = r.config.kv_heads();
   pool.head_dim = r.config.head_dim();
   pool.max_tokens = positions;
-  pool.block_tokens = r.options.kv_block_tokens;
+  // Fewer positions than the request's tokens: a capped pool (as PagedKv lays it out).
+  pool.block_tokens = positions < request_positions(r)
+                          ? capped_block_tokens(r.options.kv_block_tokens, positions)
+                          : r.options.kv_block_tokens;
   pool.dtype = r.kv_dtype;
   return pool;
 }

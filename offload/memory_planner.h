@@ -103,8 +103,9 @@ int64_t request_positions(const MemoryRequest& request);
 // K and V of `rows` positions per (sequence, KV head) of one layer, double-buffered by layer
 // parity, in the KV dtype (a device staging).
 size_t kv_staging_bytes(const MemoryRequest& request, int64_t rows);
-// The host pool of every layer, `positions` per (sequence, KV head) in blocks of kv_block_tokens:
-// its shape, and its bytes.
+// The host pool of every layer, `positions` per (sequence, KV head) in blocks of kv_block_tokens
+// (a capped pool's, fewer positions than the request's, no longer than its positions:
+// capped_block_tokens): its shape, and its bytes.
 KvPoolShape kv_pool_shape(const MemoryRequest& request, int64_t positions);
 size_t kv_pool_bytes(const MemoryRequest& request, int64_t positions);
 

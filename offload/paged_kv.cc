@@ -11,7 +11,9 @@ PagedKv::PagedKv(const KvStore& store, const ModelConfig& config, DType kv_dtype
                  int64_t pool_tokens, int64_t resident_layers)
     : store_(store),
       pool_({config.num_layers, store.batch(), config.kv_heads(), config.head_dim(),
-             pool_tokens > 0 ? pool_tokens : store.capacity(), block_tokens, kv_dtype}),
+             pool_tokens > 0 ? pool_tokens : store.capacity(),
+             pool_tokens > 0 ? capped_block_tokens(block_tokens, pool_tokens) : block_tokens,
+             kv_dtype}),
       pipeline_(config.num_layers, engine, stats,
                 {store.batch(), config.kv_heads(), store.capacity(), config.head_dim()}, kv_dtype,
                 device) {

@@ -500,5 +500,41 @@ TEST(Cli, PolicyHelpListsOnePolicyPerLine) {
   }
 }
 
+// A capped pool below a block: it pinned a whole block per row whatever the cap, so a small
+// --kv-pool-limit showed no effect, and nothing reported the cap or its evictions.
+TEST(Cli, ASmallPoolLimitPinsOnlyItsPositionsAndIsReported) {
+  // 32 positions per row, in one block of 32 without a cap.
+  const std::vector<std::string> args = {"run", "--model",           kTiny, "--prompt-len",
+                                         "20",  "--gen-len",         "12",  "--batch",
+                                         "2",   "--kv-block-tokens", "32"};
+  const auto with = [&](std::vector<std::string> more) {
+    std::vector<std::string> all = args;
+    all.insert(all.end(), more.begin(), more.end());
+    const CommandResult r = run_infinigen(all);
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    return r;
+  };
+  const nlohmann::json whole = nlohmann::json::parse(with({"--json"}).out);
+  const nlohmann::json capped =
+      nlohmann::json::parse(with({"--json", "--kv-pool-limit", "0.25"}).out);
+  EXPECT_TRUE(whole["kv_pool_cap"].is_null()) << whole["kv_pool_cap"];
+  const nlohmann::json& cap = capped["kv_pool_cap"];
+  ASSERT_TRUE(cap.is_object()) << capped;
+  EXPECT_EQ(cap["positions"].get<int64_t>(), 8);  // a quarter of 32
+  // The pool holds the cap's 8 positions per row, not a block of 32: a quarter of the whole
+  // pool's bytes, as planned.
+  const auto bytes = cap["bytes"].get<uint64_t>();
+  EXPECT_EQ(bytes * 4, whole["memory_plan"]["host_kv_pool_bytes"].get<uint64_t>());
+  EXPECT_EQ(capped["memory_plan"]["host_kv_pool_bytes"].get<uint64_t>(), bytes);
+  EXPECT_EQ(capped["transfer"]["host_kv_bytes"].get<uint64_t>(), bytes);
+  // Every row kept 8 of its 20 prompt tokens, and decode tokens evicted kept ones.
+  EXPECT_GT(cap["prompt_tokens_not_kept"].get<uint64_t>(), 0u);
+  EXPECT_GT(cap["evictions"].get<uint64_t>(), 0u);
+  // The text report says so too.
+  const CommandResult text = with({"--kv-pool-limit", "0.25"});
+  EXPECT_NE(text.out.find("KV pool cap      8 positions per sequence and head"), std::string::npos)
+      << text.out;
+}
+
 }  // namespace
 }  // namespace infinigen

@@ -369,6 +369,7 @@ int run(const RunOptions& o) {
                              {"emulated_link_gbps", offload.link.gbps},
                              {"transfer", transfers_json(transfers)},
                              {"memory_plan", plan_json(run.plan)},
+                             {"kv_pool_cap", pool_cap_json(run.stats.pool_cap())},
                              {"outputs", outputs}};
     if (o.stats) report["steps"] = steps_json(run.stats);
     if (session) {

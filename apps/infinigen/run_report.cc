@@ -69,6 +69,14 @@ nlohmann::json plan_json(const MemoryPlan& p) {
   return plan;
 }
 
+nlohmann::json pool_cap_json(const PoolCapStats& cap) {
+  if (cap.positions == 0) return nullptr;
+  return {{"positions", cap.positions},
+          {"bytes", cap.bytes},
+          {"evictions", cap.evictions},
+          {"prompt_tokens_not_kept", cap.prompt_not_kept}};
+}
+
 nlohmann::json steps_json(const OffloadStats& stats) {
   nlohmann::json steps = nlohmann::json::array();
   for (const StepStats& step : stats.steps()) {
@@ -120,6 +128,9 @@ void print_transfers(const TransferSummary& s, const OffloadRun& run, bool per_l
                 static_cast<long long>(s.shared_prefix_tokens));
   } else if (s.shared_prefix_groups > 0) {
     std::printf("shared prefixes  computed once: %s\n", groups.c_str());
+  }
+  if (const PoolCapStats& cap = run.stats.pool_cap(); cap.positions > 0) {
+    std::printf("KV pool cap      %s\n", cap.describe().c_str());
   }
   // The load stream's transfer time and how much of it ran under compute; then compute's wait
   // for loads, split into the transfer it waited through and the time before those loads began

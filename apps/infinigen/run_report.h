@@ -13,6 +13,8 @@ namespace infinigen::cli {
 nlohmann::json json_float(float value);
 nlohmann::json transfers_json(const TransferSummary& summary);
 nlohmann::json plan_json(const MemoryPlan& plan);
+// A capped host pool's cap, bytes and evictions (--kv-pool-limit); null without a cap.
+nlohmann::json pool_cap_json(const PoolCapStats& cap);
 nlohmann::json steps_json(const OffloadStats& stats);
 // Lines for the text report; the per-layer table when `per_layer`.
 void print_transfers(const TransferSummary& summary, const OffloadRun& run, bool per_layer);
