@@ -9,6 +9,7 @@
 #include <filesystem>
 
 #include "core/error.h"
+#include "core/file_io.h"
 #include "core/generation.h"
 #include "core/model_loader.h"
 #include "offload/kv_policy.h"
