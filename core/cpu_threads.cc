@@ -109,6 +109,9 @@ int others_runnable_now() {
 
 struct Team {
   std::mutex mutex;  // adapt_cpu_threads from one thread at a time; the others skip
+  // OpenMP's thread count before this file set any (OMP_NUM_THREADS, else the CPUs this process
+  // may use): what the team comes back to, however it was sized since.
+  int initial = omp_get_max_threads();
   bool adapt = false;
   int cores = 1;    // the most threads: the allowed cores, or the fixed count
   int threads = 1;  // the team size now
@@ -118,26 +121,27 @@ struct Team {
   double tick_seconds = 0.01;
 };
 
+// Sizes the team to the cores other processes leave free and starts measuring; leaves it as it
+// is when /proc cannot be read.
+void start_adapting(Team& t) {
+  t.cpus = allowed_cpus();
+  const long ticks = sysconf(_SC_CLK_TCK);
+  if (t.cpus.empty() || ticks <= 0) return;
+  t.tick_seconds = 1.0 / static_cast<double>(ticks);
+  if (!read_cpu_times(t.cpus, t.tick_seconds, t.last)) return;
+  t.cores = std::min<int>(t.cores, static_cast<int>(t.cpus.size()));
+  t.adapt = t.cores > 1;
+  // Until the first interval: the cores less the other processes' threads runnable now.
+  t.threads = t.adapt ? free_core_threads(t.cores, others_runnable_now()) : t.cores;
+  t.last_time = Clock::now();
+}
+
 // Fixed at `fixed` threads, or (0) OMP_NUM_THREADS when it is set, else adapting from now on.
 void configure(Team& t, int fixed) {
   t.adapt = false;
-  if (fixed > 0) {
-    omp_set_num_threads(fixed);
-    t.cores = t.threads = fixed;
-    return;
-  }
-  t.cores = t.threads = omp_get_max_threads();
-  if (std::getenv("OMP_NUM_THREADS") != nullptr) return;
-  t.cpus = allowed_cpus();
-  const long ticks = sysconf(_SC_CLK_TCK);
-  if (ticks <= 0) return;
-  t.tick_seconds = 1.0 / static_cast<double>(ticks);
-  if (t.cpus.empty() || !read_cpu_times(t.cpus, t.tick_seconds, t.last)) return;
-  t.cores = std::min<int>(t.cores, static_cast<int>(t.cpus.size()));
-  t.adapt = t.cores > 1;
-  t.threads = t.adapt ? free_core_threads(t.cores, others_runnable_now()) : t.cores;
+  t.cores = t.threads = fixed > 0 ? fixed : t.initial;
+  if (fixed == 0 && std::getenv("OMP_NUM_THREADS") == nullptr) start_adapting(t);
   omp_set_num_threads(t.threads);
-  t.last_time = Clock::now();
 }
 
 // The process's team: adapting unless configured otherwise (a program that never calls

@@ -29,7 +29,7 @@ struct TransferSummary {
   // The parts of a step's transfer and of its wait above.
   double load_exposed_per_step() const { return load_busy_per_step - load_hidden_per_step; }
   double load_wait_before_start_per_step() const {
-    return load_wait_per_step - load_exposed_per_step();
+    return std::max(0.0, load_wait_per_step - load_exposed_per_step());  // no rounding's -0.00
   }
   uint64_t host_kv_bytes = 0;  // the host pool after the last step (`full` pools)
   // Shared prompt prefixes (core/shared_prefixes.h): their tokens, each kept once, how many

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <thread>
 #include <vector>
 
@@ -105,6 +106,30 @@ TEST(CpuThreads, TheTeamShrinksWhileOtherProcessesKeepTheCoresBusy) {
   }
   // That it grows back once they are gone depends on what else the machine runs: the arithmetic
   // is checked above (OthersAreTheBusyTimeThisProcessDidNotSpend).
+  configure_cpu_threads(0);
+}
+
+// Configured on a busy machine, the team starts small but may still grow to every core; it once
+// took the count it had just lowered as its most, and never adapted again.
+TEST(CpuThreads, ABusyStartStartsSmallAndKeepsEveryCoreItMayGrowTo) {
+  if (std::getenv("OMP_NUM_THREADS") != nullptr) GTEST_SKIP() << "OMP_NUM_THREADS fixes the team";
+  configure_cpu_threads(0);
+  const int cores = cpu_threads().most;
+  EXPECT_EQ(cores, omp_get_num_procs());
+  if (cores < 2) GTEST_SKIP() << "one core: nothing adapts";
+  BusyProcesses busy(cores);
+  std::this_thread::sleep_for(200ms);  // every one of them running
+  for (int again = 0; again < 2; ++again) {
+    configure_cpu_threads(0);
+    EXPECT_TRUE(cpu_threads().adapts);
+    EXPECT_EQ(cpu_threads().most, cores);
+    EXPECT_EQ(cpu_threads().now, 1) << "configured beside " << cores << " busy processes";
+    EXPECT_EQ(omp_get_max_threads(), 1);
+  }
+  configure_cpu_threads(2);
+  configure_cpu_threads(0);
+  EXPECT_EQ(cpu_threads().most, cores);
+  busy.stop();
   configure_cpu_threads(0);
 }
 

@@ -386,8 +386,8 @@ int run(const RunOptions& o) {
     return 0;
   }
   const CpuThreads threads = cpu_threads();
-  std::printf("model: %s\ndevice: %s (%d threads%s)\n", loaded.description.c_str(),
-              device_description(device).c_str(), threads.most,
+  std::printf("model: %s\ndevice: %s (%d thread%s%s)\n", loaded.description.c_str(),
+              device_description(device).c_str(), threads.most, threads.most == 1 ? "" : "s",
               threads.adapts ? ", fewer while other processes keep cores busy" : "");
   std::printf(
       "policy %s, %.0f%% of weights on the device, link %s\n", offload.policy.c_str(),
