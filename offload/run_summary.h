@@ -2,6 +2,7 @@
 // CLI reports them and the benchmarks record them.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
