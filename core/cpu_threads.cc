@@ -112,6 +112,7 @@ struct Team {
   // OpenMP's thread count before this file set any (OMP_NUM_THREADS, else the CPUs this process
   // may use): what the team comes back to, however it was sized since.
   int initial = omp_get_max_threads();
+  bool configured = false;  // by configure_cpu_threads, else with the default on first use
   bool adapt = false;
   int cores = 1;    // the most threads: the allowed cores, or the fixed count
   int threads = 1;  // the team size now
@@ -138,21 +139,23 @@ void start_adapting(Team& t) {
 
 // Fixed at `fixed` threads, or (0) OMP_NUM_THREADS when it is set, else adapting from now on.
 void configure(Team& t, int fixed) {
+  t.configured = true;
   t.adapt = false;
   t.cores = t.threads = fixed > 0 ? fixed : t.initial;
   if (fixed == 0 && std::getenv("OMP_NUM_THREADS") == nullptr) start_adapting(t);
   omp_set_num_threads(t.threads);
 }
 
-// The process's team: adapting unless configured otherwise (a program that never calls
-// configure_cpu_threads, a test, gets the default too).
+// The process's team, never destroyed: forward passes may run during exit.
 Team& team() {
-  static Team* t = [] {
-    auto* created = new Team;  // never destroyed: forward passes may run during exit
-    configure(*created, 0);
-    return created;
-  }();
+  static Team* t = new Team;
   return *t;
+}
+
+// A team configure_cpu_threads has not configured gets the default on first use (a program that
+// never calls it, a test), measuring from then; the caller holds the mutex.
+void configure_once(Team& t) {
+  if (!t.configured) configure(t, 0);
 }
 
 }  // namespace
@@ -177,7 +180,9 @@ void configure_cpu_threads(int fixed) {
 void adapt_cpu_threads() {
   Team& t = team();
   const std::unique_lock<std::mutex> lock(t.mutex, std::try_to_lock);
-  if (!lock.owns_lock() || !t.adapt) return;
+  if (!lock.owns_lock()) return;
+  configure_once(t);
+  if (!t.adapt) return;
   const Clock::time_point now = Clock::now();
   if (now - t.last_time < kInterval) return;
   CpuTimes times;
@@ -196,6 +201,7 @@ void adapt_cpu_threads() {
 CpuThreads cpu_threads() {
   Team& t = team();
   const std::lock_guard<std::mutex> lock(t.mutex);
+  configure_once(t);
   return {t.threads, t.cores, t.adapt};
 }
 

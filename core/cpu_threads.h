@@ -22,8 +22,9 @@
 
 namespace infinigen {
 
-// `fixed` > 0: exactly that many threads; 0 (what holds without a call): OMP_NUM_THREADS when it
-// is set, else adapt between one and every core this process may run on, measuring from now.
+// `fixed` > 0: exactly that many threads; 0: OMP_NUM_THREADS when it is set, else adapt between
+// one and every core this process may run on, measuring from now. Without a call the default (0)
+// is taken at the first adapt_cpu_threads, the first layer of the first forward pass.
 // Call it on the thread that runs the forward passes (an OpenMP thread count belongs to the
 // thread that sets it).
 void configure_cpu_threads(int fixed);

@@ -14,7 +14,6 @@
 #include "apps/infinigen/option_flags.h"
 #include "apps/infinigen/parse_errors.h"
 #include "apps/infinigen/yaml_config.h"
-#include "core/cpu_threads.h"
 #include "core/error.h"
 #include "core/interrupt.h"
 
@@ -40,7 +39,6 @@ int run_cli(int argc, char** argv) {
   using namespace infinigen;
   CLI::App app("infinigen: offloaded LLM inference with speculative KV prefetch (InfiniGen)",
                "infinigen");
-  configure_cpu_threads(0);  // every command's default; --threads fixes a count as it is read
   app.require_subcommand(0, 1);
   app.set_version_flag("--version", "infinigen 0.1.0");
   app.fallthrough();  // `infinigen run --config x.yaml`: --config belongs to the root
