@@ -24,38 +24,62 @@ namespace {
 // fp32 and, under a pool limit, the token of each position (B, H_kv, positions) I32; once the
 // logits (B, H_kv, tokens) fp32 and two selections (B, H_kv, n' cap) I32. With the dense layers'
 // KV on the device, their whole K and V (B, H_kv, tokens, d) in the KV dtype.
+// The device holds the most in one of two phases: the prompt's passes, with the whole staging (and
+// on the CPU backend, whose device memory is the host's, the partial keys, which CUDA keeps in
+// host memory until the prompt is done), and the decode steps, with the staging of
+// decode_staging_rows and the partial keys.
 KvMemory infinigen_memory(const MemoryRequest& r) {
   const ModelConfig& c = r.config;
   const int64_t tokens = request_positions(r);
-  const int64_t pooled = r.kv_pool_tokens > 0 ? std::min(r.kv_pool_tokens, tokens) : tokens;
+  const bool capped = r.kv_pool_tokens > 0;
+  const int64_t pooled = capped ? std::min(r.kv_pool_tokens, tokens) : tokens;
   const SpeculationOptions& s = r.options.speculation;
   const int64_t rp = partial_columns(s.partial_ratio, c.head_dim());
   const int64_t d = c.head_dim(), rows = c.rope.enabled() ? d : rp;
   const auto key_size = static_cast<int64_t>(dtype_size(s.partial_key_dtype));
   const auto weight_size = static_cast<int64_t>(dtype_size(c.dtype));
+  const auto kv_size = static_cast<int64_t>(dtype_size(r.kv_dtype));
   const int64_t on_host = partial_key_host_layers(r.options, c.num_layers);
   const int64_t on_device = speculated_layers(r.options, c.num_layers) - on_host;
+  const int64_t resident = resident_dense_layers(r.options, c.num_layers, capped);
+  const int64_t dense = std::clamp<int64_t>(s.dense_layers, 0, c.num_layers);
   const auto partial_keys = [&](int64_t layers) {
     return saturating_product({layers, r.batch, c.kv_heads(), tokens, rp, key_size});
   };
-  const size_t device = saturating_sum(
-      {kv_staging_bytes(r, tokens), partial_keys(on_device),
-       saturating_product({c.num_layers, c.num_heads, rows, c.hidden_size, weight_size}),
+  const auto whole_kv = [&](int64_t layers) {
+    return saturating_product({layers, 2, r.batch, c.kv_heads(), tokens, d, kv_size});
+  };
+  const size_t speculation = saturating_sum(
+      {saturating_product({c.num_layers, c.num_heads, rows, c.hidden_size, weight_size}),
        saturating_product({c.num_layers, c.num_heads, rows, 4}),
        c.rope.enabled() ? saturating_product({c.num_layers, c.kv_heads(), d, d, 4}) : 0,
        saturating_product({c.num_layers, r.batch, c.num_heads, rows, 4}),
-       r.kv_pool_tokens > 0 ? saturating_product({c.num_layers, r.batch, c.kv_heads(), pooled, 4})
-                            : 0,
+       capped ? saturating_product({c.num_layers, r.batch, c.kv_heads(), pooled, 4}) : 0,
        saturating_product({r.batch, c.kv_heads(), pooled, 4}),
        saturating_product({2, r.batch, c.kv_heads(), s.fetch_cap(tokens), 4}),
-       saturating_product({resident_dense_layers(r.options, c.num_layers, r.kv_pool_tokens > 0),
-                           2, r.batch, c.kv_heads(), tokens, d,
-                           static_cast<int64_t>(dtype_size(r.kv_dtype))})});
-  return {device, saturating_sum({kv_pool_bytes(r, pooled), partial_keys(on_host)}),
-          kv_pool_shape(r, pooled)};
+       whole_kv(resident)});
+  const size_t prompt = saturating_sum({kv_staging_bytes(r, tokens), speculation,
+                                        r.shared_memory ? partial_keys(on_device) : 0});
+  const int64_t decode_rows = decode_staging_rows(tokens, s.fetch_cap(tokens), dense, resident,
+                                                  capped);
+  const size_t decode =
+      saturating_sum({kv_staging_bytes(r, decode_rows), speculation, partial_keys(on_device)});
+  KvMemory memory{std::max(prompt, decode),
+                  saturating_sum({kv_pool_bytes(r, pooled), partial_keys(on_host)}),
+                  kv_pool_shape(r, pooled)};
+  memory.placement_reads =
+      saturating_sum({capped ? 0 : whole_kv(dense - resident), partial_keys(on_host)});
+  if (decode_rows < tokens) memory.decode_staging_rows = decode_rows;
+  return memory;
 }
 
 }  // namespace
+
+int64_t decode_staging_rows(int64_t capacity, int64_t fetch_cap, int64_t dense_layers,
+                            int64_t resident_layers, bool capped) {
+  if (capped || resident_layers < dense_layers) return capacity;
+  return std::min(capacity, fetch_cap + 1);
+}
 
 const KvPolicy& infinigen_kv_policy() {
   static const KvPolicy policy{
@@ -300,7 +324,8 @@ KvStore::View InfinigenKv::view(int64_t layer) {
 }
 
 void InfinigenKv::end_pass(int64_t n_new) {
-  if (device_ && last_prompt_pass()) {
+  const bool prompt_done = last_prompt_pass();
+  if (device_ && prompt_done) {
     // The prompt's passes are done (the columns were chosen from all of it): each speculated
     // layer's partial state moves to the device for good, before the first decode step.
     for (int64_t layer = options_.dense_layers; layer < num_layers_; ++layer) {
@@ -310,6 +335,11 @@ void InfinigenKv::end_pass(int64_t n_new) {
     }
   }
   paged_.end_pass();
+  if (prompt_done) {
+    paged_.pipeline().resize_staging(decode_staging_rows(capacity(), options_.max_num_kv,
+                                                         options_.dense_layers,
+                                                         paged_.resident_layers(), capped_.has_value()));
+  }
   KvStore::end_pass(n_new);
 }
 

@@ -14,7 +14,9 @@
 // Dense layers (and every layer of an extension pass) load their whole KV a layer ahead, as
 // `full` does, unless their KV is kept on the device (InfinigenPlacement: PagedKv's resident
 // layers, written as they are computed, so a step loads none of it); under a pool limit they load
-// every valid position the same compact way.
+// every valid position the same compact way. When no layer loads its whole KV in a decode step,
+// the staging shrinks after the prompt's passes to the rows a speculated layer stages
+// (decode_staging_rows): at long context it is most of what the prompt needed on the device.
 //
 // On CUDA the partial state of the speculated layers moves to the device once the prompt's passes
 // are done (offload/device_speculation.h): the selection is made there and the selected rows are
@@ -53,6 +55,14 @@ struct InfinigenPlacement {
   int64_t partial_key_host_layers = 0;
 };
 
+// Rows per (sequence, KV head) of the staging once the prompt's passes are done (of a store of
+// `capacity` tokens, `dense_layers` dense ones, `resident_layers` of them kept on the device):
+// a speculated layer's staged rows and its new token (fetch_cap + 1) when no layer loads its
+// whole KV in a decode step, else `capacity`. A capped pool keeps its staging: its dense layers
+// load every position it keeps.
+int64_t decode_staging_rows(int64_t capacity, int64_t fetch_cap, int64_t dense_layers,
+                            int64_t resident_layers, bool capped);
+
 class InfinigenKv : public KvStore {
  public:
   InfinigenKv(const ModelConfig& config, int64_t batch, int64_t capacity, DType kv_dtype,
@@ -81,6 +91,7 @@ class InfinigenKv : public KvStore {
   const PartialLayer& partial(int64_t layer) const { return partial_[static_cast<size_t>(layer)]; }
   int32_t token_at(int64_t layer, int64_t b, int64_t h, int64_t position) const;
   const KvPool& pool() const { return paged_.pool(); }
+  int64_t staging_rows() const { return paged_.pipeline().staging_rows(); }
 
  protected:
   // Who loads what, and when: layer 0 before the embedding and layer l + 1 while layer l

@@ -35,6 +35,14 @@ struct KvMemory {
   // The pinned host pool (offload/kv_pool.h) among `host`, where the store keeps one: on CUDA the
   // run pins it ahead while the weights load (core/pin_ahead.h).
   std::optional<KvPoolShape> host_pool = std::nullopt;
+  // Bytes a decode step reads from host memory because of the request's placements: what the
+  // policy keeps in host memory that it could keep on the device (InfiniGen's dense layers' KV,
+  // loaded whole, and its partial keys in host memory). The planner's placement search takes the
+  // placement that fits with the fewest.
+  size_t placement_reads = 0;
+  // Rows per (sequence, KV head) the device's staging keeps once the prompt's passes are done,
+  // where fewer than the prompt's (InfiniGen: decode_staging_rows).
+  std::optional<int64_t> decode_staging_rows = std::nullopt;
 };
 
 // What a policy's store is built from, per batch the generation loop runs.

@@ -37,6 +37,23 @@ LayerPipeline::~LayerPipeline() {
   }
 }
 
+void LayerPipeline::resize_staging(int64_t rows) {
+  if (rows == staging_rows()) return;
+  engine_.synchronize();  // loads write the staging, stores read it
+  Shape shape = keys_[0].shape();
+  shape[2] = rows;
+  const DType dtype = keys_[0].dtype();
+  const Device device = keys_[0].device();
+  for (size_t p = 0; p < 2; ++p) {
+    keys_[p] = Tensor();
+    values_[p] = Tensor();
+  }
+  for (size_t p = 0; p < 2; ++p) {
+    keys_[p] = Tensor::empty(shape, dtype, device);
+    values_[p] = Tensor::empty(shape, dtype, device);
+  }
+}
+
 void LayerPipeline::start_pass(const KvStore& store) { clock_.start_pass(store); }
 
 void LayerPipeline::end_pass(const KvStore& store) {

@@ -68,6 +68,13 @@ class LayerPipeline {
 
   // Layer `layer`'s staged keys and values, (B, H_kv, rows, d): the buffers of its parity.
   Tensor& keys(int64_t layer) { return keys_[parity(layer)]; }
+  // Rows per (sequence, head) of the staging now.
+  int64_t staging_rows() const { return keys_[0].dim(2); }
+  // Re-allocates the staging with `rows` rows per (sequence, head), the rest of its shape kept,
+  // once every transfer in flight has landed: after the prompt's passes, where the decode steps
+  // load fewer rows than a pass of the prompt reads (offload/paged_kv.h). The old buffers are
+  // freed first, so the device never holds both.
+  void resize_staging(int64_t rows);
   Tensor& values(int64_t layer) { return values_[parity(layer)]; }
   // Fills layer `layer`'s staging with NaN when debug_poison() is on: rows a load does not bring
   // must never be read.

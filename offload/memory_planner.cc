@@ -191,14 +191,8 @@ std::optional<Candidate> suggest_fitting(const MemoryRequest& asked) {
     shorter_blocks.request.options.kv_block_tokens = default_block;
     if (fits(shorter_blocks.request)) return shorter_blocks;
   }
-  // The dense layers' KV asked on the device: in the host pool, loaded every step, as `auto`
-  // would place it.
-  if (request.options.dense_kv == KvPlacement::Device) {
-    Candidate loaded{request};
-    loaded.request.options.dense_kv = KvPlacement::Host;
-    if (fits(loaded.request)) return loaded;
-  }
-  // Partial keys of a number of layers asked in host memory: as many as the plan needs.
+  // Partial keys of a number of layers asked in host memory: as many as the plan needs, the dense
+  // layers' KV kept where it was asked.
   if (request.options.partial_key_host_layers >= 0 &&
       policy_reads_option(request.options.policy, "partial_key_host_layers")) {
     Candidate more{request};
@@ -206,6 +200,15 @@ std::optional<Candidate> suggest_fitting(const MemoryRequest& asked) {
     more.request = with_placements(more.request);
     more.request.options.dense_kv = request.options.dense_kv;
     if (fits(more.request)) return more;
+  }
+  // The dense layers' KV asked on the device: in the host pool, loaded every step. After partial
+  // keys: while the staging shrinks after the prompt, a dense layer's KV on the device costs little
+  // device memory in the decode steps, and loading it moves more bytes per step than a few layers'
+  // partial keys (offload/infinigen_kv.h).
+  if (request.options.dense_kv == KvPlacement::Device) {
+    Candidate loaded{request};
+    loaded.request.options.dense_kv = KvPlacement::Host;
+    if (fits(loaded.request)) return loaded;
   }
   const bool chunkable =
       policy_reads_option(request.options.policy, "prefill_chunk") && request.kv_pool_tokens == 0;
@@ -380,6 +383,10 @@ std::string describe_plan(const MemoryPlan& plan, const MemoryRequest* checked) 
                 " speculated layers keep their partial keys in host memory: every step reads "
                 "them over the link\n");
   }
+  if (plan.decode_staging_rows) {
+    text += cat("  the KV staging shrinks to ", *plan.decode_staging_rows,
+                " rows per sequence and head once the prompt is done\n");
+  }
   if (plan.dense_kv == KvPlacement::Device) {
     text += "  the dense layers' KV is kept on the device: no step loads it\n";
   } else if (plan.dense_kv == KvPlacement::Host) {
@@ -461,38 +468,56 @@ MemoryPlan placed_plan(const MemoryRequest& request) {
           ? std::vector<KvPlacement>{KvPlacement::Device, KvPlacement::Host}
           : std::vector<KvPlacement>{options.dense_kv};
   const int64_t most = speculated_layers(options, request.config.num_layers);
-  const int64_t asked_keys = options.partial_key_host_layers;
   // The leanest placement's device part first: when even it does not fit, no placement does (the
   // device part only shrinks as more goes to the host), and one plan says so, not a search.
   options.dense_kv = dense.back();
   if (choose_keys) options.partial_key_host_layers = most;
   MemoryPlan plan = plan_sizes(placed);
   if (!device_fits(plan, placed)) return plan;
-  // Then every partial key on the device (or as many as asked), with the dense layers' KV there
-  // when it fits.
-  options.partial_key_host_layers = choose_keys ? 0 : asked_keys;
+  if (!choose_keys) {
+    // As many partial keys on the device as asked, with the dense layers' KV there when it fits.
+    for (KvPlacement where : dense) {
+      options.dense_kv = where;
+      plan = plan_sizes(placed);
+      if (device_fits(plan, placed) && host_fits(plan, placed)) return plan;
+    }
+    return plan;
+  }
+  // For each place of the dense layers' KV, the fewest layers' partial keys in host memory with
+  // which the device part fits (it shrinks as they grow; the host part grows). Of those, the one
+  // whose decode steps read the fewest bytes from host memory (MemoryPlan::placement_reads), and
+  // on a tie the one with fewer partial keys there, which speculation waits for. A dense layer's
+  // KV on the device takes less device memory during the decode steps than its bytes: the staging
+  // then shrinks (offload/infinigen_kv.h).
+  std::optional<MemoryPlan> best;
+  const auto better = [&](const MemoryPlan& candidate) {
+    if (!best) return true;
+    const bool fits = host_fits(candidate, placed), best_fits = host_fits(*best, placed);
+    if (fits != best_fits) return fits;
+    if (candidate.placement_reads != best->placement_reads) {
+      return candidate.placement_reads < best->placement_reads;
+    }
+    return *candidate.partial_key_host_layers < *best->partial_key_host_layers;
+  };
   for (KvPlacement where : dense) {
     options.dense_kv = where;
-    plan = plan_sizes(placed);
-    if (device_fits(plan, placed) && host_fits(plan, placed)) return plan;
-  }
-  if (!choose_keys) return plan;
-  // Then the fewest layers' partial keys in host memory with which the device part fits (it
-  // shrinks as they grow; the host part grows), the dense layers' KV where it takes the least
-  // device memory. A dense layer's KV on the device saves as many link bytes per step as the
-  // device bytes it takes would when given to partial keys, which are read on the critical path:
-  // partial keys first.
-  int64_t lo = 1, hi = most;
-  while (lo < hi) {  // the device fits at hi
-    options.partial_key_host_layers = lo + (hi - lo) / 2;
-    if (device_fits(plan_sizes(placed), placed)) {
-      hi = options.partial_key_host_layers;
-    } else {
-      lo = options.partial_key_host_layers + 1;
+    // The device fits with every layer's partial keys in host memory (known for the leanest).
+    options.partial_key_host_layers = most;
+    if (where != dense.back() && !device_fits(plan_sizes(placed), placed)) continue;
+    int64_t lo = 0, hi = most;
+    while (lo < hi) {  // the device fits at hi
+      options.partial_key_host_layers = lo + (hi - lo) / 2;
+      if (device_fits(plan_sizes(placed), placed)) {
+        hi = options.partial_key_host_layers;
+      } else {
+        lo = options.partial_key_host_layers + 1;
+      }
     }
+    options.partial_key_host_layers = hi;
+    MemoryPlan candidate = plan_sizes(placed);
+    if (better(candidate)) best = std::move(candidate);
   }
-  options.partial_key_host_layers = hi;
-  return plan_sizes(placed);
+  return *best;
 }
 
 }  // namespace
@@ -553,6 +578,8 @@ MemoryPlan plan_sizes(const MemoryRequest& r) {
   const KvMemory kv = kv_policy(r.options.policy).memory(r);
   plan.device_kv = kv.device;
   plan.host_kv_pool = kv.host;
+  plan.placement_reads = kv.placement_reads;
+  plan.decode_staging_rows = kv.decode_staging_rows;
   if (policy_reads_option(r.options.policy, "dense_kv")) plan.dense_kv = r.options.dense_kv;
   if (policy_reads_option(r.options.policy, "partial_key_host_layers")) {
     plan.partial_key_host_layers = partial_key_host_layers(r.options, c.num_layers);

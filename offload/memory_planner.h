@@ -77,6 +77,10 @@ struct MemoryPlan {
   // that reads OffloadOptions::partial_key_host_layers: as asked, or for -1 the fewest with which
   // the plan fits (all of them when nothing does).
   std::optional<int64_t> partial_key_host_layers;
+  // Bytes a decode step reads from host memory because of these placements (KvMemory).
+  size_t placement_reads = 0;
+  // Rows per (sequence, KV head) of the KV staging after the prompt, where it shrinks (KvMemory).
+  std::optional<int64_t> decode_staging_rows;
   size_t device_total() const;
   size_t host_total() const;
   std::string describe() const;  // multi-line breakdown (--stats, --dry-run)
@@ -110,9 +114,10 @@ KvPoolShape kv_pool_shape(const MemoryRequest& request, int64_t positions);
 size_t kv_pool_bytes(const MemoryRequest& request, int64_t positions);
 
 // `request` with every placement it leaves to the planner decided, the faster first: the dense
-// layers' KV (OffloadOptions::dense_kv auto) on the device, and as few layers' partial keys in
-// host memory (partial_key_host_layers -1) as then fit; else the dense layers' KV in the host pool
-// and as few partial key layers as fit there; when nothing fits, everything in host memory.
+// layers' KV (OffloadOptions::dense_kv auto) and every partial key (partial_key_host_layers -1)
+// on the device when they fit; else, of the dense layers' KV on the device or in the host pool,
+// each with as few layers' partial keys in host memory as then fit, the one whose steps read the
+// fewest bytes from host memory; when nothing fits, everything in host memory.
 MemoryRequest with_placements(const MemoryRequest& request);
 // Sizes of the plan of with_placements(request), without checking capacities.
 MemoryPlan compute_memory_plan(const MemoryRequest& request);

@@ -56,6 +56,7 @@ void PagedKv::load_layer(int64_t layer) {
   // A resident layer that holds every stored row loads nothing (and waits for no store).
   const bool loads = !resident(layer) || resident_rows_[static_cast<size_t>(layer)] < length;
   if (loads) {
+    if (!resident(layer)) expect_whole_staging(layer);
     if (!resident(layer)) pipeline_.poison(layer);
     std::vector<CopyChunk> chunks;
     pool_.gather_chunks(layer, KvKind::Key, 0, length, keys.raw(), store_.capacity(), 0, &chunks);
@@ -100,6 +101,7 @@ void PagedKv::append(int64_t layer, const Tensor& keys, const Tensor& values) {
   // while the next layers compute: the next write of those rows, layer + 2's, waits for that
   // store, and the loads into the staging write only the rows before them.
   // A resident layer stores its new rows from where they stay.
+  if (!own) expect_whole_staging(layer);
   if (store_.pass_tokens() > 1 && !own) pipeline_.await_store_reads(layer);
   ops::cache_store(keys, staged_keys, store_.length());
   ops::cache_store(values, staged_values, store_.length());
@@ -108,6 +110,13 @@ void PagedKv::append(int64_t layer, const Tensor& keys, const Tensor& values) {
     return;
   }
   store_rows(layer, staged_keys, staged_values, store_.length(), store_.pass_tokens());
+}
+
+void PagedKv::expect_whole_staging(int64_t layer) const {
+  INFINIGEN_CHECK(pipeline_.staging_rows() >= store_.capacity(), "layer ", layer,
+                  " needs its whole KV staged, but the staging was shrunk to ",
+                  pipeline_.staging_rows(), " rows of ", store_.capacity(),
+                  " after the prompt (a pass that reads every row after decode steps began)");
 }
 
 void PagedKv::store_token(int64_t layer, const Tensor& keys, const Tensor& values) {

@@ -55,7 +55,9 @@ class PagedKv {
   KvPool& pool() { return pool_; }
   const KvPool& pool() const { return pool_; }
   LayerPipeline& pipeline() { return pipeline_; }
-  bool resident(int64_t layer) const { return layer < std::ssize(resident_keys_); }
+  const LayerPipeline& pipeline() const { return pipeline_; }
+  bool resident(int64_t layer) const { return layer < resident_layers(); }
+  int64_t resident_layers() const { return std::ssize(resident_keys_); }
   // Where layer `layer`'s attention reads its KV, (B, H, capacity, d): its resident buffers, or
   // the staging of its parity.
   Tensor& keys_of(int64_t layer);
@@ -94,6 +96,9 @@ class PagedKv {
   // pool at tokens [length(), length() + n).
   void store_rows(int64_t layer, const Tensor& keys, const Tensor& values, int64_t row0,
                   int64_t n);
+  // Checks that layer `layer`'s staging holds every row (it was not shrunk after the prompt,
+  // LayerPipeline::resize_staging).
+  void expect_whole_staging(int64_t layer) const;
   // The sharing pass: the groups' prefixes, in their leaders' rows of the layer's staging, into
   // the pool's shared blocks.
   void store_shared_prefixes(int64_t layer);

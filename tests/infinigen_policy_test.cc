@@ -2,6 +2,9 @@
 // selection, nothing reads unfetched KV, and the flags are validated.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
+
 #include "core/model_loader.h"
 #include "offload/infinigen_kv.h"
 #include "offload/runtime.h"
@@ -134,6 +137,39 @@ TEST_F(InfinigenPolicy, DenseLayersKeptOnTheDeviceComputeTheSameAndLoadNothing) 
       }
     }
   }
+}
+
+// Once the prompt's passes are done, a store whose dense layers' KV stays on the device loads no
+// layer whole: its staging shrinks to a speculated layer's rows (n' cap and the new token), and
+// decode steps compute in it the same as in a whole staging (DenseLayersKeptOnTheDevice... above
+// compares their logits). With the dense layers loaded whole, the staging keeps every row.
+TEST_F(InfinigenPolicy, TheStagingShrinksAfterThePromptWhenNoLayerLoadsWhole) {
+  const ModelConfig& config = source_.config;
+  const int64_t B = 2, n = 12, steps = 4, capacity = n + steps;
+  SpeculationOptions speculation;
+  speculation.alpha = 1.0;
+  speculation.max_num_kv = 5;
+  const auto model = make_model(config, load_weights(source_, Device::Cpu), Device::Cpu);
+  set_debug_poison(true);  // a row the staging lost would be NaN
+  for (int64_t resident : {0, 2}) {
+    TransferEngine engine(Device::Cpu, {});
+    OffloadStats stats;
+    InfinigenKv kv(config, B, capacity, DType::F16, Device::Cpu, 4, engine, stats, speculation,
+                   false, {}, nullptr, InfinigenPlacement{resident, 0});
+    EXPECT_EQ(kv.staging_rows(), capacity);
+    std::vector<int32_t> first_valid;
+    const std::vector<int32_t> tokens =
+        left_pad(request_.prompts, config.pad_token_id, &first_valid);
+    model->prefill(tokens, first_valid, kv, false, /*chunk=*/5);
+    EXPECT_EQ(kv.staging_rows(), resident == 2 ? 6 : capacity) << "resident " << resident;
+    for (int32_t step = 0; step < steps; ++step) {
+      const Tensor logits = model->decode({5 + step, 40 + step}, kv);
+      const float* v = logits.data<float>();
+      EXPECT_TRUE(std::all_of(v, v + logits.numel(), [](float x) { return std::isfinite(x); }))
+          << "resident " << resident << " step " << step;
+    }
+  }
+  set_debug_poison(false);
 }
 
 // Partial keys in host memory change nothing a step computes; on the CPU backend they are the

@@ -526,21 +526,42 @@ TEST(MemoryPlanner, DenseLayersKvIsPlacedOnTheDeviceWhenItFits) {
   EXPECT_EQ(loaded.dense_kv, KvPlacement::Host);
   const MemoryPlan placed = plan_memory(r);
   EXPECT_EQ(placed.dense_kv, KvPlacement::Device);
-  // Two dense layers' K and V, (4, 8, 32896, 128) fp16 each.
-  EXPECT_EQ(placed.device_kv - loaded.device_kv, size_t{2} * 2 * 4 * 8 * 32896 * 128 * 2);
+  // No layer loads its whole KV in a decode step: the staging shrinks after the prompt to a
+  // speculated layer's rows, the default cap of 20% of 32896 tokens and the new token. The two
+  // dense layers' K and V, (4, 8, 32896, 128) fp16 each, take the whole staging's place in the
+  // decode steps, which need the most (the partial keys join them): the plans differ by the small
+  // staging.
+  EXPECT_EQ(placed.decode_staging_rows, 32896 / 5 + 1);
+  EXPECT_FALSE(loaded.decode_staging_rows.has_value());
+  EXPECT_EQ(placed.device_kv - loaded.device_kv, size_t{2} * 2 * 4 * 8 * (32896 / 5 + 1) * 128 * 2);
   EXPECT_EQ(placed.host_kv_pool, loaded.host_kv_pool);  // the pool keeps every layer still
   EXPECT_NE(placed.describe().find("dense layers' KV is kept on the device"), std::string::npos);
+  EXPECT_NE(placed.describe().find("the KV staging shrinks to 6580 rows"), std::string::npos);
   EXPECT_NE(loaded.describe().find("dense layers' KV is in the host pool"), std::string::npos);
-  // Between the two plans' needs, auto places the dense layers' KV in the host pool, before it
-  // moves any partial keys there.
+  // Each step of the host placement loads the dense layers' KV; of the device one, nothing.
+  const size_t dense_kv = size_t{2} * 2 * 4 * 8 * 32896 * 128 * 2;
+  EXPECT_EQ(loaded.placement_reads, dense_kv);
+  EXPECT_EQ(placed.placement_reads, 0);
+  // Between the two plans' needs, auto keeps the dense layers' KV on the device and moves the two
+  // layers' partial keys, (4, 8, 32896, 38) fp16 each, that make room to host memory: a step reads
+  // fewer bytes than the dense layers' KV.
   r.device_capacity = (loaded.device_total() + placed.device_total()) / 2;
-  EXPECT_EQ(plan_memory(r).dense_kv, KvPlacement::Host);
-  EXPECT_EQ(plan_memory(r).partial_key_host_layers, 0);
-  // Asked on the device, with every partial key there too, the refusal offers the host pool.
+  const MemoryPlan between = plan_memory(r);
+  EXPECT_EQ(between.dense_kv, KvPlacement::Device);
+  EXPECT_EQ(between.partial_key_host_layers, 2);
+  EXPECT_EQ(between.placement_reads, size_t{2} * 4 * 8 * 32896 * 38 * 2);
+  // Asked on the device with every partial key there too, the refusal offers those two layers'.
   r.options.dense_kv = KvPlacement::Device;
   r.options.partial_key_host_layers = 0;
-  const MemoryRequest fixed = expect_suggestion_fits(r, "; try --dense-kv host").fixed;
-  EXPECT_EQ(fixed.batch, r.batch);
+  EXPECT_EQ(expect_suggestion_fits(r, "; try --partial-key-host-layers 2").fixed.batch, r.batch);
+  // Where even every partial key in host memory leaves the device short with the dense layers'
+  // KV on it (the prompt's passes hold it beside the whole staging), the refusal offers the host
+  // pool.
+  MemoryRequest lean = host;
+  lean.options.partial_key_host_layers = 30;
+  r.device_capacity = compute_memory_plan(lean).device_total();
+  r.options.partial_key_host_layers = 30;
+  EXPECT_EQ(expect_suggestion_fits(r, "; try --dense-kv host").fixed.batch, r.batch);
   // A policy without dense layers has no placement to report, and a capped pool keeps positions.
   EXPECT_FALSE(compute_memory_plan(opt13b_request()).dense_kv.has_value());
   MemoryRequest capped = host;

@@ -66,6 +66,7 @@ nlohmann::json plan_json(const MemoryPlan& p) {
     plan["dense_kv"] = find_option(offload_option_table(), "dense_kv")->format(placed);
   }
   if (p.partial_key_host_layers) plan["partial_key_host_layers"] = *p.partial_key_host_layers;
+  if (p.decode_staging_rows) plan["decode_staging_rows"] = *p.decode_staging_rows;
   return plan;
 }
 
