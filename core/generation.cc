@@ -119,6 +119,19 @@ int64_t check_request(const ModelConfig& config, const GenerationRequest& reques
                       "-token prefix it is said to share with prompt ", shared.source(b) + 1);
     }
   }
+  INFINIGEN_CHECK(request.sequence_sampling.empty() ||
+                      request.sequence_sampling.size() == request.prompts.size(),
+                  "sampling settings for ", request.sequence_sampling.size(),
+                  " sequences in a batch of ", request.prompts.size());
+  INFINIGEN_CHECK(
+      request.sequence_gen_len.empty() || request.sequence_gen_len.size() == request.prompts.size(),
+      "generation lengths for ", request.sequence_gen_len.size(), " sequences in a batch of ",
+      request.prompts.size());
+  for (size_t b = 0; b < request.sequence_gen_len.size(); ++b) {
+    const int64_t length = request.sequence_gen_len[b];
+    INFINIGEN_CHECK(length >= 1 && length <= request.gen_len, "sequence ", b + 1, ": ", length,
+                    " tokens to generate, outside [1, ", request.gen_len, "]");
+  }
   if (!request.forced_tokens.empty()) {
     INFINIGEN_CHECK(request.forced_tokens.size() == request.prompts.size(), "forced tokens for ",
                     request.forced_tokens.size(), " sequences in a batch of ",
@@ -210,6 +223,9 @@ GenerationResult generate(Model& model, const GenerationRequest& request,
   const std::vector<std::vector<int32_t>>* history =
       conversation && !conversation->history().empty() ? &conversation->history() : nullptr;
   const int64_t longest = check_request(config, request, history);
+  // A conversation keeps gen_len tokens of every sequence.
+  INFINIGEN_CHECK(!conversation || (request.sequence_gen_len.empty() && !request.stop),
+                  "a conversation's turn cannot end its sequences at different lengths");
 
   GenerationResult result;
   result.batch = B;
@@ -217,20 +233,42 @@ GenerationResult generate(Model& model, const GenerationRequest& request,
   result.gen_len = request.gen_len;
   result.tokens.assign(static_cast<size_t>(B), {});
   Sampler sampler(request.sampling);
+  std::vector<Sampler> own_samplers(request.sequence_sampling.begin(),
+                                    request.sequence_sampling.end());
+  // Sequences that ended (their length, or the stop callback); the loop ends when all have.
+  std::vector<bool> ended(static_cast<size_t>(B), false);
+  int64_t running = B;
+  const auto sequence_gen_len = [&](int64_t b) {
+    return request.sequence_gen_len.empty() ? request.gen_len : request.sequence_gen_len[b];
+  };
   // The tokens of step `step` (0 = chosen from the prefill's logits), sampled or forced, scored
-  // against the logits they follow when asked to.
+  // against the logits they follow when asked to. An ended sequence draws nothing and keeps
+  // nothing: it is fed its last token again.
   const auto emit = [&](int64_t step, const Tensor& logits) {
     std::vector<int32_t> chosen(static_cast<size_t>(B));
-    if (request.forced_tokens.empty()) {
-      chosen = sampler.sample(logits);
-    } else {
+    if (!request.forced_tokens.empty()) {
       for (int64_t b = 0; b < B; ++b) chosen[b] = request.forced_tokens[b][step];
+    } else if (own_samplers.empty()) {
+      chosen = sampler.sample(logits);
+    } else if (!traced("sample", {B, logits.dim(1)})) {
+      for (int64_t b = 0; b < B; ++b) {
+        chosen[b] = ended[b] ? result.tokens[b].back()
+                             : own_samplers[b].sample_row(logits.data<float>() + b * logits.dim(1),
+                                                          logits.dim(1));
+      }
     }
     for (int64_t b = 0; b < B; ++b) {
+      if (ended[b]) continue;
       result.tokens[b].push_back(chosen[b]);
       if (request.score_tokens) {
         result.token_log_probs[b].push_back(token_log_probability(
             logits.data<float>() + b * logits.dim(1), logits.dim(1), chosen[b]));
+      }
+      // The callback sees every token, the last one too (it reports why a sequence ended).
+      const bool stopped = request.stop && request.stop(b, result.tokens[b]);
+      if (stopped || std::ssize(result.tokens[b]) >= sequence_gen_len(b)) {
+        ended[b] = true;
+        --running;
       }
     }
     return chosen;
@@ -303,7 +341,7 @@ GenerationResult generate(Model& model, const GenerationRequest& request,
           if (progress) progress(1, request.gen_len);
 
           start = std::chrono::steady_clock::now();
-          for (int64_t step = 1; step < request.gen_len; ++step) {
+          for (int64_t step = 1; step < request.gen_len && running > 0; ++step) {
             trace_step(step);
             result.last_logits = model.decode(next, cache);
             next = emit(step, result.last_logits);
@@ -311,8 +349,9 @@ GenerationResult generate(Model& model, const GenerationRequest& request,
             if (progress) progress(step + 1, request.gen_len);
           }
           result.decode_seconds = seconds_since(start);
+          result.gen_len = emitted;
           // A decode step's logits are the model's buffer, which its next pass overwrites.
-          if (request.gen_len > 1) result.last_logits = result.last_logits.clone();
+          if (emitted > 1) result.last_logits = result.last_logits.clone();
           if (conversation) {
             cache.finish_stores();
             conversation->finish(

@@ -33,12 +33,27 @@ struct GenerationRequest {
   // Tokens per sequence in each pass of the prompt (Model::prefill's chunk); 0: one pass. The
   // offloaded runtime sets it from OffloadOptions::prefill_chunk.
   int64_t prefill_chunk = 0;
+  // Per-sequence settings (a batch job's requests); each empty: the request-wide ones, every
+  // sequence generating exactly gen_len tokens.
+  // (B) each sequence's sampler: its own temperature, top-p and seed, drawing only for its own
+  // tokens (a sequence samples the same whatever its batch).
+  std::vector<SamplingOptions> sequence_sampling;
+  // (B) tokens each sequence generates at most, each in [1, gen_len].
+  std::vector<int64_t> sequence_gen_len;
+  // Called after sequence b emits a token (each one, its last included), with everything it
+  // generated so far: true ends it there (a stop string, EOS). Unset: no sequence ends before
+  // its length.
+  std::function<bool(int64_t b, const std::vector<int32_t>& generated)> stop;
 };
 
 struct GenerationResult {
-  std::vector<std::vector<int32_t>> tokens;  // generated ids per sequence (gen_len each)
+  // Generated ids per sequence: gen_len each, or with per-sequence lengths or a stop callback,
+  // what each generated before it ended.
+  std::vector<std::vector<int32_t>> tokens;
   int64_t batch = 0;
   int64_t prompt_len = 0;  // padded prompt length (the longest prompt)
+  // Token positions generated: the request's gen_len, or fewer when every sequence ended before
+  // it (the steps after that are not run).
   int64_t gen_len = 0;
   double prefill_seconds = 0.0;
   double decode_seconds = 0.0;
@@ -95,8 +110,10 @@ using KvStoreFactory = std::function<std::unique_ptr<KvStore>(int64_t batch, int
 
 // Checks the request against the model (non-empty prompts, ids in the vocabulary, prompt +
 // generation within the context, forced tokens shaped (B, gen_len)) with one-line errors, then
-// generates exactly gen_len tokens per sequence (EOS does not stop a sequence, as in FlexGen's
-// benchmarks), sampled or forced.
+// generates gen_len tokens per sequence (EOS does not stop a sequence, as in FlexGen's
+// benchmarks), sampled or forced; with per-sequence lengths or a stop callback, a sequence ends
+// at its own length or where the callback says, and the loop ends when every sequence has
+// (an ended sequence keeps its row in the batch until then, its tokens discarded).
 // KV lives in `make_store`'s store, or in a resident KvCache on the model's device when empty.
 // With a `conversation`, request.prompts are each sequence's tokens after its history, and the
 // context check covers history and prompt together.

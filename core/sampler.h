@@ -33,9 +33,10 @@ class Sampler {
   // logits (B, V) fp32 on the CPU -> one token per row. Draws are a pure function of the seed
   // and the sequence of calls (the same on every platform: no std distributions).
   std::vector<int32_t> sample(const Tensor& logits);
+  // One row of `vocab` logits -> its token (one draw when sampling).
+  int32_t sample_row(const float* logits, int64_t vocab);
 
  private:
-  int32_t sample_row(const float* logits, int64_t vocab);
   double uniform();  // [0, 1)
 
   SamplingOptions options_;

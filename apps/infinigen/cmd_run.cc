@@ -38,28 +38,20 @@ std::string prompt_passes(int64_t longest, int64_t chunk) {
   return pass < longest ? " in passes of " + std::to_string(pass) : "";
 }
 
-struct RunOptions {
-  std::string model = kBuiltinModel;
+// GenerationFlags: the model, sampling, device and offloading options `batch` takes too.
+struct RunOptions : GenerationFlags {
   std::string prompt;
   std::string prompt_file;
   int64_t prompt_len = 0;
   int64_t batch = 0;  // 0: one sequence per prompt
   bool batch_given = false;
   bool prompt_len_given = false;
-  int64_t gen_len = 32;
-  uint64_t seed = 0;
-  std::optional<float> temperature;  // unset: the checkpoint's generation_config.json, else greedy
-  std::optional<float> top_p;
-  std::string device = "auto";
-  std::string kv_dtype = "f16";
   bool json = false;
   bool stats = false;
-  bool debug_nan = false;
   bool dry_run = false;
   std::string shared_prefix;  // a file whose text every prompt follows
   std::string session;        // a new session saved here after the run
   std::string resume;         // a session continued (and saved back)
-  OffloadOptions offload;     // defaults, help and flags from offload_option_table()
 };
 
 std::vector<std::string> read_prompt_file(const std::string& path) {
@@ -223,19 +215,8 @@ int run(const RunOptions& o) {
   const DType kv_dtype = parse_float_dtype(o.kv_dtype);  // checked by its flag
 
   const OffloadOptions& offload = o.offload;
-  offload.validate();
-  std::string fallback;
-  const Device device =
-      resolve_device(parse_device_request(o.device), policy_runs_on(offload.policy, Device::Cuda),
-                     &fallback, "--policy " + offload.policy);
-  if (!fallback.empty()) std::fprintf(stderr, "infinigen: %s\n", fallback.c_str());
-
-  if (o.debug_nan) set_debug_poison(true);
-
-  ModelLoadOptions load_options;
-  load_options.device = device;
-  load_options.seed = o.seed;
-  const ModelSource loaded = resolve_model(o.model, load_options);
+  const Device device = generation_device(o);
+  const ModelSource loaded = resolve_model(o.model, {device, o.seed});
 
   // Every size the user gave is checked against the context and the memory plan before anything
   // proportional to it is built: a refusal comes at once, whatever the size.
@@ -310,10 +291,7 @@ int run(const RunOptions& o) {
   }
   if (session) request.prompts = session->turn_prompts(request.prompts);
   request.gen_len = o.gen_len;
-  request.sampling = loaded.sampling.value_or(SamplingOptions{});
-  if (o.temperature) request.sampling.temperature = *o.temperature;
-  if (o.top_p) request.sampling.top_p = *o.top_p;
-  request.sampling.seed = o.seed;
+  request.sampling = flag_sampling(o, loaded);
   request.kv_dtype = kv_dtype;
   OffloadRun run;
   {
@@ -436,10 +414,7 @@ int run(const RunOptions& o) {
 
 Command add_run_command(CLI::App& app) {
   auto o = std::make_shared<RunOptions>();
-  app.add_option("--model,-m", o->model,
-                 "Checkpoint directory, a preset (opt-125m ... opt-66b, llama-2-7b, llama-3.1-8b, "
-                 "...), or 'builtin' / 'builtin-llama'")
-      ->capture_default_str();
+  add_generation_flags(app, *o);
   auto* prompt = app.add_option("--prompt,-p", o->prompt, "Prompt text (every sequence)");
   auto* prompt_file =
       app.add_option("--prompt-file", o->prompt_file, "File with one prompt per line");
@@ -448,27 +423,8 @@ Command add_run_command(CLI::App& app) {
   prompt->excludes(prompt_file)->excludes(prompt_len);
   prompt_file->excludes(prompt_len);
   auto* batch = app.add_option("--batch,-b", o->batch, "Sequences (default: one per prompt)");
-  app.add_option("--gen-len,-n", o->gen_len, "Tokens to generate per sequence")
-      ->capture_default_str();
-  app.add_option("--seed", o->seed, "Seed for sampling, synthetic prompts and synthetic weights")
-      ->check(unsigned_integer())
-      ->capture_default_str();
-  app.add_option("--temperature", o->temperature,
-                 "Sampling temperature, 0 = greedy (default: the checkpoint's "
-                 "generation_config.json, else greedy)");
-  app.add_option(
-      "--top-p", o->top_p,
-      "Nucleus sampling mass (default: the checkpoint's generation_config.json, else 1)");
-  app.add_option("--device", o->device, "cpu, cuda or auto")->capture_default_str();
-  app.add_option("--kv-dtype", o->kv_dtype, "KV cache element type: f16 or f32")
-      ->check(float_type_in({DType::F16, DType::F32}))
-      ->capture_default_str();
-  add_threads_flag(app);
   app.add_flag("--json", o->json, "Print the result as JSON on stdout");
   app.add_flag("--stats", o->stats, "Per-layer and per-step transfer statistics");
-  add_option_flags(app, offload_option_table(), o->offload);
-  // The policies one per line, rather than the table's one paragraph.
-  app.get_option(flag_spelling("policy"))->description(policy_list_help("KV policy:"));
   auto* shared_prefix = app.add_option(
       "--shared-prefix", o->shared_prefix,
       "File whose text every prompt follows (a system prompt, a document): with share_prefix on, "
@@ -487,8 +443,6 @@ Command add_run_command(CLI::App& app) {
   app.add_flag("--dry-run", o->dry_run,
                "Check the sizes against the context and the memory plan, print the plan, and stop "
                "before loading weights");
-  app.add_flag("--debug-nan", o->debug_nan,
-               "Fill device buffers with NaN before use, to expose reads of untransferred data");
   return [o, batch, prompt_len] {
     o->batch_given = batch->count() > 0;
     o->prompt_len_given = prompt_len->count() > 0;

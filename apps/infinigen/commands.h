@@ -10,6 +10,7 @@ namespace infinigen::cli {
 using Command = std::function<int()>;
 
 Command add_run_command(CLI::App& app);
+Command add_batch_command(CLI::App& app);
 Command add_make_model_command(CLI::App& app);
 Command add_skew_command(CLI::App& app);
 Command add_inspect_command(CLI::App& app);

@@ -50,6 +50,8 @@ int run_cli(int argc, char** argv) {
     commands[command] = register_options(*command);
   };
   add("run", "Generate text (batch inference)", cli::add_run_command);
+  add("batch", "Run a JSONL file of completion requests (OpenAI batch format), resumable, sharded",
+      cli::add_batch_command);
   add("make-model", "Write a synthetic checkpoint of a preset, OPT or Llama family (HF layout)",
       cli::add_make_model_command);
   add("skew", "Write a copy of a checkpoint with SVD-skewed query/key projections",

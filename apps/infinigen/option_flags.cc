@@ -5,9 +5,13 @@
 #include <cctype>
 #include <charconv>
 #include <cstdint>
+#include <cstdio>
 
 #include "core/cpu_threads.h"
+#include "core/device.h"
 #include "offload/kv_policy.h"
+#include "offload/offload_options.h"
+#include "offload/runtime.h"
 
 namespace infinigen::cli {
 
@@ -77,6 +81,54 @@ void add_threads_flag(CLI::App& app) {
             return "must be a whole number from 0 (every free core) to 4096, got '" + text + "'";
           },
           ""));
+}
+
+void add_generation_flags(CLI::App& app, GenerationFlags& flags) {
+  app.add_option("--model,-m", flags.model,
+                 "Checkpoint directory, a preset (opt-125m ... opt-66b, llama-2-7b, llama-3.1-8b, "
+                 "...), or 'builtin' / 'builtin-llama'")
+      ->capture_default_str();
+  app.add_option("--gen-len,-n", flags.gen_len,
+                 "Tokens to generate per sequence (batch: for a request without max_tokens)")
+      ->capture_default_str();
+  app.add_option("--seed", flags.seed, "Seed for sampling, synthetic prompts and synthetic weights")
+      ->check(unsigned_integer())
+      ->capture_default_str();
+  app.add_option("--temperature", flags.temperature,
+                 "Sampling temperature, 0 = greedy (default: the checkpoint's "
+                 "generation_config.json, else greedy)");
+  app.add_option(
+      "--top-p", flags.top_p,
+      "Nucleus sampling mass (default: the checkpoint's generation_config.json, else 1)");
+  app.add_option("--device", flags.device, "cpu, cuda or auto")->capture_default_str();
+  app.add_option("--kv-dtype", flags.kv_dtype, "KV cache element type: f16 or f32")
+      ->check(float_type_in({DType::F16, DType::F32}))
+      ->capture_default_str();
+  add_threads_flag(app);
+  add_option_flags(app, offload_option_table(), flags.offload);
+  // The policies one per line, rather than the table's one paragraph.
+  app.get_option(flag_spelling("policy"))->description(policy_list_help("KV policy:"));
+  app.add_flag("--debug-nan", flags.debug_nan,
+               "Fill device buffers with NaN before use, to expose reads of untransferred data");
+}
+
+Device generation_device(const GenerationFlags& flags) {
+  flags.offload.validate();
+  std::string fallback;
+  const Device device = resolve_device(parse_device_request(flags.device),
+                                       policy_runs_on(flags.offload.policy, Device::Cuda),
+                                       &fallback, "--policy " + flags.offload.policy);
+  if (!fallback.empty()) std::fprintf(stderr, "infinigen: %s\n", fallback.c_str());
+  if (flags.debug_nan) set_debug_poison(true);
+  return device;
+}
+
+SamplingOptions flag_sampling(const GenerationFlags& flags, const ModelSource& model) {
+  SamplingOptions sampling = model.sampling.value_or(SamplingOptions{});
+  if (flags.temperature) sampling.temperature = *flags.temperature;
+  if (flags.top_p) sampling.top_p = *flags.top_p;
+  sampling.seed = flags.seed;
+  return sampling;
 }
 
 }  // namespace infinigen::cli

@@ -5,13 +5,16 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <map>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "core/dtype.h"
 #include "core/error.h"
+#include "core/model_loader.h"
 #include "core/option_table.h"
+#include "offload/offload_options.h"
 
 namespace infinigen::cli {
 
@@ -28,6 +31,30 @@ CLI::Validator unsigned_integer();
 // --threads N: the CPU backend's OpenMP threads (core/cpu_threads.h), fixed when the flag is
 // read; without it (or with 0) the cores other processes leave free, measured as the run goes.
 void add_threads_flag(CLI::App& app);
+
+// What `run` and `batch` both take to generate: the model, how tokens are chosen, the device, the
+// KV type and the offloading runtime's options. Each field's default is declared here, once.
+struct GenerationFlags {
+  std::string model = kBuiltinModel;
+  int64_t gen_len = 32;  // run: per sequence; batch: a request's max_tokens when it gives none
+  uint64_t seed = 0;
+  std::optional<float> temperature;  // unset: the checkpoint's generation_config.json, else greedy
+  std::optional<float> top_p;
+  std::string device = "auto";
+  std::string kv_dtype = "f16";
+  bool debug_nan = false;
+  OffloadOptions offload;  // defaults, help and flags from offload_option_table()
+};
+// Registers GenerationFlags' flags (--model, --gen-len, --seed, --temperature, --top-p, --device,
+// --kv-dtype, --threads, --debug-nan and the offload table's, --policy listing the policies).
+// `flags` must outlive `app`.
+void add_generation_flags(CLI::App& app, GenerationFlags& flags);
+
+// The device the flags ask for (auto: CUDA when there is one and the policy runs there; the
+// fallback said on stderr), after checking the offload options; --debug-nan switched on.
+Device generation_device(const GenerationFlags& flags);
+// How tokens are chosen: the checkpoint's generation_config.json, the flags given over it.
+SamplingOptions flag_sampling(const GenerationFlags& flags, const ModelSource& model);
 
 // The help of a --policy flag: `lead`, then one line per registered policy (offload/kv_policy.h),
 // its name and what it does, in the registry's order.

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <string>
 
 namespace infinigen::cli {
 
@@ -17,7 +18,7 @@ Progress::~Progress() {
   if (drawn_) std::fputc('\n', stderr);
 }
 
-void Progress::update(int64_t done, int64_t total) {
+void Progress::update(int64_t done, int64_t total, const std::string& detail) {
   if (!enabled_ || total <= 0) return;
   const auto now = std::chrono::steady_clock::now();
   if (drawn_ && done < total && now - last_draw_ < std::chrono::milliseconds(100)) return;
@@ -25,9 +26,15 @@ void Progress::update(int64_t done, int64_t total) {
   constexpr int kWidth = 30;
   const int filled = static_cast<int>(kWidth * done / total);
   const double elapsed = std::chrono::duration<double>(now - start_).count();
-  std::fprintf(stderr, "\r%s [%.*s%*s] %lld/%lld %.1fs", label_.c_str(), filled,
+  std::string after = detail.empty() ? "" : " " + detail;
+  if (!detail.empty() && done > 0 && done < total) {
+    const double left = elapsed * static_cast<double>(total - done) / static_cast<double>(done);
+    after += " ETA " + std::to_string(static_cast<long long>(left + 0.5)) + "s";
+  }
+  // Padded so that a shorter redraw covers the longer line before it.
+  std::fprintf(stderr, "\r%s [%.*s%*s] %lld/%lld %.1fs%-28s", label_.c_str(), filled,
                "##############################", kWidth - filled, "", static_cast<long long>(done),
-               static_cast<long long>(total), elapsed);
+               static_cast<long long>(total), elapsed, after.c_str());
   std::fflush(stderr);
   drawn_ = true;
 }

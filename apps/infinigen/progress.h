@@ -11,7 +11,8 @@ class Progress {
  public:
   explicit Progress(std::string label);
   ~Progress();  // ends the line if anything was drawn
-  void update(int64_t done, int64_t total);
+  // `detail` follows the count (a rate); once some is done, the time left at the pace so far.
+  void update(int64_t done, int64_t total, const std::string& detail = "");
 
  private:
   std::string label_;

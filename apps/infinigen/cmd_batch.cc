@@ -1,0 +1,490 @@
+// apps/infinigen: `infinigen batch`, an offline job of many requests (docs/batch.md): the input
+// read and checked line by line, the requests grouped into batches, this shard's batches not yet
+// in its output generated and their lines appended, then the shards' files merged in input order.
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <regex>
+#include <variant>
+
+#include "apps/infinigen/batch_input.h"
+#include "apps/infinigen/batch_output.h"
+#include "apps/infinigen/batch_schedule.h"
+#include "apps/infinigen/batch_shard.h"
+#include "apps/infinigen/commands.h"
+#include "apps/infinigen/option_flags.h"
+#include "apps/infinigen/progress.h"
+#include "core/generation.h"
+#include "core/interrupt.h"
+#include "core/model_loader.h"
+#include "offload/runtime.h"
+
+namespace infinigen::cli {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct BatchOptions : GenerationFlags {
+  std::string input;
+  std::string output;
+  int64_t batch = 8;  // sequences per batch
+  std::string order = "length";
+  std::string shard;                   // "I/N"; empty: from the environment
+  std::optional<int64_t> shard_count;  // a Kubernetes Indexed Job's completions; --merge's shards
+  bool merge = false;
+  bool json = false;
+};
+
+const char* environment(const char* name) {
+  return std::getenv(name);
+}
+
+// GPUs the NVIDIA driver lists on this node (0 when it lists none), read without starting CUDA.
+int64_t node_gpus() {
+  std::error_code error;
+  int64_t count = 0;
+  for (const auto& entry : fs::directory_iterator("/proc/driver/nvidia/gpus", error)) {
+    (void)entry;
+    ++count;
+  }
+  return count;
+}
+
+// A request ready to run: its prompts as token ids and its settings resolved.
+struct PreparedRequest {
+  const BatchRequest* request = nullptr;
+  std::vector<std::vector<int32_t>> prompts;  // BOS first for a text prompt
+  int64_t max_tokens = 0;
+  SamplingOptions sampling;  // choice i draws with seed + i
+  int64_t longest() const {
+    int64_t n = 0;
+    for (const auto& p : prompts) n = std::max<int64_t>(n, std::ssize(p));
+    return n;
+  }
+};
+
+// `request` as token ids and settings, or the one-line reason it cannot run.
+std::variant<PreparedRequest, std::string> prepare(const BatchRequest& request,
+                                                   const BatchOptions& o, const ModelSource& model,
+                                                   const SamplingOptions& job_sampling) {
+  const ModelConfig& config = model.config;
+  const int64_t context = config.max_positions;
+  PreparedRequest prepared;
+  prepared.request = &request;
+  prepared.max_tokens = request.max_tokens.value_or(o.gen_len);
+  prepared.sampling = job_sampling;
+  if (request.temperature) prepared.sampling.temperature = *request.temperature;
+  if (request.top_p) prepared.sampling.top_p = *request.top_p;
+  if (request.seed) prepared.sampling.seed = *request.seed;
+  if (request.sequences() > o.batch) {
+    return cat(request.prompts.size(), " prompt(s) times n ", request.n, " are ",
+               request.sequences(), " sequences, more than a batch (--batch ", o.batch, ")");
+  }
+  for (const PromptInput& input : request.prompts) {
+    std::vector<int32_t> ids;
+    if (const auto* text = std::get_if<std::string>(&input)) {
+      if (!model.tokenizer) return "the model has no tokenizer: give the prompt as token ids";
+      if (const std::optional<int32_t> bos = prompt_bos(model)) ids.push_back(*bos);
+      const std::vector<int32_t> text_ids = model.tokenizer->encode_bounded(*text, context);
+      ids.insert(ids.end(), text_ids.begin(), text_ids.end());
+    } else {
+      ids = std::get<std::vector<int32_t>>(input);
+      for (int32_t id : ids) {
+        if (id >= config.vocab_size) {
+          return cat("prompt token id ", id, " is outside the model's vocabulary of ",
+                     config.vocab_size);
+        }
+      }
+    }
+    if (ids.empty()) return std::string("the prompt is empty");
+    if (std::ssize(ids) >= context || prepared.max_tokens > context - std::ssize(ids)) {
+      return cat("a prompt of ", std::min<int64_t>(std::ssize(ids), context),
+                 std::ssize(ids) >= context ? " or more" : "", " tokens plus max_tokens ",
+                 prepared.max_tokens, " exceed the model's context of ", context, " positions");
+    }
+    prepared.prompts.push_back(std::move(ids));
+  }
+  return prepared;
+}
+
+// The options that decide a result (a resume must give the same): the model, the defaults of
+// the requests' settings, the KV type and every offloading option.
+JobKey job_key(const BatchOptions& o, const ModelSource& model, const SamplingOptions& sampling) {
+  JobKey key = {{"--model", o.model + " (" + model.description + ")"},
+                {"--gen-len", std::to_string(o.gen_len)},
+                {"--seed", std::to_string(sampling.seed)},
+                {"--temperature", format_number(sampling.temperature)},
+                {"--top-p", format_number(sampling.top_p)},
+                {"--kv-dtype", std::string(dtype_name(parse_float_dtype(o.kv_dtype)))}};
+  for (const auto& spec : offload_option_table()) {
+    key.emplace_back(flag_spelling(spec.key), spec.format(o.offload));
+  }
+  return key;
+}
+
+std::string render(const ModelSource& model, const std::vector<int32_t>& ids) {
+  if (model.tokenizer) return model.tokenizer->decode(ids);
+  std::string out;
+  for (int32_t id : ids) out += (out.empty() ? "" : " ") + std::to_string(id);
+  return out;
+}
+
+// The earliest stop string in `text`, as its position (npos when none).
+size_t stop_position(const std::string& text, const std::vector<std::string>& stop) {
+  size_t at = std::string::npos;
+  for (const std::string& s : stop) at = std::min(at, text.find(s));
+  return at;
+}
+
+// What the job did, for the summary.
+struct JobTotals {
+  int64_t input_requests = 0;
+  int64_t share = 0;         // this shard's requests
+  int64_t already_done = 0;  // with a line before this run
+  int64_t completed = 0;     // run now
+  int64_t errors = 0;        // error lines written now
+  int64_t batches = 0;
+  int64_t sequences = 0;
+  int64_t prompt_tokens = 0;
+  int64_t padded_prompt_rows = 0;  // sum over batches of batch * longest prompt
+  int64_t generated_tokens = 0;
+  int64_t decode_steps = 0;
+  double seconds = 0.0;
+};
+
+// One batch of prepared requests, generated; returns each request's output line.
+std::vector<std::string> run_batch(const std::vector<const PreparedRequest*>& batch,
+                                   const BatchOptions& o, const ModelSource& model, Device device,
+                                   const ProgressCallback& progress, JobTotals& totals) {
+  GenerationRequest request;
+  request.kv_dtype = parse_float_dtype(o.kv_dtype);
+  request.gen_len = 0;
+  // Sequence s: request owner[s], choice choice[s] (prompt choice / n, sample choice % n).
+  std::vector<size_t> owner;
+  std::vector<int64_t> choice;
+  std::vector<std::vector<std::string>> stops;
+  for (size_t r = 0; r < batch.size(); ++r) {
+    const PreparedRequest& p = *batch[r];
+    for (size_t prompt = 0; prompt < p.prompts.size(); ++prompt) {
+      for (int64_t sample = 0; sample < p.request->n; ++sample) {
+        const int64_t index = static_cast<int64_t>(prompt) * p.request->n + sample;
+        request.prompts.push_back(p.prompts[prompt]);
+        request.sequence_gen_len.push_back(p.max_tokens);
+        SamplingOptions sampling = p.sampling;
+        sampling.seed += static_cast<uint64_t>(index);
+        request.sequence_sampling.push_back(sampling);
+        owner.push_back(r);
+        choice.push_back(index);
+      }
+    }
+    request.gen_len = std::max(request.gen_len, p.max_tokens);
+  }
+  const int64_t B = std::ssize(request.prompts);
+  const std::optional<int32_t> eos = model.tokenizer && model.tokenizer->eos_id()
+                                         ? model.tokenizer->eos_id()
+                                         : std::optional<int32_t>(model.config.eos_token_id);
+  std::vector<bool> stopped(static_cast<size_t>(B), false);
+  request.stop = [&](int64_t b, const std::vector<int32_t>& generated) {
+    const std::vector<std::string>& stop = batch[owner[b]]->request->stop;
+    stopped[b] =
+        generated.back() == eos ||
+        (!stop.empty() && stop_position(render(model, generated), stop) != std::string::npos);
+    return stopped[b];
+  };
+  const OffloadRun run = run_offloaded(model, request, o.offload, device, progress);
+
+  int64_t longest = 0;
+  for (const auto& prompt : request.prompts)
+    longest = std::max<int64_t>(longest, std::ssize(prompt));
+  totals.batches += 1;
+  totals.sequences += B;
+  totals.padded_prompt_rows += B * longest;
+  totals.decode_steps += run.result.gen_len;
+  totals.seconds += run.result.total_seconds();
+  std::vector<std::vector<Choice>> choices(batch.size());
+  std::vector<int64_t> completion_tokens(batch.size(), 0);
+  for (int64_t b = 0; b < B; ++b) {
+    const std::vector<int32_t>& tokens = run.result.tokens[b];
+    std::string text = render(model, tokens);
+    const std::vector<std::string>& stop = batch[owner[b]]->request->stop;
+    if (stopped[b] && !stop.empty())
+      text = text.substr(0, std::min(text.size(), stop_position(text, stop)));
+    choices[owner[b]].push_back({text, choice[b], stopped[b] ? "stop" : "length"});
+    completion_tokens[owner[b]] += std::ssize(tokens);
+    totals.generated_tokens += std::ssize(tokens);
+  }
+  std::vector<std::string> lines;
+  for (size_t r = 0; r < batch.size(); ++r) {
+    int64_t prompt_tokens = 0;
+    for (const auto& prompt : batch[r]->prompts) prompt_tokens += std::ssize(prompt);
+    totals.prompt_tokens += prompt_tokens * batch[r]->request->n;
+    lines.push_back(completion_line(*batch[r]->request, o.model, choices[r], prompt_tokens,
+                                    completion_tokens[r]));
+  }
+  return lines;
+}
+
+// --merge: the shards' count, from --shard-count or from the shard files beside the output.
+int64_t merged_shard_count(const BatchOptions& o) {
+  if (o.shard_count) return *o.shard_count;
+  const fs::path output(o.output);
+  const fs::path directory = output.has_parent_path() ? output.parent_path() : fs::path(".");
+  const std::regex shard_name(std::regex_replace(output.filename().string(),
+                                                 std::regex(R"([.^$|()\[\]{}*+?\\])"), R"(\$&)") +
+                              R"(\.shard-\d+-of-(\d+))");
+  std::optional<int64_t> count;
+  std::error_code error;
+  for (const auto& entry : fs::directory_iterator(directory, error)) {
+    std::smatch match;
+    const std::string name = entry.path().filename().string();
+    if (!std::regex_match(name, match, shard_name)) continue;
+    const int64_t n = std::stoll(match[1].str());
+    INFINIGEN_CHECK(!count || *count == n, "--merge: shard files of ", *count, " and of ", n,
+                    " shards beside ", o.output, ": give --shard-count");
+    count = n;
+  }
+  INFINIGEN_CHECK(count.has_value(), "--merge: no shard files (", o.output,
+                  ".shard-I-of-N) beside ", o.output);
+  return *count;
+}
+
+void print_summary(const BatchOptions& o, const Shard& shard, const JobTotals& t,
+                   const std::string& model, Device device, bool merged) {
+  const double throughput = t.seconds > 0 ? static_cast<double>(t.generated_tokens) / t.seconds : 0;
+  const double padding =
+      t.padded_prompt_rows > 0
+          ? 1.0 - static_cast<double>(t.prompt_tokens) / static_cast<double>(t.padded_prompt_rows)
+          : 0.0;
+  if (o.json) {
+    const nlohmann::ordered_json summary = {
+        {"model", model},
+        {"device", device_name(device)},
+        {"policy", o.offload.policy},
+        {"input", o.input},
+        {"output", o.output},
+        {"shard", {{"index", shard.index}, {"count", shard.count}, {"source", shard.source}}},
+        {"file", shard_file(o.output, shard)},
+        {"merged", merged},
+        {"batch", o.batch},
+        {"order", o.order},
+        {"requests", t.input_requests},
+        {"shard_requests", t.share},
+        {"already_done", t.already_done},
+        {"completed", t.completed},
+        {"errors", t.errors},
+        {"batches", t.batches},
+        {"sequences", t.sequences},
+        {"prompt_tokens", t.prompt_tokens},
+        {"padding_share", padding},
+        {"generated_tokens", t.generated_tokens},
+        {"decode_steps", t.decode_steps},
+        {"generation_s", t.seconds},
+        {"throughput_tok_s", throughput}};
+    std::printf("%s\n", summary.dump(2).c_str());
+    return;
+  }
+  std::printf("model: %s\ndevice: %s, policy %s\n", model.c_str(), device_name(device).data(),
+              o.offload.policy.c_str());
+  std::printf("shard %lld of %lld (%s): %lld of %lld requests, %lld already done\n",
+              static_cast<long long>(shard.index), static_cast<long long>(shard.count),
+              shard.source.c_str(), static_cast<long long>(t.share),
+              static_cast<long long>(t.input_requests), static_cast<long long>(t.already_done));
+  std::printf("completed %lld, errors %lld, in %lld batches of at most %lld sequences (%s order)\n",
+              static_cast<long long>(t.completed), static_cast<long long>(t.errors),
+              static_cast<long long>(t.batches), static_cast<long long>(o.batch), o.order.c_str());
+  std::printf("%lld sequences, %lld prompt tokens (%.1f%% padding), %lld generated tokens\n",
+              static_cast<long long>(t.sequences), static_cast<long long>(t.prompt_tokens),
+              100.0 * padding, static_cast<long long>(t.generated_tokens));
+  std::printf("generation %.2f s, %.1f generated tok/s\n", t.seconds, throughput);
+  std::printf("%s: %s\n", merged ? o.output.c_str() : shard_file(o.output, shard).c_str(),
+              merged ? "complete, in input order"
+                     : "this shard is complete; the others have not all finished (infinigen batch "
+                       "--merge writes the output once they have)");
+}
+
+int merge(const BatchOptions& o) {
+  const std::vector<BatchRequest> requests = read_batch_input(o.input);
+  refuse_duplicate_ids(requests, o.input);
+  const int64_t count = merged_shard_count(o);
+  merge_shards(requests, o.output, count);
+  std::printf("%s: %zu lines from %lld shards, in input order\n", o.output.c_str(), requests.size(),
+              static_cast<long long>(count));
+  return 0;
+}
+
+int batch(const BatchOptions& o) {
+  INFINIGEN_CHECK(o.batch >= 1, "--batch must be at least 1, got ", o.batch);
+  INFINIGEN_CHECK(o.gen_len >= 1, "--gen-len must be at least 1, got ", o.gen_len);
+  if (o.merge) return merge(o);
+  const std::vector<BatchRequest> requests = read_batch_input(o.input);
+  refuse_duplicate_ids(requests, o.input);
+  const Shard shard = resolve_shard(o.shard, o.shard_count, environment);
+  // Ranks sharing a node take different GPUs: chosen before anything starts CUDA.
+  if (const std::optional<std::string> visible = rank_visible_devices(environment, node_gpus())) {
+    setenv("CUDA_VISIBLE_DEVICES", visible->c_str(), 1);
+  }
+  const Device device = generation_device(o);
+  const ModelSource model = resolve_model(o.model, {device, o.seed});
+  const SamplingOptions job_sampling = flag_sampling(o, model);
+  const std::string file = shard_file(o.output, shard);
+  check_job_key(file, job_key(o, model, job_sampling));
+  int64_t dropped = 0;
+  const DoneRequests done = read_done_requests(file, &dropped);
+  if (dropped > 0) {
+    std::fprintf(stderr,
+                 "infinigen: %s: its last line was cut short (%lld bytes, a run that was killed): "
+                 "dropped, its request runs again\n",
+                 file.c_str(), static_cast<long long>(dropped));
+  }
+
+  // The whole job's batches, the same for every shard and every rerun (a batch's approximate
+  // attention, InfiniGen's fetch size for one, depends on its members): batch j is shard
+  // j % count's, and so is a request that cannot run on input position k % count.
+  JobTotals totals;
+  totals.input_requests = std::ssize(requests);
+  std::string error_lines;
+  std::vector<PreparedRequest> prepared;
+  for (size_t k = 0; k < requests.size(); ++k) {
+    const BatchRequest& request = requests[k];
+    std::variant<PreparedRequest, std::string> ready =
+        request.ok() ? prepare(request, o, model, job_sampling) : request.error;
+    if (std::holds_alternative<PreparedRequest>(ready)) {
+      prepared.push_back(std::get<PreparedRequest>(std::move(ready)));
+      continue;
+    }
+    if (!shard.owns(static_cast<int64_t>(k))) continue;
+    ++totals.share;
+    if (done.holds(request)) {
+      ++totals.already_done;
+      continue;
+    }
+    error_lines += error_line(request, request.ok() ? "invalid_request" : request.error_code,
+                              std::get<std::string>(ready));
+    ++totals.errors;
+  }
+  std::vector<RequestShape> shapes;
+  for (const PreparedRequest& p : prepared) {
+    shapes.push_back({p.request->sequences(), p.longest(), p.max_tokens});
+  }
+  INFINIGEN_CHECK(o.order == "length" || o.order == "arrival",
+                  "--order must be length or arrival, got '", o.order, "'");
+  const std::vector<std::vector<size_t>> all_batches = group_requests(
+      shapes, o.batch, o.order == "length" ? BatchOrder::ByLength : BatchOrder::Arrival);
+  // This shard's batches with a request not yet done.
+  std::vector<std::vector<size_t>> batches;
+  int64_t to_run = 0;
+  for (size_t j = 0; j < all_batches.size(); ++j) {
+    if (!shard.owns(static_cast<int64_t>(j))) continue;
+    int64_t missing = 0;
+    for (size_t i : all_batches[j]) missing += done.holds(*prepared[i].request) ? 0 : 1;
+    totals.share += std::ssize(all_batches[j]);
+    totals.already_done += std::ssize(all_batches[j]) - missing;
+    to_run += missing;
+    if (missing > 0) batches.push_back(all_batches[j]);
+  }
+  // Every batch's memory plan before any work: a refusal comes at once, naming a batch that fits.
+  const DType kv_dtype = parse_float_dtype(o.kv_dtype);
+  for (const std::vector<size_t>& members : batches) {
+    int64_t sequences = 0, longest = 0, gen_len = 0;
+    for (size_t i : members) {
+      sequences += shapes[i].sequences;
+      longest = std::max(longest, shapes[i].prompt_len);
+      gen_len = std::max(gen_len, shapes[i].max_tokens);
+    }
+    plan_offloaded_run(
+        offload_memory_request(model.config, sequences, longest, gen_len, kv_dtype, o.offload),
+        o.offload, device);
+  }
+
+  ResultAppender appender(file);
+  if (!error_lines.empty()) appender.append(error_lines);
+  {
+    Progress progress("requests");
+    const auto started = std::chrono::steady_clock::now();
+    int64_t finished = 0;
+    const auto show = [&] {
+      const double elapsed =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+      const double rate = elapsed > 0 ? static_cast<double>(totals.generated_tokens) / elapsed : 0;
+      progress.update(finished, to_run, cat(static_cast<int64_t>(rate), " tok/s"));
+    };
+    for (const std::vector<size_t>& members : batches) {
+      std::vector<const PreparedRequest*> batch;
+      for (size_t i : members) batch.push_back(&prepared[i]);
+      // A batch cut short by a crash runs again whole (its members as before); only its
+      // requests without a line are written.
+      const std::vector<std::string> lines = with_interrupt_context(
+          [&] {
+            return run_batch(
+                batch, o, model, device, [&](int64_t, int64_t) { show(); }, totals);
+          },
+          [&] {
+            return cat(" with ", finished, " of ", to_run, " requests of this run written to ",
+                       file, "; the same command resumes the job");
+          });
+      std::string written;
+      for (size_t r = 0; r < batch.size(); ++r) {
+        if (done.holds(*batch[r]->request)) continue;
+        written += lines[r];
+        ++finished;
+      }
+      appender.append(written);
+      totals.completed = finished;
+      show();
+    }
+  }
+  bool merged = false;
+  if (shard.count == 1) {
+    merge_shards(requests, o.output, 1);
+    merged = true;
+  } else {
+    write_done_marker(o.output, shard);
+    if (all_shards_done(o.output, shard.count)) {
+      merge_shards(requests, o.output, shard.count);
+      merged = true;
+    }
+  }
+  print_summary(o, shard, totals, model.description, device, merged);
+  return 0;
+}
+
+}  // namespace
+
+Command add_batch_command(CLI::App& app) {
+  auto o = std::make_shared<BatchOptions>();
+  app.add_option("--input,-i", o->input,
+                 "Requests, one JSON object a line: OpenAI batch lines for /v1/completions or "
+                 "{\"custom_id\", \"prompt\", ...}")
+      ->required();
+  app.add_option("--output,-o", o->output,
+                 "Results, one OpenAI batch output line per request, in input order once the job "
+                 "is done; a rerun resumes it")
+      ->required();
+  add_generation_flags(app, *o);
+  app.add_option("--batch,-b", o->batch, "Sequences per batch (a request's prompts times n)")
+      ->capture_default_str();
+  app.add_option("--order", o->order,
+                 "Which requests share a batch: length (by prompt length, least padding) or "
+                 "arrival (input order)")
+      ->capture_default_str();
+  auto* shard = app.add_option(
+      "--shard", o->shard,
+      "This process's share, I/N (I from 0); default: from Slurm, MPI or a Kubernetes Indexed "
+      "Job's environment, else the whole job");
+  app.add_option("--shard-count", o->shard_count,
+                 "Shards of the job: a Kubernetes Indexed Job's completions (with "
+                 "JOB_COMPLETION_INDEX), or for --merge (default: found from the shard files)");
+  app.add_flag("--merge", o->merge,
+               "Write --output from the finished shards' files, in input order, and stop")
+      ->excludes(shard);
+  app.add_flag("--json", o->json, "Print the summary as JSON on stdout");
+  return [o] { return batch(*o); };
+}
+
+}  // namespace infinigen::cli
