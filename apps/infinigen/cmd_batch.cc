@@ -154,6 +154,9 @@ struct JobTotals {
   int64_t prompt_tokens = 0;
   int64_t padded_prompt_rows = 0;  // sum over batches of batch * longest prompt
   int64_t generated_tokens = 0;
+  // Prompt tokens not computed or stored again: shared prefixes (n samples of one prompt, prompts
+  // that begin alike) counted once per member less once per group.
+  int64_t shared_prefix_tokens = 0;
   int64_t decode_steps = 0;
   double seconds = 0.0;
 };
@@ -206,6 +209,8 @@ std::vector<std::string> run_batch(const std::vector<const PreparedRequest*>& ba
   totals.sequences += B;
   totals.padded_prompt_rows += B * longest;
   totals.decode_steps += run.result.gen_len;
+  totals.shared_prefix_tokens +=
+      run.shared_prefixes.member_tokens() - run.shared_prefixes.kept_tokens();
   totals.seconds += run.result.total_seconds();
   std::vector<std::vector<Choice>> choices(batch.size());
   std::vector<int64_t> completion_tokens(batch.size(), 0);
@@ -282,6 +287,7 @@ void print_summary(const BatchOptions& o, const Shard& shard, const JobTotals& t
         {"sequences", t.sequences},
         {"prompt_tokens", t.prompt_tokens},
         {"padding_share", padding},
+        {"shared_prefix_tokens", t.shared_prefix_tokens},
         {"generated_tokens", t.generated_tokens},
         {"decode_steps", t.decode_steps},
         {"generation_s", t.seconds},
@@ -298,9 +304,11 @@ void print_summary(const BatchOptions& o, const Shard& shard, const JobTotals& t
   std::printf("completed %lld, errors %lld, in %lld batches of at most %lld sequences (%s order)\n",
               static_cast<long long>(t.completed), static_cast<long long>(t.errors),
               static_cast<long long>(t.batches), static_cast<long long>(o.batch), o.order.c_str());
-  std::printf("%lld sequences, %lld prompt tokens (%.1f%% padding), %lld generated tokens\n",
-              static_cast<long long>(t.sequences), static_cast<long long>(t.prompt_tokens),
-              100.0 * padding, static_cast<long long>(t.generated_tokens));
+  std::printf(
+      "%lld sequences, %lld prompt tokens (%.1f%% padding, %lld in shared prefixes computed and "
+      "kept once), %lld generated tokens\n",
+      static_cast<long long>(t.sequences), static_cast<long long>(t.prompt_tokens), 100.0 * padding,
+      static_cast<long long>(t.shared_prefix_tokens), static_cast<long long>(t.generated_tokens));
   std::printf("generation %.2f s, %.1f generated tok/s\n", t.seconds, throughput);
   std::printf("%s: %s\n", merged ? o.output.c_str() : shard_file(o.output, shard).c_str(),
               merged ? "complete, in input order"
