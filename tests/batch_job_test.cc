@@ -214,6 +214,14 @@ TEST(BatchJob, ShardsRunAtOnceMergeToTheOneShardOutput) {
   ASSERT_EQ(merged.exit_code, 0) << merged.err;
   EXPECT_EQ(read_file(dir.path() / "two.jsonl"), expected);
 
+  // Shards that ran with other options: --merge refuses.
+  const fs::path key = dir.path() / "two.jsonl.shard-1-of-2.job.json";
+  const std::string key_text = read_file(key);
+  write_file(key, key_text + " ");
+  expect_one_line_error(
+      {"batch", "--merge", "--input", in.string(), "--output", (dir.path() / "two.jsonl").string()},
+      {"the shards ran with different options"});
+  write_file(key, key_text);
   // A shard that has not finished: --merge refuses, naming it.
   fs::remove(dir.path() / "two.jsonl.shard-1-of-2.done");
   expect_one_line_error(

@@ -194,12 +194,20 @@ void merge_shards(const std::vector<BatchRequest>& requests, const std::string& 
     }
   }
   std::vector<std::string> lines(requests.size());
+  std::string first_key;  // shard 0's options: every shard's must be the same
   for (int64_t s = 0; s < count; ++s) {
     const Shard shard{s, count, ""};
     const std::string file = shard_file(output, shard);
     std::error_code error;
     INFINIGEN_CHECK(count == 1 || fs::exists(done_marker(output, shard), error), "shard ", s,
                     " of ", count, " has not finished (no ", done_marker(output, shard), ")");
+    if (count > 1) {
+      const std::string key = read_text_file(sibling(file, ".job.json"));
+      if (s == 0) first_key = key;
+      INFINIGEN_CHECK(key == first_key, sibling(file, ".job.json"), " differs from ",
+                      sibling(shard_file(output, {0, count, ""}), ".job.json"),
+                      ": the shards ran with different options");
+    }
     const std::string text = fs::exists(file, error) ? read_text_file(file) : std::string();
     size_t start = 0;
     for (int64_t number = 1; start < text.size(); ++number) {

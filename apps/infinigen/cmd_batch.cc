@@ -329,6 +329,8 @@ int merge(const BatchOptions& o) {
 int batch(const BatchOptions& o) {
   INFINIGEN_CHECK(o.batch >= 1, "--batch must be at least 1, got ", o.batch);
   INFINIGEN_CHECK(o.gen_len >= 1, "--gen-len must be at least 1, got ", o.gen_len);
+  INFINIGEN_CHECK(o.order == "length" || o.order == "arrival",
+                  "--order must be length or arrival, got '", o.order, "'");
   if (o.merge) return merge(o);
   const std::vector<BatchRequest> requests = read_batch_input(o.input);
   refuse_duplicate_ids(requests, o.input);
@@ -340,6 +342,7 @@ int batch(const BatchOptions& o) {
   const Device device = generation_device(o);
   const ModelSource model = resolve_model(o.model, {device, o.seed});
   const SamplingOptions job_sampling = flag_sampling(o, model);
+  Sampler check_sampling(job_sampling);  // --temperature and --top-p refused now, not mid-job
   const std::string file = shard_file(o.output, shard);
   check_job_key(file, job_key(o, model, job_sampling));
   int64_t dropped = 0;
@@ -380,8 +383,6 @@ int batch(const BatchOptions& o) {
   for (const PreparedRequest& p : prepared) {
     shapes.push_back({p.request->sequences(), p.longest(), p.max_tokens});
   }
-  INFINIGEN_CHECK(o.order == "length" || o.order == "arrival",
-                  "--order must be length or arrival, got '", o.order, "'");
   const std::vector<std::vector<size_t>> all_batches = group_requests(
       shapes, o.batch, o.order == "length" ? BatchOrder::ByLength : BatchOrder::Arrival);
   // This shard's batches with a request not yet done.
