@@ -1,6 +1,6 @@
-// tests: the parts of `infinigen batch` (docs/batch.md): request lines read and refused line by
-// line, shards from flags and launcher environments, grouping. Jobs through the binary:
-// batch_job_test.cc.
+// tests: the parts of `infinigen batch` (docs/batch.md): per-sequence lengths, stops and samplers
+// in generate(), request lines read and refused line by line, shards from flags and launcher
+// environments, grouping. Jobs through the binary: batch_job_test.cc.
 #include <gtest/gtest.h>
 
 #include <functional>
@@ -12,6 +12,7 @@
 #include "apps/infinigen/batch_input.h"
 #include "apps/infinigen/batch_schedule.h"
 #include "apps/infinigen/batch_shard.h"
+#include "offload/runtime.h"
 #include "tests/test_util.h"
 
 namespace infinigen {
@@ -19,6 +20,72 @@ namespace {
 
 using cli::BatchRequest;
 using cli::parse_request_line;
+
+// ---- per-sequence settings in generate() ----
+
+class BatchSequenceSettings : public testing_util::OptTinyTest {
+ protected:
+  void SetUp() override {
+    OptTinyTest::SetUp();
+    request_.prompts = {{2, 10, 11, 12, 13}, {2, 500, 600}, {2, 40, 41, 42, 43, 44, 45}};
+    request_.gen_len = 6;
+    options_.policy = "full";  // exact attention: a sequence's tokens do not depend on the others
+  }
+  GenerationResult generate(const GenerationRequest& request) {
+    return run_offloaded(source_, request, options_, Device::Cpu).result;
+  }
+  OffloadOptions options_;
+};
+
+// Each sequence ends at its own length, with the tokens it has in the full-length run, and the
+// steps stop when the longest is done.
+TEST_F(BatchSequenceSettings, EachSequenceEndsAtItsOwnLength) {
+  const GenerationResult full = generate(request_);
+  request_.sequence_gen_len = {2, 4, 1};
+  const GenerationResult own = generate(request_);
+  EXPECT_EQ(own.gen_len, 4);  // steps 5 and 6 not run
+  for (size_t b = 0; b < 3; ++b) {
+    const size_t length = static_cast<size_t>(request_.sequence_gen_len[b]);
+    ASSERT_EQ(own.tokens[b].size(), length);
+    EXPECT_EQ(own.tokens[b],
+              std::vector<int32_t>(full.tokens[b].begin(), full.tokens[b].begin() + length));
+  }
+  request_.sequence_gen_len = {2, 7, 1};
+  testing_util::expect_error([&] { generate(request_); },
+                             {"sequence 2: 7 tokens to generate, outside [1, 6]"});
+}
+
+// The stop callback sees every token, the last one too, and ends its sequence there.
+TEST_F(BatchSequenceSettings, TheStopCallbackEndsASequence) {
+  std::vector<int64_t> calls(3, 0);
+  request_.stop = [&](int64_t b, const std::vector<int32_t>& generated) {
+    ++calls[b];
+    EXPECT_EQ(std::ssize(generated), calls[b]);
+    return b == 1 && generated.size() == 3;
+  };
+  const GenerationResult result = generate(request_);
+  EXPECT_EQ(result.tokens[0].size(), 6u);
+  EXPECT_EQ(result.tokens[1].size(), 3u);
+  EXPECT_EQ(calls, (std::vector<int64_t>{6, 3, 6}));
+  request_.stop = [](int64_t, const std::vector<int32_t>&) { return true; };
+  EXPECT_EQ(generate(request_).gen_len, 1);  // every sequence ended after the prefill's token
+}
+
+// A sequence's own sampler draws for it alone: identical prompts with one seed sample the same
+// tokens, whatever their place in the batch; with the request-wide sampler the rows differ.
+TEST_F(BatchSequenceSettings, EachSequenceSamplesWithItsOwnGenerator) {
+  request_.prompts = {request_.prompts[0], request_.prompts[0], request_.prompts[0]};
+  request_.gen_len = 12;
+  request_.sampling = {1.0f, 1.0f, 5};
+  const GenerationResult shared = generate(request_);
+  EXPECT_FALSE(shared.tokens[0] == shared.tokens[1] && shared.tokens[1] == shared.tokens[2]);
+  request_.sequence_sampling.assign(3, SamplingOptions{1.0f, 1.0f, 5});
+  const GenerationResult own = generate(request_);
+  EXPECT_EQ(own.tokens[0], own.tokens[1]);
+  EXPECT_EQ(own.tokens[0], own.tokens[2]);
+  request_.sequence_sampling[2].seed = 6;
+  EXPECT_NE(generate(request_).tokens[2], own.tokens[0]);
+}
 
 // ---- request lines ----
 
