@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 
+#include "bench/kv_fetched.h"
 #include "core/error.h"
 
 namespace infinigen {
@@ -56,19 +57,11 @@ PerplexityResult measure_perplexity(const ModelSource& model,
   options.validate(config.max_positions);
   const int64_t prefill = options.prefill, decode = options.decode_length(config.max_positions);
   INFINIGEN_CHECK(!windows.empty(), "no evaluation window to score");
-  const int64_t L = config.num_layers, H = config.kv_heads();
-  const int64_t dense = std::min<int64_t>(offload.speculation.dense_layers, L);
-
   PerplexityResult result;
   const int64_t chunks = (prefill + decode - 1) / options.chunk + 1;
   std::vector<double> chunk_nll(static_cast<size_t>(chunks), 0.0);
   std::vector<int64_t> chunk_tokens(static_cast<size_t>(chunks), 0);
-  // Rows loaded, and rows of the full KV, summed per layer and per decode step.
-  std::vector<double> layer_loaded(static_cast<size_t>(L), 0.0), layer_full(layer_loaded);
-  std::vector<double> step_loaded(static_cast<size_t>(decode - 1), 0.0), step_full(step_loaded);
-  double recall_sum = 0.0;
-  int64_t recall_count = 0;
-  std::vector<double> layer_recall(static_cast<size_t>(L), 0.0), layer_recall_n(layer_recall);
+  KvFetchedTally tally(config.num_layers, offload.speculation.dense_layers);
 
   const int64_t total_steps =
       static_cast<int64_t>((windows.size() + static_cast<size_t>(options.batch) - 1) /
@@ -107,24 +100,7 @@ PerplexityResult measure_perplexity(const ModelSource& model,
     }
     result.tokens += B * decode;
     result.windows += B;
-    // Decode step s (1-based) attends over the prefill + s - 1 tokens before it.
-    const auto& steps = run.stats.steps();
-    for (size_t s = 1; s < steps.size(); ++s) {
-      const double full = static_cast<double>(B * H * (prefill + static_cast<int64_t>(s) - 1));
-      for (int64_t l = 0; l < L; ++l) {
-        const LayerTraffic& traffic = steps[s].layers[static_cast<size_t>(l)];
-        layer_loaded[l] += static_cast<double>(traffic.tokens_fetched);
-        layer_full[l] += full;
-        step_loaded[s - 1] += static_cast<double>(traffic.tokens_fetched);
-        step_full[s - 1] += full;
-        if (traffic.recall >= 0) {
-          recall_sum += traffic.recall;
-          ++recall_count;
-          layer_recall[l] += traffic.recall;
-          layer_recall_n[l] += 1;
-        }
-      }
-    }
+    tally.add(run.stats, B, config.kv_heads(), prefill);
   }
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
@@ -134,31 +110,12 @@ PerplexityResult measure_perplexity(const ModelSource& model,
     result.chunk_perplexity.push_back(
         std::exp(chunk_nll[c] / static_cast<double>(chunk_tokens[c])));
   }
-  double loaded = 0, full = 0, spec_loaded = 0, spec_full = 0;
-  for (int64_t l = 0; l < L; ++l) {
-    result.layer_fetched.push_back(layer_full[l] > 0 ? layer_loaded[l] / layer_full[l] : 0.0);
-    loaded += layer_loaded[l];
-    full += layer_full[l];
-    if (l >= dense) {
-      spec_loaded += layer_loaded[l];
-      spec_full += layer_full[l];
-    }
-  }
-  result.fetched = full > 0 ? loaded / full : 0.0;
-  result.speculated_fetched = spec_full > 0 ? spec_loaded / spec_full : result.fetched;
-  for (size_t s = 0; s < step_loaded.size(); ++s) {
-    result.step_fetched.push_back(step_full[s] > 0 ? step_loaded[s] / step_full[s] : 0.0);
-  }
-  if (recall_count > 0) {
-    result.mean_recall = recall_sum / static_cast<double>(recall_count);
-    for (int64_t l = 0; l < L; ++l) {
-      if (layer_recall_n[l] == 0) continue;
-      const double mean = layer_recall[l] / layer_recall_n[l];
-      if (result.min_layer_recall < 0 || mean < result.min_layer_recall) {
-        result.min_layer_recall = mean;
-      }
-    }
-  }
+  result.fetched = tally.fetched();
+  result.speculated_fetched = tally.speculated_fetched();
+  result.layer_fetched = tally.layer_fetched();
+  result.step_fetched = tally.step_fetched();
+  result.mean_recall = tally.mean_recall();
+  result.min_layer_recall = tally.min_layer_recall();
   return result;
 }
 

@@ -1,22 +1,20 @@
-// apps/infinigen: `infinigen eval`, perplexity through the engine's decode loop for a sweep of KV
-// policies and their settings (bench/perplexity.h), as a table, CSV, JSON and a plot.
+// apps/infinigen: `infinigen eval`, what a sweep of KV policies and their settings costs in
+// accuracy, as a table, CSV, JSON and a plot: perplexity through the engine's decode loop
+// (bench/perplexity.h; the default task) or passkey retrieval (eval_passkey.h).
 
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
-#include <map>
 #include <nlohmann/json.hpp>
-#include <set>
 #include <sstream>
 
 #include "apps/infinigen/commands.h"
+#include "apps/infinigen/eval_common.h"
+#include "apps/infinigen/eval_passkey.h"
 #include "apps/infinigen/option_flags.h"
 #include "apps/infinigen/plot_script.h"
-#include "apps/infinigen/progress.h"
-#include "bench/machine_info.h"
 #include "bench/perplexity.h"
-#include "core/interrupt.h"
 #include "core/model_loader.h"
 #include "core/output_directory.h"
 #include "offload/kv_policy.h"
@@ -29,75 +27,20 @@ namespace fs = std::filesystem;
 
 // Defaults come from the option structs below; only their spelling as flags lives here.
 struct EvalCommandOptions {
-  std::string model = kBuiltinModel;
+  EvalCommonOptions common;
+  std::string task = "perplexity";
   std::vector<std::string> texts;
   PerplexityOptions perplexity;
   int64_t max_windows = 0;
-  std::vector<std::string> policies = {"full", "infinigen"};
-  // Values per swept option of offload_option_table(), as given (e.g. "alpha" -> {"1", "4"}).
-  std::map<std::string, std::vector<std::string>> sweeps;
-  bool no_recall = false;
-  std::string device = "auto";
-  std::string kv_dtype = "f16";
-  std::string out = "eval-results";
-  bool no_plot = false;
-  bool json = false;
-  std::string command_line;
+  EvalPasskeyOptions passkey;
+  // The flags only one task reads, refused with the other.
+  std::vector<const CLI::Option*> perplexity_flags, passkey_flags;
 };
 
 struct SweepPoint {
-  std::string policy;
-  std::string settings;  // e.g. "alpha 4, ratio 0.3, qk" ("" for full and gpu)
-  OffloadOptions offload;
+  EvalSetting setting;
   PerplexityResult result;
 };
-
-// "1 window", "3 windows".
-std::string counted(size_t count, const std::string& noun) {
-  return cat(count, " ", noun, count == 1 ? "" : "s");
-}
-
-std::string number(double value) {
-  std::ostringstream out;
-  out << value;
-  return out.str();
-}
-
-// Every combination the swept options ask for, each option only with the policies that read it;
-// settings that differ only in options not in effect (an eviction policy without a pool limit)
-// run once.
-std::vector<SweepPoint> sweep(const EvalCommandOptions& o) {
-  INFINIGEN_CHECK(!o.policies.empty(), option("policy"), ": the sweep is empty");
-  std::vector<SweepPoint> points;
-  std::set<std::string> seen;
-  for (const std::string& policy : o.policies) {
-    std::vector<const OptionSpec<OffloadOptions>*> swept;
-    for (const OptionSpec<OffloadOptions>& spec : offload_option_table()) {
-      if (o.sweeps.contains(spec.key) && policy_reads_option(policy, spec.key)) {
-        swept.push_back(&spec);
-      }
-    }
-    std::vector<size_t> at(swept.size(), 0);  // an odometer over the swept lists
-    while (true) {
-      SweepPoint p{policy, "", {}, {}};
-      p.offload.policy = policy;
-      p.offload.check_recall = !o.no_recall && policy_reads_option(policy, "check_recall");
-      for (size_t i = 0; i < swept.size(); ++i) {
-        swept[i]->parse(p.offload, o.sweeps.at(swept[i]->key)[at[i]]);
-      }
-      for (const OptionSpec<OffloadOptions>* spec : swept) {
-        if (spec->in_effect && !spec->in_effect(p.offload)) continue;
-        p.settings += (p.settings.empty() ? "" : ", ") + spec->key + " " + spec->format(p.offload);
-      }
-      p.offload.validate();
-      if (seen.insert(policy + ": " + p.settings).second) points.push_back(p);
-      size_t i = 0;
-      while (i < swept.size() && ++at[i] == o.sweeps.at(swept[i]->key).size()) at[i++] = 0;
-      if (i == swept.size()) break;
-    }
-  }
-  return points;
-}
 
 // The held-out texts, each tokenized no further than the windows can use: with --max-windows,
 // max_windows windows of `window` tokens (a 50 MB line is not tokenized whole for two windows).
@@ -127,8 +70,8 @@ std::vector<EvalText> read_texts(const EvalCommandOptions& o, const ModelSource&
 
 nlohmann::json point_json(const SweepPoint& p, double full_perplexity) {
   const PerplexityResult& r = p.result;
-  nlohmann::json j = {{"policy", p.policy},
-                      {"settings", p.settings},
+  nlohmann::json j = {{"policy", p.setting.policy},
+                      {"settings", p.setting.settings},
                       {"perplexity", r.perplexity()},
                       {"tokens", r.tokens},
                       {"windows", r.windows},
@@ -153,7 +96,7 @@ std::string points_csv(const std::vector<SweepPoint>& points, double full_perple
          "mean_recall,min_layer_recall,tokens,seconds\n";
   for (const SweepPoint& p : points) {
     const PerplexityResult& r = p.result;
-    csv << p.policy << ",\"" << p.settings << "\"," << r.perplexity() << ","
+    csv << p.setting.policy << ",\"" << p.setting.settings << "\"," << r.perplexity() << ","
         << (full_perplexity > 0 ? number(r.perplexity() / full_perplexity - 1.0) : "") << ","
         << r.fetched << "," << r.speculated_fetched << ","
         << (r.mean_recall >= 0 ? number(r.mean_recall) : "") << ","
@@ -163,23 +106,17 @@ std::string points_csv(const std::vector<SweepPoint>& points, double full_perple
   return csv.str();
 }
 
-int eval(EvalCommandOptions& o) {
+int eval_perplexity(EvalCommandOptions& o) {
   INFINIGEN_CHECK(o.max_windows >= 0, "--max-windows must be at least 1, got ", o.max_windows);
-  const DType kv_dtype = parse_float_dtype(o.kv_dtype);  // checked by its flag
-  std::vector<SweepPoint> points = sweep(o);
-
-  // One device for the whole sweep: CUDA only when it runs every policy in it.
-  bool cuda_runs_sweep = true;
-  for (const SweepPoint& p : points) {
-    cuda_runs_sweep = cuda_runs_sweep && policy_runs_on(p.offload.policy, Device::Cuda);
-  }
-  std::string fallback;
-  const Device device = resolve_device(parse_device_request(o.device), cuda_runs_sweep, &fallback,
-                                       "every policy of this sweep");
-  if (!fallback.empty()) std::fprintf(stderr, "infinigen: %s\n", fallback.c_str());
+  const EvalCommonOptions& common = o.common;
+  const DType kv_dtype = parse_float_dtype(common.kv_dtype);  // checked by its flag
+  const std::vector<EvalSetting> settings = eval_settings(common);
+  std::vector<SweepPoint> points;
+  for (const EvalSetting& setting : settings) points.push_back({setting, {}});
+  const Device device = eval_device(settings, common.device);
   ModelLoadOptions load_options;
   load_options.device = device;
-  const ModelSource model = resolve_model(o.model, load_options);
+  const ModelSource model = resolve_model(common.model, load_options);
   o.perplexity.validate(model.config.max_positions);
   const int64_t window =
       o.perplexity.prefill + o.perplexity.decode_length(model.config.max_positions);
@@ -200,69 +137,38 @@ int eval(EvalCommandOptions& o) {
   if (o.max_windows > 0 && static_cast<int64_t>(windows.size()) > o.max_windows) {
     windows.resize(static_cast<size_t>(o.max_windows));
   }
-  // Every setting is planned before the first one runs: one that cannot fit is refused now, not
-  // after the others have run for minutes.
-  const int64_t batch = std::min<int64_t>(o.perplexity.batch, std::ssize(windows));
-  for (const SweepPoint& p : points) {
-    try {
-      plan_offloaded_run(offload_memory_request(model.config, batch, o.perplexity.prefill,
-                                                window - o.perplexity.prefill, kv_dtype, p.offload),
-                         p.offload, device);
-    } catch (const Error& e) {
-      throw Error(
-          cat(p.policy, p.settings.empty() ? "" : " (" + p.settings + ")", ": ", e.message()));
-    }
-  }
-  fs::create_directories(o.out);
-  INFINIGEN_CHECK(fs::is_directory(o.out), "--out ", o.out, ": cannot create the directory");
-  {
-    Progress progress(cat("evaluating ", counted(points.size(), "setting"), " on ",
-                          counted(windows.size(), "window")));
-    for (size_t i = 0; i < points.size(); ++i) {
-      points[i].result = with_interrupt_context(
-          [&] {
-            return measure_perplexity(model, windows, o.perplexity, points[i].offload, device,
-                                      kv_dtype, [&](int64_t done, int64_t total) {
-                                        progress.update(
-                                            static_cast<int64_t>(i) * total + done,
-                                            static_cast<int64_t>(points.size()) * total);
-                                      });
-          },
-          [&] {
-            return cat(" in setting ", i + 1, " of ", points.size(), "; nothing was written to ",
-                       o.out);
-          });
-    }
-  }
+  plan_eval_settings(settings, model.config,
+                     std::min<int64_t>(o.perplexity.batch, std::ssize(windows)),
+                     o.perplexity.prefill, window - o.perplexity.prefill, kv_dtype, device);
+  create_eval_out(common.out);
+  run_eval_settings(points.size(), counted(windows.size(), "window"), common.out,
+                    [&](size_t i, const EvalProgress& progress) {
+                      points[i].result =
+                          measure_perplexity(model, windows, o.perplexity,
+                                             points[i].setting.offload, device, kv_dtype, progress);
+                    });
   // The reference is the first policy that computes over every token (the full cache's result).
   double full_perplexity = 0;
   for (const SweepPoint& p : points) {
-    if (full_perplexity == 0 && kv_policy(p.policy).exact) full_perplexity = p.result.perplexity();
+    if (full_perplexity == 0 && kv_policy(p.setting.policy).exact) {
+      full_perplexity = p.result.perplexity();
+    }
   }
 
-  const MachineInfo machine = this_machine(device);
-  // The plot's title names the model briefly: its directory's name, not the whole path.
-  const std::string model_name = is_builtin_model(o.model) ? "built-in model " + o.model
-                                                           : fs::path(o.model).filename().string();
-  nlohmann::json report = {{"model", model.description},
-                           {"model_name", model_name.empty() ? o.model : model_name},
-                           {"texts", o.texts},
-                           {"windows", windows.size()},
-                           {"prefill", o.perplexity.prefill},
-                           {"decode", window - o.perplexity.prefill},
-                           {"chunk", o.perplexity.chunk},
-                           {"kv_dtype", dtype_name(kv_dtype)},
-                           {"command", o.command_line},
-                           {"commit", source_commit()},
-                           {"machine", {{"cpu", machine.cpu}, {"device", machine.device}}},
-                           {"points", nlohmann::json::array()}};
+  nlohmann::json report = eval_report_head("perplexity", common, model, device);
+  report["texts"] = o.texts;
+  report["windows"] = windows.size();
+  report["prefill"] = o.perplexity.prefill;
+  report["decode"] = window - o.perplexity.prefill;
+  report["chunk"] = o.perplexity.chunk;
+  report["points"] = nlohmann::json::array();
   for (const SweepPoint& p : points) report["points"].push_back(point_json(p, full_perplexity));
-  const fs::path json_path = fs::path(o.out) / "eval.json";
-  const fs::path csv_path = fs::path(o.out) / "eval.csv";
+  const fs::path json_path = fs::path(common.out) / "eval.json";
+  const fs::path csv_path = fs::path(common.out) / "eval.csv";
   write_text_file(json_path, report.dump(2) + "\n");
   write_text_file(csv_path, points_csv(points, full_perplexity));
-  if (!o.no_plot) plot("plot_eval.py", json_path, fs::path(o.out) / "eval.png");
-  if (o.json) {
+  if (!common.no_plot) plot("plot_eval.py", json_path, fs::path(common.out) / "eval.png");
+  if (common.json) {
     std::printf("%s\n", report.dump(2).c_str());
     return 0;
   }
@@ -284,58 +190,87 @@ int eval(EvalCommandOptions& o) {
                     100.0 * (r.perplexity() / full_perplexity - 1.0));
     }
     if (r.mean_recall >= 0) std::snprintf(recall, sizeof recall, "%.3f", r.mean_recall);
-    std::printf("%-10s %-36s %10.3f %8s %9.1f%% %11.1f%% %7s\n", p.policy.c_str(),
-                p.settings.c_str(), r.perplexity(), vs_full, 100.0 * r.fetched,
+    std::printf("%-10s %-36s %10.3f %8s %9.1f%% %11.1f%% %7s\n", p.setting.policy.c_str(),
+                p.setting.settings.c_str(), r.perplexity(), vs_full, 100.0 * r.fetched,
                 100.0 * r.speculated_fetched, recall);
   }
   std::printf("\nwrote %s\nwrote %s\n", csv_path.c_str(), json_path.c_str());
-  if (!o.no_plot) std::printf("wrote %s\n", (fs::path(o.out) / "eval.png").c_str());
+  if (!common.no_plot) std::printf("wrote %s\n", (fs::path(common.out) / "eval.png").c_str());
   return 0;
+}
+
+// Refuses a flag that the chosen task does not read.
+void check_task_flags(const EvalCommandOptions& o) {
+  const bool passkey = o.task == "passkey";
+  for (const CLI::Option* flag : passkey ? o.perplexity_flags : o.passkey_flags) {
+    INFINIGEN_CHECK(flag->count() == 0, flag->get_name(), " is for --task ",
+                    passkey ? "perplexity" : "passkey", ", not --task ", o.task);
+  }
+}
+
+int eval(EvalCommandOptions& o) {
+  check_task_flags(o);
+  if (o.task == "passkey") {
+    o.passkey.task.batch = o.perplexity.batch;  // --batch, read by both tasks
+    return eval_passkey(o.common, o.passkey);
+  }
+  return eval_perplexity(o);
 }
 
 }  // namespace
 
 Command add_eval_command(CLI::App& app) {
   auto o = std::make_shared<EvalCommandOptions>();
-  app.add_option("--model,-m", o->model, "Checkpoint directory, or 'builtin' / 'builtin-llama'")
+  EvalCommonOptions& common = o->common;
+  app.add_option("--task", o->task,
+                 "perplexity (held-out text, teacher-forced) or passkey (a key hidden in filler "
+                 "text, retrieved by greedy generation)")
+      ->check(CLI::IsMember({"perplexity", "passkey"}))
       ->capture_default_str();
-  app.add_option("--text,-t", o->texts,
-                 "Held-out text file(s); each is cut into windows from its start");
-  app.add_option("--prefill", o->perplexity.prefill,
-                 "Tokens of each window given as the prompt (BOS included)")
+  app.add_option("--model,-m", common.model, "Checkpoint directory, or 'builtin' / 'builtin-llama'")
       ->capture_default_str();
-  app.add_option("--decode", o->perplexity.decode,
-                 "Tokens scored after the prompt, one decode step each (default: the rest of the "
-                 "model's context)");
-  app.add_option("--chunk", o->perplexity.chunk, "Positions per point of the chunked curve")
-      ->capture_default_str();
-  app.add_option("--batch,-b", o->perplexity.batch, "Windows decoded together")
-      ->capture_default_str();
-  app.add_option("--max-windows", o->max_windows, "Score at most this many windows (0 = all)")
+  o->perplexity_flags = {
+      app.add_option("--text,-t", o->texts,
+                     "perplexity: held-out text file(s); each is cut into windows from its start"),
+      app.add_option("--prefill", o->perplexity.prefill,
+                     "perplexity: tokens of each window given as the prompt (BOS included)")
+          ->capture_default_str(),
+      app.add_option("--decode", o->perplexity.decode,
+                     "perplexity: tokens scored after the prompt, one decode step each (default: "
+                     "the rest of the model's context)"),
+      app.add_option("--chunk", o->perplexity.chunk,
+                     "perplexity: positions per point of the chunked curve")
+          ->capture_default_str(),
+      app.add_option("--max-windows", o->max_windows,
+                     "perplexity: score at most this many windows (0 = all)")
+          ->capture_default_str()};
+  o->passkey_flags = add_passkey_flags(app, o->passkey);
+  app.add_option("--batch,-b", o->perplexity.batch,
+                 "Windows (perplexity), or prompts of one length (passkey), decoded together")
       ->capture_default_str();
   app.add_option_function<std::vector<std::string>>(
          "--policy",
          [o](const std::vector<std::string>& names) {
            for (const std::string& name : names) kv_policy(name);
-           o->policies = names;
+           o->common.policies = names;
          },
          policy_list_help("KV policies to compare (comma-separated):"))
       ->delimiter(',')
       ->default_str("full,infinigen");
-  add_option_list_flags(app, offload_option_table(), o->sweeps, {"policy"});
-  app.add_flag("--no-recall", o->no_recall,
+  add_option_list_flags(app, offload_option_table(), common.sweeps, {"policy"});
+  app.add_flag("--no-recall", common.no_recall,
                "infinigen: skip measuring the share of attention weight the fetched tokens carry");
-  app.add_option("--device", o->device, "cpu, cuda or auto")->capture_default_str();
-  app.add_option("--kv-dtype", o->kv_dtype, "KV cache element type: f16 or f32")
+  app.add_option("--device", common.device, "cpu, cuda or auto")->capture_default_str();
+  app.add_option("--kv-dtype", common.kv_dtype, "KV cache element type: f16 or f32")
       ->check(float_type_in({DType::F16, DType::F32}))
       ->capture_default_str();
   add_threads_flag(app);
-  app.add_option("--out,-o", o->out, "Directory for eval.csv, eval.json and eval.png")
+  app.add_option("--out,-o", common.out, "Directory for eval.csv, eval.json and eval.png")
       ->capture_default_str();
-  app.add_flag("--no-plot", o->no_plot, "Write CSV and JSON only");
-  app.add_flag("--json", o->json, "Print the results as JSON on stdout");
+  app.add_flag("--no-plot", common.no_plot, "Write CSV and JSON only");
+  app.add_flag("--json", common.json, "Print the results as JSON on stdout");
   return [o] {
-    o->command_line = this_command_line();
+    o->common.command_line = this_command_line();
     return eval(*o);
   };
 }

@@ -58,7 +58,7 @@ int run_cli(int argc, char** argv) {
       cli::add_skew_command);
   add("bench", "Run the paper's latency experiments (CSV, JSON, plot); predict other hardware",
       cli::add_bench_command);
-  add("eval", "Perplexity through the decode loop, for a sweep of KV policies and settings",
+  add("eval", "Accuracy of a sweep of KV policies and settings: perplexity, or passkey retrieval",
       cli::add_eval_command);
   add("inspect", "Print a checkpoint's config and tensors", cli::add_inspect_command);
   try {
