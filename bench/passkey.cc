@@ -209,6 +209,16 @@ void PasskeyOptions::validate(int64_t max_positions) const {
                     " are fractions of the filler in [0, 1], got ", depth);
   }
   INFINIGEN_CHECK(!depths.empty(), option("depths"), " is empty");
+  for (size_t i = 0; i < depths.size(); ++i) {
+    INFINIGEN_CHECK(std::find(depths.begin(), depths.begin() + static_cast<std::ptrdiff_t>(i),
+                              depths[i]) == depths.begin() + static_cast<std::ptrdiff_t>(i),
+                    option("depths"), " lists ", depths[i], " twice");
+  }
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    INFINIGEN_CHECK(std::find(lengths.begin(), lengths.begin() + static_cast<std::ptrdiff_t>(i),
+                              lengths[i]) == lengths.begin() + static_cast<std::ptrdiff_t>(i),
+                    option("lengths"), " lists ", lengths[i], " twice");
+  }
   INFINIGEN_CHECK(trials >= 1, option("trials"), " must be at least 1, got ", trials);
   INFINIGEN_CHECK(batch >= 1, option("batch"), " must be at least 1, got ", batch);
   const int64_t longest = max_positions - generated_bound();

@@ -106,7 +106,7 @@ struct PasskeyOptions {
   // lengths, or by default 1/8, 1/4, 1/2 and 3/4 of the context and the longest that fits.
   std::vector<int64_t> lengths_or_default(int64_t max_positions) const;
   // One-line Errors naming the flag: a depth outside [0, 1], trials or batch below 1, a length
-  // below 1 or one that leaves no room for the generated tokens.
+  // below 1 or one that leaves no room for the generated tokens, a length or depth listed twice.
   void validate(int64_t max_positions) const;
 };
 

@@ -286,7 +286,12 @@ TEST(PasskeyOptionsTest, DefaultLengthsSpreadOverTheContextAndBadOnesAreRefused)
   expect_error([&] { options.validate(2048); }, {"--depths", "[0, 1]", "1.5"});
   options.depths = {-0.1};
   expect_error([&] { options.validate(2048); }, {"--depths", "-0.1"});
+  options.depths = {0.5, 0.25, 0.5};
+  expect_error([&] { options.validate(2048); }, {"--depths", "0.5 twice"});
   options.depths = {0.5};
+  options.lengths = {512, 256, 512};
+  expect_error([&] { options.validate(2048); }, {"--lengths", "512 twice"});
+  options.lengths = {};
   options.trials = 0;
   expect_error([&] { options.validate(2048); }, {"--trials", "at least 1"});
 }
