@@ -212,14 +212,24 @@ TEST(BatchShard, RanksOfANodeTakeDifferentGpus) {
 TEST(BatchSchedule, GroupsByLengthWithoutSplittingARequest) {
   const std::vector<cli::RequestShape> shapes = {{1, 50, 4}, {2, 3, 4}, {1, 40, 4},
                                                  {3, 5, 8},  {1, 3, 2}, {1, 41, 4}};
-  // By length: 4 and 1 (3 tokens; max_tokens 2 first), 3 (5 tokens, 3 sequences) and 2, then 5
-  // and 0; a request that does not fit starts the next batch.
+  // One window (4 batches' worth): by length, then by max_tokens; a request that does not fit
+  // starts the next batch.
   EXPECT_EQ(cli::group_requests(shapes, 4, cli::BatchOrder::ByLength),
-            (std::vector<std::vector<size_t>>{{4, 1}, {3, 2}, {5, 0}}));
+            (std::vector<std::vector<size_t>>{{4, 1, 2}, {5, 0}, {3}}));
   EXPECT_EQ(cli::group_requests(shapes, 4, cli::BatchOrder::Arrival),
             (std::vector<std::vector<size_t>>{{0, 1, 2}, {3, 4}, {5}}));
   testing_util::expect_error([&] { cli::group_requests(shapes, 2, cli::BatchOrder::ByLength); },
                              {"a request of 3 sequences does not fit a batch of 2"});
+}
+
+// Windows of 4 batches' worth of sequences by prompt length, each regrouped by max_tokens, so
+// that a batch's sequences end together: the 8 shortest prompts first, then the 4 longest.
+TEST(BatchSchedule, SequencesThatEndTogetherShareABatch) {
+  std::vector<cli::RequestShape> shapes;
+  for (int64_t i = 0; i < 12; ++i) shapes.push_back({1, 100 + i, (i * 5) % 7 + 1});
+  // max_tokens: 1, 6, 4, 2, 7, 5, 3, 1 | 6, 4, 2, 7
+  EXPECT_EQ(cli::group_requests(shapes, 2, cli::BatchOrder::ByLength),
+            (std::vector<std::vector<size_t>>{{0, 7}, {3, 6}, {2, 5}, {1, 4}, {10, 9}, {8, 11}}));
 }
 
 }  // namespace

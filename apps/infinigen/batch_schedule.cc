@@ -7,6 +7,12 @@
 #include "core/error.h"
 
 namespace infinigen::cli {
+namespace {
+
+// Batches' worth of sequences, neighbours by prompt length, regrouped by max_tokens.
+constexpr int64_t kWindowBatches = 4;
+
+}  // namespace
 
 std::vector<std::vector<size_t>> group_requests(const std::vector<RequestShape>& shapes,
                                                 int64_t batch, BatchOrder order) {
@@ -15,10 +21,22 @@ std::vector<std::vector<size_t>> group_requests(const std::vector<RequestShape>&
   std::iota(sequence.begin(), sequence.end(), size_t{0});
   if (order == BatchOrder::ByLength) {
     std::stable_sort(sequence.begin(), sequence.end(), [&](size_t a, size_t b) {
-      return shapes[a].prompt_len != shapes[b].prompt_len
-                 ? shapes[a].prompt_len < shapes[b].prompt_len
-                 : shapes[a].max_tokens < shapes[b].max_tokens;
+      return shapes[a].prompt_len < shapes[b].prompt_len;
     });
+    // Then by max_tokens within windows of kWindowBatches batches' worth of sequences, whose
+    // prompts are of nearly one length: a batch runs until its last sequence ends, so sequences
+    // that end together should share one.
+    for (size_t begin = 0; begin < sequence.size();) {
+      size_t end = begin;
+      for (int64_t filled = 0; end < sequence.size() && filled < kWindowBatches * batch; ++end) {
+        filled += shapes[sequence[end]].sequences;
+      }
+      std::stable_sort(
+          sequence.begin() + static_cast<std::ptrdiff_t>(begin),
+          sequence.begin() + static_cast<std::ptrdiff_t>(end),
+          [&](size_t a, size_t b) { return shapes[a].max_tokens < shapes[b].max_tokens; });
+      begin = end;
+    }
   }
   std::vector<std::vector<size_t>> batches;
   int64_t filled = batch;  // sequences in the last batch

@@ -18,12 +18,14 @@ struct RequestShape {
 };
 
 enum class BatchOrder {
-  ByLength,  // by prompt length, then max_tokens: little padding, sequences ending together
-  Arrival,   // in input order (what a plain run over the file would do)
+  // By prompt length (little padding), then by max_tokens within windows of a few batches of
+  // neighbouring lengths (a batch's sequences ending together).
+  ByLength,
+  Arrival,  // in input order (what a plain run over the file would do)
 };
 
 // Batches of at most `batch` sequences (each request's shape.sequences <= batch), as indices into
-// `shapes`; by length, requests of equal shape keep their input order. Deterministic.
+// `shapes`; requests that compare equal keep their input order. Deterministic.
 std::vector<std::vector<size_t>> group_requests(const std::vector<RequestShape>& shapes,
                                                 int64_t batch, BatchOrder order);
 

@@ -158,6 +158,9 @@ struct JobTotals {
   // that begin alike) counted once per member less once per group.
   int64_t shared_prefix_tokens = 0;
   int64_t decode_steps = 0;
+  // Sum over batches of batch * token positions generated: the rows the steps computed, of
+  // which those beyond generated_tokens belonged to sequences that had ended.
+  int64_t generated_rows = 0;
   double seconds = 0.0;
 };
 
@@ -209,6 +212,7 @@ std::vector<std::string> run_batch(const std::vector<const PreparedRequest*>& ba
   totals.sequences += B;
   totals.padded_prompt_rows += B * longest;
   totals.decode_steps += run.result.gen_len;
+  totals.generated_rows += B * run.result.gen_len;
   totals.shared_prefix_tokens +=
       run.shared_prefixes.member_tokens() - run.shared_prefixes.kept_tokens();
   totals.seconds += run.result.total_seconds();
@@ -266,6 +270,9 @@ void print_summary(const BatchOptions& o, const Shard& shard, const JobTotals& t
       t.padded_prompt_rows > 0
           ? 1.0 - static_cast<double>(t.prompt_tokens) / static_cast<double>(t.padded_prompt_rows)
           : 0.0;
+  const double ended_rows = t.generated_rows > 0 ? 1.0 - static_cast<double>(t.generated_tokens) /
+                                                             static_cast<double>(t.generated_rows)
+                                                 : 0.0;
   if (o.json) {
     const nlohmann::ordered_json summary = {
         {"model", model},
@@ -290,6 +297,7 @@ void print_summary(const BatchOptions& o, const Shard& shard, const JobTotals& t
         {"shared_prefix_tokens", t.shared_prefix_tokens},
         {"generated_tokens", t.generated_tokens},
         {"decode_steps", t.decode_steps},
+        {"ended_rows_share", ended_rows},
         {"generation_s", t.seconds},
         {"throughput_tok_s", throughput}};
     std::printf("%s\n", summary.dump(2).c_str());
@@ -309,7 +317,10 @@ void print_summary(const BatchOptions& o, const Shard& shard, const JobTotals& t
       "kept once), %lld generated tokens\n",
       static_cast<long long>(t.sequences), static_cast<long long>(t.prompt_tokens), 100.0 * padding,
       static_cast<long long>(t.shared_prefix_tokens), static_cast<long long>(t.generated_tokens));
-  std::printf("generation %.2f s, %.1f generated tok/s\n", t.seconds, throughput);
+  std::printf(
+      "generation %.2f s, %.1f generated tok/s; %.1f%% of the generated rows were of "
+      "sequences that had ended (a batch runs until its last one ends)\n",
+      t.seconds, throughput, 100.0 * ended_rows);
   std::printf("%s: %s\n", merged ? o.output.c_str() : shard_file(o.output, shard).c_str(),
               merged ? "complete, in input order"
                      : "this shard is complete; the others have not all finished (infinigen batch "
