@@ -18,6 +18,13 @@ model sees positions from the start of a text, as a prompt gives them) and at a 
 token otherwise. Examples are drawn from a generator seeded by the step, so a resumed run sees
 the same examples as an uninterrupted one.
 
+With --retrieval-share P, that share of the micro-batches are passkey retrieval examples instead
+(tools/passkey_examples.py: the prompt `infinigen eval --task passkey` builds, filler from the
+training stream, a random depth, a length uniform up to the context, one length per micro-batch),
+trained on their answer's tokens only; the retrieval of the model is then measured at every
+evaluation too. With --init, a run starts from an exported checkpoint of the same shape (to teach
+a shipped model retrieval without training it again from scratch).
+
 Held-out perplexity is measured on the held-out documents (never trained on): every document of
 at least one context is read from its start in non-overlapping windows of one context, each
 window starting with BOS; the mean negative log-likelihood of all predicted tokens gives it.
@@ -36,6 +43,8 @@ import numpy as np
 import torch
 from tokenizers import ByteLevelBPETokenizer
 from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
+
+from passkey_examples import PasskeyExamples, greedy_key_accuracy
 
 BOS_ID, PAD_ID, EOS_ID = 2, 1, 2  # OPT's conventions, kept by tools/train_tokenizer.py
 MODEL_CLASSES = {"opt": OPTForCausalLM, "llama": LlamaForCausalLM}
@@ -220,6 +229,19 @@ def command_train(args: argparse.Namespace) -> int:
 
     torch.manual_seed(args.seed)
     model = new_model(args, vocab_size).to(args.device)
+    if args.init and not (run / "checkpoint.pt").is_file():
+        initial = MODEL_CLASSES[args.family].from_pretrained(args.init, dtype=torch.float32)
+        try:
+            model.load_state_dict(initial.state_dict())
+        except RuntimeError as error:
+            sys.exit(f"train_model: --init {args.init} does not have this run's shapes: "
+                     f"{str(error).splitlines()[0]}")
+        log(f"starting from {args.init}")
+    retrieval = None
+    if args.retrieval_share > 0:
+        retrieval = PasskeyExamples(load_tokenizer(args.tokenizer), train_tokens, BOS_ID)
+        # Watched at each evaluation: 2 keys at each of 3 depths and 3 lengths up to the context.
+        retrieval_lengths = [256, args.context // 2, args.context - 8]
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
@@ -249,10 +271,19 @@ def command_train(args: argparse.Namespace) -> int:
         optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         for micro in range(accumulation):
-            batch = training_batch(train_tokens, train_starts, args.micro_batch, args.context,
-                                   args.seed * 1_000_003 + step * accumulation + micro)
-            batch = batch.to(args.device)
-            loss = model(input_ids=batch, labels=batch).loss / accumulation
+            seed = args.seed * 1_000_003 + step * accumulation + micro
+            choice = np.random.default_rng([seed, 1])
+            if retrieval is not None and choice.random() < args.retrieval_share:
+                # The answer (at most 8 tokens) after the prompt stays within the context.
+                length = int(choice.integers(args.retrieval_min_length, args.context - 8 + 1))
+                ids, labels = retrieval.batch(args.micro_batch, length, seed)
+                batch = torch.from_numpy(ids).to(args.device)
+                labels = torch.from_numpy(labels).to(args.device)
+            else:
+                batch = training_batch(train_tokens, train_starts, args.micro_batch, args.context,
+                                       seed).to(args.device)
+                labels = batch
+            loss = model(input_ids=batch, labels=labels).loss / accumulation
             loss.backward()
             loss_sum += loss.item()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()
@@ -268,8 +299,14 @@ def command_train(args: argparse.Namespace) -> int:
             record["heldout_ppl"] = heldout_perplexity(model, windows, args.micro_batch)
             history.append({"step": step, "tokens": tokens_seen, "ppl": record["heldout_ppl"]})
             best = min(best, record["heldout_ppl"])
+            found = ""
+            if retrieval is not None:
+                accuracy = greedy_key_accuracy(model, retrieval, retrieval_lengths,
+                                               [0.0, 0.5, 1.0], 2, seed=12345)
+                record["passkey"] = history[-1]["passkey"] = accuracy["overall"]
+                found = f", passkey {accuracy['overall']:.0%} {accuracy['per_length']}"
             log(f"step {step}: loss {loss_sum:.3f}, held-out perplexity "
-                f"{record['heldout_ppl']:.2f} (best {best:.2f}), "
+                f"{record['heldout_ppl']:.2f} (best {best:.2f}){found}, "
                 f"{tokens_seen / 1e6:.1f} M tokens")
         log_file.write(json.dumps(record) + "\n")
         log_file.flush()
@@ -327,7 +364,8 @@ def command_export(args: argparse.Namespace) -> int:
     namespace = argparse.Namespace(**settings)
     tokenizer_dir = pathlib.Path(settings["tokenizer"])
     vocab_size = len(json.loads((tokenizer_dir / "vocab.json").read_text()))
-    state = torch.load(run / "best.pt", weights_only=False, map_location="cpu")
+    state = torch.load(run / ("best.pt" if args.which == "best" else "checkpoint.pt"),
+                       weights_only=False, map_location="cpu")
     model = new_model(namespace, vocab_size)
     model.load_state_dict(state["model"])
     if isinstance(model.config, OPTConfig):
@@ -441,6 +479,12 @@ def main() -> int:
     train.add_argument("--patience", type=int, default=4)
     train.add_argument("--min-improvement", type=float, default=0.005)
     train.add_argument("--seed", type=int, default=1)
+    train.add_argument("--init", type=pathlib.Path, default=None,
+                       help="exported checkpoint of the same shape to start from")
+    train.add_argument("--retrieval-share", type=float, default=0.0,
+                       help="share of micro-batches that are passkey retrieval examples")
+    train.add_argument("--retrieval-min-length", type=int, default=64,
+                       help="shortest passkey prompt, in tokens")
     train.set_defaults(handler=command_train)
 
     measure = commands.add_parser("measure", help="time training steps of one shape")
@@ -451,6 +495,9 @@ def main() -> int:
     export = commands.add_parser("export", help="write a run's best checkpoint for the engine")
     export.add_argument("--run", type=pathlib.Path, required=True)
     export.add_argument("--out", type=pathlib.Path, required=True)
+    export.add_argument("--which", choices=["best", "last"], default="best",
+                        help="the weights of the best held-out perplexity, or the last saved "
+                        "(a retrieval run trades a little perplexity for retrieval)")
     export.add_argument("--temperature", type=float, default=0.8,
                         help="sampling temperature written to generation_config.json")
     export.add_argument("--top-p", type=float, default=0.95,

@@ -1,0 +1,113 @@
+"""Passkey retrieval examples for training the built-in models (tools/train_model.py
+--retrieval-share) and for watching their retrieval while they train.
+
+An example is the prompt `infinigen eval --task passkey` builds, from the template it reads by
+default (configs/passkey/template.json): BOS, the intro, filler text with the needle (which
+states the key) at a chosen depth, the question; then the answer, the key after a space and a
+full stop. Here the filler is a random stretch of the training corpus (its documents' BOS
+removed), the depth is uniform in [0, 1], the length uniform between a floor and the context,
+and the key five random digits or a random word of the corpus; the eval uses fillers, keys and
+depths of its own.
+
+Every example is drawn from a generator seeded by the caller, so a resumed training run sees the
+same examples as an uninterrupted one.
+"""
+
+import json
+import pathlib
+import re
+
+import numpy as np
+
+TEMPLATE = pathlib.Path(__file__).resolve().parent.parent / "configs" / "passkey" / "template.json"
+
+
+class PasskeyExamples:
+    """Builds passkey examples as token ids with the training tokenizer."""
+
+    def __init__(self, tokenizer, tokens: np.ndarray, bos_id: int,
+                 template: pathlib.Path = TEMPLATE):
+        strings = json.loads(template.read_text(encoding="utf-8"))
+        self.tokenizer = tokenizer
+        self.bos_id = bos_id
+        self.intro = tokenizer.encode(strings["intro"]).ids
+        self.question = tokenizer.encode(strings["question"]).ids
+        self.needle = strings["needle"]
+        # The corpus stream without its documents' BOS: filler is drawn from it.
+        self.filler = tokens[tokens != bos_id]
+        # Words of the corpus for word keys: lower-case, 4 to 9 letters, seen at least 20 times.
+        sample = tokenizer.decode(self.filler[: min(len(self.filler), 400_000)].tolist())
+        counts: dict[str, int] = {}
+        for word in re.findall(r"\b[a-z]{4,9}\b", sample):
+            counts[word] = counts.get(word, 0) + 1
+        self.words = sorted(w for w, c in counts.items() if c >= 20)
+
+    def key(self, rng: np.random.Generator) -> str:
+        if rng.random() < 0.75:
+            return str(int(rng.integers(10_000, 100_000)))
+        return self.words[int(rng.integers(len(self.words)))]
+
+    def example(self, length: int, depth: float, key: str,
+                rng: np.random.Generator) -> tuple[list[int], list[int]]:
+        """(prompt, answer) token ids: the prompt exactly `length` tokens, BOS first."""
+        needle = self.tokenizer.encode(self.needle.replace("{key}", key)).ids
+        answer = self.tokenizer.encode(f" {key}.").ids
+        room = length - 1 - len(self.intro) - len(needle) - len(self.question)
+        if room < 0:
+            raise ValueError(f"a passkey prompt of {length} tokens has no room for its filler")
+        start = int(rng.integers(0, len(self.filler) - room))
+        filler = self.filler[start:start + room].tolist()
+        at = int(round(depth * room))
+        prompt = [self.bos_id] + self.intro + filler[:at] + needle + filler[at:] + self.question
+        return prompt, answer
+
+    def batch(self, rows: int, length: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, length + answer) ids and labels of one length: the labels are -100 except on
+        the answer's tokens, the only ones trained on (the corpus rows train the language)."""
+        rng = np.random.default_rng(seed)
+        examples = []
+        for _ in range(rows):
+            key = self.key(rng)
+            examples.append(self.example(length, float(rng.random()), key, rng))
+        width = length + max(len(answer) for _, answer in examples)
+        ids = np.full((rows, width), self.bos_id, dtype=np.int64)
+        labels = np.full((rows, width), -100, dtype=np.int64)
+        for row, (prompt, answer) in enumerate(examples):
+            ids[row, :length] = prompt
+            ids[row, length:length + len(answer)] = answer
+            # Labels are the ids themselves; the model shifts them by one.
+            labels[row, length:length + len(answer)] = answer
+        return ids, labels
+
+
+def greedy_key_accuracy(model, examples: PasskeyExamples, lengths: list[int],
+                        depths: list[float], trials: int, seed: int) -> dict:
+    """Share of exact keys a greedy continuation gives, per length and overall (HF model)."""
+    import torch
+
+    rng = np.random.default_rng(seed)
+    model.eval()
+    per_length, correct_total, total = {}, 0, 0
+    with torch.no_grad():
+        for length in lengths:
+            correct = 0
+            for depth in depths:
+                for _ in range(trials):
+                    key = examples.key(rng)
+                    prompt, answer = examples.example(length, depth, key, rng)
+                    ids = torch.tensor([prompt], device=model.device)
+                    generated = []
+                    past = None
+                    for _ in range(len(answer)):
+                        out = model(input_ids=ids, past_key_values=past, use_cache=True)
+                        past = out.past_key_values
+                        token = int(out.logits[0, -1].argmax())
+                        generated.append(token)
+                        ids = torch.tensor([[token]], device=model.device)
+                    text = examples.tokenizer.decode(generated).strip()
+                    correct += int(re.match(re.escape(key) + r"(?![0-9A-Za-z])", text) is not None)
+            per_length[length] = correct / (len(depths) * trials)
+            correct_total += correct
+            total += len(depths) * trials
+    model.train()
+    return {"overall": correct_total / total, "per_length": per_length}
