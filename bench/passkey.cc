@@ -44,11 +44,25 @@ bool is_ascii_alphanumeric(char c) {
 
 }  // namespace
 
-PasskeyTemplate PasskeyTemplate::from_json(std::string_view text, const std::string& source) {
+const PasskeyTemplate& PasskeyTemplate::built_in() {
+  static const PasskeyTemplate bundled = [] {
+    const std::string_view path = "passkey/template.json";
+    const std::optional<std::string_view> text = embedded_config(path);
+    INFINIGEN_CHECK(text.has_value(), "configs/", path, " was not embedded in this build");
+    const PasskeyTemplate parsed = from_json(*text, cat("configs/", path), PasskeyTemplate{});
+    INFINIGEN_CHECK(!parsed.intro.empty() && !parsed.question.empty(), "configs/", path,
+                    " must give \"intro\", \"needle\" and \"question\"");
+    return parsed;
+  }();
+  return bundled;
+}
+
+PasskeyTemplate PasskeyTemplate::from_json(std::string_view text, const std::string& source,
+                                           const PasskeyTemplate& base) {
   const nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   INFINIGEN_CHECK(j.is_object(), source,
                   ": not a JSON object of \"intro\", \"needle\" and \"question\" strings");
-  PasskeyTemplate result;
+  PasskeyTemplate result = base;
   for (const auto& [name, value] : j.items()) {
     std::string* field = name == "intro"      ? &result.intro
                          : name == "needle"   ? &result.needle

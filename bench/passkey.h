@@ -25,14 +25,18 @@ namespace infinigen {
 
 // The three strings around the filler; the needle holds "{key}" (each one replaced by the key).
 struct PasskeyTemplate {
-  std::string intro = "A secret key is hidden somewhere in the text below. Remember it.\n\n";
-  std::string needle = "\nThe secret key is {key}. Remember the secret key: {key}.\n";
-  std::string question = "\n\nWhat is the secret key? The secret key is";
+  std::string intro;
+  std::string needle;
+  std::string question;
 
-  // A JSON object with any of "intro", "needle" and "question" (strings; the others keep their
-  // defaults). One-line Error naming `source` when it is not such an object, names another
+  // The bundled template, configs/passkey/template.json: the built-in models are trained on
+  // examples made from the same file (tools/passkey_examples.py).
+  static const PasskeyTemplate& built_in();
+  // A JSON object with any of "intro", "needle" and "question" (strings; the others keep
+  // `base`'s). One-line Error naming `source` when it is not such an object, names another
   // field, or a needle lacks "{key}" (or the intro or question hold it).
-  static PasskeyTemplate from_json(std::string_view text, const std::string& source);
+  static PasskeyTemplate from_json(std::string_view text, const std::string& source,
+                                   const PasskeyTemplate& base = built_in());
   std::string needle_with(const std::string& key) const;
 };
 

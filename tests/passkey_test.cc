@@ -48,7 +48,7 @@ class PasskeyPromptTest : public ::testing::TestWithParam<TokenizerCase> {
   }
   std::optional<Tokenizer> tokenizer_;
   PasskeyFiller filler_;
-  PasskeyTemplate text_;
+  PasskeyTemplate text_ = PasskeyTemplate::built_in();
   const int32_t bos_ = 2;
 };
 
@@ -120,8 +120,8 @@ TEST(PasskeyPrompt, FillerIsCycledFromTheTrialsLineAndWithoutBosNoneIsAdded) {
   EXPECT_EQ(filler.line_starts[0], 0);
   EXPECT_EQ(tok.decode({filler.ids.begin() + filler.line_starts[1], filler.ids.end()}),
             "Second line.\n");
-  const PasskeyPrompt p = passkey_prompt(tok, std::nullopt, PasskeyTemplate{}, filler, 200, 0.5,
-                                         {"12345", filler.line_starts[1]});
+  const PasskeyPrompt p = passkey_prompt(tok, std::nullopt, PasskeyTemplate::built_in(), filler,
+                                         200, 0.5, {"12345", filler.line_starts[1]});
   ASSERT_EQ(p.ids.size(), 200u);
   EXPECT_NE(p.ids.front(), 2);
   const std::string text = tok.decode(p.ids);
@@ -144,7 +144,7 @@ TEST(PasskeyPrompt, TooShortALengthIsRefused) {
   const PasskeyFiller filler = passkey_filler(tok, bundled_passkey_filler(), "bundled", 4096);
   expect_error(
       [&] {
-        passkey_prompt(tok, 2, PasskeyTemplate{}, filler, 20, 0.5, {"12345", 0});
+        passkey_prompt(tok, 2, PasskeyTemplate::built_in(), filler, 20, 0.5, {"12345", 0});
       },
       {"--lengths 20", "cannot hold the prompt without filler"});
 }
@@ -157,7 +157,7 @@ TEST(PasskeyDraws, KeysDifferPerTrialAndRepeatWithTheSeed) {
   options.depths = {0.0, 0.5};
   options.trials = 20;
   const std::vector<PasskeyCell> cells =
-      passkey_cells(tok, 2, PasskeyTemplate{}, filler, options, 2048);
+      passkey_cells(tok, 2, PasskeyTemplate::built_in(), filler, options, 2048);
   ASSERT_EQ(cells.size(), 4u);
   std::set<std::string> keys;
   std::set<int32_t> first_filler_tokens;
@@ -178,7 +178,7 @@ TEST(PasskeyDraws, KeysDifferPerTrialAndRepeatWithTheSeed) {
   // The same seed draws the same prompts; another seed others. A cell's keys do not depend on
   // the other cells.
   const std::vector<PasskeyCell> again =
-      passkey_cells(tok, 2, PasskeyTemplate{}, filler, options, 2048);
+      passkey_cells(tok, 2, PasskeyTemplate::built_in(), filler, options, 2048);
   for (size_t c = 0; c < cells.size(); ++c) {
     for (size_t t = 0; t < cells[c].prompts.size(); ++t) {
       EXPECT_EQ(again[c].prompts[t].ids, cells[c].prompts[t].ids);
@@ -187,16 +187,19 @@ TEST(PasskeyDraws, KeysDifferPerTrialAndRepeatWithTheSeed) {
   PasskeyOptions one_cell = options;
   one_cell.lengths = {256};
   one_cell.depths = {0.5};
-  EXPECT_EQ(passkey_cells(tok, 2, PasskeyTemplate{}, filler, one_cell, 2048)[0].prompts[7].key,
-            cells[3].prompts[7].key);
+  EXPECT_EQ(
+      passkey_cells(tok, 2, PasskeyTemplate::built_in(), filler, one_cell, 2048)[0].prompts[7].key,
+      cells[3].prompts[7].key);
   PasskeyOptions reseeded = options;
   reseeded.seed = 1;
-  EXPECT_NE(passkey_cells(tok, 2, PasskeyTemplate{}, filler, reseeded, 2048)[0].prompts[0].key,
-            cells[0].prompts[0].key);
+  EXPECT_NE(
+      passkey_cells(tok, 2, PasskeyTemplate::built_in(), filler, reseeded, 2048)[0].prompts[0].key,
+      cells[0].prompts[0].key);
 
   options.key_kind = PasskeyKeyKind::Word;
   std::set<std::string> words;
-  for (const PasskeyCell& cell : passkey_cells(tok, 2, PasskeyTemplate{}, filler, options, 2048)) {
+  for (const PasskeyCell& cell :
+       passkey_cells(tok, 2, PasskeyTemplate::built_in(), filler, options, 2048)) {
     for (const PasskeyPrompt& p : cell.prompts) {
       EXPECT_EQ(p.key.find_first_not_of("abcdefghijklmnopqrstuvwxyz"), std::string::npos);
       words.insert(p.key);
@@ -239,7 +242,7 @@ TEST(PasskeyScore, WilsonInterval) {
 TEST(PasskeyTemplateFile, ReplacesTheStringsItGivesAndIsChecked) {
   const PasskeyTemplate t = PasskeyTemplate::from_json(
       R"({"needle": "\nThe code is {key}.\n", "question": "\nThe code is"})", "t.json");
-  EXPECT_EQ(t.intro, PasskeyTemplate{}.intro);
+  EXPECT_EQ(t.intro, PasskeyTemplate::built_in().intro);
   EXPECT_EQ(t.needle_with("123"), "\nThe code is 123.\n");
   EXPECT_EQ(t.question, "\nThe code is");
   expect_error([] { PasskeyTemplate::from_json(R"({"needle": "no key here"})", "t.json"); },
@@ -255,19 +258,22 @@ TEST(PasskeyTemplateFile, ReplacesTheStringsItGivesAndIsChecked) {
   expect_error([] { PasskeyTemplate::from_json("[1, 2", "t.json"); }, {"t.json", "JSON object"});
 }
 
-// The built-in strings are those the built-in models' retrieval training reads
-// (configs/passkey/template.json, tools/passkey_examples.py): the eval asks what they learned.
+// The built-in strings are the file the built-in models' retrieval training reads
+// (configs/passkey/template.json, tools/passkey_examples.py), embedded: the eval asks what they
+// learned.
 TEST(PasskeyTemplateFile, BuiltInStringsAreTheTrainingTemplates) {
   const std::filesystem::path file =
       std::filesystem::path(INFINIGEN_SOURCE_DIR) / "configs/passkey/template.json";
-  if (!std::filesystem::exists(file)) GTEST_SKIP() << file << " is not in this tree";
   std::ifstream in(file);
+  ASSERT_TRUE(in.good()) << file;
   const std::string json((std::istreambuf_iterator<char>(in)), {});
-  const PasskeyTemplate trained = PasskeyTemplate::from_json(json, file.string());
-  const PasskeyTemplate built_in;
+  const PasskeyTemplate trained = PasskeyTemplate::from_json(json, file.string(), {});
+  const PasskeyTemplate& built_in = PasskeyTemplate::built_in();
   EXPECT_EQ(trained.intro, built_in.intro);
   EXPECT_EQ(trained.needle, built_in.needle);
   EXPECT_EQ(trained.question, built_in.question);
+  EXPECT_EQ(built_in.needle_with("71432"),
+            "\nThe secret key is 71432. Remember the secret key: 71432.\n");
 }
 
 TEST(PasskeyOptionsTest, DefaultLengthsSpreadOverTheContextAndBadOnesAreRefused) {

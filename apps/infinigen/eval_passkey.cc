@@ -183,7 +183,7 @@ int eval_passkey(const EvalCommonOptions& common, const EvalPasskeyOptions& o) {
   const std::vector<int64_t> lengths = options.lengths_or_default(max_positions);
   const PasskeyTemplate text =
       o.template_path.empty()
-          ? PasskeyTemplate{}
+          ? PasskeyTemplate::built_in()
           : PasskeyTemplate::from_json(read_flag_file("--passkey-template", o.template_path),
                                        "--passkey-template " + o.template_path);
   // A filler of several contexts' tokens: enough for every trial to start somewhere else.
