@@ -113,15 +113,18 @@ std::variant<PreparedRequest, std::string> prepare(const BatchRequest& request,
   return prepared;
 }
 
-// The options that decide a result (a resume must give the same): the model, the defaults of
-// the requests' settings, the KV type and every offloading option.
+// The options that decide a result (a resume, and every shard, must give the same): the model,
+// the defaults of the requests' settings, the KV type, every offloading option, and what decides
+// the batches (a shard's share is whole batches, and InfiniGen's loads depend on a batch).
 JobKey job_key(const BatchOptions& o, const ModelSource& model, const SamplingOptions& sampling) {
   JobKey key = {{"--model", o.model + " (" + model.description + ")"},
                 {"--gen-len", std::to_string(o.gen_len)},
                 {"--seed", std::to_string(sampling.seed)},
                 {"--temperature", format_number(sampling.temperature)},
                 {"--top-p", format_number(sampling.top_p)},
-                {"--kv-dtype", std::string(dtype_name(parse_float_dtype(o.kv_dtype)))}};
+                {"--kv-dtype", std::string(dtype_name(parse_float_dtype(o.kv_dtype)))},
+                {"--batch", std::to_string(o.batch)},
+                {"--order", o.order}};
   for (const auto& spec : offload_option_table()) {
     key.emplace_back(flag_spelling(spec.key), spec.format(o.offload));
   }
