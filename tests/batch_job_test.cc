@@ -282,9 +282,11 @@ TEST(BatchJob, KilledOrInterruptedJobResumesToTheSameOutput) {
     EXPECT_EQ(read_file(out), expected) << (signal == SIGKILL ? "SIGKILL" : "SIGINT");
   }
   // Resuming with other options is refused, naming them.
-  expect_one_line_error(job(in, dir.path() / "killed.jsonl", {"--seed", "3", "--policy", "full"}),
-                        {"killed.jsonl was started with", "--seed 0", "--policy infinigen",
-                         "--seed 3", "--policy full"});
+  expect_one_line_error(
+      job(in, dir.path() / "killed.jsonl", {"--seed", "3", "--policy", "full", "--batch", "8"}),
+      {"killed.jsonl was started with", "--seed 0", "--batch 4", "--policy infinigen", "--seed 3",
+       "--batch 8", "--policy full"});
+  expect_one_line_error(job(in, in), {"is the --input file"});
 }
 
 // Requests that cannot run each get an error line with their line number; the others run; the

@@ -345,6 +345,9 @@ int batch(const BatchOptions& o) {
   INFINIGEN_CHECK(o.gen_len >= 1, "--gen-len must be at least 1, got ", o.gen_len);
   INFINIGEN_CHECK(o.order == "length" || o.order == "arrival",
                   "--order must be length or arrival, got '", o.order, "'");
+  std::error_code error;
+  INFINIGEN_CHECK(!fs::equivalent(o.input, o.output, error), "--output ", o.output,
+                  " is the --input file: the results would be appended to the requests");
   if (o.merge) return merge(o);
   const std::vector<BatchRequest> requests = read_batch_input(o.input);
   refuse_duplicate_ids(requests, o.input);
