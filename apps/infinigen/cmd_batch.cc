@@ -496,8 +496,8 @@ Command add_batch_command(CLI::App& app) {
   app.add_option("--batch,-b", o->batch, "Sequences per batch (a request's prompts times n)")
       ->capture_default_str();
   app.add_option("--order", o->order,
-                 "Which requests share a batch: length (by prompt length, least padding) or "
-                 "arrival (input order)")
+                 "Which requests share a batch: length (by prompt length, then max_tokens among "
+                 "neighbours: little padding, sequences ending together) or arrival (input order)")
       ->capture_default_str();
   auto* shard = app.add_option(
       "--shard", o->shard,
