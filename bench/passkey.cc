@@ -286,6 +286,9 @@ PasskeyResult measure_passkey(const ModelSource& model, const std::vector<Passke
     total += std::ssize(cells[c].prompts);
   }
 
+  // Per layer: the needle's shares summed over the trials, and the trials recorded.
+  std::vector<double> needle_share(static_cast<size_t>(config.num_layers), 0.0);
+  std::vector<int64_t> needle_trials(static_cast<size_t>(config.num_layers), 0);
   const auto start = std::chrono::steady_clock::now();
   int64_t done = 0;
   for (const std::vector<Trial>& trials : by_length) {
@@ -318,6 +321,17 @@ PasskeyResult measure_passkey(const ModelSource& model, const std::vector<Passke
         if (!correct && result.misses.size() < PasskeyResult::kMissesKept) {
           result.misses.push_back({cell.length, cell.depth, prompt.key, answer});
         }
+        const std::vector<FirstSelection>& selections = run.stats.first_selection();
+        for (size_t l = 0; l < selections.size(); ++l) {
+          if (selections[l].tokens.empty()) continue;
+          int64_t fetched = 0;
+          for (int64_t j = prompt.needle_begin; j < prompt.needle_end; ++j) {
+            fetched += selections[l].selected(b, static_cast<int32_t>(j)) ? 1 : 0;
+          }
+          needle_share[l] += static_cast<double>(fetched) /
+                             static_cast<double>(prompt.needle_end - prompt.needle_begin);
+          needle_trials[l] += 1;
+        }
       }
       tally.add(run.stats, B, config.kv_heads(), std::ssize(request.prompts[0]));
       done += B;
@@ -332,6 +346,12 @@ PasskeyResult measure_passkey(const ModelSource& model, const std::vector<Passke
   result.fetched = tally.fetched();
   result.speculated_fetched = tally.speculated_fetched();
   result.mean_recall = tally.mean_recall();
+  if (std::any_of(needle_trials.begin(), needle_trials.end(), [](int64_t n) { return n > 0; })) {
+    for (size_t l = 0; l < needle_share.size(); ++l) {
+      result.needle_fetched.push_back(
+          needle_trials[l] > 0 ? needle_share[l] / static_cast<double>(needle_trials[l]) : -1.0);
+    }
+  }
   return result;
 }
 

@@ -154,6 +154,11 @@ struct PasskeyResult {
   double fetched = 0.0;
   double speculated_fetched = 0.0;
   double mean_recall = -1.0;
+  // Per layer: the mean share, over the trials, of the needle's tokens that some KV head of the
+  // layer selected at the first decode step (InfiniGen, when it checks recall:
+  // OffloadStats::first_selection); -1 for a layer that loads every token. Empty when nothing
+  // was recorded.
+  std::vector<double> needle_fetched;
   double seconds = 0.0;
 };
 

@@ -56,12 +56,11 @@ KvMemory infinigen_memory(const MemoryRequest& r) {
        saturating_product({c.num_layers, r.batch, c.num_heads, rows, 4}),
        capped ? saturating_product({c.num_layers, r.batch, c.kv_heads(), pooled, 4}) : 0,
        saturating_product({r.batch, c.kv_heads(), pooled, 4}),
-       saturating_product({2, r.batch, c.kv_heads(), s.fetch_cap(tokens), 4}),
-       whole_kv(resident)});
-  const size_t prompt = saturating_sum({kv_staging_bytes(r, tokens), speculation,
-                                        r.shared_memory ? partial_keys(on_device) : 0});
-  const int64_t decode_rows = decode_staging_rows(tokens, s.fetch_cap(tokens), dense, resident,
-                                                  capped);
+       saturating_product({2, r.batch, c.kv_heads(), s.fetch_cap(tokens), 4}), whole_kv(resident)});
+  const size_t prompt = saturating_sum(
+      {kv_staging_bytes(r, tokens), speculation, r.shared_memory ? partial_keys(on_device) : 0});
+  const int64_t decode_rows =
+      decode_staging_rows(tokens, s.fetch_cap(tokens), dense, resident, capped);
   const size_t decode =
       saturating_sum({kv_staging_bytes(r, decode_rows), speculation, partial_keys(on_device)});
   KvMemory memory{std::max(prompt, decode),
@@ -116,6 +115,7 @@ InfinigenKv::InfinigenKv(const ModelConfig& config, int64_t batch, int64_t capac
     : KvStore(batch, capacity),
       options_(options),
       placement_(placement),
+      stats_(stats),
       check_recall_(check_recall),
       replay_(replay),
       num_layers_(config.num_layers),
@@ -336,9 +336,9 @@ void InfinigenKv::end_pass(int64_t n_new) {
   }
   paged_.end_pass();
   if (prompt_done) {
-    paged_.pipeline().resize_staging(decode_staging_rows(capacity(), options_.max_num_kv,
-                                                         options_.dense_layers,
-                                                         paged_.resident_layers(), capped_.has_value()));
+    paged_.pipeline().resize_staging(
+        decode_staging_rows(capacity(), options_.max_num_kv, options_.dense_layers,
+                            paged_.resident_layers(), capped_.has_value()));
   }
   KvStore::end_pass(n_new);
 }
@@ -401,7 +401,34 @@ void InfinigenKv::select_and_load(int64_t layer, const Tensor& x,
       partial_[l].speculate(x, positions, used_positions(), first_valid(), options_,
                             capped_ ? &capped_->position_tokens(layer) : nullptr, &take);
   if (capped_) capped_->count_fetches(layer, selection_[l], length());
+  // The first decode step's selection, for diagnostics (the runs that check recall).
+  if (check_recall_ && length() == prompt_tokens_) record_first_selection(layer);
   load_selection(layer);
+}
+
+void InfinigenKv::record_first_selection(int64_t layer) {
+  const PartialLayer::Selection& sel = selection_[static_cast<size_t>(layer)];
+  std::vector<FirstSelection>& record = stats_.first_selection();
+  record.resize(static_cast<size_t>(num_layers_));
+  FirstSelection& first = record[static_cast<size_t>(layer)];
+  first.kv_heads = kv_heads_;
+  first.tokens.assign(static_cast<size_t>(batch() * kv_heads_), {});
+  const SharedPrefixes& prefixes = shared();
+  for (int64_t b = 0; b < batch(); ++b) {
+    const int64_t own_from = first_valid()[static_cast<size_t>(b)];
+    for (int64_t h = 0; h < kv_heads_; ++h) {
+      std::vector<int32_t>& tokens = first.tokens[static_cast<size_t>(b * kv_heads_ + h)];
+      const int32_t* positions = sel.tokens.data() + (b * kv_heads_ + h) * sel.fetch;
+      for (int32_t j = 0; j < sel.take[static_cast<size_t>(b)]; ++j) {
+        // A row of the pool holds a token of the prefix (in its leader's rows) or its own.
+        const int64_t row = token_at(layer, b, h, positions[j]);
+        tokens.push_back(static_cast<int32_t>(prefixes.in_prefix(b, row)
+                                                  ? row - prefixes.begin(b)
+                                                  : prefixes.prefix_length(b) + row - own_from));
+      }
+      std::sort(tokens.begin(), tokens.end());
+    }
+  }
 }
 
 void InfinigenKv::read_host_partial_keys(int64_t layer, int64_t used) {

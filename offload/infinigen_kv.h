@@ -141,9 +141,12 @@ class InfinigenKv : public KvStore {
   std::vector<int32_t> replayed_take(int64_t layer) const;
   // Share of the layer's attention weight over the pool that the staged rows carry.
   double measure_recall(int64_t layer);
+  // selection_[layer] as prompt tokens, into the statistics (OffloadStats::first_selection).
+  void record_first_selection(int64_t layer);
 
   SpeculationOptions options_;
   InfinigenPlacement placement_;
+  OffloadStats& stats_;
   bool check_recall_;
   const FetchReplay* replay_;  // what a dry run fetches (core/trace.h); null otherwise
   int64_t num_layers_;

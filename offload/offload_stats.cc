@@ -47,4 +47,12 @@ void OffloadStats::settle_transfers(const TransferCounters& counters) {
   step.store_busy_seconds = counters.d2h_busy_seconds - counters_at_start_.d2h_busy_seconds;
 }
 
+bool FirstSelection::selected(int64_t b, int32_t j) const {
+  for (int64_t g = 0; g < kv_heads; ++g) {
+    const std::vector<int32_t>& row = tokens[static_cast<size_t>(b * kv_heads + g)];
+    if (std::binary_search(row.begin(), row.end(), j)) return true;
+  }
+  return false;
+}
+
 }  // namespace infinigen

@@ -51,6 +51,18 @@ struct PoolCapStats {
   std::string describe() const;
 };
 
+// The tokens a speculated layer selected at the first decode step (a diagnostic of runs that
+// check recall, OffloadOptions::check_recall: `eval --task passkey` asks whether the needle was
+// among them). Tokens are indexed in each sequence's prompt: its shared prefix first, then its
+// own tokens, padding not counted.
+struct FirstSelection {
+  int64_t kv_heads = 0;
+  // (B * H_kv): row b * H_kv + g, the tokens KV head g of sequence b selected, ascending.
+  std::vector<std::vector<int32_t>> tokens;
+  // Whether some KV head of sequence b selected prompt token j.
+  bool selected(int64_t b, int32_t j) const;
+};
+
 // Everything a run measured: steps[0] is the prefill, then one entry per decode step.
 class OffloadStats {
  public:
@@ -70,8 +82,13 @@ class OffloadStats {
   // The capped pool's, written by the capped pool (every batch of a run adds its evictions).
   PoolCapStats& pool_cap() { return pool_cap_; }
   const PoolCapStats& pool_cap() const { return pool_cap_; }
+  // Per layer: its first decode step's selection (FirstSelection); empty for layers that
+  // selected nothing then (dense layers, runs that do not check recall).
+  std::vector<FirstSelection>& first_selection() { return first_selection_; }
+  const std::vector<FirstSelection>& first_selection() const { return first_selection_; }
 
  private:
+  std::vector<FirstSelection> first_selection_;
   std::vector<StepStats> steps_;
   PoolCapStats pool_cap_;
   TransferCounters counters_at_start_;

@@ -312,8 +312,10 @@ TEST(PasskeyCli, WritesTablesCsvJsonAndHeatMaps) {
     args.insert(args.end(), extra.begin(), extra.end());
     return args;
   };
-  const CommandResult r = run_infinigen(with({"--policy", "full,gpu,infinigen", "--alpha", "1e9",
-                                              "--max-num-kv", "1000", "--out", dir.str()}));
+  // InfiniGen selects every token of its one speculated layer (opt-tiny has two layers).
+  const CommandResult r =
+      run_infinigen(with({"--policy", "full,gpu,infinigen", "--alpha", "1e9", "--max-num-kv",
+                          "1000", "--dense-layers", "1", "--out", dir.str()}));
   ASSERT_EQ(r.exit_code, 0) << r.err;
   for (const char* fragment :
        {"passkey retrieval: 2 lengths x 2 depths, 3 trials per cell", "95% Wilson interval",
@@ -343,7 +345,15 @@ TEST(PasskeyCli, WritesTablesCsvJsonAndHeatMaps) {
     // Every policy that attends to all of the KV generates the same answers.
     EXPECT_EQ(point["cells"], j["points"][0]["cells"]);
     EXPECT_EQ(point["misses"], j["points"][0]["misses"]);
+    // InfiniGen's first decode step fetched the whole needle at its speculated layer.
+    if (point["policy"] == "infinigen") {
+      EXPECT_EQ(point["layer_needle_fetched"], nlohmann::json({nullptr, 1.0}));
+    } else {
+      EXPECT_FALSE(point.contains("layer_needle_fetched"));
+    }
   }
+  EXPECT_NE(r.out.find("needle fetched at the first step, by layer: 1 100"), std::string::npos)
+      << r.out;
   std::ifstream csv_file(dir.path() / "eval.csv");
   std::string line;
   int rows = 0;

@@ -20,7 +20,8 @@ the same examples as an uninterrupted one.
 
 With --retrieval-share P, that share of the micro-batches are passkey retrieval examples instead
 (tools/passkey_examples.py: the prompt `infinigen eval --task passkey` builds, filler from the
-training stream, a random depth, a length uniform up to the context, one length per micro-batch),
+training stream, a random depth, a length uniform up to the context, one length per micro-batch
+and as many examples as fill its tokens),
 trained on their answer's tokens only; the retrieval of the model is then measured at every
 evaluation too. With --init, a run starts from an exported checkpoint of the same shape (to teach
 a shipped model retrieval without training it again from scratch).
@@ -276,7 +277,9 @@ def command_train(args: argparse.Namespace) -> int:
             if retrieval is not None and choice.random() < args.retrieval_share:
                 # The answer (at most 8 tokens) after the prompt stays within the context.
                 length = int(choice.integers(args.retrieval_min_length, args.context - 8 + 1))
-                ids, labels = retrieval.batch(args.micro_batch, length, seed)
+                # As many examples as fit the micro-batch's tokens: short ones come many at once.
+                rows = max(args.micro_batch, args.micro_batch * args.context // length)
+                ids, labels = retrieval.batch(rows, length, seed)
                 batch = torch.from_numpy(ids).to(args.device)
                 labels = torch.from_numpy(labels).to(args.device)
             else:

@@ -74,6 +74,13 @@ nlohmann::json point_json(const PasskeyPoint& p) {
                       {"cells", nlohmann::json::array()},
                       {"misses", nlohmann::json::array()}};
   if (r.mean_recall >= 0) j["mean_recall"] = r.mean_recall;
+  if (!r.needle_fetched.empty()) {
+    // Per layer; null for a layer that loads every token.
+    nlohmann::json& layers = j["layer_needle_fetched"] = nlohmann::json::array();
+    for (const double share : r.needle_fetched) {
+      layers.push_back(share >= 0 ? nlohmann::json(share) : nlohmann::json(nullptr));
+    }
+  }
   for (const PasskeyCellScore& cell : r.cells) {
     const Interval interval = cell.interval();
     j["cells"].push_back({{"length", cell.length},
@@ -123,6 +130,14 @@ void print_setting(const PasskeyPoint& p, const std::vector<double>& depths) {
               percent(r.fetched).c_str(), percent(r.speculated_fetched).c_str());
   if (r.mean_recall >= 0) std::printf(", recall %.3f", r.mean_recall);
   std::printf("; %.1f s\n", r.seconds);
+  if (!r.needle_fetched.empty()) {
+    // The share of the needle's tokens each speculated layer selected at the first decode step.
+    std::printf("  needle fetched at the first step, by layer:");
+    for (size_t l = 0; l < r.needle_fetched.size(); ++l) {
+      if (r.needle_fetched[l] >= 0) std::printf(" %zu %s", l, percent(r.needle_fetched[l]).c_str());
+    }
+    std::printf("\n");
+  }
   if (!r.misses.empty()) {
     const PasskeyMiss& miss = r.misses.front();
     std::printf("  first miss: length %lld, depth %s, key %s, generated %s\n",
