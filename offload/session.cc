@@ -10,6 +10,7 @@
 #include "core/error.h"
 #include "core/file_io.h"
 #include "core/safetensors.h"
+#include "offload/session_compact.h"
 
 namespace infinigen {
 
@@ -23,24 +24,11 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-std::string segment_name(int64_t index) {
-  char name[32];
-  std::snprintf(name, sizeof name, "seg-%06lld", static_cast<long long>(index));
-  return name;
-}
-
 // Sequences 0, 1, ..., batch - 1.
 std::vector<int32_t> all_sequences(int64_t batch) {
   std::vector<int32_t> sequences(static_cast<size_t>(batch));
   std::iota(sequences.begin(), sequences.end(), 0);
   return sequences;
-}
-
-std::string layer_file(const std::string& prefix, int64_t layer) {
-  char name[48];
-  std::snprintf(name, sizeof name, "%s-%03lld.safetensors", prefix.c_str(),
-                static_cast<long long>(layer));
-  return name;
 }
 
 }  // namespace
@@ -256,7 +244,7 @@ void DiskSession::write_segment(const KvStore& store, const std::vector<int32_t>
     for (const auto& stream : streams) {
       records.push_back({stream.name, stream.dtype, {B, H, R, stream.width}});
     }
-    const std::string relative = directory + "/" + layer_file("layer", l);
+    const std::string relative = directory + "/" + session_layer_file("layer", l);
     SafetensorsWriter writer((directory_ / relative).string(), records);
     std::vector<char> buffer;
     for (size_t k = 0; k < streams.size(); ++k) {
@@ -280,7 +268,7 @@ void DiskSession::write_segment(const KvStore& store, const std::vector<int32_t>
         state_files->push_back({});
         continue;
       }
-      const std::string state_path = directory + "/" + layer_file("state", l);
+      const std::string state_path = directory + "/" + session_layer_file("state", l);
       std::vector<std::pair<std::string, Tensor>> tensors(state.begin(), state.end());
       write_safetensors((directory_ / state_path).string(), tensors);
       state_files->push_back(record(state_path));
@@ -290,31 +278,11 @@ void DiskSession::write_segment(const KvStore& store, const std::vector<int32_t>
   stats_.write_seconds += seconds_since(start);
 }
 
-void DiskSession::remove_uncommitted() noexcept {
-  std::vector<std::string> named;
-  for (const SessionSegment& segment : manifest_.segments) {
-    named.push_back(fs::path(segment.layers.front().path).parent_path().string());
-  }
-  if (!manifest_.prefix.layers.empty()) {
-    named.push_back(fs::path(manifest_.prefix.layers.front().path).parent_path().string());
-  }
-  std::error_code error;
-  for (fs::directory_iterator entry(directory_, error), end; !error && entry != end;
-       entry.increment(error)) {
-    const std::string name = entry->path().filename().string();
-    const bool segment = name.rfind("seg-", 0) == 0;
-    if ((segment && std::find(named.begin(), named.end(), name) == named.end()) ||
-        name.rfind(".manifest.json.", 0) == 0) {
-      remove_quietly(entry->path());
-    }
-  }
-}
-
 void DiskSession::after_first_pass(const KvStore& store, const std::vector<int32_t>& rows_from) {
   // A killed save leaves directories no manifest names; they go before this one writes.
   created_directory_ = !fs::exists(directory_);
   fs::create_directories(directory_);
-  remove_uncommitted();
+  remove_unnamed_session_files(directory_, manifest_);
   new_segments_.clear();
   new_state_.clear();
   SessionSegment segment;
@@ -333,9 +301,9 @@ void DiskSession::after_first_pass(const KvStore& store, const std::vector<int32
     new_shared_ = store.shared();
     for (int64_t length : new_shared_.lengths())
       new_prefix_.rows.push_back(static_cast<int32_t>(length));
-    prefix_directory = segment_name(manifest_.next_segment++);
+    prefix_directory = session_segment_name(manifest_.next_segment++);
   }
-  const std::string directory = segment_name(manifest_.next_segment++);
+  const std::string directory = session_segment_name(manifest_.next_segment++);
   writer_ =
       std::thread([this, &store, rows_from, segment, directory, prefix_directory, with_state] {
         try {
@@ -362,7 +330,7 @@ void DiskSession::abandon() {
   // An interrupted or failed turn saves nothing: what its save wrote goes, and a new session's
   // directory that this turn made goes with it (a later save would remove the files anyway, but
   // the directory would look like a session that holds something).
-  remove_uncommitted();
+  remove_unnamed_session_files(directory_, manifest_);
   std::error_code ignored;
   if (created_directory_ && fs::is_empty(directory_, ignored)) fs::remove(directory_, ignored);
 }
@@ -382,25 +350,38 @@ void DiskSession::finish(const KvStore& store, const std::vector<int32_t>& rows_
   if (any) {
     new_segments_.push_back(segment);
     write_segment(store, all_sequences(store.batch()), rows_from, segment,
-                  segment_name(manifest_.next_segment++), false, &new_segments_.back().layers,
-                  nullptr);
+                  session_segment_name(manifest_.next_segment++), false,
+                  &new_segments_.back().layers, nullptr);
   }
-  // The conversation now: what it held, this turn's prompts and what was generated.
-  if (manifest_.tokens.empty()) manifest_.tokens.assign(prompts_.size(), {});
-  for (size_t b = 0; b < manifest_.tokens.size(); ++b) {
+  // The conversation now: what it held, this turn's prompts and what was generated. manifest_
+  // stays what is committed until the new manifest is (an abandoned save removes what it does
+  // not name).
+  SessionManifest next = manifest_;
+  if (next.tokens.empty()) next.tokens.assign(prompts_.size(), {});
+  for (size_t b = 0; b < next.tokens.size(); ++b) {
     // A resumed turn's prompt starts with the previous turn's last token, already there.
-    const auto from = prompts_[b].begin() + (manifest_.segments.empty() ? 0 : 1);
-    manifest_.tokens[b].insert(manifest_.tokens[b].end(), from, prompts_[b].end());
-    manifest_.tokens[b].insert(manifest_.tokens[b].end(), generated[b].begin(), generated[b].end());
+    const auto from = prompts_[b].begin() + (next.segments.empty() ? 0 : 1);
+    next.tokens[b].insert(next.tokens[b].end(), from, prompts_[b].end());
+    next.tokens[b].insert(next.tokens[b].end(), generated[b].begin(), generated[b].end());
   }
-  if (manifest_.segments.empty()) {
-    manifest_.state = new_state_;
-    manifest_.prefix = new_prefix_;
-    manifest_.shared = new_shared_;
+  if (next.segments.empty()) {
+    next.state = new_state_;
+    next.prefix = new_prefix_;
+    next.shared = new_shared_;
   }
-  manifest_.segments.insert(manifest_.segments.end(), new_segments_.begin(), new_segments_.end());
+  next.segments.insert(next.segments.end(), new_segments_.begin(), new_segments_.end());
   new_segments_.clear();
-  write_session_manifest(directory_, key_, manifest_);
+  // Past the count, the turn commits with every segment merged into one, and the merged ones go.
+  const bool compact = compact_after_ > 0 && std::ssize(next.segments) > compact_after_;
+  if (compact) {
+    const auto start = std::chrono::steady_clock::now();
+    stats_.segments_compacted = std::ssize(next.segments);
+    next = compact_session_segments(directory_, next, &stats_.bytes_written);
+    stats_.write_seconds += seconds_since(start);
+  }
+  write_session_manifest(directory_, key_, next);
+  manifest_ = std::move(next);
+  if (compact) remove_unnamed_session_files(directory_, manifest_);
 }
 
 }  // namespace infinigen

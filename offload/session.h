@@ -23,7 +23,8 @@
 // A save writes new files only, each fsynced, then replaces manifest.json atomically (a hidden
 // sibling written, fsynced and renamed, the directory fsynced): a crash or kill at any point
 // leaves the previous manifest and every file it names. Files no manifest names (a save that was
-// killed) are removed by the next save.
+// killed) are removed by the next save. A save that leaves more segments than a count first
+// merges them into one (offload/session_compact.h), committed by the same manifest.
 //
 // The key is made in session_key.h, the manifest read and written in session_manifest.h.
 #pragma once
@@ -40,6 +41,7 @@
 
 #include "core/file_io.h"  // drop_from_page_cache: how a session's restore is timed cold
 #include "core/generation.h"
+#include "offload/session_compact.h"
 #include "offload/session_key.h"
 #include "offload/session_manifest.h"
 
@@ -52,6 +54,7 @@ struct SessionStats {
   double restore_wait_seconds = 0.0;  // the first pass waiting for a layer not read yet
   uint64_t bytes_written = 0;
   double write_seconds = 0.0;  // writing the turn's segments (partly while decoding)
+  int64_t segments_compacted = 0;  // segments the save merged into one (0: none)
 };
 
 class DiskSession : public Conversation {
@@ -86,6 +89,10 @@ class DiskSession : public Conversation {
               const std::vector<std::vector<int32_t>>& generated) override;
   void abandon() override;
 
+  // A save that leaves more than `segments` segments merges them into one (0: never);
+  // kSessionCompactAfter unless set.
+  void set_compact_after(int64_t segments) { compact_after_ = segments; }
+
   const SessionStats& stats() const { return stats_; }
   // Reads every file the manifest names and checks its size and checksum (one-line Error).
   void verify() const;
@@ -102,13 +109,11 @@ class DiskSession : public Conversation {
                      const std::vector<int32_t>& rows_from, const SessionSegment& segment,
                      const std::string& directory, bool with_state,
                      std::vector<SessionFile>* layer_files, std::vector<SessionFile>* state_files);
-  // Removes the segment directories (and manifest staging files) the manifest does not name:
-  // what an earlier save that never committed, or this turn's abandoned one, left.
-  void remove_uncommitted() noexcept;
 
   std::filesystem::path directory_;
   bool created_directory_ = false;  // this turn made directory_ (a new session's first save)
   SessionKey key_;
+  int64_t compact_after_ = kSessionCompactAfter;
   SessionManifest manifest_;  // what the session holds: as read, or as last committed
   std::vector<std::vector<int32_t>> history_;  // (B): tokens whose rows are stored
   std::vector<std::vector<int32_t>> prompts_;  // (B): this turn's prompts, for the save

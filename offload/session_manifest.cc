@@ -4,8 +4,10 @@
 #include <fcntl.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "core/error.h"
 #include "core/file_io.h"
@@ -100,7 +102,30 @@ uint32_t manifest_checksum(json manifest) {
 
 }  // namespace
 
-SessionManifest read_session_manifest(const fs::path& directory, const SessionKey& key) {
+namespace {
+
+// The key a manifest was saved under (kv_heads is not saved).
+SessionKey saved_key(const json& saved, const std::string& where) {
+  SessionKey key;
+  key.model = saved.at("model").get<std::string>();
+  key.identity = saved.at("identity").get<std::string>();
+  key.policy = saved.at("policy").get<std::string>();
+  const std::string dtype = saved.at("kv_dtype").get<std::string>();
+  INFINIGEN_CHECK(parse_dtype(dtype, &key.kv_dtype), where, ": unknown KV dtype ", dtype);
+  for (const auto& [name, value] : saved.at("options").items()) {
+    key.options.emplace_back(name, value.get<std::string>());
+  }
+  const json& layers = saved.at("layers");
+  INFINIGEN_CHECK(layers.is_number_integer() && layers.get<int64_t>() >= 1, where,
+                  ": malformed layer count");
+  key.num_layers = layers.get<int64_t>();
+  return key;
+}
+
+// The manifest in `directory`, its key compared with `*expected` when given, and returned in
+// `*saved` when asked for.
+SessionManifest read_manifest(const fs::path& directory, const SessionKey* expected_key,
+                              SessionKey* saved_out) {
   const fs::path path = directory / kSessionManifest;
   const std::string where = path.string();
   INFINIGEN_CHECK(fs::is_regular_file(path), directory.string(),
@@ -129,23 +154,28 @@ SessionManifest read_session_manifest(const fs::path& directory, const SessionKe
             manifest["checksum"].get<std::string>() == hex32(manifest_checksum(manifest)),
         where, ": checksum mismatch (the session is corrupt)");
     const json saved = manifest.at("key");
-    const json expected = key_json(key);
-    INFINIGEN_CHECK(saved.at("identity") == expected["identity"], directory.string(),
-                    ": saved with another model (", saved.at("model").get<std::string>(),
-                    ", identity ", saved["identity"].get<std::string>(), "), not ", key.model, " (",
-                    key.identity, ")");
-    INFINIGEN_CHECK(saved.at("policy") == expected["policy"], directory.string(), ": saved with ",
-                    option("policy"), " ", saved["policy"].get<std::string>(), ", not ",
-                    key.policy);
-    INFINIGEN_CHECK(saved.at("kv_dtype") == expected["kv_dtype"], directory.string(),
-                    ": saved with KV dtype ", saved["kv_dtype"].get<std::string>(), ", not ",
-                    expected["kv_dtype"].get<std::string>());
-    for (const auto& [name, value] : key.options) {
-      const json& was = saved.at("options").at(name);
-      INFINIGEN_CHECK(was == value, directory.string(), ": saved with ", option(name), " ",
-                      was.get<std::string>(), "; this run has ", value);
+    if (expected_key) {
+      const SessionKey& key = *expected_key;
+      const json expected = key_json(key);
+      INFINIGEN_CHECK(saved.at("identity") == expected["identity"], directory.string(),
+                      ": saved with another model (", saved.at("model").get<std::string>(),
+                      ", identity ", saved["identity"].get<std::string>(), "), not ", key.model,
+                      " (", key.identity, ")");
+      INFINIGEN_CHECK(saved.at("policy") == expected["policy"], directory.string(), ": saved with ",
+                      option("policy"), " ", saved["policy"].get<std::string>(), ", not ",
+                      key.policy);
+      INFINIGEN_CHECK(saved.at("kv_dtype") == expected["kv_dtype"], directory.string(),
+                      ": saved with KV dtype ", saved["kv_dtype"].get<std::string>(), ", not ",
+                      expected["kv_dtype"].get<std::string>());
+      for (const auto& [name, value] : key.options) {
+        const json& was = saved.at("options").at(name);
+        INFINIGEN_CHECK(was == value, directory.string(), ": saved with ", option(name), " ",
+                        was.get<std::string>(), "; this run has ", value);
+      }
+      INFINIGEN_CHECK(saved.at("layers") == key.num_layers, where, ": layer count differs");
     }
-    INFINIGEN_CHECK(saved.at("layers") == key.num_layers, where, ": layer count differs");
+    const SessionKey key = saved_key(saved, where);
+    if (saved_out) *saved_out = key;
     const int64_t L = key.num_layers;
     for (const json& sequence : manifest.at("sequences")) {
       s.tokens.push_back(int32_list(sequence, where, "a sequence's tokens"));
@@ -241,6 +271,31 @@ SessionManifest read_session_manifest(const fs::path& directory, const SessionKe
   return s;
 }
 
+}  // namespace
+
+std::string session_segment_name(int64_t index) {
+  char name[32];
+  std::snprintf(name, sizeof name, "seg-%06lld", static_cast<long long>(index));
+  return name;
+}
+
+std::string session_layer_file(const std::string& prefix, int64_t layer) {
+  char name[48];
+  std::snprintf(name, sizeof name, "%s-%03lld.safetensors", prefix.c_str(),
+                static_cast<long long>(layer));
+  return name;
+}
+
+SessionManifest read_session_manifest(const fs::path& directory, const SessionKey& key) {
+  return read_manifest(directory, &key, nullptr);
+}
+
+SavedSession read_saved_session(const fs::path& directory) {
+  SavedSession session;
+  session.manifest = read_manifest(directory, nullptr, &session.key);
+  return session;
+}
+
 void write_session_manifest(const fs::path& directory, const SessionKey& key,
                             const SessionManifest& manifest) {
   json record = {{"format", kFormat}, {"version", kVersion}, {"key", key_json(key)}};
@@ -265,6 +320,46 @@ void write_session_manifest(const fs::path& directory, const SessionKey& key,
 SessionFile session_file(const fs::path& directory, const std::string& relative) {
   const auto [crc, bytes] = checksum_file(directory / relative);
   return {relative, bytes, crc};
+}
+
+void remove_unnamed_session_files(const fs::path& directory,
+                                  const SessionManifest& manifest) noexcept {
+  // Every file the manifest names, and every directory on the way to one.
+  std::set<fs::path> named;
+  const auto name = [&](const SessionFile& file) {
+    for (fs::path path = fs::path(file.path).lexically_normal(); !path.empty();
+         path = path.parent_path()) {
+      named.insert(path);
+    }
+  };
+  for (const SessionSegment& segment : manifest.segments) {
+    for (const SessionFile& file : segment.layers) name(file);
+  }
+  for (const SessionFile& file : manifest.prefix.layers) name(file);
+  for (const SessionFile& file : manifest.state) {
+    if (!file.path.empty()) name(file);
+  }
+  std::error_code error;
+  for (fs::directory_iterator entry(directory, error), end; !error && entry != end;
+       entry.increment(error)) {
+    const fs::path relative = entry->path().filename();
+    const std::string text = relative.string();
+    if (text.rfind(".manifest.json.", 0) == 0) {
+      remove_quietly(entry->path());
+      continue;
+    }
+    if (text.rfind("seg-", 0) != 0) continue;
+    if (!named.count(relative)) {
+      remove_quietly(entry->path());
+      continue;
+    }
+    // A segment directory the manifest names a file in: what it does not name goes.
+    std::error_code inner;
+    for (fs::directory_iterator file(entry->path(), inner), last; !inner && file != last;
+         file.increment(inner)) {
+      if (!named.count(relative / file->path().filename())) remove_quietly(file->path());
+    }
+  }
 }
 
 uint64_t check_session_file(const fs::path& directory, const SessionFile& file) {

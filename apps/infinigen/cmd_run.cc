@@ -52,6 +52,7 @@ struct RunOptions : GenerationFlags {
   std::string shared_prefix;  // a file whose text every prompt follows
   std::string session;        // a new session saved here after the run
   std::string resume;         // a session continued (and saved back)
+  int64_t session_compact_after = kSessionCompactAfter;
 };
 
 std::vector<std::string> read_prompt_file(const std::string& path) {
@@ -228,6 +229,7 @@ int run(const RunOptions& o) {
     const SessionKey key = session_key(loaded, offload, kv_dtype, device);
     session =
         o.resume.empty() ? DiskSession::create(o.session, key) : DiskSession::open(o.resume, key);
+    session->set_compact_after(o.session_compact_after);
   }
   const DiskSession* resumed = o.resume.empty() ? nullptr : session.get();
   const PromptPlan prompt_plan = plan_prompts(o, loaded, resumed);
@@ -358,7 +360,8 @@ int run(const RunOptions& o) {
                            {"read_s", s.read_seconds},
                            {"restore_wait_s", s.restore_wait_seconds},
                            {"bytes_written", s.bytes_written},
-                           {"write_s", s.write_seconds}};
+                           {"write_s", s.write_seconds},
+                           {"segments_compacted", s.segments_compacted}};
     }
     std::printf("%s\n", report.dump(2).c_str());
     return 0;
@@ -404,8 +407,12 @@ int run(const RunOptions& o) {
       std::printf("; history read %.1f MiB in %.3f s, the first pass waited %.3f s for it",
                   static_cast<double>(s.bytes_read) / kMiB, s.read_seconds, s.restore_wait_seconds);
     }
-    std::printf("; %.1f MiB written in %.3f s\n", static_cast<double>(s.bytes_written) / kMiB,
+    std::printf("; %.1f MiB written in %.3f s", static_cast<double>(s.bytes_written) / kMiB,
                 s.write_seconds);
+    if (s.segments_compacted > 0) {
+      std::printf(", %lld segments compacted into 1", static_cast<long long>(s.segments_compacted));
+    }
+    std::printf("\n");
   }
   return 0;
 }
@@ -440,6 +447,11 @@ Command add_run_command(CLI::App& app) {
                  "save the turn back into it")
       ->excludes(session)
       ->excludes(shared_prefix);
+  app.add_option("--session-compact-after", o->session_compact_after,
+                 "Merge the session's segments (two per turn) into one when a save leaves more "
+                 "than N (0: never)")
+      ->check(CLI::NonNegativeNumber)
+      ->default_val(kSessionCompactAfter);
   app.add_flag("--dry-run", o->dry_run,
                "Check the sizes against the context and the memory plan, print the plan, and stop "
                "before loading weights");

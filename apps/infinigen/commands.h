@@ -16,5 +16,6 @@ Command add_skew_command(CLI::App& app);
 Command add_inspect_command(CLI::App& app);
 Command add_bench_command(CLI::App& app);
 Command add_eval_command(CLI::App& app);
+Command add_session_command(CLI::App& app);
 
 }  // namespace infinigen::cli

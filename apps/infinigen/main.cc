@@ -61,6 +61,9 @@ int run_cli(int argc, char** argv) {
   add("eval", "Accuracy of a sweep of KV policies and settings: perplexity, or passkey retrieval",
       cli::add_eval_command);
   add("inspect", "Print a checkpoint's config and tensors", cli::add_inspect_command);
+  add("session",
+      "Tools for a saved conversation (run --session DIR): compact DIR merges its segments",
+      cli::add_session_command);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
