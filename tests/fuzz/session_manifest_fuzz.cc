@@ -1,4 +1,5 @@
-// tests/fuzz: a session's manifest.json (offload/session.h), opened as `run --resume` opens it.
+// tests/fuzz: a session's manifest.json (offload/session.h), opened as `run --resume` opens it and
+// as `session compact` does.
 // The input's checksum field is set to the checksum of the rest whenever the input is a JSON
 // object, so that fuzzing reaches the checks behind it instead of stopping at a mismatch.
 #include <zlib.h>
@@ -35,5 +36,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   key.num_layers = 2;
   key.kv_heads = 2;
   fuzz::expect_clean([&] { (void)DiskSession::open(fuzz::scratch_directory(), key); });
+  // As `infinigen session compact` opens it, whatever its key.
+  fuzz::expect_clean([&] { (void)read_saved_session(fuzz::scratch_directory()); });
   return 0;
 }
