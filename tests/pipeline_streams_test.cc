@@ -9,9 +9,11 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #include "core/cuda_stream.h"
@@ -98,10 +100,20 @@ TEST(PipelineStreams, ComputeWaitsAreDeviceSideAndTheirStallIsSettled) {
   const CudaStreamScope compute(engine.compute_stream().cuda_handle());
   const PinnedRows host(1.0f);
   Tensor staged = Tensor::empty({kRows, kWidth}, DType::F32, Device::Cuda);
+  // The load starts only once compute's wait is enqueued, so compute surely stalls (on a busy
+  // machine the host may otherwise reach the wait after the copy has ended).
+  std::atomic<bool> released{false};
+  cuda_stream::host_func(
+      engine.load_stream().cuda_handle(),
+      [](void* flag) {
+        while (!static_cast<std::atomic<bool>*>(flag)->load()) std::this_thread::yield();
+      },
+      &released);
   const EventPtr loaded = engine.load({{staged.raw(), host.data, sizeof(float) * kRows * kWidth}},
                                       nullptr, {"kv_load", 0});
   double stall = 0.0;
   engine.compute_waits(loaded, {&stall});
+  released = true;
   // On CUDA the host does not wait: the stall is added once the events are complete.
   EXPECT_EQ(stall, 0.0);
   engine.settle_stalls();
