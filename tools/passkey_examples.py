@@ -48,9 +48,13 @@ class PasskeyExamples:
         return self.words[int(rng.integers(len(self.words)))]
 
     def example(self, length: int, depth: float, key: str,
-                rng: np.random.Generator) -> tuple[list[int], list[int]]:
-        """(prompt, answer) token ids: the prompt exactly `length` tokens, BOS first."""
-        needle = self.tokenizer.encode(self.needle.replace("{key}", key)).ids
+                rng: np.random.Generator) -> tuple[list[int], list[int], tuple[int, int]]:
+        """(prompt, answer, repeat): the prompt exactly `length` tokens, BOS first; `repeat`, the
+        prompt's tokens of the needle after the key's first mention (where the needle states it
+        again: a short-range copy), or (0, 0) where the tokenizer merges across that point."""
+        needle_text = self.needle.replace("{key}", key)
+        needle = self.tokenizer.encode(needle_text).ids
+        first = self.tokenizer.encode(needle_text[:self.needle.index("{key}") + len(key)]).ids
         answer = self.tokenizer.encode(f" {key}.").ids
         room = length - 1 - len(self.intro) - len(needle) - len(self.question)
         if room < 0:
@@ -59,24 +63,30 @@ class PasskeyExamples:
         filler = self.filler[start:start + room].tolist()
         at = int(round(depth * room))
         prompt = [self.bos_id] + self.intro + filler[:at] + needle + filler[at:] + self.question
-        return prompt, answer
+        needle_at = 1 + len(self.intro) + at
+        repeat = ((needle_at + len(first), needle_at + len(needle))
+                  if needle[:len(first)] == first else (0, 0))
+        return prompt, answer, repeat
 
     def batch(self, rows: int, length: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
         """(rows, length + answer) ids and labels of one length: the labels are -100 except on
-        the answer's tokens, the only ones trained on (the corpus rows train the language)."""
+        the answer's tokens and the needle's repeat of the key, the only ones trained on (the
+        corpus rows train the language; the repeat, a copy over a few tokens, is the easy case
+        of the answer's copy over the whole prompt)."""
         rng = np.random.default_rng(seed)
         examples = []
         for _ in range(rows):
             key = self.key(rng)
             examples.append(self.example(length, float(rng.random()), key, rng))
-        width = length + max(len(answer) for _, answer in examples)
+        width = length + max(len(answer) for _, answer, _ in examples)
         ids = np.full((rows, width), self.bos_id, dtype=np.int64)
         labels = np.full((rows, width), -100, dtype=np.int64)
-        for row, (prompt, answer) in enumerate(examples):
+        for row, (prompt, answer, (repeat_from, repeat_to)) in enumerate(examples):
             ids[row, :length] = prompt
             ids[row, length:length + len(answer)] = answer
             # Labels are the ids themselves; the model shifts them by one.
             labels[row, length:length + len(answer)] = answer
+            labels[row, repeat_from:repeat_to] = ids[row, repeat_from:repeat_to]
         return ids, labels
 
 
@@ -94,7 +104,7 @@ def greedy_key_accuracy(model, examples: PasskeyExamples, lengths: list[int],
             for depth in depths:
                 for _ in range(trials):
                     key = examples.key(rng)
-                    prompt, answer = examples.example(length, depth, key, rng)
+                    prompt, answer, _ = examples.example(length, depth, key, rng)
                     ids = torch.tensor([prompt], device=model.device)
                     generated = []
                     past = None

@@ -20,9 +20,9 @@ the same examples as an uninterrupted one.
 
 With --retrieval-share P, that share of the micro-batches are passkey retrieval examples instead
 (tools/passkey_examples.py: the prompt `infinigen eval --task passkey` builds, filler from the
-training stream, a random depth, a length uniform up to the context, one length per micro-batch
-and as many examples as fill its tokens),
-trained on their answer's tokens only; the retrieval of the model is then measured at every
+training stream, a random depth, a length log-uniform up to the context, one length per
+micro-batch and as many examples as fill its tokens), trained on their answer's tokens and the
+needle's repeat of the key only; the retrieval of the model is then measured at every
 evaluation too. With --init, a run starts from an exported checkpoint of the same shape (to teach
 a shipped model retrieval without training it again from scratch).
 
@@ -276,7 +276,10 @@ def command_train(args: argparse.Namespace) -> int:
             choice = np.random.default_rng([seed, 1])
             if retrieval is not None and choice.random() < args.retrieval_share:
                 # The answer (at most 8 tokens) after the prompt stays within the context.
-                length = int(choice.integers(args.retrieval_min_length, args.context - 8 + 1))
+                # Log-uniform: short examples teach the copy fast, long ones its reach.
+                longest = args.context - 8
+                length = int(round(math.exp(choice.uniform(math.log(args.retrieval_min_length),
+                                                           math.log(longest)))))
                 # As many examples as fit the micro-batch's tokens: short ones come many at once.
                 rows = max(args.micro_batch, args.micro_batch * args.context // length)
                 ids, labels = retrieval.batch(rows, length, seed)
