@@ -488,6 +488,26 @@ void attention_decode_op(benchmark::State& state) {
       4.0 * static_cast<double>(s.batch * s.heads * s.context * s.head_dim), kv_bytes);
 }
 
+// An extension of `rows` rows per sequence over a cache of the context (a prompt's last chunk):
+// fewer than 8 rows take the decode kernel once per row, more the tiled kernel. Bytes are the
+// cache's K and V read once, so GB/s shows how often the kernel reads each row again.
+void attention_extend_op(benchmark::State& state, int64_t rows) {
+  const Opt13b s = shapes();
+  const int64_t width = s.heads * s.head_dim;
+  Tensor q = random_tensor({s.batch * rows, width}, DType::F32, 11);
+  Tensor k = random_tensor({s.batch, s.heads, s.context, s.head_dim}, DType::F16, 12);
+  Tensor v = random_tensor({s.batch, s.heads, s.context, s.head_dim}, DType::F16, 13);
+  Tensor out = Tensor::empty({s.batch * rows, width}, DType::F32, Device::Cuda);
+  const std::vector<int32_t> first_valid(static_cast<size_t>(s.batch), 0);
+  // Query i of the last `rows` sees context - rows + i + 1 rows: QK^T and PV.
+  const double pairs = static_cast<double>(rows) * static_cast<double>(s.context - rows) +
+                       static_cast<double>(rows * (rows + 1) / 2);
+  time_op(
+      state, [&] { ops::attention_decode(q, k, v, out, s.context, first_valid); },
+      4.0 * static_cast<double>(s.batch * s.heads * s.head_dim) * pairs,
+      2.0 * static_cast<double>(k.nbytes()));
+}
+
 // Prefill attention over `tokens` tokens per sequence (a chunk of 128, or a whole 1920-token
 // prompt: the Fig. 14 point's).
 void attention_prefill_op(benchmark::State& state, int64_t tokens) {
@@ -582,6 +602,11 @@ void register_benchmarks() {
   for (int64_t tokens : {128, 1920}) {
     add("Op/attention/prefill/" + std::to_string(tokens), [=](auto& s) {
       attention_prefill_op(s, tokens);
+    })->Unit(kMicrosecond);
+  }
+  for (int64_t rows : {4, 16, 128}) {
+    add("Op/attention/extend/" + std::to_string(rows), [=](auto& s) {
+      attention_extend_op(s, rows);
     })->Unit(kMicrosecond);
   }
   add("Op/cache_store/decode", cache_store_op)->Unit(kMicrosecond);

@@ -66,8 +66,8 @@ const std::pair<std::string_view, Pricing> kPrices[] = {
      }},
     // An extension's attention over the cache: s = {H, H_kv, (query, row) pairs scored over the
     // batch, KV rows read over the batch, d}; each (sequence, KV head)'s rows read once for all
-    // of its new rows, as the CPU kernel widens them once (the CUDA kernel, one block per new
-    // row, reads them once per row: an extension on a GPU is priced optimistically).
+    // of its new rows, as the CPU kernel widens them once (the CUDA kernel reads them once per
+    // tile of 16 new rows and query head, mostly from L2: on a GPU a little optimistic).
     {"attention_extend",
      [](auto& s, double e, DType) {
        return OpWork{OpClass::AttentionDecode,

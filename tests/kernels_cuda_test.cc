@@ -402,7 +402,19 @@ INSTANTIATE_TEST_SUITE_P(
         DecodeCase{3, 6, 128, 64, 40, {2, 0, 11}, DType::F32, {}, {}, 1, 3},
         DecodeCase{2, 4, 32, 24, 9, {0, 3}, DType::BF16, {}, {}, 1, 1},
         // grouped queries with a shared prefix and an extension of 4 rows
-        DecodeCase{3, 8, 64, 48, 30, {8, 12, 20}, DType::F16, {0, 0, -1}, {8}, 4, 2}),
+        DecodeCase{3, 8, 64, 48, 30, {8, 12, 20}, DType::F16, {0, 0, -1}, {8}, 4, 2},
+        // extensions of 8 rows or more: the tiled kernel (16 queries a block, 32 rows a tile)
+        DecodeCase{2, 3, 64, 80, 30, {0, 5}, DType::F16, {}, {}, 8},  // the smallest tiled
+        // 40 rows: 3 query tiles; sequence 1's first 10 new rows padding, 0 and 2 share 8 rows
+        DecodeCase{3, 2, 64, 120, 30, {8, 40, 20}, DType::F32, {0, -1, 0}, {8}, 40},
+        // sequence 1's first two query tiles all padding (no row loaded), the third in part
+        DecodeCase{2, 2, 64, 64, 10, {0, 45}, DType::F16, {}, {}, 40},
+        DecodeCase{2, 2, 128, 1100, 1033, {7, 0}, DType::BF16, {}, {}, 33},  // many row tiles
+        DecodeCase{3, 8, 64, 80, 30, {8, 12, 20}, DType::F16, {0, 0, -1}, {8}, 17, 2},
+        DecodeCase{1, 4, 80, 64, 20, {2}, DType::F32, {}, {}, 16},         // d not a multiple of 32
+        DecodeCase{2, 4, 16, 64, 9, {0, 4}, DType::F16, {}, {}, 20},       // d below a warp
+        DecodeCase{1, 2, 256, 100, 40, {0}, DType::F32, {}, {}, 24},       // opt-in shared memory
+        DecodeCase{2, 4, 32, 80, 9, {0, 3}, DType::BF16, {}, {}, 50, 1}),  // one KV head
     case_name<DecodeCase>);
 
 // ---- the int4 codec ----
@@ -967,10 +979,9 @@ INSTANTIATE_TEST_SUITE_P(
         CliCase{"gpu_llama", {"--model", "llama-tiny", "--policy", "gpu"}},
         CliCase{"full_mixed_lengths", {"--policy", "full"}, kMixedPrompts},
         CliCase{"gpu_mixed_lengths", {"--policy", "gpu"}, kMixedPrompts},
-        CliCase{"full_shared_prefix", {"--policy", "full", "--kv-block-tokens", "4"},
-                kSharedPrompts},
-        CliCase{"gpu_shared_prefix", {"--policy", "gpu", "--kv-block-tokens", "4"},
-                kSharedPrompts},
+        CliCase{
+            "full_shared_prefix", {"--policy", "full", "--kv-block-tokens", "4"}, kSharedPrompts},
+        CliCase{"gpu_shared_prefix", {"--policy", "gpu", "--kv-block-tokens", "4"}, kSharedPrompts},
         // h2o scores, keeps and evicts on the device: budgets that evict in the prefill (the
         // longer prompt) and in every decode step once the rows fill.
         CliCase{"h2o_mixed_lengths", {"--policy", "h2o", "--h2o-budget", "0.3"}, kMixedPrompts},
@@ -1007,6 +1018,15 @@ INSTANTIATE_TEST_SUITE_P(
                 kLlamaPrompts,
                 {"INFINIGEN_DEBUG_NAN=1"}},
         CliCase{"infinigen_chunked", {"--prefill-chunk", "4"}, kMixedPrompts},
+        // Chunks of 8 tokens or more: the tiled extension kernel.
+        CliCase{"full_chunked_tiled", {"--policy", "full", "--prefill-chunk", "8"}, kMixedPrompts},
+        CliCase{"infinigen_chunked_tiled_llama_poisoned",
+                {"--model", "builtin-llama", "--prefill-chunk", "8"},
+                {},
+                {"INFINIGEN_DEBUG_NAN=1"}},
+        CliCase{"infinigen_chunked_tiled_shared_prefix",
+                {"--kv-block-tokens", "4", "--prefill-chunk", "9"},
+                kSharedPromptsNoNearTie},
         // Where the KV and the partial keys live: the dense layers' KV loaded every step (on the
         // device, the default that fits, elsewhere), and speculated layers' partial keys in
         // mapped host memory, read by the speculation kernels in place (poisoned: a row the
@@ -1032,9 +1052,10 @@ INSTANTIATE_TEST_SUITE_P(
         CliCase{"infinigen_capped_counter",
                 {"--kv-pool-limit", "0.5", "--eviction", "counter"},
                 kMixedPrompts},
-        CliCase{"infinigen_capped_lru", {"--kv-pool-limit", "0.5", "--eviction", "lru"},
-                kMixedPrompts},
-        CliCase{"infinigen_capped_fifo", {"--kv-pool-limit", "0.5", "--eviction", "fifo"},
+        CliCase{
+            "infinigen_capped_lru", {"--kv-pool-limit", "0.5", "--eviction", "lru"}, kMixedPrompts},
+        CliCase{"infinigen_capped_fifo",
+                {"--kv-pool-limit", "0.5", "--eviction", "fifo"},
                 kMixedPrompts},
         CliCase{"infinigen_llama_capped_counter",
                 {"--model", "builtin-llama", "--kv-pool-limit", "0.3", "--eviction", "counter"}},

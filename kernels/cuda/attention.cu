@@ -1,8 +1,9 @@
-// kernels/cuda: attention. Prefill is tiled (flash-attention style, fp32 on CUDA cores): a block
-// owns a tile of queries of one (sequence, head), streams the keys it may see through shared
-// memory a tile at a time and keeps an online softmax per query, so no score matrix is stored.
-// Attention over the KV cache gives one block to each (sequence, head, new row); its warps split
-// the cache rows and merge their partial softmaxes at the end.
+// kernels/cuda: attention. A prompt's pass and an extension of the cache by many rows are tiled
+// (flash-attention style, fp32 on CUDA cores): a block owns a tile of queries of one (sequence,
+// head), streams the rows they may see through shared memory a tile at a time and keeps an online
+// softmax per query, so no score matrix is stored and each row is read once per tile of queries.
+// A decode step (and an extension by a few rows) gives one block to each (sequence, head, new
+// row); its warps split the cache rows and merge their partial softmaxes at the end.
 #include <cmath>
 #include <type_traits>
 
@@ -25,46 +26,118 @@ int values_per_lane(int64_t d) {
   return 0;
 }
 
-// ---- prefill ----
+// ---- tiled attention: a prompt's pass, and an extension over the cache ----
 
-constexpr int kPrefillWarps = 4;
+constexpr int kTileWarps = 4;
 constexpr int kRowsPerWarp = 4;
-constexpr int kQueryTile = kPrefillWarps * kRowsPerWarp;  // queries per block
-constexpr int kKeyTile = kWarpSize;                       // keys per tile: one per lane
-constexpr int kPrefillThreads = kPrefillWarps * kWarpSize;
+constexpr int kQueryTile = kTileWarps * kRowsPerWarp;  // queries per block
+constexpr int kKeyTile = kWarpSize;                    // keys per tile: one per lane
+constexpr int kTileThreads = kTileWarps * kWarpSize;
+// An extension of at least this many rows per sequence takes the tiled kernel, which reads each
+// key once per tile of queries; fewer take the decode kernel once per row, whose blocks keep all
+// their warps busy (a tile of 2 rows would leave 3 of its 4 warps idle).
+constexpr int64_t kTiledExtensionRows = kQueryTile / 2;
 
-size_t prefill_shared_bytes(int64_t d) {
+size_t tile_shared_bytes(int64_t d) {
   // q_tile (kQueryTile, d), k_tile (kKeyTile, d + 1), v_tile (kKeyTile, d), all fp32.
   return static_cast<size_t>(kQueryTile * d + kKeyTile * (d + 1) + kKeyTile * d) * sizeof(float);
 }
 
-// Grid (ceil(n / kQueryTile), H, B). Token t of sequence b, head h, dim c is element
-// (b * n + t) * D + h * d + c of q and out, D = H * d, and of k and v the same with D_kv and
-// the KV head h / (H / H_kv).
+// Where a tile's keys come from. A source gives, for one (sequence, KV head), the K and V rows a
+// query may see numbered from 0 (`key(r)`, `value(r)`: d values each), and how many of them
+// query i of the pass sees (`visible(i)`: 0 for a padding query, non-decreasing in i).
+
+// A prompt's pass: its own K and V, (B, n, H_kv, d) fp32; query i sees tokens
+// [first_valid[b], i].
+struct PromptRows {
+  const float* k;
+  const float* v;
+  int64_t n, H_kv, d;
+  const int32_t* first_valid;
+
+  struct Slice {
+    const float* k;  // token first_valid[b] of (b, KV head)
+    const float* v;
+    int64_t stride, start;
+    __device__ const float* key(int64_t r) const { return k + r * stride; }
+    __device__ const float* value(int64_t r) const { return v + r * stride; }
+    __device__ int64_t visible(int64_t i) const { return i < start ? 0 : i + 1 - start; }
+  };
+  __device__ Slice slice(int64_t b, int64_t kv_head) const {
+    const int64_t stride = H_kv * d, start = first_valid[b];
+    const int64_t at = (b * n + start) * stride + kv_head * d;
+    return {k + at, v + at, stride, start};
+  }
+};
+
+// An extension of the stored tokens by n rows, over the cache (B, H_kv, capacity, d) of T: query
+// i is cache row length - n + i and sees rows [prefix_begin[b], prefix_end) of sequence
+// prefix_source[b] (its group's shared prefix; none when prefix_end is 0), then its own rows
+// [first_valid[b], length - n + i].
+template <typename T>
+struct CacheRows {
+  const T* k;
+  const T* v;
+  int64_t n, H_kv, d, capacity, length;
+  const int32_t* first_valid;
+  const int32_t* prefix_begin;
+  const int32_t* prefix_source;
+  int64_t prefix_end;
+
+  struct Slice {
+    const T* shared_k;  // row prefix_begin[b] of the prefix's (source, KV head)
+    const T* shared_v;
+    const T* own_k;  // row first_valid[b] of (b, KV head)
+    const T* own_v;
+    int64_t d, shared_rows, start, first_query_row;
+    __device__ const T* key(int64_t r) const {
+      return r < shared_rows ? shared_k + r * d : own_k + (r - shared_rows) * d;
+    }
+    __device__ const T* value(int64_t r) const {
+      return r < shared_rows ? shared_v + r * d : own_v + (r - shared_rows) * d;
+    }
+    __device__ int64_t visible(int64_t i) const {
+      const int64_t end = first_query_row + i + 1;  // the query's own row, included
+      return end <= start ? 0 : shared_rows + end - start;
+    }
+  };
+  __device__ Slice slice(int64_t b, int64_t kv_head) const {
+    const int64_t from = prefix_end > 0 ? prefix_begin[b] : 0;
+    const int64_t source = prefix_end > 0 ? prefix_source[b] : b;
+    const int64_t start = first_valid[b];
+    const int64_t shared_at = ((source * H_kv + kv_head) * capacity + from) * d;
+    const int64_t own_at = ((b * H_kv + kv_head) * capacity + start) * d;
+    return {k + shared_at,     v + shared_at, k + own_at, v + own_at, d,
+            prefix_end - from, start,         length - n};
+  }
+};
+
+// Grid (ceil(n / kQueryTile), H, B). Query i of sequence b, head h, dim c is element
+// (b * n + i) * D + h * d + c of q and out, D = H * d; query head h reads KV head h / (H / H_kv)
+// of `rows`.
 //
-// Warp w owns queries q0 + w * kRowsPerWarp + r. For each key tile, lane j scores key k0 + j
+// Warp w owns queries q0 + w * kRowsPerWarp + r. For each key tile, lane j scores row r0 + j
 // against the query (the key rows are padded to d + 1 floats, so the 32 lanes reading the same
 // dim of 32 different rows hit 32 different banks), the warp takes the tile's max and sum, and
-// then each lane accumulates its own dims of p . V. Keys a query may not see (after it: causal)
-// get probability 0; left padding is never loaded because tiles start at first_valid[b].
-template <int kPerLane>
-__global__ void __launch_bounds__(kPrefillThreads)
-    prefill_kernel(const float* q, const float* k, const float* v, float* out, int64_t n, int64_t H,
-                   int64_t H_kv, int64_t d, const int32_t* first_valid) {
+// then each lane accumulates its own dims of p . V. Rows a query may not see (after it: causal)
+// get probability 0; rows no query of the tile sees are never loaded.
+template <typename Rows, int kPerLane>
+__global__ void __launch_bounds__(kTileThreads)
+    tiled_attention_kernel(const float* q, float* out, int64_t n, int64_t H, int64_t H_kv,
+                           int64_t d, Rows rows) {
   INFINIGEN_DYNAMIC_SHARED(float, shared);
   float* q_tile = shared;                       // (kQueryTile, d)
   float* k_tile = q_tile + kQueryTile * d;      // (kKeyTile, d + 1)
   float* v_tile = k_tile + kKeyTile * (d + 1);  // (kKeyTile, d)
 
   const int64_t b = blockIdx.z, h = blockIdx.y;
-  const int64_t D = H * d, D_kv = H_kv * d;
-  const int64_t base = b * n * D + h * d;                     // (b, token 0, h, dim 0)
-  const int64_t kv_base = b * n * D_kv + h / (H / H_kv) * d;  // its KV head
-  const int64_t start = first_valid[b];
+  const int64_t D = H * d;
+  const int64_t base = b * n * D + h * d;  // (b, query 0, h, dim 0)
+  const auto slice = rows.slice(b, h / (H / H_kv));
   const int64_t q0 = static_cast<int64_t>(blockIdx.x) * kQueryTile;
   const int64_t q_end = q0 + kQueryTile < n ? q0 + kQueryTile : n;
-  // Causal: the last query of the tile sees keys up to q_end - 1, so keys [start, q_end).
-  const int64_t key_end = q_end;
+  // The tile's last query sees the most rows.
+  const int64_t row_end = slice.visible(q_end - 1);
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
 
   for (int64_t idx = threadIdx.x; idx < kQueryTile * d; idx += blockDim.x) {
@@ -81,15 +154,15 @@ __global__ void __launch_bounds__(kPrefillThreads)
     for (int jj = 0; jj < kPerLane; ++jj) acc[r][jj] = 0.0f;
   }
 
-  // start and key_end are the same for the whole block, so every thread meets every barrier.
-  for (int64_t k0 = start; k0 < key_end; k0 += kKeyTile) {
+  // row_end is the same for the whole block, so every thread meets every barrier.
+  for (int64_t r0 = 0; r0 < row_end; r0 += kKeyTile) {
     __syncthreads();  // the previous tile is consumed (and, the first time, q_tile is written)
     for (int64_t idx = threadIdx.x; idx < kKeyTile * d; idx += blockDim.x) {
-      const int64_t j = idx / d, c = idx % d, t = k0 + j;
-      // Rows past key_end are zero, not garbage: p = 0 times a NaN would still be NaN.
-      const bool present = t < key_end;
-      k_tile[j * (d + 1) + c] = present ? k[kv_base + t * D_kv + c] : 0.0f;
-      v_tile[j * d + c] = present ? v[kv_base + t * D_kv + c] : 0.0f;
+      const int64_t j = idx / d, c = idx % d, r = r0 + j;
+      // Rows past row_end are zero, not garbage: p = 0 times a NaN would still be NaN.
+      const bool present = r < row_end;
+      k_tile[j * (d + 1) + c] = present ? detail::to_float(slice.key(r)[c]) : 0.0f;
+      v_tile[j * d + c] = present ? detail::to_float(slice.value(r)[c]) : 0.0f;
     }
     __syncthreads();
 
@@ -97,10 +170,12 @@ __global__ void __launch_bounds__(kPrefillThreads)
     for (int r = 0; r < kRowsPerWarp; ++r) {
       const int row = warp * kRowsPerWarp + r;
       const int64_t i = q0 + row;
-      // Uniform across the warp. When k0 <= i, lane 0's key k0 is visible, so the tile max below
-      // is finite.
-      if (i >= q_end || i < start || k0 > i) continue;
-      const bool visible = k0 + lane <= i;
+      if (i >= q_end) continue;
+      // Uniform across the warp. When r0 < seen, lane 0's row r0 is visible, so the tile max
+      // below is finite.
+      const int64_t seen = slice.visible(i);
+      if (r0 >= seen) continue;
+      const bool visible = r0 + lane < seen;
       float s = -INFINITY;
       if (visible) {
         const float* q_row = q_tile + row * d;
@@ -131,8 +206,8 @@ __global__ void __launch_bounds__(kPrefillThreads)
   for (int r = 0; r < kRowsPerWarp; ++r) {
     const int64_t i = q0 + warp * kRowsPerWarp + r;
     if (i >= q_end) continue;
-    // Padding rows have acc = 0 and l = 0: they are written as zeros.
-    const float inv_l = i < start ? 0.0f : 1.0f / l[r];
+    // Padding queries saw no row (acc = 0, l = 0): they are written as zeros.
+    const float inv_l = slice.visible(i) == 0 ? 0.0f : 1.0f / l[r];
 #pragma unroll
     for (int jj = 0; jj < kPerLane; ++jj) {
       const int64_t c = lane + jj * kWarpSize;
@@ -141,22 +216,38 @@ __global__ void __launch_bounds__(kPrefillThreads)
   }
 }
 
-template <int kPerLane>
-int launch_prefill(const float* q, const float* k, const float* v, float* out, int64_t B, int64_t n,
-                   int64_t H, int64_t H_kv, int64_t d, const int32_t* first_valid,
-                   cudaStream_t stream) {
-  const size_t shared_bytes = prefill_shared_bytes(d);
+template <int kPerLane, typename Rows>
+int launch_tiled(const float* q, float* out, int64_t B, int64_t n, int64_t H, int64_t H_kv,
+                 int64_t d, const Rows& rows, cudaStream_t stream) {
+  const size_t shared_bytes = tile_shared_bytes(d);
   if (shared_bytes > 48 * 1024) {  // beyond the default limit a kernel must opt in
-    const cudaError_t status =
-        cudaFuncSetAttribute(prefill_kernel<kPerLane>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(shared_bytes));
+    const cudaError_t status = cudaFuncSetAttribute(tiled_attention_kernel<Rows, kPerLane>,
+                                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                    static_cast<int>(shared_bytes));
     if (status != cudaSuccess) return status;
   }
   const dim3 grid(static_cast<unsigned>((n + kQueryTile - 1) / kQueryTile),
                   static_cast<unsigned>(H), static_cast<unsigned>(B));
-  INFINIGEN_LAUNCH(grid, kPrefillThreads, shared_bytes, stream, prefill_kernel<kPerLane>)
-  (q, k, v, out, n, H, H_kv, d, first_valid);
+  INFINIGEN_LAUNCH(grid, kTileThreads, shared_bytes, stream, tiled_attention_kernel<Rows, kPerLane>)
+  (q, out, n, H, H_kv, d, rows);
   return cudaGetLastError();
+}
+
+template <typename Rows>
+int launch_tiled(const float* q, float* out, int64_t B, int64_t n, int64_t H, int64_t H_kv,
+                 int64_t d, const Rows& rows, cudaStream_t stream) {
+  switch (values_per_lane(d)) {
+    case 1:
+      return launch_tiled<1>(q, out, B, n, H, H_kv, d, rows, stream);
+    case 2:
+      return launch_tiled<2>(q, out, B, n, H, H_kv, d, rows, stream);
+    case 4:
+      return launch_tiled<4>(q, out, B, n, H, H_kv, d, rows, stream);
+    case 8:
+      return launch_tiled<8>(q, out, B, n, H, H_kv, d, rows, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
 }
 
 // ---- decode ----
@@ -288,19 +379,8 @@ int attention_prefill(const float* q, const float* k, const float* v, float* out
   if (B <= 0 || n <= 0 || H <= 0 || d <= 0) return cudaSuccess;
   if (H_kv <= 0 || H % H_kv != 0) return cudaErrorInvalidValue;
   if (!grid_fits((n + kQueryTile - 1) / kQueryTile, H, B)) return cudaErrorInvalidValue;
-  const cudaStream_t s = detail::as_stream(stream);
-  switch (values_per_lane(d)) {
-    case 1:
-      return launch_prefill<1>(q, k, v, out, B, n, H, H_kv, d, first_valid, s);
-    case 2:
-      return launch_prefill<2>(q, k, v, out, B, n, H, H_kv, d, first_valid, s);
-    case 4:
-      return launch_prefill<4>(q, k, v, out, B, n, H, H_kv, d, first_valid, s);
-    case 8:
-      return launch_prefill<8>(q, k, v, out, B, n, H, H_kv, d, first_valid, s);
-    default:
-      return cudaErrorInvalidValue;
-  }
+  return launch_tiled(q, out, B, n, H, H_kv, d, PromptRows{k, v, n, H_kv, d, first_valid},
+                      detail::as_stream(stream));
 }
 
 int attention_decode(const float* q, const void* k_cache, const void* v_cache, Element cache_type,
@@ -310,7 +390,11 @@ int attention_decode(const float* q, const void* k_cache, const void* v_cache, E
                      void* stream) {
   if (B <= 0 || n <= 0 || H <= 0 || d <= 0) return cudaSuccess;
   if (H_kv <= 0 || H % H_kv != 0) return cudaErrorInvalidValue;
-  if (!grid_fits(H, B, n) || n > length || length > capacity) return cudaErrorInvalidValue;
+  const bool tiled = n >= kTiledExtensionRows;
+  if (!(tiled ? grid_fits((n + kQueryTile - 1) / kQueryTile, H, B) : grid_fits(H, B, n))) {
+    return cudaErrorInvalidValue;
+  }
+  if (n > length || length > capacity) return cudaErrorInvalidValue;
   if (prefix_end < 0 || prefix_end > length) return cudaErrorInvalidValue;
   if (prefix_end > 0 && (prefix_begin == nullptr || prefix_source == nullptr)) {
     return cudaErrorInvalidValue;
@@ -323,6 +407,12 @@ int attention_decode(const float* q, const void* k_cache, const void* v_cache, E
     using T = decltype(tag);
     const T* keys = static_cast<const T*>(k_cache);
     const T* values = static_cast<const T*>(v_cache);
+    if (tiled) {
+      const CacheRows<T> rows{keys,      values, n,           H_kv,         d,
+                              capacity,  length, first_valid, prefix_begin, prefix_source,
+                              prefix_end};
+      return launch_tiled(q, out, B, n, H, H_kv, d, rows, s);
+    }
     const auto launch = [&](auto per_lane_tag) {
       constexpr int kPerLane = decltype(per_lane_tag)::value;
       INFINIGEN_LAUNCH(grid, kDecodeThreads, 0, s, decode_kernel<T, kPerLane>)

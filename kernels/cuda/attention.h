@@ -28,7 +28,9 @@ int attention_prefill(const float* q, const float* k, const float* v, float* out
 // stored once in the group leader's rows; nothing when prefix_end is 0, and the arrays may then
 // be null), then to its own rows [first_valid[b], length - n + i + 1), first_valid[b] >=
 // prefix_end. A query row before first_valid[b] (padding) gets a zero output. first_valid,
-// prefix_begin and prefix_source (B) are int32 device arrays. d <= kMaxHeadDim.
+// prefix_begin and prefix_source (B) are int32 device arrays. d <= kMaxHeadDim. An extension by
+// 8 rows or more is tiled as the prefill is (each cache row read once per 16 queries); fewer rows
+// take one block per row.
 int attention_decode(const float* q, const void* k_cache, const void* v_cache, Element cache_type,
                      float* out, int64_t B, int64_t n, int64_t H, int64_t H_kv, int64_t d,
                      int64_t capacity, int64_t length, const int32_t* first_valid,
