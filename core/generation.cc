@@ -213,6 +213,27 @@ std::vector<int32_t> own_tokens_after(const std::vector<std::vector<int32_t>>& p
   return tokens;
 }
 
+// Drops the sequences that ended from `store` (KvStore::drop_sequences): `live` (the sequence
+// of each store row) and `next` (each row's next token) keep the rows of those still running.
+void drop_ended(KvStore& store, const std::vector<bool>& ended, std::vector<int64_t>& live,
+                std::vector<int32_t>& next) {
+  std::vector<int64_t> keep;
+  for (int64_t i = 0; i < std::ssize(live); ++i) {
+    if (!ended[static_cast<size_t>(live[i])]) keep.push_back(i);
+  }
+  store.drop_sequences(keep);
+  compact_batch(live, keep, 1);
+  compact_batch(next, keep, 1);
+}
+
+// Row i of a step's logits (rows, V) into row live[i] of `all` (B, V).
+void keep_rows(const Tensor& logits, const std::vector<int64_t>& live, Tensor& all) {
+  const int64_t V = logits.dim(1);
+  for (int64_t i = 0; i < std::ssize(live); ++i) {
+    std::copy_n(logits.data<float>() + i * V, V, all.data<float>() + live[i] * V);
+  }
+}
+
 }  // namespace
 
 GenerationResult generate(Model& model, const GenerationRequest& request,
@@ -238,31 +259,38 @@ GenerationResult generate(Model& model, const GenerationRequest& request,
   // Sequences that ended (their length, or the stop callback); the loop ends when all have.
   std::vector<bool> ended(static_cast<size_t>(B), false);
   int64_t running = B;
+  // (rows of the store): the sequence each row of the store, and of a step's logits, is: every
+  // sequence until the store drops those that ended (`dropping` below).
+  std::vector<int64_t> live(static_cast<size_t>(B));
+  for (int64_t b = 0; b < B; ++b) live[b] = b;
   const auto sequence_gen_len = [&](int64_t b) {
     return request.sequence_gen_len.empty() ? request.gen_len : request.sequence_gen_len[b];
   };
-  // The tokens of step `step` (0 = chosen from the prefill's logits), sampled or forced, scored
-  // against the logits they follow when asked to. An ended sequence draws nothing and keeps
-  // nothing: it is fed its last token again.
+  // The tokens of step `step` (0 = chosen from the prefill's logits), one per row of `logits`
+  // (the live sequences'), sampled or forced, scored against the logits they follow when asked
+  // to. An ended sequence that keeps its row draws nothing and keeps nothing: it is fed its last
+  // token again.
   const auto emit = [&](int64_t step, const Tensor& logits) {
-    std::vector<int32_t> chosen(static_cast<size_t>(B));
+    const int64_t rows = std::ssize(live), V = logits.dim(1);
+    std::vector<int32_t> chosen(static_cast<size_t>(rows));
     if (!request.forced_tokens.empty()) {
-      for (int64_t b = 0; b < B; ++b) chosen[b] = request.forced_tokens[b][step];
+      for (int64_t i = 0; i < rows; ++i) chosen[i] = request.forced_tokens[live[i]][step];
     } else if (own_samplers.empty()) {
       chosen = sampler.sample(logits);
-    } else if (!traced("sample", {B, logits.dim(1)})) {
-      for (int64_t b = 0; b < B; ++b) {
-        chosen[b] = ended[b] ? result.tokens[b].back()
-                             : own_samplers[b].sample_row(logits.data<float>() + b * logits.dim(1),
-                                                          logits.dim(1));
+    } else if (!traced("sample", {rows, V})) {
+      for (int64_t i = 0; i < rows; ++i) {
+        const int64_t b = live[i];
+        chosen[i] = ended[b] ? result.tokens[b].back()
+                             : own_samplers[b].sample_row(logits.data<float>() + i * V, V);
       }
     }
-    for (int64_t b = 0; b < B; ++b) {
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t b = live[i];
       if (ended[b]) continue;
-      result.tokens[b].push_back(chosen[b]);
+      result.tokens[b].push_back(chosen[i]);
       if (request.score_tokens) {
-        result.token_log_probs[b].push_back(token_log_probability(
-            logits.data<float>() + b * logits.dim(1), logits.dim(1), chosen[b]));
+        result.token_log_probs[b].push_back(
+            token_log_probability(logits.data<float>() + i * V, V, chosen[i]));
       }
       // The callback sees every token, the last one too (it reports why a sequence ended).
       const bool stopped = request.stop && request.stop(b, result.tokens[b]);
@@ -271,6 +299,7 @@ GenerationResult generate(Model& model, const GenerationRequest& request,
         --running;
       }
     }
+    result.rows += rows;
     return chosen;
   };
   if (request.score_tokens) result.token_log_probs.assign(static_cast<size_t>(B), {});
@@ -312,6 +341,13 @@ GenerationResult generate(Model& model, const GenerationRequest& request,
     });
   }
 
+  // Whether ended sequences leave the batch (their rows dropped from the store) instead of
+  // staying in it to the end: when the store can drop them, and the survivors' tokens cannot
+  // depend on it (forced, greedy, or each sequence with its own sampler; a request-wide sampler
+  // draws for every row, an ended one's too).
+  const bool dropping = request.drop_ended && cache.can_drop_sequences() && !conversation &&
+                        (!request.forced_tokens.empty() || !own_samplers.empty() ||
+                         request.sampling.temperature == 0.0f);
   int64_t emitted = 0;  // token positions generated so far, for an interruption's message
   try {
     return with_interrupt_context(
@@ -336,22 +372,40 @@ GenerationResult generate(Model& model, const GenerationRequest& request,
             conversation->after_first_pass(cache, turn_rows);
           }
           std::vector<int32_t> next = emit(0, result.last_logits);
+          // (B, V) where sequences may leave the batch, allocated before the decode steps: once
+          // one has, each sequence's latest logits, its row written after every step it runs.
+          Tensor all_logits;
+          bool dropped = false;
+          if (dropping && request.gen_len > 1 &&
+              (request.stop || !request.sequence_gen_len.empty())) {
+            all_logits = Tensor::empty({B, result.last_logits.dim(1)}, DType::F32);
+          }
           result.prefill_seconds = seconds_since(start);
           emitted = 1;
           if (progress) progress(1, request.gen_len);
 
           start = std::chrono::steady_clock::now();
           for (int64_t step = 1; step < request.gen_len && running > 0; ++step) {
+            if (all_logits.defined() && running < std::ssize(live)) {
+              if (!dropped) keep_rows(result.last_logits, live, all_logits);  // every sequence's
+              dropped = true;
+              drop_ended(cache, ended, live, next);
+            }
             trace_step(step);
             result.last_logits = model.decode(next, cache);
             next = emit(step, result.last_logits);
+            if (dropped) keep_rows(result.last_logits, live, all_logits);
             emitted = step + 1;
             if (progress) progress(step + 1, request.gen_len);
           }
           result.decode_seconds = seconds_since(start);
           result.gen_len = emitted;
           // A decode step's logits are the model's buffer, which its next pass overwrites.
-          if (emitted > 1) result.last_logits = result.last_logits.clone();
+          if (dropped) {
+            result.last_logits = all_logits;
+          } else if (emitted > 1) {
+            result.last_logits = result.last_logits.clone();
+          }
           if (conversation) {
             cache.finish_stores();
             conversation->finish(

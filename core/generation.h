@@ -44,6 +44,9 @@ struct GenerationRequest {
   // generated so far: true ends it there (a stop string, EOS). Unset: no sequence ends before
   // its length.
   std::function<bool(int64_t b, const std::vector<int32_t>& generated)> stop;
+  // Whether a sequence that ended leaves the batch, where generate() can drop it (see there);
+  // false keeps every row to the end, as a static batch does (to compare the two).
+  bool drop_ended = true;
 };
 
 struct GenerationResult {
@@ -55,9 +58,14 @@ struct GenerationResult {
   // Token positions generated: the request's gen_len, or fewer when every sequence ended before
   // it (the steps after that are not run).
   int64_t gen_len = 0;
+  // Rows the steps computed, over every token position: the batch's at each step, or, where
+  // the store drops sequences that ended (KvStore::drop_sequences), those still running.
+  int64_t rows = 0;
   double prefill_seconds = 0.0;
   double decode_seconds = 0.0;
-  Tensor last_logits;  // (B, V) fp32: the logits the last token was chosen from
+  // (B, V) fp32: the logits of each sequence's last step (of the last token it chose, when the
+  // store dropped it once it ended).
+  Tensor last_logits;
   // (B, gen_len) when the request asks for score_tokens: log p(token | everything before it).
   std::vector<std::vector<double>> token_log_probs;
 
@@ -112,8 +120,11 @@ using KvStoreFactory = std::function<std::unique_ptr<KvStore>(int64_t batch, int
 // generation within the context, forced tokens shaped (B, gen_len)) with one-line errors, then
 // generates gen_len tokens per sequence (EOS does not stop a sequence, as in FlexGen's
 // benchmarks), sampled or forced; with per-sequence lengths or a stop callback, a sequence ends
-// at its own length or where the callback says, and the loop ends when every sequence has
-// (an ended sequence keeps its row in the batch until then, its tokens discarded).
+// at its own length or where the callback says, and the loop ends when every sequence has.
+// An ended sequence leaves the batch (the store drops its rows: no later step computes or loads
+// for it) where the store can drop sequences and the others' tokens do not depend on it (forced
+// or greedy tokens, or each sequence with its own sampler); otherwise it keeps its row until
+// the end, fed its last token again, its tokens discarded.
 // KV lives in `make_store`'s store, or in a resident KvCache on the model's device when empty.
 // With a `conversation`, request.prompts are each sequence's tokens after its history, and the
 // context check covers history and prompt together.

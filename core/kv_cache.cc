@@ -3,6 +3,8 @@
 
 #include <algorithm>
 
+#include "core/device.h"
+#include "core/error.h"
 #include "core/ops.h"
 
 namespace infinigen {
@@ -32,6 +34,58 @@ void KvStore::share_prefixes(SharedPrefixes shared, std::vector<int32_t> first_v
   }
   set_first_valid(std::move(first_valid));
   shared_ = std::move(shared);
+}
+
+void KvStore::drop_sequences(const std::vector<int64_t>& keep) {
+  INFINIGEN_CHECK(can_drop_sequences(), "this KV policy's store cannot drop sequences");
+  INFINIGEN_CHECK(length_ > 0 && !prompt_open_ && pass_tokens_ == 0,
+                  "sequences are dropped between passes, after the prompt's");
+  INFINIGEN_CHECK(!keep.empty() && std::ssize(keep) <= batch_, "keeping ", keep.size(),
+                  " sequences of a batch of ", batch_);
+  for (size_t i = 0; i < keep.size(); ++i) {
+    INFINIGEN_CHECK(keep[i] >= 0 && keep[i] < batch_ && (i == 0 || keep[i] > keep[i - 1]),
+                    "sequences to keep must be ascending indices of the batch of ", batch_);
+  }
+  const SharedPrefixes kept = shared_.kept(keep);
+  std::vector<LeaderMove> moves;
+  for (int64_t g = 0; g < kept.num_groups(); ++g) {
+    const int64_t to = keep[static_cast<size_t>(kept.leaders()[static_cast<size_t>(g)])];
+    const int64_t from = shared_.source(to);
+    if (from != to) moves.push_back({from, to, shared_.begin(to), shared_.rows()});
+  }
+  keep_sequences(keep, moves);
+  compact_batch(first_valid_, keep, 1);
+  shared_ = kept;
+  batch_ = std::ssize(keep);
+}
+
+void compact_batch(Tensor& t, const std::vector<int64_t>& keep,
+                   const std::vector<KvStore::LeaderMove>& moves) {
+  if (!t.defined()) return;
+  const int64_t B = t.dim(0);
+  const size_t slab = t.nbytes() / static_cast<size_t>(B);
+  char* data = static_cast<char*>(t.raw());
+  if (!moves.empty()) {
+    INFINIGEN_CHECK(t.rank() >= 3, "moving prefix rows needs (B, ..., rows, width), got ",
+                    shape_string(t.shape()));
+    const int64_t rows = t.dim(t.rank() - 2);
+    const size_t row = static_cast<size_t>(t.dim(t.rank() - 1)) * dtype_size(t.dtype());
+    const int64_t runs = static_cast<int64_t>(slab / (row * static_cast<size_t>(rows)));
+    for (const KvStore::LeaderMove& m : moves) {
+      for (int64_t r = 0; r < runs; ++r) {
+        const size_t at = static_cast<size_t>(r * rows + m.row0) * row;
+        device_copy(data + static_cast<size_t>(m.to) * slab + at, t.device(),
+                    data + static_cast<size_t>(m.from) * slab + at, t.device(),
+                    static_cast<size_t>(m.row1 - m.row0) * row);
+      }
+    }
+  }
+  for (size_t i = 0; i < keep.size(); ++i) {
+    const size_t from = static_cast<size_t>(keep[i]);
+    if (from == i) continue;
+    device_copy(data + i * slab, t.device(), data + from * slab, t.device(), slab);
+  }
+  t = t.slice_rows(0, std::ssize(keep));
 }
 
 void KvStore::store_pass_rows(const Tensor& rows, Tensor& cache) const {
@@ -117,6 +171,14 @@ void KvCache::append(int64_t layer, const Tensor& keys, const Tensor& values) {
   // The shared prefixes go into their leaders' rows only.
   store_pass_rows(keys, keys_[static_cast<size_t>(layer)]);
   store_pass_rows(values, values_[static_cast<size_t>(layer)]);
+}
+
+void KvCache::keep_sequences(const std::vector<int64_t>& keep,
+                             const std::vector<LeaderMove>& moves) {
+  for (size_t l = 0; l < keys_.size(); ++l) {
+    compact_batch(keys_[l], keep, moves);
+    compact_batch(values_[l], keep, moves);
+  }
 }
 
 KvStore::View KvCache::view(int64_t layer) {

@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/compact_batch.h"
 #include "core/model_config.h"
 #include "core/shared_prefixes.h"
 #include "core/tensor.h"
@@ -124,6 +125,25 @@ class KvStore {
   // the default ignores it.
   virtual void observe(int64_t layer, const AttentionInput& input) { (void)layer, (void)input; }
 
+  // Dropping sequences that ended (a batch whose sequences end at different steps): between
+  // passes, once the prompt's are done, keeps only the sequences `keep` (old indices, ascending,
+  // at least one), renumbered 0, 1, ... in that order, so that every later pass computes,
+  // speculates and loads over them alone. Their rows, pool blocks and the policy's state are
+  // kept; what the dropped ones held is no longer read (whether its memory is freed is the
+  // store's to say). A group of a shared prefix whose leader is dropped is led by its lowest
+  // kept member from then on (SharedPrefixes::kept): a store that keeps the prefix in its
+  // leader's rows copies it there (moves). One-line Error unless can_drop_sequences().
+  void drop_sequences(const std::vector<int64_t>& keep);
+  virtual bool can_drop_sequences() const { return false; }
+  // A group whose leader a drop removes: its prefix, rows [row0, row1) of sequence `from`, goes to
+  // the same rows of sequence `to` (old indices).
+  struct LeaderMove {
+    int64_t from = 0;
+    int64_t to = 0;
+    int64_t row0 = 0;
+    int64_t row1 = 0;
+  };
+
   // Restore what a resumed conversation needs first (layer 0, or layer + 1), then start.
   void begin_pass(int64_t n_new);
   void begin_layer(int64_t layer);
@@ -179,6 +199,12 @@ class KvStore {
  protected:
   virtual void start_pass(int64_t n_new);
   virtual void start_layer(int64_t layer) { (void)layer; }
+  // The store's part of drop_sequences, called before batch(), first_valid() and shared() change
+  // (they still describe the old batch).
+  virtual void keep_sequences(const std::vector<int64_t>& keep,
+                              const std::vector<LeaderMove>& moves) {
+    (void)keep, (void)moves;
+  }
   // Whether this pass extends stored tokens by the rows of a prompt (a chunk after the first,
   // the own tokens after a shared prefix, a resumed conversation's turn), or by more than one.
   bool extending() const { return length_ > 0 && (prompt_pass() || pass_tokens_ > 1); }
@@ -206,6 +232,15 @@ class KvStore {
   std::vector<int32_t> first_valid_;
 };
 
+// Compacting a batch (KvStore::drop_sequences) in a buffer t whose first dimension is the batch
+// (B, ...): first each move's rows [row0, row1) of the second-to-last dimension, per index of the
+// dimensions between (t (B, H, rows, w)), from sequence `from` to `to`; then sequence keep[i]'s
+// slab to slab i; then t narrowed to (keep.size(), ...) in place (its memory kept). Copies on
+// t's device, ordered after the work enqueued on the current stream. (Host vectors:
+// core/compact_batch.h.)
+void compact_batch(Tensor& t, const std::vector<int64_t>& keep,
+                   const std::vector<KvStore::LeaderMove>& moves = {});
+
 // Every layer's keys and values resident on one device (the non-offloaded engine, and the `gpu`
 // policy).
 class KvCache : public KvStore {
@@ -216,9 +251,14 @@ class KvCache : public KvStore {
   bool can_share_prefix() const override { return true; }
   void append(int64_t layer, const Tensor& keys, const Tensor& values) override;
   View view(int64_t layer) override;
+  bool can_drop_sequences() const override { return true; }
   std::vector<TokenStream> token_streams(int64_t layer) const override;
   const void* token_row(int64_t layer, size_t stream, int64_t b, int64_t h,
                         int64_t t) const override;
+
+ protected:
+  void keep_sequences(const std::vector<int64_t>& keep,
+                      const std::vector<LeaderMove>& moves) override;
 
  private:
   DType dtype_;

@@ -11,11 +11,17 @@ namespace infinigen {
 
 SharedPrefixes::SharedPrefixes(std::vector<int32_t> groups, std::vector<int64_t> lengths)
     : group_(std::move(groups)), lengths_(std::move(lengths)) {
-  const int64_t G = num_groups();
-  for (int64_t g = 0; g < G; ++g) {
+  int64_t rows = 0;
+  for (int64_t g = 0; g < num_groups(); ++g) {
     INFINIGEN_CHECK(length(g) > 0, "shared prefix ", g + 1, " has ", length(g), " tokens");
-    rows_ = std::max(rows_, length(g));
+    rows = std::max(rows, length(g));
   }
+  index(rows);
+}
+
+void SharedPrefixes::index(int64_t rows) {
+  rows_ = rows;
+  const int64_t G = num_groups();
   leaders_ = std::vector<int32_t>(lengths_.size(), -1);
   for (int64_t b = 0; b < batch(); ++b) {
     const int32_t g = group(b);
@@ -25,16 +31,35 @@ SharedPrefixes::SharedPrefixes(std::vector<int32_t> groups, std::vector<int64_t>
       leaders_[static_cast<size_t>(g)] = static_cast<int32_t>(b);
     }
   }
+  leader_first_valid_.clear();
   for (int64_t g = 0; g < G; ++g) {
     INFINIGEN_CHECK(leaders_[static_cast<size_t>(g)] >= 0, "shared prefix ", g + 1,
                     " has no sequence");
     leader_first_valid_.push_back(static_cast<int32_t>(rows_ - length(g)));
   }
+  begin_.clear();
+  source_.clear();
   for (int64_t b = 0; b < batch(); ++b) {
     const int32_t g = group(b);
     begin_.push_back(static_cast<int32_t>(g < 0 ? rows_ : rows_ - length(g)));
     source_.push_back(g < 0 ? static_cast<int32_t>(b) : leaders_[static_cast<size_t>(g)]);
   }
+}
+
+SharedPrefixes SharedPrefixes::kept(const std::vector<int64_t>& keep) const {
+  if (empty()) return {};
+  SharedPrefixes out;
+  std::vector<int32_t> renumbered(lengths_.size(), -1);  // old group -> new, -1: none kept
+  for (int64_t b : keep) {
+    const int32_t g = group(b);
+    if (g >= 0 && renumbered[static_cast<size_t>(g)] < 0) {
+      renumbered[static_cast<size_t>(g)] = static_cast<int32_t>(out.lengths_.size());
+      out.lengths_.push_back(length(g));
+    }
+    out.group_.push_back(g < 0 ? -1 : renumbered[static_cast<size_t>(g)]);
+  }
+  out.index(rows_);
+  return out;
 }
 
 int64_t SharedPrefixes::kept_tokens() const {

@@ -58,11 +58,19 @@ class SharedPrefixes {
   // Tokens the prefixes stand for, once per member: the sum of prefix_length over the batch.
   int64_t member_tokens() const;
 
+  // The prefixes of the sequences `keep` (old indices, ascending), renumbered 0.. in that order
+  // (a batch that dropped its other sequences, KvStore::drop_sequences): the groups with a kept
+  // member, each led by its lowest kept member, and rows() unchanged (the row layout stays).
+  SharedPrefixes kept(const std::vector<int64_t>& keep) const;
+
   bool operator==(const SharedPrefixes& other) const {
     return group_ == other.group_ && lengths_ == other.lengths_;
   }
 
  private:
+  // Leaders, where prefixes begin and their sources, for the prefix region of `rows` rows.
+  void index(int64_t rows);
+
   std::vector<int32_t> group_;
   std::vector<int64_t> lengths_;
   int64_t rows_ = 0;

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 
+#include "core/compact_batch.h"
 #include "core/device.h"
 #include "core/error.h"
 #include "speculate/prompt_keep.h"
@@ -166,6 +167,14 @@ void CappedPool::count_dense_fetches(int64_t layer, const PartialLayer::Selectio
       }
     }
   }
+}
+
+void CappedPool::keep_sequences(const std::vector<int64_t>& keep) {
+  for (size_t l = 0; l < tokens_.size(); ++l) {
+    compact_batch(tokens_[l], keep, static_cast<size_t>(kv_heads_ * slots_));
+    eviction_[l].keep_sequences(keep, kv_heads_);
+  }
+  batch_ = std::ssize(keep);
 }
 
 }  // namespace infinigen

@@ -66,6 +66,10 @@ class CappedPool {
   // Valid entries of sequence b (those of its head 0; every head keeps as many).
   int64_t valid_entries(int64_t layer, int64_t b, int32_t first_valid, int64_t length) const;
 
+  // Keeps the rows of sequences `keep` (old indices, ascending), renumbered in that order
+  // (KvStore::drop_sequences): their tokens per position and eviction state.
+  void keep_sequences(const std::vector<int64_t>& keep);
+
   // Each entry `selection` takes counts as fetched at step `step`.
   void count_fetches(int64_t layer, const PartialLayer::Selection& selection, int64_t step);
   // A dense layer's fetches, on the host: of the staged rows of `selection` (staged_keys (B,

@@ -32,6 +32,7 @@ class FullKv : public KvStore {
                         int64_t t) const override {
     return paged_.token_row(layer, stream, b, h, t);
   }
+  bool can_drop_sequences() const override { return true; }
   void finish_stores() override { paged_.pipeline().drain_stores(); }
   void allocate_all() override { paged_.pool().reserve(paged_.pool().shape().max_tokens); }
 
@@ -41,6 +42,10 @@ class FullKv : public KvStore {
   // A decode pass loads layer 0 before the embedding, and layer l + 1 while layer l computes.
   void start_pass(int64_t n_new) override;
   void start_layer(int64_t layer) override;
+  void keep_sequences(const std::vector<int64_t>& keep,
+                      const std::vector<LeaderMove>& moves) override {
+    paged_.keep_sequences(keep, moves);
+  }
 
  private:
   PagedKv paged_;

@@ -205,6 +205,28 @@ std::vector<float> H2oKv::kept_scores(int64_t layer, int64_t b, int64_t h) const
   return kept_entries(scores_, device_scores_, layer, b, h);
 }
 
+void H2oKv::keep_sequences(const std::vector<int64_t>& keep, const std::vector<LeaderMove>&) {
+  pipeline_.keep_batch(std::ssize(keep));  // after every transfer in flight
+  const int64_t L = pipeline_.num_layers();
+  const size_t rows = static_cast<size_t>(heads_ * (slots_ + 1));  // bookkeeping per sequence
+  if (!dry_run()) {
+    // [L][2][B][H][slots] rows -> [L][2][K][H][slots].
+    compact_batch_bytes(pool_.get(), 2 * L, batch(), keep,
+                        static_cast<size_t>(heads_ * slots_) * row_bytes_);
+  }
+  compact_batch(host_keys_, keep, rows * static_cast<size_t>(head_dim_), L);
+  compact_batch(scores_, keep, rows, L);
+  compact_batch(tokens_, keep, rows, L);
+  for (size_t l = 0; l < device_scores_.size(); ++l) {
+    compact_batch(device_scores_[l], keep);
+    compact_batch(device_tokens_[l], keep);
+    compact_batch(placed_[l], keep);
+  }
+  if (probs_.defined()) probs_ = probs_.slice_rows(0, std::ssize(keep));
+  compact_batch(count_, keep, 1);
+  compact_batch(view_first_valid_, keep, 1);
+}
+
 void H2oKv::start_pass(int64_t n_new) {
   INFINIGEN_CHECK(length() == 0 || n_new == 1, "h2o: decode passes take one token, got ", n_new);
   for (int64_t b = 0; b < batch(); ++b) {

@@ -99,6 +99,10 @@ class H2oKv : public KvStore {
   View view(int64_t layer) override;
   void end_pass(int64_t n_new) override;
 
+  // Sequences leave the batch (KvStore::drop_sequences) with the pool and the bookkeeping
+  // compacted in place into the layout of the smaller batch (on the host, or on the device); the
+  // pool's memory is kept, as a whole, until the store goes.
+  bool can_drop_sequences() const override { return true; }
   int64_t slots() const { return slots_; }
   int64_t recent() const { return recent_; }
   // Entries sequence b keeps per head (after the last pass).
@@ -112,6 +116,8 @@ class H2oKv : public KvStore {
  protected:
   void start_pass(int64_t n_new) override;
   void start_layer(int64_t layer) override;
+  void keep_sequences(const std::vector<int64_t>& keep,
+                      const std::vector<LeaderMove>& moves) override;
 
  private:
   // Index of row `row` of (layer, b, h) in the host bookkeeping (scores, tokens, key copy / d).

@@ -168,6 +168,14 @@ void InfinigenKv::start_layer(int64_t layer) {
   if (length() > 0 && next < num_layers_ && !speculated(next)) load_whole(next);
 }
 
+void InfinigenKv::keep_sequences(const std::vector<int64_t>& keep,
+                                 const std::vector<LeaderMove>& moves) {
+  paged_.keep_sequences(keep, moves);
+  const SharedPrefixes kept = shared().kept(keep);
+  for (PartialLayer& partial : partial_) partial.keep_sequences(keep, moves, kept);
+  if (capped_) capped_->keep_sequences(keep);
+}
+
 void InfinigenKv::observe(int64_t, const AttentionInput& input) {
   input_.reset();  // references: rebuilt, not assigned
   input_.emplace(input);

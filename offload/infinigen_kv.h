@@ -83,6 +83,13 @@ class InfinigenKv : public KvStore {
                         int64_t t) const override;
   LayerState layer_state(int64_t layer) const override;
   void restore_layer_state(int64_t layer, const LayerState& state) override;
+  // Sequences leave the batch with their pool blocks, partial keys and a capped pool's eviction
+  // state compacted (KvStore::drop_sequences), except where the survivors' fetches depend on them:
+  // under --fetch-rule batch (n' is the mean over every sequence's rows). Not yet with the
+  // speculation on the CUDA device: there an ended sequence keeps its row.
+  bool can_drop_sequences() const override {
+    return !device_ && options_.fetch_rule == FetchRule::Sequence;
+  }
   void finish_stores() override { paged_.pipeline().drain_stores(); }
   void allocate_all() override { paged_.pool().reserve(paged_.pool().shape().max_tokens); }
 
@@ -99,6 +106,8 @@ class InfinigenKv : public KvStore {
   // selection is known.
   void start_pass(int64_t n_new) override;
   void start_layer(int64_t layer) override;
+  void keep_sequences(const std::vector<int64_t>& keep,
+                      const std::vector<LeaderMove>& moves) override;
 
  private:
   bool dense(int64_t layer) const { return layer < options_.dense_layers; }

@@ -3,6 +3,7 @@
 
 #include <vector>
 
+#include "core/compact_batch.h"
 #include "core/error.h"
 #include "core/saturating.h"
 #include "core/trace.h"
@@ -108,6 +109,16 @@ ops::Int4Rows Int4Kv::device_rows(Packed packed, int64_t rows) const {
           .heads = num_heads_,
           .rows = rows,
           .head_dim = head_dim_};
+}
+
+void Int4Kv::keep_sequences(const std::vector<int64_t>& keep, const std::vector<LeaderMove>&) {
+  pipeline_.keep_batch(std::ssize(keep));  // after every transfer in flight
+  if (dry_run()) return;                   // a dry run has no pool behind it
+  // [L][2][B][H][capacity] rows -> [L][2][K][H][capacity].
+  const size_t run = static_cast<size_t>(num_heads_ * capacity());
+  const int64_t blocks = 2 * pipeline_.num_layers();
+  compact_batch_bytes(host_.codes.get(), blocks, batch(), keep, run * code_bytes_);
+  compact_batch_bytes(host_.meta.get(), blocks, batch(), keep, run * meta_bytes_);
 }
 
 void Int4Kv::start_pass(int64_t n_new) {

@@ -66,12 +66,19 @@ class Int4Kv : public KvStore {
   View view(int64_t layer) override;
   void end_pass(int64_t n_new) override;
 
+  // Sequences leave the batch (KvStore::drop_sequences) with the pool compacted in place into the
+  // layout of the smaller batch (each kept run of codes and meta moves down once, in host
+  // memory); the pool's memory is kept, as a whole, until the store goes.
+  bool can_drop_sequences() const override { return true; }
+
   // Bytes of one quantised row (d / 2 + 4 * G).
   size_t row_bytes() const { return code_bytes_ + meta_bytes_; }
 
  protected:
   void start_pass(int64_t n_new) override;
   void start_layer(int64_t layer) override;
+  void keep_sequences(const std::vector<int64_t>& keep,
+                      const std::vector<LeaderMove>& moves) override;
 
  private:
   // Quantised rows laid out [2][B][H][rows] (codes then meta, as two arrays), on device_ or in

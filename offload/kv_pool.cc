@@ -170,6 +170,41 @@ void KvPool::share(const SharedPrefixes& shared) {
   }
 }
 
+void KvPool::keep_sequences(const std::vector<int64_t>& keep) {
+  const int64_t B = shape_.batch, K = std::ssize(keep);
+  std::vector<bool> kept(static_cast<size_t>(B), false);
+  for (int64_t b : keep) kept[static_cast<size_t>(b)] = true;
+  std::vector<std::vector<int32_t>> tables;
+  tables.reserve(static_cast<size_t>(2 * shape_.num_layers * K));
+  for (int64_t lk = 0; lk < 2 * shape_.num_layers; ++lk) {
+    for (int64_t b = 0; b < B; ++b) {
+      if (kept[static_cast<size_t>(b)]) continue;
+      for (int32_t entry : tables_[static_cast<size_t>(lk * B + b)]) {
+        if (entry == kPadding) continue;
+        Block& block = blocks_[static_cast<size_t>(entry)];
+        if (--block.references == 0 && block.allocation >= 0) {
+          release_allocation(block.allocation);
+          block.data = nullptr;
+        }
+      }
+    }
+    for (int64_t b : keep) tables.push_back(std::move(tables_[static_cast<size_t>(lk * B + b)]));
+  }
+  tables_ = std::move(tables);
+  shape_.batch = K;
+  // Owners: the lowest referrer, in the new numbering.
+  std::vector<bool> owned(blocks_.size(), false);
+  for (int64_t lk = 0; lk < 2 * shape_.num_layers; ++lk) {
+    for (int64_t i = 0; i < K; ++i) {
+      for (int32_t entry : tables_[static_cast<size_t>(lk * K + i)]) {
+        if (entry == kPadding || owned[static_cast<size_t>(entry)]) continue;
+        owned[static_cast<size_t>(entry)] = true;
+        blocks_[static_cast<size_t>(entry)].owner = static_cast<int32_t>(i);
+      }
+    }
+  }
+}
+
 int32_t KvPool::references(int64_t layer, KvKind kind, int64_t b, int64_t t) const {
   check_layer(layer);
   INFINIGEN_CHECK(b >= 0 && b < shape_.batch && t >= 0 && t < num_blocks() * shape_.block_tokens,

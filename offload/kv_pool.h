@@ -74,6 +74,12 @@ class KvPool {
   // each member refers to, the rest padding (nothing allocated). One-line Error unless every
   // length is whole blocks.
   void share(const SharedPrefixes& shared);
+  // Keeps the tables of sequences `keep` (old indices, ascending), renumbered 0.. in that order
+  // (KvStore::drop_sequences): the dropped sequences' references go, a block of its own
+  // allocation that no table refers to any more is freed (a shared block, a private copy), and a
+  // shared block's owner becomes its lowest remaining referrer. A dropped sequence's blocks of a
+  // batch's allocation stay pinned until the pool goes (the other sequences' blocks share it).
+  void keep_sequences(const std::vector<int64_t>& keep);
   // Tables referring to the block that holds token t of (layer, kind, sequence b): 1 for a
   // private block, the members still sharing it for a shared one, 0 where nothing is stored
   // (padding in the shared region).

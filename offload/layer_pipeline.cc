@@ -37,6 +37,14 @@ LayerPipeline::~LayerPipeline() {
   }
 }
 
+void LayerPipeline::keep_batch(int64_t batch) {
+  engine_.synchronize();
+  for (size_t p = 0; p < 2; ++p) {
+    keys_[p] = keys_[p].slice_rows(0, batch);
+    values_[p] = values_[p].slice_rows(0, batch);
+  }
+}
+
 void LayerPipeline::resize_staging(int64_t rows) {
   if (rows == staging_rows()) return;
   engine_.synchronize();  // loads write the staging, stores read it

@@ -76,6 +76,11 @@ class LayerPipeline {
   // freed first, so the device never holds both.
   void resize_staging(int64_t rows);
   Tensor& values(int64_t layer) { return values_[parity(layer)]; }
+  // After the store dropped sequences (KvStore::drop_sequences): waits for every transfer in
+  // flight, then the staging of its first `batch` sequences, (batch, H_kv, rows, d), in the same
+  // memory (a step loads its staging afresh; what a store keeps staged across steps it compacts
+  // itself, compact_batch).
+  void keep_batch(int64_t batch);
   // Fills layer `layer`'s staging with NaN when debug_poison() is on: rows a load does not bring
   // must never be read.
   void poison(int64_t layer);

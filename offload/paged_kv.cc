@@ -200,6 +200,20 @@ void PagedKv::end_pass() {
   pipeline_.end_pass(store_);
 }
 
+void PagedKv::keep_sequences(const std::vector<int64_t>& keep,
+                             const std::vector<KvStore::LeaderMove>& moves) {
+  pipeline_.keep_batch(std::ssize(keep));  // after every transfer in flight
+  pool_.keep_sequences(keep);
+  for (size_t p = 0; p < 2; ++p) {
+    token_keys_[p] = token_keys_[p].slice_rows(0, std::ssize(keep));
+    token_values_[p] = token_values_[p].slice_rows(0, std::ssize(keep));
+  }
+  for (size_t l = 0; l < resident_keys_.size(); ++l) {
+    compact_batch(resident_keys_[l], keep, moves);
+    compact_batch(resident_values_[l], keep, moves);
+  }
+}
+
 void PagedKv::resume(int64_t length) {
   const SharedPrefixes& shared = store_.shared();
   if (!shared.empty()) {

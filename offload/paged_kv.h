@@ -86,6 +86,11 @@ class PagedKv {
   // Before KvStore::end_pass: every block the run can fill is pinned before the first decode
   // step (no step allocates), and the step closes.
   void end_pass();
+  // The store's drop_sequences (KvStore::keep_sequences): the stores in flight landed, the pool's
+  // tables, the staging and token buffers narrowed, the resident layers compacted (a dropped
+  // group leader's prefix rows moved to its new leader).
+  void keep_sequences(const std::vector<int64_t>& keep,
+                      const std::vector<KvStore::LeaderMove>& moves);
   // A resumed conversation of `length` tokens: its shared prefixes' blocks and its rows.
   void resume(int64_t length);
   std::vector<KvStore::TokenStream> token_streams() const;

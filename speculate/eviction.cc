@@ -5,6 +5,7 @@
 #include <limits>
 #include <string>
 
+#include "core/compact_batch.h"
 #include "core/error.h"
 
 namespace infinigen {
@@ -237,6 +238,18 @@ int64_t EvictionTable::victim(int64_t row, int64_t step) const {
       break;
   }
   return best;
+}
+
+void EvictionTable::keep_sequences(const std::vector<int64_t>& keep, int64_t rows_per_sequence) {
+  const size_t rows = static_cast<size_t>(rows_per_sequence);
+  const size_t slots = rows * static_cast<size_t>(capacity_);
+  compact_batch(step_, keep, slots);
+  compact_batch(rank_, keep, slots);
+  compact_batch(counter_, keep, slots);
+  compact_batch(last_use_, keep, slots);
+  compact_batch(size_, keep, rows);
+  compact_batch(newest_, keep, rows);
+  rows_ = std::ssize(keep) * rows_per_sequence;
 }
 
 }  // namespace infinigen

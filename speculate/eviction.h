@@ -75,6 +75,10 @@ class EvictionTable {
   int64_t victim(int64_t row, int64_t step) const;
 
   EvictionPolicy policy() const { return policy_; }
+  // Keeps the rows of sequences `keep` (old indices, ascending) of `rows_per_sequence` rows each,
+  // renumbered in that order (a batch that dropped its other sequences).
+  void keep_sequences(const std::vector<int64_t>& keep, int64_t rows_per_sequence);
+
   int64_t rows() const { return rows_; }
   int64_t capacity() const { return capacity_; }
   int counter_bits() const { return counter_bits_; }

@@ -687,4 +687,19 @@ void PartialLayer::restore_shapes(int64_t batch, int64_t num_heads, int64_t num_
   allocate_query_rows();
 }
 
+void PartialLayer::keep_sequences(const std::vector<int64_t>& keep,
+                                  const std::vector<KvStore::LeaderMove>& moves,
+                                  const SharedPrefixes& shared) {
+  if (batch_ == 0) return;  // a dense layer: nothing built
+  if (!keys_.empty()) {
+    Tensor keys = Tensor::view(keys_.data(), {batch_, kv_heads_, capacity_, r_}, key_dtype_,
+                               Device::Cpu, nullptr);
+    compact_batch(keys, keep, moves);
+    keys_.resize(static_cast<size_t>(keys.nbytes()));
+  }
+  batch_ = std::ssize(keep);
+  if (!shared_.empty()) shared_ = shared;
+  if (query_rows_.defined()) query_rows_ = query_rows_.slice_rows(0, batch_);
+}
+
 }  // namespace infinigen

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "core/kv_cache.h"
 #include "core/shared_prefixes.h"
 #include "core/tensor.h"
 
@@ -140,6 +141,12 @@ class PartialLayer {
   // leader's partial keys, kept once, and count as tokens whatever first_valid says; later
   // appends write each sequence's own.
   void share_prefixes(const SharedPrefixes& shared, bool from_leaders);
+  // Keeps the sequences `keep` (old indices, ascending) of a built layer, renumbered in that
+  // order (KvStore::drop_sequences), with `shared`, the kept sequences' prefixes: each move's
+  // prefix positions [row0, row1) of its partial keys go from its old leader's slot to the new
+  // leader's first (where the keys are on the host).
+  void keep_sequences(const std::vector<int64_t>& keep,
+                      const std::vector<KvStore::LeaderMove>& moves, const SharedPrefixes& shared);
   // Writes the partial keys of one new token per sequence, keys (B, H_kv * d) (rotated), at
   // `position` of every (sequence, KV head), or at positions[b * H_kv + g] when given (a pool
   // with a memory limit overwrites a different victim in each row).

@@ -152,6 +152,21 @@ TEST(DecodeAllocation, CappedInfinigenPoolDecodesWithoutAllocating) {
   }
 }
 
+// Sequences that end at different steps leave the batch (KvStore::drop_sequences): the steps
+// after a drop allocate nothing either, and neither does the drop.
+TEST(DecodeAllocation, DroppingEndedSequencesAllocatesNothing) {
+  GenerationRequest request = small_request();
+  request.sequence_gen_len = {2, 6};
+  const ModelSource source = model_source("opt");
+  for (const KvPolicy* policy : kv_policies()) {
+    OffloadOptions options;
+    options.policy = policy->name;
+    const DecodeAllocations got = decode_allocations(source, request, options, Device::Cpu);
+    EXPECT_EQ(got.in_step_statistics, 0u) << policy->name << ": " << got.per_step;
+    EXPECT_EQ(got.around_steps, 0u) << policy->name << ": " << describe(got.around);
+  }
+}
+
 // Pools of blocks shorter than the run, so that decode steps cross into new blocks: PagedKv
 // (`full` and `infinigen`) pins every block of the run before the first decode step.
 TEST(DecodeAllocation, PoolBlocksAreReservedBeforeDecoding) {
@@ -186,6 +201,20 @@ TEST(DecodeAllocationGpu, EveryPolicyThatRunsOnCudaDecodesWithoutAllocating) {
     }
   }
   EXPECT_EQ(policies, std::ssize(kv_policies()));  // every policy
+}
+
+TEST(DecodeAllocationGpu, DroppingEndedSequencesAllocatesNothing) {
+  INFINIGEN_SKIP_WITHOUT_CUDA_DEVICE();
+  GenerationRequest request = small_request();
+  request.sequence_gen_len = {2, 6};
+  const ModelSource source = model_source("opt");
+  for (const KvPolicy* policy : kv_policies()) {
+    OffloadOptions options;
+    options.policy = policy->name;
+    const DecodeAllocations got = decode_allocations(source, request, options, Device::Cuda);
+    EXPECT_EQ(got.in_step_statistics, 0u) << policy->name << ": " << got.per_step;
+    EXPECT_EQ(got.around_steps, 0u) << policy->name << ": " << describe(got.around);
+  }
 }
 
 }  // namespace

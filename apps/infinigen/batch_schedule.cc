@@ -24,8 +24,9 @@ std::vector<std::vector<size_t>> group_requests(const std::vector<RequestShape>&
       return shapes[a].prompt_len < shapes[b].prompt_len;
     });
     // Then by max_tokens within windows of kWindowBatches batches' worth of sequences, whose
-    // prompts are of nearly one length: a batch runs until its last sequence ends, so sequences
-    // that end together should share one.
+    // prompts are of nearly one length: a batch runs until its last sequence ends, and a slot
+    // freed before that is not refilled, so sequences that end together should share one (its
+    // steps then stay full).
     for (size_t begin = 0; begin < sequence.size();) {
       size_t end = begin;
       for (int64_t filled = 0; end < sequence.size() && filled < kWindowBatches * batch; ++end) {

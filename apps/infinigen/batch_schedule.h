@@ -1,7 +1,8 @@
 // apps/infinigen: which requests of a batch job run together. Requests are whole units (all the
 // sequences of one request, its prompts times n, run in one batch: their samples share the
-// prompt's KV and their output line is written at once); batches are static, a finished
-// sequence's slot is not refilled (docs/batch.md).
+// prompt's KV and their output line is written at once); batches are static: a finished
+// sequence leaves its batch (no later step computes or loads for it), and its slot is not
+// refilled (docs/batch.md).
 #pragma once
 
 #include <cstddef>

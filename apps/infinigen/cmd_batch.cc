@@ -161,9 +161,12 @@ struct JobTotals {
   // that begin alike) counted once per member less once per group.
   int64_t shared_prefix_tokens = 0;
   int64_t decode_steps = 0;
-  // Sum over batches of batch * token positions generated: the rows the steps computed, of
-  // which those beyond generated_tokens belonged to sequences that had ended.
+  // Sum over batches of batch * token positions generated: the rows of a static batch's steps,
+  // of which those beyond generated_tokens belonged to sequences that had ended.
   int64_t generated_rows = 0;
+  // Of those, the rows the steps computed (GenerationResult::rows): an ended sequence's rows
+  // are not, once the store drops it (KvStore::drop_sequences).
+  int64_t computed_rows = 0;
   double seconds = 0.0;
 };
 
@@ -216,6 +219,7 @@ std::vector<std::string> run_batch(const std::vector<const PreparedRequest*>& ba
   totals.padded_prompt_rows += B * longest;
   totals.decode_steps += run.result.gen_len;
   totals.generated_rows += B * run.result.gen_len;
+  totals.computed_rows += run.result.rows;
   totals.shared_prefix_tokens +=
       run.shared_prefixes.member_tokens() - run.shared_prefixes.kept_tokens();
   totals.seconds += run.result.total_seconds();
@@ -273,9 +277,14 @@ void print_summary(const BatchOptions& o, const Shard& shard, const JobTotals& t
       t.padded_prompt_rows > 0
           ? 1.0 - static_cast<double>(t.prompt_tokens) / static_cast<double>(t.padded_prompt_rows)
           : 0.0;
-  const double ended_rows = t.generated_rows > 0 ? 1.0 - static_cast<double>(t.generated_tokens) /
-                                                             static_cast<double>(t.generated_rows)
-                                                 : 0.0;
+  // Shares of the batches' rows (batch * token positions): those of sequences that had ended, and
+  // those dropped (not computed: the ended sequences had left the batch).
+  const auto share_of_rows = [&](int64_t rows) {
+    return t.generated_rows > 0 ? static_cast<double>(rows) / static_cast<double>(t.generated_rows)
+                                : 0.0;
+  };
+  const double ended_rows = share_of_rows(t.generated_rows - t.generated_tokens);
+  const double dropped_rows = share_of_rows(t.generated_rows - t.computed_rows);
   if (o.json) {
     const nlohmann::ordered_json summary = {
         {"model", model},
@@ -301,6 +310,7 @@ void print_summary(const BatchOptions& o, const Shard& shard, const JobTotals& t
         {"generated_tokens", t.generated_tokens},
         {"decode_steps", t.decode_steps},
         {"ended_rows_share", ended_rows},
+        {"dropped_rows_share", dropped_rows},
         {"generation_s", t.seconds},
         {"throughput_tok_s", throughput}};
     std::printf("%s\n", summary.dump(2).c_str());
@@ -321,9 +331,9 @@ void print_summary(const BatchOptions& o, const Shard& shard, const JobTotals& t
       static_cast<long long>(t.sequences), static_cast<long long>(t.prompt_tokens), 100.0 * padding,
       static_cast<long long>(t.shared_prefix_tokens), static_cast<long long>(t.generated_tokens));
   std::printf(
-      "generation %.2f s, %.1f generated tok/s; %.1f%% of the generated rows were of "
-      "sequences that had ended (a batch runs until its last one ends)\n",
-      t.seconds, throughput, 100.0 * ended_rows);
+      "generation %.2f s, %.1f generated tok/s; %.1f%% of the batches' rows were of sequences "
+      "that had ended, %.1f%% dropped (not computed)\n",
+      t.seconds, throughput, 100.0 * ended_rows, 100.0 * dropped_rows);
   std::printf("%s: %s\n", merged ? o.output.c_str() : shard_file(o.output, shard).c_str(),
               merged ? "complete, in input order"
                      : "this shard is complete; the others have not all finished (infinigen batch "
