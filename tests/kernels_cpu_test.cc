@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "kernels/cpu/attention.h"
+#include "kernels/cpu/convert.h"
 #include "kernels/cpu/layer_norm.h"
 #include "kernels/cpu/linear.h"
 #include "tests/test_util.h"
@@ -132,33 +133,18 @@ TEST(Attention, PrefillMatchesNaiveWithPadding) {
   EXPECT_LT(relative_error(out.data(), expected.data(), out.size()), 1e-5);
 }
 
-TEST(Attention, ReadsEachGroupsPrefixFromItsLeaderOnly) {
-  // Rows [0, 8) hold two groups' prefixes, each in its leader's rows alone: sequences 0 and 2
-  // share 8 rows (leader 0), sequences 1 and 3 share rows [4, 8) (leader 1), sequence 4 shares
-  // nothing. Every other row below a sequence's first_valid is NaN: never read. Three new rows
-  // per sequence, causal; sequence 3's first new row is padding (zeros).
-  const int64_t B = 5, n = 3, H = 4, H_kv = 2, d = 8, capacity = 24, length = 20, rows = 8;
+// Attention over a cache in fp64, query by query: (B, n, H, d) queries, the cache's rows as
+// attention_decode reads them (a prefix of `prefix_end` rows from each sequence's leader, then its
+// own rows from first_valid); padding queries are zero.
+std::vector<float> reference_over_cache(const std::vector<float>& q,
+                                        const std::vector<float>& k_cache,
+                                        const std::vector<float>& v_cache, int64_t B, int64_t n,
+                                        int64_t H, int64_t H_kv, int64_t d, int64_t capacity,
+                                        int64_t length, const std::vector<int32_t>& first_valid,
+                                        const std::vector<int32_t>& begin,
+                                        const std::vector<int32_t>& source, int64_t rows) {
   const int64_t group = H / H_kv;
-  const std::vector<int32_t> first_valid = {8, 11, 15, 18, 9};
-  const std::vector<int32_t> begin = {0, 4, 0, 4, 8}, source = {0, 1, 0, 1, 4};
-  std::vector<float> k_cache = random_values(B * H_kv * capacity * d, 20);
-  std::vector<float> v_cache = random_values(k_cache.size(), 21);
-  for (int64_t b = 0; b < B; ++b) {
-    for (int64_t h = 0; h < H_kv; ++h) {
-      for (int64_t t = 0; t < first_valid[b]; ++t) {
-        const bool leader_row = source[b] == b && t >= begin[b] && t < rows;
-        for (int64_t c = 0; c < d && !leader_row; ++c) {
-          k_cache[((b * H_kv + h) * capacity + t) * d + c] = std::nanf("");
-          v_cache[((b * H_kv + h) * capacity + t) * d + c] = std::nanf("");
-        }
-      }
-    }
-  }
-  const std::vector<float> q = random_values(B * n * H * d, 22);
-  std::vector<float> out(q.size(), std::nanf("")), expected(q.size(), 0.0f);
-  attention_decode(q.data(), k_cache.data(), v_cache.data(), Element::F32, out.data(), B, n, H,
-                   H_kv, d, capacity, length, first_valid.data(), begin.data(), source.data(),
-                   rows);
+  std::vector<float> expected(q.size(), 0.0f);
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t i = 0; i < n; ++i) {
       const int64_t row = length - n + i;
@@ -173,7 +159,7 @@ TEST(Attention, ReadsEachGroupsPrefixFromItsLeaderOnly) {
             values.push_back(&v_cache[at]);
           }
         };
-        rows_of(source[b], begin[b], rows);
+        if (rows > 0) rows_of(source[b], begin[b], rows);
         rows_of(b, first_valid[b], row + 1);
         const float* query = &q[((b * n + i) * H + h) * d];
         std::vector<double> weights;
@@ -194,7 +180,75 @@ TEST(Attention, ReadsEachGroupsPrefixFromItsLeaderOnly) {
       }
     }
   }
+  return expected;
+}
+
+TEST(Attention, ReadsEachGroupsPrefixFromItsLeaderOnly) {
+  // Rows [0, 8) hold two groups' prefixes, each in its leader's rows alone: sequences 0 and 2
+  // share 8 rows (leader 0), sequences 1 and 3 share rows [4, 8) (leader 1), sequence 4 shares
+  // nothing. Every other row below a sequence's first_valid is NaN: never read. Three new rows
+  // per sequence, causal; sequence 3's first new row is padding (zeros).
+  const int64_t B = 5, n = 3, H = 4, H_kv = 2, d = 8, capacity = 24, length = 20, rows = 8;
+  const std::vector<int32_t> first_valid = {8, 11, 15, 18, 9};
+  const std::vector<int32_t> begin = {0, 4, 0, 4, 8}, source = {0, 1, 0, 1, 4};
+  std::vector<float> k_cache = random_values(B * H_kv * capacity * d, 20);
+  std::vector<float> v_cache = random_values(k_cache.size(), 21);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < H_kv; ++h) {
+      for (int64_t t = 0; t < first_valid[b]; ++t) {
+        const bool leader_row = source[b] == b && t >= begin[b] && t < rows;
+        for (int64_t c = 0; c < d && !leader_row; ++c) {
+          k_cache[((b * H_kv + h) * capacity + t) * d + c] = std::nanf("");
+          v_cache[((b * H_kv + h) * capacity + t) * d + c] = std::nanf("");
+        }
+      }
+    }
+  }
+  const std::vector<float> q = random_values(B * n * H * d, 22);
+  std::vector<float> out(q.size(), std::nanf(""));
+  attention_decode(q.data(), k_cache.data(), v_cache.data(), Element::F32, out.data(), B, n, H,
+                   H_kv, d, capacity, length, first_valid.data(), begin.data(), source.data(),
+                   rows);
+  const std::vector<float> expected = reference_over_cache(
+      q, k_cache, v_cache, B, n, H, H_kv, d, capacity, length, first_valid, begin, source, rows);
   EXPECT_LT(relative_error(out.data(), expected.data(), out.size()), 1e-5);
+}
+
+// Long contexts: the rows in many blocks of 64, and a sequence's rows split into parts scored by
+// different threads and merged (one sequence, two KV heads: parts whatever the thread count).
+// fp16 rows; a prefix shared by sequences 0 and 2 (B = 3), padding, decode steps and 3 new rows.
+TEST(Attention, LongContextsInBlocksAndPartsMatchTheReference) {
+  const int64_t H = 8, H_kv = 2, d = 64, capacity = 3000;
+  const int32_t prefix = 700;
+  for (const int64_t B : {int64_t{1}, int64_t{3}}) {
+    for (const int64_t n : {int64_t{1}, int64_t{3}}) {
+      const int64_t length = capacity - 5 + n;
+      // Sequence 1 (no group) starts its prefix where it ends: no shared rows.
+      std::vector<int32_t> first_valid = {1000, 1250, 2000}, prefix_begin = {0, prefix, 0},
+                           prefix_source = {0, 1, 0};
+      for (auto* v : {&first_valid, &prefix_begin, &prefix_source}) v->resize(B);
+      const int64_t rows = B == 3 ? prefix : 0;  // the prefix's end (none when B is 1)
+      const std::vector<float> values = random_values(B * H_kv * capacity * d, 40);
+      std::vector<uint16_t> k16(values.size()), v16(values.size());
+      f32_to_f16(values.data(), k16.data(), k16.size());
+      const std::vector<float> other = random_values(values.size(), 41);
+      f32_to_f16(other.data(), v16.data(), v16.size());
+      // The reference reads the rounded rows.
+      std::vector<float> k_cache(values.size()), v_cache(values.size());
+      f16_to_f32(k16.data(), k_cache.data(), k_cache.size());
+      f16_to_f32(v16.data(), v_cache.data(), v_cache.size());
+      const std::vector<float> q = random_values(B * n * H * d, 42, 0.3f);
+      std::vector<float> out(q.size(), std::nanf(""));
+      attention_decode(q.data(), k16.data(), v16.data(), Element::F16, out.data(), B, n, H, H_kv, d,
+                       capacity, length, first_valid.data(), prefix_begin.data(),
+                       prefix_source.data(), rows);
+      const std::vector<float> expected =
+          reference_over_cache(q, k_cache, v_cache, B, n, H, H_kv, d, capacity, length, first_valid,
+                               prefix_begin, prefix_source, rows);
+      EXPECT_LT(relative_error(out.data(), expected.data(), out.size()), 1e-5)
+          << "B " << B << ", n " << n;
+    }
+  }
 }
 
 // An extension's rows attend over the cache as the prefill's last rows attend over the prompt:

@@ -1,8 +1,11 @@
 // kernels/cpu: attention on Eigen, parallel over (sequence, head[, query block]).
 #include "kernels/cpu/attention.h"
 
+#include <omp.h>
+
 #include <Eigen/Core>
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <vector>
 
@@ -25,6 +28,83 @@ void softmax_rows(RowMajor& scores) {
     const float top = row.maxCoeff();
     row = (row.array() - top).exp();
     row /= row.sum();
+  }
+}
+
+// ---- attention over the cache, blocked: the decode steps ----
+//
+// A decode step (and an extension by a few rows) reads each row of a long context once and does
+// little with it, so what it costs is reading the rows. Rows are widened to fp32 a block at a time
+// into buffers that stay in L1, all query heads of a KV head are scored against a block at once
+// (a KV head's rows are read once, not once per query head), and an online softmax carries each
+// query's (max, sum, output) across blocks. A sequence's rows are split into parts scored by
+// different threads when (sequence, KV head) pairs alone would leave threads idle; the parts'
+// softmaxes are merged at the end.
+
+constexpr int64_t kRowBlock = 64;      // rows widened at a time: (64, d) fp32, 32 KB at d = 128
+constexpr int64_t kRowsPerPart = 512;  // fewest rows a part of a sequence is worth
+
+// Where the rows of one (sequence, KV head) are: its shared prefix's rows of the group leader's
+// slice, then its own from its first valid one, numbered together from 0.
+struct CacheRows {
+  const void* keys;
+  const void* values;
+  Element type;
+  size_t shared_base, own_base;  // element offsets of row 0 of each run
+  int64_t shared, d;
+
+  // Widens rows [r0, r0 + count) of `cache` (keys or values) into dst (count, d).
+  void widen_rows(const void* cache, int64_t r0, int64_t count, float* dst) const {
+    const int64_t from_shared = std::clamp<int64_t>(shared - r0, 0, count);
+    if (from_shared > 0) {
+      widen(cache, type, shared_base + static_cast<size_t>(r0 * d), dst,
+            static_cast<size_t>(from_shared * d));
+    }
+    const int64_t own_r0 = std::max<int64_t>(r0 - shared, 0);
+    widen(cache, type, own_base + static_cast<size_t>(own_r0 * d), dst + from_shared * d,
+          static_cast<size_t>((count - from_shared) * d));
+  }
+};
+
+// The online softmax state of a part's queries: per query the running max and sum of
+// exponentials, and the output before dividing by the sum.
+struct PartState {
+  float* max;  // (queries)
+  float* sum;  // (queries)
+  float* acc;  // (queries, d)
+};
+
+// Scores the queries Q (queries, d) against rows [r0, r1) of `rows`; query j sees only rows below
+// visible[j] (causal). Updates `state`, which starts at (-inf, 0, 0).
+void attend_part(const RowMajor& Q, const CacheRows& rows, const int64_t* visible, int64_t r0,
+                 int64_t r1, PartState state) {
+  thread_local RowMajor keys, values, scores;
+  const int64_t queries = Q.rows(), d = Q.cols();
+  Eigen::Map<Eigen::VectorXf> max(state.max, queries), sum(state.sum, queries);
+  Eigen::Map<RowMajor> acc(state.acc, queries, d);
+  for (int64_t b0 = r0; b0 < r1; b0 += kRowBlock) {
+    const int64_t count = std::min(kRowBlock, r1 - b0);
+    keys.resize(count, d);
+    values.resize(count, d);
+    rows.widen_rows(rows.keys, b0, count, keys.data());
+    rows.widen_rows(rows.values, b0, count, values.data());
+    scores.noalias() = Q * keys.transpose();  // (queries, count)
+    for (int64_t j = 0; j < queries; ++j) {
+      auto row = scores.row(j);
+      const int64_t seen = std::clamp<int64_t>(visible[j] - b0, 0, count);
+      if (seen == 0) {  // no row of this block is visible to the query
+        row.setZero();
+        continue;
+      }
+      const float top = std::max(max(j), row.head(seen).maxCoeff());
+      const float correction = std::exp(max(j) - top);  // 0 on the query's first rows
+      row.head(seen) = (row.head(seen).array() - top).exp();
+      row.tail(count - seen).setZero();
+      sum(j) = sum(j) * correction + row.head(seen).sum();
+      acc.row(j) *= correction;
+      max(j) = top;
+    }
+    acc.noalias() += scores * values;
   }
 }
 
@@ -69,11 +149,15 @@ void attention_prefill(const float* q, const float* k, const float* v, float* ou
   }
 }
 
-void attention_decode(const float* q, const void* k_cache, const void* v_cache, Element cache_type,
-                      float* out, int64_t B, int64_t n, int64_t H, int64_t H_kv, int64_t d,
-                      int64_t capacity, int64_t length, const int32_t* first_valid,
-                      const int32_t* prefix_begin, const int32_t* prefix_source,
-                      int64_t prefix_end) {
+namespace {
+
+// Many queries per KV head (an extension by many rows): each (sequence, head) widens all its rows
+// once and scores them 64 queries at a time.
+void attention_over_cache_wide(const float* q, const void* k_cache, const void* v_cache,
+                               Element cache_type, float* out, int64_t B, int64_t n, int64_t H,
+                               int64_t H_kv, int64_t d, int64_t capacity, int64_t length,
+                               const int32_t* first_valid, const int32_t* prefix_begin,
+                               const int32_t* prefix_source, int64_t prefix_end) {
   const int64_t group = H / H_kv, D = H * d;
   const float neg_inf = -std::numeric_limits<float>::infinity();
 #pragma omp parallel if (B * H * n * length * d >= kParallelWork)
@@ -124,6 +208,114 @@ void attention_decode(const float* q, const void* k_cache, const void* v_cache, 
       }
     }
   }
+}
+
+// Few queries per KV head (decode steps): blocked, parts of long sequences on several threads.
+void attention_over_cache_blocked(const float* q, const void* k_cache, const void* v_cache,
+                                  Element cache_type, float* out, int64_t B, int64_t n, int64_t H,
+                                  int64_t H_kv, int64_t d, int64_t capacity, int64_t length,
+                                  const int32_t* first_valid, const int32_t* prefix_begin,
+                                  const int32_t* prefix_source, int64_t prefix_end) {
+  const int64_t group = H / H_kv, D = H * d;
+  const int64_t queries =
+      group * n;  // per (sequence, KV head): query head h_g's row i is h_g n + i
+  const bool parallel = B * H * n * length * d >= kParallelWork;
+  int64_t parts = 1;
+  if (parallel && B * H_kv < 2 * omp_get_max_threads()) {
+    const int64_t wanted = (2 * omp_get_max_threads() + B * H_kv - 1) / (B * H_kv);
+    parts = std::clamp<int64_t>(length / kRowsPerPart, 1, wanted);
+  }
+  // Each (sequence, KV head, part)'s softmax state: max (queries), sum (queries), acc (queries, d).
+  const int64_t state_floats = queries * (d + 2);
+  // The calling thread's buffer: the team's threads reach it through `base` (a thread_local
+  // named in the loop would be each thread's own).
+  thread_local std::vector<float> states;
+  states.resize(static_cast<size_t>(B * H_kv * parts * state_floats));
+  float* const base = states.data();
+  const auto state_of = [=](int64_t b, int64_t g, int64_t part) {
+    float* at = base + ((b * H_kv + g) * parts + part) * state_floats;
+    return PartState{at, at + queries, at + 2 * queries};
+  };
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+#pragma omp parallel for collapse(3) schedule(static) if (parallel)
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t g = 0; g < H_kv; ++g) {
+      for (int64_t part = 0; part < parts; ++part) {
+        thread_local RowMajor Q;
+        thread_local std::vector<int64_t> visible;
+        Q.resize(queries, d);
+        visible.resize(static_cast<size_t>(queries));
+        const int64_t start = first_valid[b];
+        const int64_t from = prefix_end > 0 ? prefix_begin[b] : 0;
+        const int64_t source = prefix_end > 0 ? prefix_source[b] : b;
+        const int64_t shared = prefix_end - from;
+        for (int64_t hg = 0; hg < group; ++hg) {
+          for (int64_t i = 0; i < n; ++i) {
+            const int64_t j = hg * n + i, own = length - n + i;  // the query's own row
+            Q.row(j) =
+                Eigen::Map<const Eigen::RowVectorXf>(q + (b * n + i) * D + (g * group + hg) * d, d);
+            // A padding query sees nothing, not even the prefix.
+            visible[static_cast<size_t>(j)] = own < start ? 0 : shared + own + 1 - start;
+          }
+        }
+        const int64_t rows = visible[static_cast<size_t>(queries - 1)];  // the last query's
+        const CacheRows cache{k_cache,
+                              v_cache,
+                              cache_type,
+                              static_cast<size_t>(((source * H_kv + g) * capacity + from) * d),
+                              static_cast<size_t>(((b * H_kv + g) * capacity + start) * d),
+                              shared,
+                              d};
+        const PartState state = state_of(b, g, part);
+        std::fill_n(state.max, queries, neg_inf);
+        std::fill_n(state.sum, queries, 0.0f);
+        std::fill_n(state.acc, queries * d, 0.0f);
+        attend_part(Q, cache, visible.data(), rows * part / parts, rows * (part + 1) / parts,
+                    state);
+      }
+    }
+  }
+
+  // Merge each query's parts: weights exp(max_p - top); a query no part saw (padding) is zero.
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t g = 0; g < H_kv; ++g) {
+      for (int64_t j = 0; j < queries; ++j) {
+        const int64_t hg = j / n, i = j % n;
+        Eigen::Map<Eigen::RowVectorXf> o(out + (b * n + i) * D + (g * group + hg) * d, d);
+        float top = neg_inf;
+        for (int64_t part = 0; part < parts; ++part)
+          top = std::max(top, state_of(b, g, part).max[j]);
+        if (top == neg_inf) {
+          o.setZero();
+          continue;
+        }
+        float total = 0.0f;
+        o.setZero();
+        for (int64_t part = 0; part < parts; ++part) {
+          const PartState state = state_of(b, g, part);
+          if (state.max[j] == neg_inf) continue;
+          const float weight = std::exp(state.max[j] - top);
+          total += weight * state.sum[j];
+          o += weight * Eigen::Map<const Eigen::RowVectorXf>(state.acc + j * d, d);
+        }
+        o /= total;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void attention_decode(const float* q, const void* k_cache, const void* v_cache, Element cache_type,
+                      float* out, int64_t B, int64_t n, int64_t H, int64_t H_kv, int64_t d,
+                      int64_t capacity, int64_t length, const int32_t* first_valid,
+                      const int32_t* prefix_begin, const int32_t* prefix_source,
+                      int64_t prefix_end) {
+  const bool few_queries = (H / H_kv) * n <= kQueryBlock;
+  (few_queries ? attention_over_cache_blocked : attention_over_cache_wide)(
+      q, k_cache, v_cache, cache_type, out, B, n, H, H_kv, d, capacity, length, first_valid,
+      prefix_begin, prefix_source, prefix_end);
 }
 
 void cache_store(const float* src, void* cache, Element cache_type, int64_t B, int64_t n, int64_t H,

@@ -22,8 +22,10 @@ void attention_prefill(const float* q, const float* k, const float* v, float* ou
 // [prefix_begin[b], prefix_end) of sequence prefix_source[b] (a prompt prefix its group shares,
 // stored once in the group leader's rows; nothing when prefix_end is 0, and the arrays may then
 // be null), then to its own rows [first_valid[b], length - n + i + 1), first_valid[b] >=
-// prefix_end. A query row before first_valid[b] (padding) gets a zero output. Each (sequence,
-// head) widens its rows once for all n queries.
+// prefix_end. A query row before first_valid[b] (padding) gets a zero output. With at most 64
+// queries per KV head (H / H_kv * n: decode steps), each KV head's rows are widened 64 at a time
+// and read once for all its query heads, long sequences split over threads; with more (long
+// extensions), each (sequence, head) widens all its rows once for its n queries.
 void attention_decode(const float* q, const void* k_cache, const void* v_cache, Element cache_type,
                       float* out, int64_t B, int64_t n, int64_t H, int64_t H_kv, int64_t d,
                       int64_t capacity, int64_t length, const int32_t* first_valid,
