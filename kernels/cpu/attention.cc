@@ -1,8 +1,6 @@
 // kernels/cpu: attention on Eigen, parallel over (sequence, head[, query block]).
 #include "kernels/cpu/attention.h"
 
-#include <omp.h>
-
 #include <Eigen/Core>
 #include <algorithm>
 #include <cmath>
@@ -37,12 +35,13 @@ void softmax_rows(RowMajor& scores) {
 // little with it, so what it costs is reading the rows. Rows are widened to fp32 a block at a time
 // into buffers that stay in L1, all query heads of a KV head are scored against a block at once
 // (a KV head's rows are read once, not once per query head), and an online softmax carries each
-// query's (max, sum, output) across blocks. A sequence's rows are split into parts scored by
-// different threads when (sequence, KV head) pairs alone would leave threads idle; the parts'
-// softmaxes are merged at the end.
+// query's (max, sum, output) across blocks. When there are few (sequence, KV head) pairs, a long
+// sequence's rows are split into parts that threads score apart; the parts' softmaxes are merged
+// at the end.
 
 constexpr int64_t kRowBlock = 64;      // rows widened at a time: (64, d) fp32, 32 KB at d = 128
 constexpr int64_t kRowsPerPart = 512;  // fewest rows a part of a sequence is worth
+constexpr int64_t kTasks = 32;         // (sequence, KV head, part) tasks worth making
 
 // Where the rows of one (sequence, KV head) are: its shared prefix's rows of the group leader's
 // slice, then its own from its first valid one, numbered together from 0.
@@ -220,11 +219,11 @@ void attention_over_cache_blocked(const float* q, const void* k_cache, const voi
   const int64_t queries =
       group * n;  // per (sequence, KV head): query head h_g's row i is h_g n + i
   const bool parallel = B * H * n * length * d >= kParallelWork;
-  int64_t parts = 1;
-  if (parallel && B * H_kv < 2 * omp_get_max_threads()) {
-    const int64_t wanted = (2 * omp_get_max_threads() + B * H_kv - 1) / (B * H_kv);
-    parts = std::clamp<int64_t>(length / kRowsPerPart, 1, wanted);
-  }
+  // Parts per sequence: enough for kTasks (sequence, KV head, part) tasks, each of at least
+  // kRowsPerPart rows. A function of the shapes alone, never of the thread count (which adapts
+  // to the machine's load): the same inputs always give the same bits.
+  const int64_t parts = std::clamp<int64_t>(
+      std::min((kTasks + B * H_kv - 1) / (B * H_kv), length / kRowsPerPart), 1, kTasks);
   // Each (sequence, KV head, part)'s softmax state: max (queries), sum (queries), acc (queries, d).
   const int64_t state_floats = queries * (d + 2);
   // The calling thread's buffer: the team's threads reach it through `base` (a thread_local
