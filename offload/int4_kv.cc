@@ -36,7 +36,10 @@ const KvPolicy& int4_kv_policy() {
       [](const KvStoreArgs& a) -> std::unique_ptr<KvStore> {
         return std::make_unique<Int4Kv>(a.config, a.batch, a.capacity, a.device, a.engine, a.stats,
                                         a.options.prefill_chunk);
-      }};
+      },
+      /*resumable=*/true,
+      /*session_options=*/{},
+      /*host_token_rows=*/true};
   return policy;
 }
 
@@ -206,15 +209,24 @@ void Int4Kv::append(int64_t layer, const Tensor& keys, const Tensor& values) {
     issue_store(layer, loaded_packed_[p].get(), capacity(), n);
     return;
   }
-  INFINIGEN_CHECK(n <= store_rows_, "int4 KV: a pass of ", n, " tokens after the prompt's first (",
-                  store_rows_, " expected: ", option("prefill_chunk"), ")");
+  INFINIGEN_CHECK(n <= store_rows_ || resumed(), "int4 KV: a pass of ", n,
+                  " tokens after the prompt's first (", store_rows_,
+                  " expected: ", option("prefill_chunk"), ")");
   // Decode (or a prompt's chunk after its first): the new rows go to the pool from this parity's
-  // store buffer.
-  const Packed fresh = store_packed_[p].get();
-  ops::int4_quantize(keys, values, device_rows(fresh, store_rows_));
-  issue_store(layer, fresh, store_rows_, n);
+  // store buffer. A resumed turn's prompt, longer, goes from this parity's load buffer, at the
+  // rows after the history's (the load fills [0, length()) of each (K/V, sequence, head)).
+  Packed fresh = store_packed_[p].get();
+  int64_t fresh_rows = store_rows_;
+  if (n > store_rows_) {
+    const Packed loaded = loaded_packed_[p].get();
+    const size_t skip = static_cast<size_t>(length());
+    fresh = {loaded.codes + skip * code_bytes_, loaded.meta + skip * meta_bytes_};
+    fresh_rows = capacity();
+  }
+  ops::int4_quantize(keys, values, device_rows(fresh, fresh_rows));
+  issue_store(layer, fresh, fresh_rows, n);
   // This pass's attention reads its rows as later passes will: dequantised from their codes.
-  dequantize_into_staging(layer, fresh, store_rows_, 0, n, length());
+  dequantize_into_staging(layer, fresh, fresh_rows, 0, n, length());
 }
 
 KvStore::View Int4Kv::view(int64_t layer) {
@@ -229,6 +241,24 @@ KvStore::View Int4Kv::view(int64_t layer) {
 void Int4Kv::end_pass(int64_t n_new) {
   pipeline_.end_pass(*this);  // reads the pass's state before KvStore::end_pass moves it
   KvStore::end_pass(n_new);
+}
+
+std::vector<KvStore::TokenStream> Int4Kv::token_streams(int64_t) const {
+  INFINIGEN_CHECK(code_bytes_ % sizeof(int32_t) == 0, option("policy"),
+                  " int4 keeps a session only for a head_dim that is a multiple of 8, not ",
+                  head_dim_);
+  const int64_t codes = static_cast<int64_t>(code_bytes_ / sizeof(int32_t));
+  const int64_t meta = static_cast<int64_t>(meta_bytes_ / sizeof(f16));
+  return {{"key_codes", DType::I32, codes},
+          {"key_scales", DType::F16, meta},
+          {"value_codes", DType::I32, codes},
+          {"value_scales", DType::F16, meta}};
+}
+
+const void* Int4Kv::token_row(int64_t layer, size_t stream, int64_t b, int64_t h, int64_t t) const {
+  const Packed pool = host_layer(layer);
+  const size_t row = row_index(static_cast<int64_t>(stream / 2), b, h, t, capacity());
+  return stream % 2 == 0 ? pool.codes + row * code_bytes_ : pool.meta + row * meta_bytes_;
 }
 
 }  // namespace infinigen

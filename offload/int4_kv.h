@@ -32,12 +32,18 @@
 // the layer pipeline's events (offload/layer_pipeline.h) order everything. The load of layer l
 // waits for the previous step's store of layer l; quantising into a buffer of a parity waits for
 // the latest store that read one; dequantising the loaded rows waits for their load.
+//
+// A resumed conversation (offload/session.h) restores the codes and scales a session saved into
+// the pool as they were; its first pass is an extension that attends to the history dequantised,
+// as a decode step does, and quantises its own rows into the load buffer of its parity, after the
+// history's rows that the load brings (more than a store buffer holds).
 #pragma once
 
 #include <array>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "core/device.h"
 #include "core/kv_cache.h"
@@ -66,10 +72,17 @@ class Int4Kv : public KvStore {
   View view(int64_t layer) override;
   void end_pass(int64_t n_new) override;
 
+  // A session saves the pool's rows as they are: per (K/V) the codes, d / 2 bytes a row (as
+  // d / 8 I32 of 8 nibbles each: d must be a multiple of 8), and the (min, scale) fp16 pairs of
+  // its G groups ("key_codes", "key_scales", "value_codes", "value_scales").
+  std::vector<TokenStream> token_streams(int64_t layer) const override;
+  const void* token_row(int64_t layer, size_t stream, int64_t b, int64_t h,
+                        int64_t t) const override;
   // Sequences leave the batch (KvStore::drop_sequences) with the pool compacted in place into the
   // layout of the smaller batch (each kept run of codes and meta moves down once, in host
   // memory); the pool's memory is kept, as a whole, until the store goes.
   bool can_drop_sequences() const override { return true; }
+  void finish_stores() override { pipeline_.drain_stores(); }
 
   // Bytes of one quantised row (d / 2 + 4 * G).
   size_t row_bytes() const { return code_bytes_ + meta_bytes_; }

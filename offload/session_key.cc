@@ -13,9 +13,14 @@ namespace infinigen {
 SessionKey session_key(const ModelSource& source, const OffloadOptions& options, DType kv_dtype,
                        Device device) {
   const KvPolicy& policy = kv_policy(options.policy);
-  INFINIGEN_CHECK(policy.resumable, option("policy"), " ", policy.name,
-                  " cannot keep a session (its store is not saved yet); use full, gpu or "
-                  "infinigen");
+  if (!policy.resumable) {
+    std::string resumable;  // the policies that can, as help texts list them
+    for (const KvPolicy* p : kv_policies()) {
+      if (p->resumable) resumable += (resumable.empty() ? "" : ", ") + p->name;
+    }
+    fail(option("policy"), " ", policy.name,
+         " cannot keep a session (its store is not saved yet); use one of ", resumable);
+  }
   INFINIGEN_CHECK(device == Device::Cpu || policy.host_token_rows, "a session on ",
                   option("device"), " cuda needs a policy that keeps its KV in host memory (",
                   option("policy"), " full); ", policy.name, " keeps it on the device");

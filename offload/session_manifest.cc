@@ -20,7 +20,11 @@ using json = nlohmann::json;
 namespace {
 
 constexpr const char* kFormat = "infinigen-session";
-constexpr int kVersion = 1;
+// The version this build writes, and the oldest it reads. A change that an older build would read
+// wrongly takes a new version; reading an older one either converts what it holds or refuses it
+// with one line (docs/sessions.md, "Format versions").
+constexpr int64_t kVersion = 1;
+constexpr int64_t kOldestVersion = 1;
 
 // Reads `path` whole and returns its CRC-32 and size (the disk read of a restore).
 std::pair<uint32_t, uint64_t> checksum_file(const fs::path& path) {
@@ -147,8 +151,19 @@ SessionManifest read_manifest(const fs::path& directory, const SessionKey* expec
   try {
     INFINIGEN_CHECK(manifest.is_object() && manifest.value("format", "") == kFormat, where,
                     ": not an infinigen session manifest");
-    INFINIGEN_CHECK(manifest.value("version", 0) == kVersion, where, ": session format version ",
-                    manifest.value("version", 0), ", this build reads version ", kVersion);
+    // Before the checksum: a later version may compute it another way.
+    const json& version = manifest.contains("version") ? manifest["version"] : json();
+    INFINIGEN_CHECK(version.is_number_integer(), where,
+                    ": no session format version (the session is corrupt)");
+    const std::string readable = kOldestVersion == kVersion
+                                     ? cat("version ", kVersion)
+                                     : cat("versions ", kOldestVersion, " to ", kVersion);
+    INFINIGEN_CHECK(version.get<int64_t>() <= kVersion, where, ": session format version ",
+                    version.get<int64_t>(), " was written by a newer infinigen (this build reads ",
+                    readable, "); continue it with that one");
+    INFINIGEN_CHECK(version.get<int64_t>() >= kOldestVersion, where, ": session format version ",
+                    version.get<int64_t>(), " is older than this build reads (", readable,
+                    "); start a new session");
     INFINIGEN_CHECK(
         manifest.contains("checksum") && manifest["checksum"].is_string() &&
             manifest["checksum"].get<std::string>() == hex32(manifest_checksum(manifest)),

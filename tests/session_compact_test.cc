@@ -17,29 +17,21 @@
 #include "core/model_loader.h"
 #include "offload/runtime.h"
 #include "offload/session.h"
+#include "tests/session_test_util.h"
 #include "tests/test_util.h"
 
 namespace infinigen {
 namespace {
 
 namespace fs = std::filesystem;
+using testing_util::read_bytes;
+using testing_util::session_model;
 using testing_util::TempDir;
-
-// opt-tiny with 4 layers (InfiniGen's two dense ones and two speculated), or llama-tiny.
-ModelSource tiny(const std::string& model) {
-  ModelSource source = resolve_model(model, {});
-  if (model == "opt-tiny") source.config.num_layers = 4;
-  return source;
-}
+using testing_util::write_bytes;
 
 OffloadOptions options_for(const std::string& policy) {
-  OffloadOptions options;
-  options.policy = policy;
+  OffloadOptions options = testing_util::session_options(policy);
   options.kv_block_tokens = 4;  // a first turn's 9 common tokens share two blocks
-  if (policy == "infinigen") {
-    options.speculation.alpha = 1000.0;
-    options.speculation.max_num_kv = 100000;
-  }
   return options;
 }
 
@@ -114,7 +106,7 @@ class CompactedOnSave : public ::testing::TestWithParam<std::tuple<std::string, 
 // and logits of the same turns never compacted; the merged files are gone.
 TEST_P(CompactedOnSave, EqualsTheUncompactedSession) {
   const auto& [model, policy] = GetParam();
-  const ModelSource source = tiny(model);
+  const ModelSource source = session_model(model);
   const OffloadOptions options = options_for(policy);
   for (const bool shared : {false, true}) {
     TempDir dir("session-compact");
@@ -140,7 +132,7 @@ TEST_P(CompactedOnSave, EqualsTheUncompactedSession) {
 
 INSTANTIATE_TEST_SUITE_P(Policies, CompactedOnSave,
                          ::testing::Combine(::testing::Values("opt-tiny", "llama-tiny"),
-                                            ::testing::Values("full", "gpu", "infinigen")));
+                                            ::testing::Values("full", "gpu", "infinigen", "int4")));
 
 // Three turns of InfiniGen (its state files live in the first segment's directory), never
 // compacted, in `directory`.
@@ -153,7 +145,7 @@ void three_turns(const ModelSource& source, const OffloadOptions& options,
 // merged files removed) leaves a session that checks whole and resumes to the tokens and logits
 // of the uncompacted one; the next compaction finishes the work.
 TEST(SessionCompaction, AKillAtEveryStepLeavesAWholeSession) {
-  const ModelSource source = tiny("opt-tiny");
+  const ModelSource source = session_model("opt-tiny");
   const OffloadOptions options = options_for("infinigen");
   const SessionKey key = session_key(source, options, DType::F16, Device::Cpu);
   TempDir dir("session-compact");
@@ -205,15 +197,6 @@ TEST(SessionCompaction, AKillAtEveryStepLeavesAWholeSession) {
   }
   EXPECT_TRUE(finished);
   EXPECT_EQ(steps, source.config.num_layers + 2);  // the layer files, the manifest, the removal
-}
-
-std::string read_bytes(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
-
-void write_bytes(const fs::path& path, const std::string& bytes) {
-  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
 }
 
 std::vector<std::string> turn_args(const std::string& flag, const fs::path& directory,
