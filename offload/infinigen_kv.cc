@@ -396,11 +396,13 @@ void InfinigenKv::select_and_load(int64_t layer, const Tensor& x,
                                   const std::vector<int32_t>& positions) {
   const size_t l = static_cast<size_t>(layer);
   if (partial_keys_on_host(layer)) read_host_partial_keys(layer, used_positions());
+  const PartialLayer::Selection previous = std::move(selection_[l]);
   if (device_) {
     selection_[l] = device_->select(layer, x, positions, used_positions(), first_valid(), options_,
                                     paged_.pipeline().engine().compute_stream());
     if (capped_) capped_->count_fetches(layer, selection_[l], length());
     count_traffic(layer);
+    count_fetched_again(layer, previous);
     device_->gather(layer, selection_[l], paged_.pool(), paged_.pipeline());
     return;
   }
@@ -411,7 +413,39 @@ void InfinigenKv::select_and_load(int64_t layer, const Tensor& x,
   if (capped_) capped_->count_fetches(layer, selection_[l], length());
   // The first decode step's selection, for diagnostics (the runs that check recall).
   if (check_recall_ && length() == prompt_tokens_) record_first_selection(layer);
+  count_fetched_again(layer, previous);
   load_selection(layer);
+}
+
+void InfinigenKv::count_fetched_again(int64_t layer, const PartialLayer::Selection& previous) {
+  const PartialLayer::Selection& sel = selection_[static_cast<size_t>(layer)];
+  // Known when both steps' positions are on the host for the same batch (not after sequences
+  // left it, not where the selection stays on the device), and each position holds one token
+  // across the steps (a capped pool puts new tokens in evicted ones' positions).
+  if (capped_ || sel.tokens.empty() || previous.tokens.empty() ||
+      std::ssize(previous.take) != batch()) {
+    return;
+  }
+  int64_t again = 0;
+  for (int64_t b = 0; b < batch(); ++b) {
+    for (int64_t h = 0; h < kv_heads_; ++h) {
+      // Both ascending positions, which are tokens here.
+      const int32_t* now = sel.tokens.data() + (b * kv_heads_ + h) * sel.fetch;
+      const int32_t* before = previous.tokens.data() + (b * kv_heads_ + h) * previous.fetch;
+      const int32_t* now_end = now + sel.take[static_cast<size_t>(b)];
+      const int32_t* before_end = before + previous.take[static_cast<size_t>(b)];
+      while (now != now_end && before != before_end) {
+        if (*now < *before) {
+          ++now;
+        } else if (*before < *now) {
+          ++before;
+        } else {
+          ++again, ++now, ++before;
+        }
+      }
+    }
+  }
+  paged_.pipeline().traffic(layer).tokens_fetched_again = again;
 }
 
 void InfinigenKv::record_first_selection(int64_t layer) {

@@ -144,6 +144,9 @@ class InfinigenKv : public KvStore {
   void load_selection(int64_t layer);
   // The tokens selection_[layer] fetches and those the pool holds, into this step's traffic.
   void count_traffic(int64_t layer);
+  // Of selection_[layer]'s rows, those `previous` (the layer's selection at the step before)
+  // also fetched, into this step's traffic (LayerTraffic::tokens_fetched_again).
+  void count_fetched_again(int64_t layer, const PartialLayer::Selection& previous);
   // Under a pool limit, the prompt's kept tokens of every (sequence, head) into the pool.
   void store_prompt_in_capped_pool(int64_t layer, const Tensor& keys, const Tensor& values);
   // What a dry run's selection of layer `layer` takes per sequence (FetchReplay).

@@ -20,6 +20,10 @@ struct LayerTraffic {
   // step, or resident there (a layer whose KV stays on the device, offload/paged_kv.h).
   uint64_t tokens_fetched = 0;
   uint64_t tokens_stored = 0;  // rows the pool held for this layer, padding excluded
+  // Of tokens_fetched, the rows the same (sequence, KV head) also fetched at the previous step:
+  // what a device cache of the last step's rows would not move again. -1: not known (a layer
+  // that does not select, the first decode step, selections kept on the device).
+  int64_t tokens_fetched_again = -1;
   double recall = -1.0;        // share of full attention weight on the fetched rows (-1: n/a)
 };
 

@@ -18,6 +18,7 @@ TransferSummary summarize(const OffloadRun& run) {
   s.shared_prefix_groups = shared.num_groups();
   for (int32_t group : shared.groups()) s.shared_prefix_sequences += group >= 0 ? 1 : 0;
   double busy = 0, wait = 0, hidden = 0, fetched = 0, stored = 0, recall_sum = 0;
+  double again = 0, fetched_where_known = 0;
   int64_t recall_count = 0;
   std::vector<double> layer_recall, layer_recall_n, layer_fetched, layer_stored, step_seconds;
   for (size_t i = 1; i < steps.size(); ++i) {
@@ -35,6 +36,10 @@ TransferSummary summarize(const OffloadRun& run) {
       layer_fetched[l] += static_cast<double>(t.tokens_fetched);
       layer_stored[l] += static_cast<double>(t.tokens_stored);
       s.layer_load_wait[l] += t.load_wait_seconds;
+      if (t.tokens_fetched_again >= 0) {
+        again += static_cast<double>(t.tokens_fetched_again);
+        fetched_where_known += static_cast<double>(t.tokens_fetched);
+      }
       if (t.recall >= 0) {
         recall_sum += t.recall;
         ++recall_count;
@@ -71,6 +76,7 @@ TransferSummary summarize(const OffloadRun& run) {
                                                            : 0.0);
   }
   s.fetched_fraction = stored > 0 ? fetched / stored : 0.0;
+  if (fetched_where_known > 0) s.fetched_again_fraction = again / fetched_where_known;
   if (recall_count > 0) {
     s.mean_recall = recall_sum / static_cast<double>(recall_count);
     for (size_t l = 0; l < layer_recall.size(); ++l) {

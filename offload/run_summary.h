@@ -45,6 +45,9 @@ struct TransferSummary {
   double fetched_fraction = 0;   // KV rows loaded / rows stored, decode steps, all layers
   double mean_recall = -1;       // over measured layers and steps (-1: not measured)
   double min_layer_recall = -1;  // the worst layer's mean recall
+  // Of the rows speculated layers fetched, the share the same (sequence, KV head) had fetched at
+  // the step before (LayerTraffic::tokens_fetched_again; -1: not known).
+  double fetched_again_fraction = -1;
   // Per layer, over the decode steps: KV rows loaded / rows stored (1 for full loads).
   std::vector<double> layer_fetched_fraction;
   // Per layer, over the decode steps: mean seconds compute waited for that layer's loads.

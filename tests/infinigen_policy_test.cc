@@ -7,6 +7,7 @@
 
 #include "core/model_loader.h"
 #include "offload/infinigen_kv.h"
+#include "offload/run_summary.h"
 #include "offload/runtime.h"
 #include "tests/test_util.h"
 
@@ -71,6 +72,43 @@ TEST_F(InfinigenPolicy, MixedLengthBatchSelectingEverythingReproducesFull) {
   const OffloadRun batch_rule = run("infinigen", everything);
   const LayerTraffic& speculated = batch_rule.stats.steps()[1].layers[3];
   EXPECT_LT(speculated.tokens_fetched, speculated.tokens_stored);
+}
+
+// Selecting everything, a speculated layer fetches at each step all it fetched at the step before
+// and the token stored since: every row but one per (sequence, KV head) is fetched again. Not
+// known for dense layers and at the first decode step; never more than fetched when sparse.
+TEST_F(InfinigenPolicy, RowsFetchedAgainAreCountedAgainstTheStepBefore) {
+  const SpeculationOptions everything = select_everything();
+  const OffloadRun r = run("infinigen", everything);
+  const uint64_t rows = request_.prompts.size() * static_cast<uint64_t>(source_.config.kv_heads());
+  const auto& steps = r.stats.steps();
+  ASSERT_GT(steps.size(), 2u);
+  for (size_t i = 1; i < steps.size(); ++i) {
+    for (size_t l = 0; l < steps[i].layers.size(); ++l) {
+      const LayerTraffic& t = steps[i].layers[l];
+      if (static_cast<int64_t>(l) < everything.dense_layers || i == 1) {
+        EXPECT_EQ(t.tokens_fetched_again, -1) << "step " << i << ", layer " << l;
+      } else {
+        EXPECT_EQ(t.tokens_fetched_again, static_cast<int64_t>(t.tokens_fetched - rows))
+            << "step " << i << ", layer " << l;
+      }
+    }
+  }
+  const double share = summarize(r).fetched_again_fraction;
+  EXPECT_GT(share, 0.5);
+  EXPECT_LT(share, 1.0);
+
+  SpeculationOptions sparse;
+  sparse.alpha = 1.0;
+  sparse.max_num_kv = 4;
+  const OffloadRun s = run("infinigen", sparse);
+  for (size_t i = 2; i < s.stats.steps().size(); ++i) {
+    for (size_t l = 2; l < s.stats.steps()[i].layers.size(); ++l) {
+      const LayerTraffic& t = s.stats.steps()[i].layers[l];
+      EXPECT_GE(t.tokens_fetched_again, 0);
+      EXPECT_LE(t.tokens_fetched_again, static_cast<int64_t>(t.tokens_fetched));
+    }
+  }
 }
 
 TEST_F(InfinigenPolicy, SpeculatedLayersLoadOnlyTheSelectedRows) {

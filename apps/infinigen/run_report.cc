@@ -48,6 +48,7 @@ nlohmann::json transfers_json(const TransferSummary& s) {
           {"kv_fetched_fraction", s.fetched_fraction},
           {"mean_recall", measured(s.mean_recall)},
           {"min_layer_recall", measured(s.min_layer_recall)},
+          {"kv_fetched_again_fraction", measured(s.fetched_again_fraction)},
           {"decode_step_allocations_and_frees", s.decode_step_allocations_and_frees}};
 }
 
@@ -89,6 +90,9 @@ nlohmann::json steps_json(const OffloadStats& stats) {
                         {"load_wait_s", l.load_wait_seconds},
                         {"tokens_fetched", l.tokens_fetched},
                         {"tokens_stored", l.tokens_stored},
+                        {"tokens_fetched_again", l.tokens_fetched_again >= 0
+                                                     ? nlohmann::json(l.tokens_fetched_again)
+                                                     : nlohmann::json()},
                         {"recall", measured(l.recall)}});
     }
     steps.push_back({{"seconds", step.seconds},
@@ -154,6 +158,10 @@ void print_transfers(const TransferSummary& s, const OffloadRun& run, bool per_l
       std::printf("; recall %.3f (worst layer %.3f)", s.mean_recall, s.min_layer_recall);
     }
     std::printf("\n");
+    if (s.fetched_again_fraction >= 0) {
+      std::printf("KV fetched again %9.1f%% of the rows fetched, also fetched at the step before\n",
+                  100.0 * s.fetched_again_fraction);
+    }
   }
   if (!per_layer) return;
   std::printf("\n%s\n", run.plan.describe().c_str());  // the table names itself
