@@ -165,8 +165,9 @@ class KvStore {
 
   // What a session saves of a store: per layer, named streams of rows per (sequence, KV head,
   // token), `width` elements of `dtype` each ("keys" and "values" of every store that can be
-  // saved; InfiniGen adds "partial_keys"), and named tensors of layer state (InfiniGen's partial
-  // columns and query weights). A store whose policy cannot be saved lists no streams.
+  // saved but int4, which saves its codes and scales; InfiniGen adds "partial_keys"), and named
+  // tensors of layer state (InfiniGen's partial columns and query weights). A store whose policy
+  // cannot be saved lists no streams.
   struct TokenStream {
     std::string name;
     DType dtype = DType::F16;

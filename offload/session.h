@@ -10,7 +10,8 @@
 //                                    a CRC-32 of the rest of the manifest
 //   seg-NNNNNN/layer-LLL.safetensors one file per layer of each segment (the rows one turn's first
 //                                    pass, or its decode steps, added): per token stream of the
-//                                    store ("keys", "values", InfiniGen's "partial_keys") a tensor
+//                                    store ("keys", "values", InfiniGen's "partial_keys"; int4's
+//                                    codes and scales) a tensor
 //                                    (B, H_kv, R, width), sequence b's rows[b] rows first, in
 //                                    token order, R the largest rows[b]
 //   seg-NNNNNN/state-LLL.safetensors the layer's state beyond its rows (InfiniGen's partial

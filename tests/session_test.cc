@@ -534,7 +534,7 @@ TEST(SessionFiles, RestoredPartialKeysAreTheSavedOnes) {
 // The cost model prices the reads a resumed turn makes: its disk lane carries the bytes a real
 // turn reads (the files' headers aside), one read per layer, each before the layer's pass.
 TEST(SessionCostModel, DiskBytesAreTheRuntimes) {
-  for (const std::string policy : {"full", "infinigen"}) {
+  for (const std::string policy : {"full", "infinigen", "int4"}) {
     TempDir dir("session");
     const ModelSource source = session_model("opt-tiny");
     const OffloadOptions options = session_options(policy);
