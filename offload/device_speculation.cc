@@ -156,6 +156,35 @@ void DeviceSpeculation::place(int64_t layer, const Tensor& keys, const std::vect
   cuda_stream::copy_pieces(pieces, at.size(), compute.cuda_handle());
 }
 
+void DeviceSpeculation::keep_sequences(const std::vector<int64_t>& keep,
+                                       const std::vector<KvStore::LeaderMove>& moves,
+                                       const SharedPrefixes& shared) {
+  const int64_t K = std::ssize(keep);
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    layers_[l].keep_sequences(keep, moves, shared);
+    compact_batch(position_tokens_[l], keep);
+  }
+  // Scratch and per-step buffers: their first K sequences' part.
+  const auto narrow = [](Tensor& t, int64_t rows) {
+    if (t.defined()) t = t.slice_rows(0, rows);
+  };
+  narrow(logits_, K);
+  for (size_t p = 0; p < 2; ++p) {
+    ops::SelectionTensors& s = selected_[p];
+    narrow(s.counts, K);
+    narrow(s.valid, K);
+    narrow(s.fetch, K);
+    narrow(s.summary, 2 + K);  // the mean, then take (B)
+    narrow(s.tokens, K);
+    narrow(summary_[p], 2 + K);
+    narrow(tokens_[p], K * kv_heads_);
+    narrow(placed_[p], K);
+  }
+  narrow(host_keys_, K);
+  narrow(host_queries_, K);
+  batch_ = K;
+}
+
 DeviceSpeculation::HostCopies DeviceSpeculation::to_host(const Tensor& staged_keys,
                                                          const Tensor& queries, Stream& compute) {
   INFINIGEN_CHECK(host_keys_.defined() && staged_keys.nbytes() == host_keys_.nbytes() &&

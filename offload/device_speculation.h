@@ -66,6 +66,13 @@ class DeviceSpeculation {
   void place(int64_t layer, const Tensor& keys, const std::vector<int32_t>& at, int32_t token,
              Stream& compute);
 
+  // Keeps the sequences `keep` (old indices, ascending), renumbered in that order
+  // (KvStore::drop_sequences), with `shared`, the kept sequences' prefixes: every layer's partial
+  // key cache and a capped pool's token table compacted on the device, the per-batch buffers
+  // narrowed. The compute stream must have finished what it enqueued.
+  void keep_sequences(const std::vector<int64_t>& keep,
+                      const std::vector<KvStore::LeaderMove>& moves, const SharedPrefixes& shared);
+
   // Host copies of a dense layer's staged keys and its queries, for a capped pool's dense fetch
   // counts (CappedPool::count_dense_fetches). Waits for them.
   struct HostCopies {

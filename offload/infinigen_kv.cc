@@ -174,6 +174,11 @@ void InfinigenKv::keep_sequences(const std::vector<int64_t>& keep,
   const SharedPrefixes kept = shared().kept(keep);
   for (PartialLayer& partial : partial_) partial.keep_sequences(keep, moves, kept);
   if (capped_) capped_->keep_sequences(keep);
+  if (device_) {
+    // The last step's kernels write the partial keys (on the device, or mapped in host memory).
+    paged_.pipeline().engine().compute_stream().synchronize();
+    device_->keep_sequences(keep, moves, kept);
+  }
 }
 
 void InfinigenKv::observe(int64_t, const AttentionInput& input) {

@@ -83,13 +83,11 @@ class InfinigenKv : public KvStore {
                         int64_t t) const override;
   LayerState layer_state(int64_t layer) const override;
   void restore_layer_state(int64_t layer, const LayerState& state) override;
-  // Sequences leave the batch with their pool blocks, partial keys and a capped pool's eviction
-  // state compacted (KvStore::drop_sequences), except where the survivors' fetches depend on them:
-  // under --fetch-rule batch (n' is the mean over every sequence's rows). Not yet with the
-  // speculation on the CUDA device: there an ended sequence keeps its row.
-  bool can_drop_sequences() const override {
-    return !device_ && options_.fetch_rule == FetchRule::Sequence;
-  }
+  // Sequences leave the batch with their pool blocks, partial keys (on the host or the device)
+  // and a capped pool's eviction state compacted (KvStore::drop_sequences), except where the
+  // survivors' fetches depend on them: under --fetch-rule batch (n' is the mean over every
+  // sequence's rows).
+  bool can_drop_sequences() const override { return options_.fetch_rule == FetchRule::Sequence; }
   void finish_stores() override { paged_.pipeline().drain_stores(); }
   void allocate_all() override { paged_.pool().reserve(paged_.pool().shape().max_tokens); }
 

@@ -56,6 +56,7 @@ void DevicePartialLayer::upload(const PartialLayer& layer, bool keys_on_host) {
   } else {
     device_copy(tensors_.keys.raw(), Device::Cuda, keys.data(), Device::Cpu, keys.size());
   }
+  keys_on_host_ = keys_on_host;
   tensors_.heads = H;
   tensors_.head_dim = layer.head_dim();
   query_rows_ = Tensor::empty({B, weight_.dim(0)}, DType::F32, Device::Cuda);
@@ -81,6 +82,23 @@ void DevicePartialLayer::speculate(const Tensor& x, const std::vector<int32_t>& 
 void DevicePartialLayer::append(const Tensor& keys, int64_t position, const Tensor& positions) {
   traced("partial_append", {batch(), kv_heads(), tensors_.keys.dim(3)}, tensors_.keys.dtype());
   ops::append_partial_keys(keys, tensors_, position, positions, shared());
+}
+
+void DevicePartialLayer::keep_sequences(const std::vector<int64_t>& keep,
+                                        const std::vector<KvStore::LeaderMove>& moves,
+                                        const SharedPrefixes& shared) {
+  if (!tensors_.keys.defined()) return;  // not uploaded: a dense layer
+  if (keys_on_host_) {
+    // Host memory, which the host compacts itself.
+    Tensor keys = Tensor::view(tensors_.keys.raw(), tensors_.keys.shape(), tensors_.keys.dtype(),
+                               Device::Cpu, nullptr);
+    compact_batch(keys, keep, moves);
+    tensors_.keys = tensors_.keys.slice_rows(0, std::ssize(keep));
+  } else {
+    compact_batch(tensors_.keys, keep, moves);
+  }
+  query_rows_ = query_rows_.slice_rows(0, std::ssize(keep));
+  if (!shared_.empty()) shared_ = shared;
 }
 
 ops::SelectionTensors device_selection(int64_t batch, int64_t kv_heads, int64_t fetch_cap) {

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/kv_cache.h"
 #include "core/ops.h"
 #include "core/shared_prefixes.h"
 #include "core/tensor.h"
@@ -40,6 +41,13 @@ class DevicePartialLayer {
   // `position`, or at positions[b * H_kv + g] (B, H_kv) I32 on the device when defined.
   void append(const Tensor& keys, int64_t position, const Tensor& positions = {});
 
+  // Keeps the sequences `keep` (old indices, ascending), renumbered in that order
+  // (KvStore::drop_sequences), with `shared`, the kept sequences' prefixes: the partial key cache
+  // compacted (each move's prefix positions copied to the group's new leader first). The compute
+  // stream must have finished what it enqueued on the cache.
+  void keep_sequences(const std::vector<int64_t>& keep,
+                      const std::vector<KvStore::LeaderMove>& moves, const SharedPrefixes& shared);
+
   int64_t batch() const { return tensors_.keys.defined() ? tensors_.keys.dim(0) : 0; }
   int64_t kv_heads() const { return tensors_.keys.defined() ? tensors_.keys.dim(1) : 0; }
 
@@ -51,6 +59,7 @@ class DevicePartialLayer {
   Tensor bias_;                 // (M) fp32
   mutable Tensor query_rows_;   // (B, M) fp32: scratch of speculate()
   SharedPrefixes shared_;
+  bool keys_on_host_ = false;  // the partial key cache in mapped pinned host memory
 };
 
 // The device tensors of a selection of B sequences over H_kv KV heads with at most fetch_cap

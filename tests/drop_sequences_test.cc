@@ -58,6 +58,18 @@ class DropSequences : public testing_util::OptTinyTest {
     request_.gen_len = 7;
     request_.sequence_gen_len = {2, 7, 4};
   }
+  // Two groups sharing 8 prompt tokens (two blocks of 4), whose leaders end first: sequence 0
+  // after 2 tokens (its group's other member runs all 7), sequence 2 after 3 (the other after 4).
+  void use_shared_prefixes() {
+    const std::vector<int32_t> a = {2, 10, 11, 12, 13, 14, 15, 16};
+    const std::vector<int32_t> b = {2, 40, 41, 42, 43, 44, 45, 46};
+    request_.prompts = {a, a, b, b};
+    request_.prompts[0].insert(request_.prompts[0].end(), {20, 21, 22});
+    request_.prompts[1].insert(request_.prompts[1].end(), {30, 31});
+    request_.prompts[2].insert(request_.prompts[2].end(), {50});
+    request_.prompts[3].insert(request_.prompts[3].end(), {60, 61, 62});
+    request_.sequence_gen_len = {2, 7, 3, 4};
+  }
   OffloadRun run(const OffloadOptions& options, bool drop, Device device = Device::Cpu) {
     GenerationRequest request = request_;
     request.drop_ended = drop;
@@ -133,14 +145,7 @@ TEST_F(DropSequences, ExactPoliciesGiveEachSequenceItsTokensAlone) {
 // 0) ends first, and its group's other member reads the prefix from its own rows from then on; a
 // group that loses every member stops being read.
 TEST_F(DropSequences, SharedPrefixesSurviveTheirLeader) {
-  const std::vector<int32_t> prefix = {2, 10, 11, 12, 13, 14, 15, 16};
-  request_.prompts = {
-      prefix, prefix, {2, 40, 41, 42, 43, 44, 45, 46}, {2, 40, 41, 42, 43, 44, 45, 46}};
-  request_.prompts[0].insert(request_.prompts[0].end(), {20, 21, 22});
-  request_.prompts[1].insert(request_.prompts[1].end(), {30, 31});
-  request_.prompts[2].insert(request_.prompts[2].end(), {50});
-  request_.prompts[3].insert(request_.prompts[3].end(), {60, 61, 62});
-  request_.sequence_gen_len = {2, 7, 3, 4};
+  use_shared_prefixes();
   for (const std::string policy : {"gpu", "full", "infinigen"}) {
     for (const KvPlacement dense : {KvPlacement::Host, KvPlacement::Device}) {
       if (policy != "infinigen" && dense == KvPlacement::Device) continue;
@@ -200,22 +205,24 @@ TEST_F(DropSequences, TheBatchFetchRuleKeepsEndedRows) {
 // The CUDA path (the emulated device in CI): the same for every policy that drops there.
 TEST_F(DropSequences, CudaEveryPolicyGivesTheStaticBatchsTokensAndLoadsLess) {
   INFINIGEN_SKIP_WITHOUT_CUDA_DEVICE();
-  for (const DropCase& c : drop_cases()) {
-    if (c.options.policy == "infinigen") continue;  // keeps ended rows on CUDA (below)
-    expect_same_and_cheaper(c, Device::Cuda);
-  }
+  for (const DropCase& c : drop_cases()) expect_same_and_cheaper(c, Device::Cuda);
 }
 
-// InfiniGen's speculation on the CUDA device does not drop sequences yet: they keep their rows,
-// and the tokens are the static batch's.
-TEST_F(DropSequences, CudaInfinigenKeepsEndedRows) {
+// Shared prefixes whose leader ends first, on the CUDA device (InfiniGen's partial keys there).
+TEST_F(DropSequences, CudaSharedPrefixesSurviveTheirLeader) {
   INFINIGEN_SKIP_WITHOUT_CUDA_DEVICE();
-  OffloadOptions options;
-  options.policy = "infinigen";
-  const OffloadRun kept = run(options, false, Device::Cuda);
-  const OffloadRun dropped = run(options, true, Device::Cuda);
-  EXPECT_EQ(dropped.result.tokens, kept.result.tokens);
-  EXPECT_EQ(dropped.result.rows, kept.result.rows);
+  use_shared_prefixes();
+  for (const std::string policy : {"gpu", "full", "infinigen"}) {
+    OffloadOptions options;
+    options.policy = policy;
+    options.kv_block_tokens = 4;
+    SCOPED_TRACE(policy);
+    const OffloadRun kept = run(options, false, Device::Cuda);
+    const OffloadRun dropped = run(options, true, Device::Cuda);
+    ASSERT_EQ(dropped.shared_prefixes.num_groups(), 2);
+    EXPECT_EQ(dropped.result.tokens, kept.result.tokens);
+    EXPECT_LT(dropped.result.rows, kept.result.rows);
+  }
 }
 
 }  // namespace
