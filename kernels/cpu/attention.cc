@@ -216,8 +216,8 @@ void attention_over_cache_blocked(const float* q, const void* k_cache, const voi
                                   const int32_t* first_valid, const int32_t* prefix_begin,
                                   const int32_t* prefix_source, int64_t prefix_end) {
   const int64_t group = H / H_kv, D = H * d;
-  const int64_t queries =
-      group * n;  // per (sequence, KV head): query head h_g's row i is h_g n + i
+  // Queries per (sequence, KV head): row hg * n + i is query i of the group's query head hg.
+  const int64_t queries = group * n;
   const bool parallel = B * H * n * length * d >= kParallelWork;
   // Parts per sequence: enough for kTasks (sequence, KV head, part) tasks, each of at least
   // kRowsPerPart rows. A function of the shapes alone, never of the thread count (which adapts
