@@ -139,6 +139,9 @@ void Int4Kv::start_layer(int64_t layer) {
 void Int4Kv::issue_load(int64_t layer) {
   const Packed dst = loaded_packed_[static_cast<size_t>(layer % 2)].get();
   if (debug_poison() && !dry_run()) {  // rows that the load does not bring must never be read
+    // The whole buffer, which the store of layer - 2 may still read in a resumed turn's first
+    // pass (append); a load writes only rows [0, length()), which that store does not read.
+    pipeline_.await_store_reads(layer);
     const size_t layer_rows = row_index(2, 0, 0, 0, capacity());
     poison(dst.meta, layer_rows * meta_bytes_, device_);
     pipeline_.poison(layer);

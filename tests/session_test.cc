@@ -185,6 +185,8 @@ INSTANTIATE_TEST_SUITE_P(Policies, ResumedTurns,
 // bytes are checked below; a compacted session's turns equal the uncompacted one's bit for bit,
 // session_compact_test.cc.)
 TEST(Int4Session, ResumedTurnsAgreeWithOneRunOverTheConcatenatedTurns) {
+  // Rows no load brought are NaN: a resumed turn that read one would give garbage.
+  set_debug_poison(true);
   for (const std::string model : {"opt-tiny", "llama-tiny"}) {
     const ModelSource source = session_model(model);
     const OffloadOptions options = session_options("int4");
@@ -200,6 +202,7 @@ TEST(Int4Session, ResumedTurnsAgreeWithOneRunOverTheConcatenatedTurns) {
           << model << ", turn " << turn;
     }
   }
+  set_debug_poison(false);
 }
 
 // What an int4 store holds after a resume is what the session saved: the codes and scales of
@@ -266,6 +269,7 @@ TEST(Int4Session, RestoredCodesAndScalesAreTheSavedOnes) {
 // already, 2e-3 by the third).
 TEST(SessionGpu, Int4AndFullContinueAConversationAsTheCpuDoes) {
   INFINIGEN_SKIP_WITHOUT_CUDA_DEVICE();
+  set_debug_poison(true);  // rows no load brought are NaN
   for (const std::string model : {"opt-tiny", "llama-tiny"}) {
     for (const std::string policy : {"int4", "full"}) {
       const ModelSource source = session_model(model);
@@ -284,6 +288,7 @@ TEST(SessionGpu, Int4AndFullContinueAConversationAsTheCpuDoes) {
       }
     }
   }
+  set_debug_poison(false);
 }
 
 // A session of opt-tiny with `policy` after one turn, in `dir`/s.
