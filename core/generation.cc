@@ -289,8 +289,12 @@ GenerationResult generate(Model& model, const GenerationRequest& request,
       if (ended[b]) continue;
       result.tokens[b].push_back(chosen[i]);
       if (request.score_tokens) {
-        result.token_log_probs[b].push_back(
-            token_log_probability(logits.data<float>() + i * V, V, chosen[i]));
+        const float* row = logits.data<float>() + i * V;
+        result.token_log_probs[b].push_back(token_log_probability(row, V, chosen[i]));
+        if (request.top_log_probs > 0) {
+          result.top_log_probs[b].push_back(
+              top_log_probabilities(row, V, request.top_log_probs, chosen[i]));
+        }
       }
       // The callback sees every token, the last one too (it reports why a sequence ended).
       const bool stopped = request.stop && request.stop(b, result.tokens[b]);
@@ -302,7 +306,10 @@ GenerationResult generate(Model& model, const GenerationRequest& request,
     result.rows += rows;
     return chosen;
   };
-  if (request.score_tokens) result.token_log_probs.assign(static_cast<size_t>(B), {});
+  if (request.score_tokens) {
+    result.token_log_probs.assign(static_cast<size_t>(B), {});
+    result.top_log_probs.assign(static_cast<size_t>(B), {});
+  }
   std::vector<int32_t> first_valid;
   int64_t stored = 0;  // rows per sequence stored before the first pass
   // A conversation's turns share what its first turn shared.

@@ -26,6 +26,9 @@ struct GenerationRequest {
   std::vector<std::vector<int32_t>> forced_tokens;
   // Also return, per emitted token, its log-probability under the logits it was chosen from.
   bool score_tokens = false;
+  // With score_tokens: also the k most likely tokens at each step, with their log-probabilities
+  // (and the emitted token's, when it is not among them); 0: none.
+  int64_t top_log_probs = 0;
   // Prompt prefixes that groups of the sequences share (find_shared_prefixes), each computed and
   // kept once in a store that can share them (KvStore::share_prefixes); empty: none. Every member
   // of a group starts with its leader's prefix and has tokens of its own after it.
@@ -68,6 +71,8 @@ struct GenerationResult {
   Tensor last_logits;
   // (B, gen_len) when the request asks for score_tokens: log p(token | everything before it).
   std::vector<std::vector<double>> token_log_probs;
+  // (B, gen_len, k or k + 1) when it asks for top_log_probs: top_log_probabilities of each step.
+  std::vector<std::vector<std::vector<TokenLogProb>>> top_log_probs;
 
   double total_seconds() const { return prefill_seconds + decode_seconds; }
   double throughput() const;         // B * gen_len / total

@@ -23,15 +23,39 @@ void check_finite(const float* logits, int64_t V) {
   }
 }
 
-}  // namespace
-
-double token_log_probability(const float* logits, int64_t V, int32_t token) {
-  INFINIGEN_CHECK(token >= 0 && token < V, "token ", token, " outside a vocabulary of ", V);
+// log sum exp of one row, in fp64: log softmax(logits)[i] is logits[i] minus it.
+double log_normalizer(const float* logits, int64_t V) {
   check_finite(logits, V);
   const double top = *std::max_element(logits, logits + V);
   double total = 0.0;
   for (int64_t i = 0; i < V; ++i) total += std::exp(static_cast<double>(logits[i]) - top);
-  return static_cast<double>(logits[token]) - top - std::log(total);
+  return top + std::log(total);
+}
+
+}  // namespace
+
+double token_log_probability(const float* logits, int64_t V, int32_t token) {
+  INFINIGEN_CHECK(token >= 0 && token < V, "token ", token, " outside a vocabulary of ", V);
+  return static_cast<double>(logits[token]) - log_normalizer(logits, V);
+}
+
+std::vector<TokenLogProb> top_log_probabilities(const float* logits, int64_t V, int64_t k,
+                                                int32_t also) {
+  INFINIGEN_CHECK(k >= 0 && also < V, "top_log_probabilities: k ", k, ", token ", also,
+                  " with a vocabulary of ", V);
+  const double normalizer = log_normalizer(logits, V);
+  std::vector<int32_t> ids(static_cast<size_t>(V));
+  std::iota(ids.begin(), ids.end(), 0);
+  const auto more_likely = [&](int32_t a, int32_t b) {
+    return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+  };
+  const int64_t kept = std::min(k, V);
+  std::partial_sort(ids.begin(), ids.begin() + kept, ids.end(), more_likely);
+  ids.resize(static_cast<size_t>(kept));
+  if (also >= 0 && std::find(ids.begin(), ids.end(), also) == ids.end()) ids.push_back(also);
+  std::vector<TokenLogProb> top;
+  for (int32_t id : ids) top.push_back({id, static_cast<double>(logits[id]) - normalizer});
+  return top;
 }
 
 Sampler::Sampler(const SamplingOptions& options) : options_(options), rng_(options.seed) {

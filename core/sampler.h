@@ -27,6 +27,16 @@ class NonFiniteLogit : public Error {
 // finite.
 double token_log_probability(const float* logits, int64_t vocab, int32_t token);
 
+struct TokenLogProb {
+  int32_t token = 0;
+  double log_prob = 0.0;
+};
+// The k most likely tokens of one row of V logits with their log softmax, most likely first
+// (ties: the lower id first), and `also` appended when it is not among them (-1: nothing);
+// NonFiniteLogit as above.
+std::vector<TokenLogProb> top_log_probabilities(const float* logits, int64_t vocab, int64_t k,
+                                                int32_t also = -1);
+
 class Sampler {
  public:
   explicit Sampler(const SamplingOptions& options);

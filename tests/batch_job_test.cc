@@ -6,6 +6,7 @@
 #include <signal.h>
 
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -177,6 +178,128 @@ TEST(BatchJob, EachRequestGetsWhatItGetsAlone) {
                         {"--policy", "full", "--kv-block-tokens", "4", "--order", "arrival"}));
   ASSERT_EQ(arrival.exit_code, 0) << arrival.err;
   EXPECT_EQ(read_file(dir.path() / "arrival.jsonl"), output);
+}
+
+// logprobs: each choice's tokens with their log-probabilities and the k most likely at each
+// position (the chosen token among them: greedy, it is the first), the generated text unchanged;
+// logprobs 0 lists the chosen token alone.
+TEST(BatchJob, LogprobsGiveEachTokenAndTheMostLikelyOnes) {
+  TempDir dir("batch-logprobs");
+  std::string with, without;
+  const std::vector<int> cases = {3, 0, 5, 1, -1};  // logprobs; -1: none
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const int k = cases[i];
+    json line = {{"custom_id", cat("r", i)},
+                 {"prompt", "the LORD said unto them and the file reads"},
+                 {"max_tokens", 6 + static_cast<int>(i)},
+                 {"temperature", 0}};
+    without += line.dump() + "\n";
+    if (k >= 0) line["logprobs"] = k;
+    with += line.dump() + "\n";
+  }
+  write_file(dir.path() / "with.jsonl", with);
+  write_file(dir.path() / "without.jsonl", without);
+  for (const char* name : {"with", "without"}) {
+    const fs::path in = dir.path() / (std::string(name) + ".jsonl");
+    const CommandResult r = run_infinigen(job(in, dir.path() / (std::string(name) + ".out")));
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+  }
+  // Read keeping each object's order (top_logprobs: most likely first).
+  std::map<std::string, nlohmann::ordered_json> scored;
+  for (const std::string& text : lines_of(read_file(dir.path() / "with.out"))) {
+    const auto line = nlohmann::ordered_json::parse(text);
+    scored[line["custom_id"]] = line["response"]["body"];
+  }
+  const std::map<std::string, json> plain = bodies(read_file(dir.path() / "without.out"));
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const std::string id = cat("r", i);
+    const auto& choice = scored.at(id)["choices"][0];
+    EXPECT_EQ(choice["text"].get<std::string>(), plain.at(id)["choices"][0]["text"]) << id;
+    const int k = cases[i];
+    if (k < 0) {
+      EXPECT_TRUE(choice["logprobs"].is_null()) << id;
+      continue;
+    }
+    const auto& lp = choice["logprobs"];
+    const size_t count = lp["tokens"].size();
+    ASSERT_GT(count, 0u) << id;
+    ASSERT_EQ(lp["token_logprobs"].size(), count);
+    ASSERT_EQ(lp["top_logprobs"].size(), count);
+    ASSERT_EQ(lp["text_offset"].size(), count);
+    const std::string text = choice["text"];
+    EXPECT_EQ(lp["text_offset"][0], 0) << id;
+    for (size_t t = 0; t < count; ++t) {
+      // Offsets within the text, in order; each token's text where its offset says.
+      const int64_t offset = lp["text_offset"][t];
+      EXPECT_LT(offset, std::ssize(text)) << id;
+      if (t > 0) {
+        EXPECT_GE(offset, lp["text_offset"][t - 1].get<int64_t>()) << id;
+      }
+      const std::string token = lp["tokens"][t];
+      EXPECT_EQ(text.compare(offset, token.size(), token), 0) << id << " token " << t;
+      const double chosen = lp["token_logprobs"][t];
+      const auto& top = lp["top_logprobs"][t];
+      ASSERT_EQ(top.size(), static_cast<size_t>(std::max(k, 1))) << id << " token " << t;
+      // Greedy: the chosen token is the most likely, listed first; the rest below it, and
+      // together no more than all the mass.
+      double mass = 0, previous = 0;
+      bool first = true;
+      for (const auto& [alternative, log_prob] : top.items()) {
+        const double value = log_prob.get<double>();
+        EXPECT_LE(value, 0.0);
+        if (first) {
+          EXPECT_EQ(alternative, token) << id << " token " << t;
+          EXPECT_DOUBLE_EQ(value, chosen);
+        } else {
+          EXPECT_LE(value, previous + 1e-12);
+        }
+        first = false;
+        previous = value;
+        mass += std::exp(value);
+      }
+      EXPECT_LE(mass, 1.0 + 1e-9);
+    }
+  }
+}
+
+// A stop string cuts the logprobs where it cuts the text: the tokens that begin before the cut,
+// with the log-probabilities of the uncut run (the built-in model: opt-tiny repeats one token).
+TEST(BatchJob, AStopStringCutsTheLogprobsWithTheText) {
+  TempDir dir("batch-logprobs-stop");
+  const auto run_one = [&](const json& request, const std::string& name) {
+    write_file(dir.path() / (name + ".jsonl"), request.dump() + "\n");
+    const CommandResult r = run_infinigen({"batch", "--model", "builtin", "--input",
+                                           (dir.path() / (name + ".jsonl")).string(), "--output",
+                                           (dir.path() / (name + ".out")).string()});
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    return bodies(read_file(dir.path() / (name + ".out"))).at("s")["choices"][0];
+  };
+  json request = {{"custom_id", "s"},
+                  {"prompt", "In the beginning God created the heaven and the earth. And"},
+                  {"max_tokens", 12},
+                  {"temperature", 0},
+                  {"logprobs", 1}};
+  const json whole = run_one(request, "whole");
+  const std::string text = whole["text"];
+  const json& offsets = whole["logprobs"]["text_offset"];
+  ASSERT_GE(offsets.size(), 4u);
+  // Three characters from inside the third token: the cut falls within a token.
+  const std::string stop = text.substr(offsets[2].get<size_t>() + 1, 3);
+  ASSERT_EQ(stop.size(), 3u) << text;
+  request["stop"] = stop;
+  const json cut = run_one(request, "cut");
+  const std::string kept = text.substr(0, text.find(stop));
+  EXPECT_EQ(cut["text"], kept);
+  EXPECT_EQ(cut["finish_reason"], "stop");
+  size_t count = 0;
+  while (count < offsets.size() && offsets[count].get<size_t>() < kept.size()) ++count;
+  ASSERT_GT(count, 0u);
+  EXPECT_EQ(cut["logprobs"]["tokens"].size(), count);
+  for (size_t t = 0; t < count; ++t) {
+    EXPECT_EQ(cut["logprobs"]["tokens"][t], whole["logprobs"]["tokens"][t]);
+    EXPECT_EQ(cut["logprobs"]["token_logprobs"][t], whole["logprobs"]["token_logprobs"][t]);
+    EXPECT_EQ(cut["logprobs"]["text_offset"][t], offsets[t]);
+  }
 }
 
 // The default policy (InfiniGen): two shards at once, from --shard and from a Slurm array's

@@ -94,7 +94,6 @@ constexpr std::string_view kNeutralFields[] = {"model",
                                                "stream",
                                                "stream_options",
                                                "suffix",
-                                               "logprobs",
                                                "presence_penalty",
                                                "frequency_penalty",
                                                "logit_bias"};
@@ -108,7 +107,6 @@ bool is_neutral_field(const std::string& key) {
 bool neutral_value(const std::string& key, const json& value) {
   if (key == "model" || key == "user") return value.is_string();
   if (key == "echo" || key == "stream") return value.is_null() || value == false;
-  if (key == "logprobs") return value.is_null() || value == 0;
   if (key == "presence_penalty" || key == "frequency_penalty") {
     return value.is_null() || (value.is_number() && value.get<double>() == 0.0);
   }
@@ -151,6 +149,14 @@ void read_fields(const json& fields, BatchRequest& request, bool plain) {
       request.seed = value.get<uint64_t>();
     } else if (key == "stop") {
       request.stop = read_stop(value);
+    } else if (key == "logprobs") {
+      if (value.is_null()) continue;
+      const int64_t k = whole_number(value, "logprobs", 0);
+      if (k > kMostLogprobs) {
+        refuse(cat("logprobs must be at most ", kMostLogprobs, ", got ", shown(value)),
+               "unsupported_value");
+      }
+      request.logprobs = k;
     } else if (key == "messages") {
       refuse(
           "chat requests (messages) are not supported: there are no chat templates yet; give "

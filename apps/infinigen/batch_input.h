@@ -15,6 +15,8 @@ namespace infinigen::cli {
 using PromptInput = std::variant<std::string, std::vector<int32_t>>;
 
 // One non-blank input line. Either a request (error empty) or why it cannot run.
+inline constexpr int64_t kMostLogprobs = 5;
+
 struct BatchRequest {
   int64_t line = 0;                   // 1-based line number in the input file
   std::string custom_id;              // empty only for a line too malformed to name one
@@ -24,6 +26,9 @@ struct BatchRequest {
   std::optional<float> top_p;
   std::optional<uint64_t> seed;
   std::vector<std::string> stop;  // at most 4, none empty
+  // Set: each choice reports its tokens' log-probabilities and, at each position, the
+  // `logprobs` most likely tokens' (0 to kMostLogprobs, OpenAI's limit); unset: "logprobs": null.
+  std::optional<int64_t> logprobs;
   int64_t n = 1;                  // samples per prompt
   std::string error_code;         // "invalid_json", "invalid_request", "unsupported_endpoint", ...
   std::string error;              // one line, without the line number

@@ -43,6 +43,20 @@ std::optional<ResultKey> result_key(const std::string& text) {
   return std::nullopt;
 }
 
+Json logprobs_json(const ChoiceLogprobs& logprobs) {
+  Json top = Json::array();
+  for (const auto& position : logprobs.top_logprobs) {
+    Json tokens = Json::object();
+    // Two tokens of one text (rare): the more likely one's entry stays.
+    for (const auto& [text, log_prob] : position) tokens.emplace(text, log_prob);
+    top.push_back(std::move(tokens));
+  }
+  return {{"tokens", logprobs.tokens},
+          {"token_logprobs", logprobs.token_logprobs},
+          {"top_logprobs", std::move(top)},
+          {"text_offset", logprobs.text_offset}};
+}
+
 std::string sibling(const std::string& file, const char* suffix) {
   return file + suffix;
 }
@@ -56,7 +70,7 @@ std::string completion_line(const BatchRequest& request, const std::string& mode
   for (const Choice& choice : choices) {
     listed.push_back({{"text", choice.text},
                       {"index", choice.index},
-                      {"logprobs", nullptr},
+                      {"logprobs", choice.logprobs ? logprobs_json(*choice.logprobs) : Json()},
                       {"finish_reason", choice.finish_reason}});
   }
   const Json line = {{"id", request_id(request)},
@@ -74,7 +88,8 @@ std::string completion_line(const BatchRequest& request, const std::string& mode
                            {"completion_tokens", completion_tokens},
                            {"total_tokens", prompt_tokens + completion_tokens}}}}}}},
                      {"error", nullptr}};
-  return line.dump() + "\n";
+  // A token's text can be part of a UTF-8 character (byte-level BPE): written as U+FFFD.
+  return line.dump(-1, ' ', false, Json::error_handler_t::replace) + "\n";
 }
 
 std::string error_line(const BatchRequest& request, const std::string& code,

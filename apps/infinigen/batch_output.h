@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <set>
 #include <string>
 #include <utility>
@@ -21,10 +22,21 @@
 
 namespace infinigen::cli {
 
+// A choice's log-probabilities in OpenAI's completions form, one entry per token of its text.
+struct ChoiceLogprobs {
+  std::vector<std::string> tokens;     // each token's text
+  std::vector<double> token_logprobs;  // log p(token | prompt and the tokens before it)
+  // At each position, the most likely tokens' texts and log-probabilities, most likely first (the
+  // chosen token's too when it is not among them).
+  std::vector<std::vector<std::pair<std::string, double>>> top_logprobs;
+  std::vector<int64_t> text_offset;  // where each token's text starts in the choice's text
+};
+
 struct Choice {
   std::string text;
   int64_t index = 0;          // prompt index * n + sample
   std::string finish_reason;  // "stop" (a stop string, EOS) or "length" (max_tokens)
+  std::optional<ChoiceLogprobs> logprobs;  // unset: "logprobs": null
 };
 
 // The line (with its newline) of a request that ran: {"id", "custom_id", "response":

@@ -145,6 +145,38 @@ size_t stop_position(const std::string& text, const std::vector<std::string>& st
   return at;
 }
 
+// Sequence b's log-probabilities for a choice whose text is the first `text_size` bytes of its
+// tokens' (what a stop string left): the tokens that begin within it, each with the `k` most
+// likely tokens at its position (and itself, when not among them).
+ChoiceLogprobs choice_logprobs(const ModelSource& model, const GenerationResult& result, int64_t b,
+                               int64_t k, size_t text_size) {
+  const std::vector<int32_t>& tokens = result.tokens[b];
+  const std::vector<std::vector<TokenLogProb>>& most_likely = result.top_log_probs[b];
+  ChoiceLogprobs out;
+  std::vector<int32_t> before;
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    const size_t offset = render(model, before).size();
+    if (offset >= text_size) break;
+    const double log_prob = result.token_log_probs[b][i];
+    out.tokens.push_back(render(model, {tokens[i]}));
+    out.token_logprobs.push_back(log_prob);
+    out.text_offset.push_back(static_cast<int64_t>(offset));
+    // The batch asked for the most k of its requests: this one's first k, and the chosen token.
+    std::vector<std::pair<std::string, double>> top;
+    bool chosen_listed = false;
+    static const std::vector<TokenLogProb> none;  // every request of the batch asked for 0
+    for (const TokenLogProb& t : i < most_likely.size() ? most_likely[i] : none) {
+      if (std::ssize(top) >= k) break;
+      top.emplace_back(render(model, {t.token}), t.log_prob);
+      chosen_listed = chosen_listed || t.token == tokens[i];
+    }
+    if (!chosen_listed) top.emplace_back(out.tokens.back(), log_prob);
+    out.top_logprobs.push_back(std::move(top));
+    before.push_back(tokens[i]);
+  }
+  return out;
+}
+
 // What the job did, for the summary.
 struct JobTotals {
   int64_t input_requests = 0;
@@ -196,6 +228,10 @@ std::vector<std::string> run_batch(const std::vector<const PreparedRequest*>& ba
       }
     }
     request.gen_len = std::max(request.gen_len, p.max_tokens);
+    if (p.request->logprobs) {
+      request.score_tokens = true;
+      request.top_log_probs = std::max(request.top_log_probs, *p.request->logprobs);
+    }
   }
   const int64_t B = std::ssize(request.prompts);
   const std::optional<int32_t> eos = model.tokenizer && model.tokenizer->eos_id()
@@ -231,7 +267,10 @@ std::vector<std::string> run_batch(const std::vector<const PreparedRequest*>& ba
     const std::vector<std::string>& stop = batch[owner[b]]->request->stop;
     if (stopped[b] && !stop.empty())
       text = text.substr(0, std::min(text.size(), stop_position(text, stop)));
-    choices[owner[b]].push_back({text, choice[b], stopped[b] ? "stop" : "length"});
+    choices[owner[b]].push_back({text, choice[b], stopped[b] ? "stop" : "length", std::nullopt});
+    if (const std::optional<int64_t> k = batch[owner[b]]->request->logprobs) {
+      choices[owner[b]].back().logprobs = choice_logprobs(model, run.result, b, *k, text.size());
+    }
     completion_tokens[owner[b]] += std::ssize(tokens);
     totals.generated_tokens += std::ssize(tokens);
   }
