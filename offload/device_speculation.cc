@@ -62,6 +62,28 @@ void DeviceSpeculation::upload(int64_t layer, PartialLayer& partial,
   }
 }
 
+void DeviceSpeculation::copy_keys_to_host(int64_t layer, std::vector<char>& out,
+                                          int64_t from) const {
+  const DevicePartialLayer& partial = layers_[static_cast<size_t>(layer)];
+  const Tensor& keys = partial.keys();  // (B, H_kv, P, r)
+  if (out.size() != keys.nbytes()) {
+    out.assign(keys.nbytes(), 0);
+    from = 0;
+  }
+  const int64_t runs = keys.dim(0) * keys.dim(1), P = keys.dim(2);
+  const size_t row = keys.nbytes() / static_cast<size_t>(runs * P);
+  const char* src = static_cast<const char*>(keys.raw());
+  for (int64_t i = 0; i < runs; ++i) {
+    const size_t at = static_cast<size_t>(i * P + from) * row;
+    const size_t bytes = static_cast<size_t>(P - from) * row;
+    if (partial.keys_on_host()) {
+      std::memcpy(out.data() + at, src + at, bytes);
+    } else {
+      device_copy(out.data() + at, Device::Cpu, src + at, Device::Cuda, bytes);
+    }
+  }
+}
+
 PartialLayer::Selection DeviceSpeculation::select(int64_t layer, const Tensor& x,
                                                   const std::vector<int32_t>& rope_positions,
                                                   int64_t used,

@@ -66,6 +66,12 @@ class DeviceSpeculation {
   void place(int64_t layer, const Tensor& keys, const std::vector<int32_t>& at, int32_t token,
              Stream& compute);
 
+  // Layer `layer`'s partial key cache (B, H_kv, positions, r) copied into `out` (a session's save
+  // reads it there): positions [from, positions) of each (sequence, head), or all of them when
+  // `out` does not hold the cache yet; what `out` holds before `from` is not written (another
+  // thread may read it). The compute stream must have finished what it enqueued.
+  void copy_keys_to_host(int64_t layer, std::vector<char>& out, int64_t from) const;
+
   // Keeps the sequences `keep` (old indices, ascending), renumbered in that order
   // (KvStore::drop_sequences), with `shared`, the kept sequences' prefixes: every layer's partial
   // key cache and a capped pool's token table compacted on the device, the per-batch buffers

@@ -103,7 +103,10 @@ const KvPolicy& infinigen_kv_policy() {
       },
       /*resumable=*/true,
       // The saved partial keys and columns depend on these.
-      {"partial_ratio", "partial_key_dtype", "dense_layers"}};
+      {"partial_ratio", "partial_key_dtype", "dense_layers"},
+      // Its pool is pinned host memory; on CUDA its partial keys are copied from the device
+      // before a save reads them (finish_stores).
+      /*host_token_rows=*/true};
   return policy;
 }
 
@@ -346,6 +349,7 @@ void InfinigenKv::end_pass(int64_t n_new) {
                       capped_ ? &capped_->position_tokens(layer) : nullptr,
                       partial_keys_on_host(layer));
     }
+    uploaded_ = true;
   }
   paged_.end_pass();
   if (prompt_done) {
@@ -595,7 +599,24 @@ std::vector<KvStore::TokenStream> InfinigenKv::token_streams(int64_t layer) cons
 const void* InfinigenKv::token_row(int64_t layer, size_t stream, int64_t b, int64_t h,
                                    int64_t t) const {
   if (stream < 2) return paged_.token_row(layer, stream, b, h, t);
-  return partial_[static_cast<size_t>(layer)].key_row(b, h, t);
+  if (!uploaded_) return partial_[static_cast<size_t>(layer)].key_row(b, h, t);
+  const size_t row = static_cast<size_t>(partial_columns(options_.partial_ratio, head_dim_)) *
+                     dtype_size(options_.partial_key_dtype);
+  const std::vector<char>& keys = host_partial_keys_[static_cast<size_t>(layer)];
+  INFINIGEN_CHECK(!keys.empty(), "layer ", layer, ": partial keys not copied from the device");
+  return keys.data() + static_cast<size_t>((b * kv_heads_ + h) * slots_ + t) * row;
+}
+
+void InfinigenKv::finish_stores() {
+  paged_.pipeline().drain_stores();
+  if (!uploaded_) return;
+  paged_.pipeline().engine().compute_stream().synchronize();  // the appends of the steps so far
+  host_partial_keys_.resize(static_cast<size_t>(num_layers_));
+  for (int64_t layer = options_.dense_layers; layer < num_layers_; ++layer) {
+    device_->copy_keys_to_host(layer, host_partial_keys_[static_cast<size_t>(layer)],
+                               host_partial_keys_from_);
+  }
+  host_partial_keys_from_ = used_positions();
 }
 
 KvStore::LayerState InfinigenKv::layer_state(int64_t layer) const {

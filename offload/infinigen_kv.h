@@ -88,7 +88,9 @@ class InfinigenKv : public KvStore {
   // survivors' fetches depend on them: under --fetch-rule batch (n' is the mean over every
   // sequence's rows).
   bool can_drop_sequences() const override { return options_.fetch_rule == FetchRule::Sequence; }
-  void finish_stores() override { paged_.pipeline().drain_stores(); }
+  // On CUDA, also copies each speculated layer's partial key cache from the device to the host,
+  // where token_row reads it for a session's save.
+  void finish_stores() override;
   void allocate_all() override { paged_.pool().reserve(paged_.pool().shape().max_tokens); }
 
   // Inspection (tests): a speculated layer's partial state, and the token at a pool position
@@ -183,6 +185,14 @@ class InfinigenKv : public KvStore {
   // Speculation, selection and gather on the CUDA device (not in a dry run, whose selections
   // are replayed on the host).
   std::optional<DeviceSpeculation> device_;
+  bool uploaded_ = false;  // the speculated layers' partial state is on the device (end_pass)
+  // Per layer, once uploaded: the device's partial key cache (B, H_kv, slots, r) as of the last
+  // finish_stores, which a session's save reads (the device appends the decode steps' tokens to
+  // its own, at positions the save reads only after the next finish_stores). Each copy brings
+  // the positions from host_partial_keys_from_ on: the save's writer thread may still read those
+  // before it.
+  std::vector<std::vector<char>> host_partial_keys_;
+  int64_t host_partial_keys_from_ = 0;
   View view_{};        // the open decode step's view of the layer decode_layer prepared
   PagedKv paged_;      // last: transfers read the buffers above until it is destroyed
 };

@@ -48,6 +48,10 @@ class DevicePartialLayer {
   void keep_sequences(const std::vector<int64_t>& keep,
                       const std::vector<KvStore::LeaderMove>& moves, const SharedPrefixes& shared);
 
+  // The partial key cache (B, H_kv, capacity, r) in the key dtype: on the device, or in mapped
+  // pinned host memory when keys_on_host().
+  const Tensor& keys() const { return tensors_.keys; }
+  bool keys_on_host() const { return keys_on_host_; }
   int64_t batch() const { return tensors_.keys.defined() ? tensors_.keys.dim(0) : 0; }
   int64_t kv_heads() const { return tensors_.keys.defined() ? tensors_.keys.dim(1) : 0; }
 

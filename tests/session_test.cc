@@ -262,16 +262,17 @@ TEST(Int4Session, RestoredCodesAndScalesAreTheSavedOnes) {
   }
 }
 
-// On a CUDA device (the emulated one in CI) the pools of `full` and `int4` are pinned host memory
-// that a session reads and writes as on the CPU: three turns give the CPU's tokens, and logits
-// within the backends' rounding. The int4 codec is bit for bit the CPU's but the GEMMs are not,
-// and a key that rounds differently may take the next code (llama-tiny: 1.3e-3 in the first turn
-// already, 2e-3 by the third).
-TEST(SessionGpu, Int4AndFullContinueAConversationAsTheCpuDoes) {
+// On a CUDA device (the emulated one in CI) the pools of `full`, `int4` and `infinigen` are pinned
+// host memory that a session reads and writes as on the CPU (InfiniGen's partial keys, on the
+// device, are copied to the host before a save reads them): three turns give the CPU's tokens,
+// and logits within the backends' rounding. The int4 codec is bit for bit the CPU's but the GEMMs
+// are not, and a key that rounds differently may take the next code (llama-tiny: 1.3e-3 in the
+// first turn already, 2e-3 by the third).
+TEST(SessionGpu, ContinuesAConversationAsTheCpuDoes) {
   INFINIGEN_SKIP_WITHOUT_CUDA_DEVICE();
   set_debug_poison(true);  // rows no load brought are NaN
   for (const std::string model : {"opt-tiny", "llama-tiny"}) {
-    for (const std::string policy : {"int4", "full"}) {
+    for (const std::string policy : {"int4", "full", "infinigen"}) {
       const ModelSource source = session_model(model);
       const OffloadOptions options = session_options(policy);
       TempDir dir("session-gpu");
@@ -285,6 +286,25 @@ TEST(SessionGpu, Int4AndFullContinueAConversationAsTheCpuDoes) {
             testing_util::relative_error(got.data(), cpu.last_logits[turn].data(), got.size()),
             policy == "int4" ? 1e-2 : 1e-3)
             << model << ", " << policy << ", turn " << turn + 1;
+      }
+      // What the device's session saved is the CPU's: every fp16 stream (keys, values, InfiniGen's
+      // partial keys from the device, int4's scales) of every segment, within the same rounding.
+      const SessionManifest saved = read_saved_session(dir.path() / "cpu").manifest;
+      for (const SessionSegment& segment : saved.segments) {
+        for (const SessionFile& file : segment.layers) {
+          const auto on_cpu = SafetensorsFile::open((dir.path() / "cpu" / file.path).string());
+          const auto on_cuda = SafetensorsFile::open((dir.path() / "cuda" / file.path).string());
+          for (const SafetensorsEntry& entry : on_cpu->entries()) {
+            if (entry.dtype != DType::F16) continue;
+            const SafetensorsEntry* other = on_cuda->find(entry.name);
+            ASSERT_TRUE(other != nullptr && other->shape == entry.shape) << file.path;
+            std::vector<float> a(entry.nbytes / 2), b(a.size());
+            convert_to_f32(on_cuda->bytes(*other), DType::F16, a.data(), a.size());
+            convert_to_f32(on_cpu->bytes(entry), DType::F16, b.data(), b.size());
+            EXPECT_LT(testing_util::relative_error(a.data(), b.data(), a.size()), 1e-2)
+                << model << ", " << policy << ", " << file.path << " " << entry.name;
+          }
+        }
       }
     }
   }
