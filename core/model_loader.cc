@@ -134,6 +134,16 @@ std::optional<int32_t> prompt_bos(const ModelSource& source) {
   return source.config.bos_token_id;
 }
 
+std::string token_text(const ModelSource& source, const std::vector<int32_t>& ids) {
+  if (source.tokenizer) return source.tokenizer->decode(ids);
+  std::string out;
+  for (int32_t id : ids) {
+    if (!out.empty()) out += ' ';
+    out += std::to_string(id);
+  }
+  return out;
+}
+
 ModelWeights load_weights(const ModelSource& source, Device device) {
   if (dry_run()) {  // shapes only: the tensors of the family's layout, as the loader keeps them
     WeightsBuilder builder(source.config, device);

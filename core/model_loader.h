@@ -37,6 +37,10 @@ struct ModelSource {
 // synthetic weights, checkpoints without a tokenizer).
 std::optional<int32_t> prompt_bos(const ModelSource& source);
 
+// The text of token ids: the tokenizer's decoding, or the ids separated by spaces when the model
+// ships no tokenizer (presets on synthetic weights).
+std::string token_text(const ModelSource& source, const std::vector<int32_t>& ids);
+
 struct LoadedModel {
   std::unique_ptr<Model> model;
   std::optional<Tokenizer> tokenizer;  // absent when a checkpoint ships none

@@ -131,13 +131,6 @@ JobKey job_key(const BatchOptions& o, const ModelSource& model, const SamplingOp
   return key;
 }
 
-std::string render(const ModelSource& model, const std::vector<int32_t>& ids) {
-  if (model.tokenizer) return model.tokenizer->decode(ids);
-  std::string out;
-  for (int32_t id : ids) out += (out.empty() ? "" : " ") + std::to_string(id);
-  return out;
-}
-
 // The earliest stop string in `text`, as its position (npos when none).
 size_t stop_position(const std::string& text, const std::vector<std::string>& stop) {
   size_t at = std::string::npos;
@@ -155,10 +148,10 @@ ChoiceLogprobs choice_logprobs(const ModelSource& model, const GenerationResult&
   ChoiceLogprobs out;
   std::vector<int32_t> before;
   for (size_t i = 0; i < tokens.size(); ++i) {
-    const size_t offset = render(model, before).size();
+    const size_t offset = token_text(model, before).size();
     if (offset >= text_size) break;
     const double log_prob = result.token_log_probs[b][i];
-    out.tokens.push_back(render(model, {tokens[i]}));
+    out.tokens.push_back(token_text(model, {tokens[i]}));
     out.token_logprobs.push_back(log_prob);
     out.text_offset.push_back(static_cast<int64_t>(offset));
     // The batch asked for the most k of its requests: this one's first k, and the chosen token.
@@ -167,7 +160,7 @@ ChoiceLogprobs choice_logprobs(const ModelSource& model, const GenerationResult&
     static const std::vector<TokenLogProb> none;  // every request of the batch asked for 0
     for (const TokenLogProb& t : i < most_likely.size() ? most_likely[i] : none) {
       if (std::ssize(top) >= k) break;
-      top.emplace_back(render(model, {t.token}), t.log_prob);
+      top.emplace_back(token_text(model, {t.token}), t.log_prob);
       chosen_listed = chosen_listed || t.token == tokens[i];
     }
     if (!chosen_listed) top.emplace_back(out.tokens.back(), log_prob);
@@ -242,7 +235,7 @@ std::vector<std::string> run_batch(const std::vector<const PreparedRequest*>& ba
     const std::vector<std::string>& stop = batch[owner[b]]->request->stop;
     stopped[b] =
         generated.back() == eos ||
-        (!stop.empty() && stop_position(render(model, generated), stop) != std::string::npos);
+        (!stop.empty() && stop_position(token_text(model, generated), stop) != std::string::npos);
     return stopped[b];
   };
   const OffloadRun run = run_offloaded(model, request, o.offload, device, progress);
@@ -263,7 +256,7 @@ std::vector<std::string> run_batch(const std::vector<const PreparedRequest*>& ba
   std::vector<int64_t> completion_tokens(batch.size(), 0);
   for (int64_t b = 0; b < B; ++b) {
     const std::vector<int32_t>& tokens = run.result.tokens[b];
-    std::string text = render(model, tokens);
+    std::string text = token_text(model, tokens);
     const std::vector<std::string>& stop = batch[owner[b]]->request->stop;
     if (stopped[b] && !stop.empty())
       text = text.substr(0, std::min(text.size(), stop_position(text, stop)));

@@ -182,13 +182,6 @@ std::string describe(const SamplingOptions& sampling) {
              sampling.seed);
 }
 
-std::string render(const ModelSource& loaded, const std::vector<int32_t>& ids) {
-  if (loaded.tokenizer) return loaded.tokenizer->decode(ids);
-  std::string out;
-  for (int32_t id : ids) out += (out.empty() ? "" : " ") + std::to_string(id);
-  return out;
-}
-
 std::string shorten(const std::string& text, size_t limit) {
   if (text.size() <= limit) return text;
   size_t cut = limit;
@@ -320,9 +313,9 @@ int run(const RunOptions& o) {
   if (o.json) {
     nlohmann::json outputs = nlohmann::json::array();
     for (size_t b = 0; b < request.prompts.size(); ++b) {
-      outputs.push_back({{"prompt", render(loaded, given(b))},
+      outputs.push_back({{"prompt", token_text(loaded, given(b))},
                          {"prompt_tokens", request.prompts[b].size()},
-                         {"text", render(loaded, result.tokens[b])},
+                         {"text", token_text(loaded, result.tokens[b])},
                          {"tokens", result.tokens[b]}});
     }
     nlohmann::json report = {{"model", loaded.description},
@@ -386,8 +379,8 @@ int run(const RunOptions& o) {
                 prompt_plan.prefix.size());
   }
   for (size_t b = 0; b < request.prompts.size(); ++b) {
-    std::printf("[%zu] %s\n    -> %s\n", b + 1, shorten(render(loaded, given(b)), 160).c_str(),
-                render(loaded, result.tokens[b]).c_str());
+    std::printf("[%zu] %s\n    -> %s\n", b + 1, shorten(token_text(loaded, given(b)), 160).c_str(),
+                token_text(loaded, result.tokens[b]).c_str());
   }
   std::printf("\nprefill latency  %9.3f s\n", result.prefill_seconds);
   std::printf("decode latency   %9.3f s  (%lld steps, %.1f ms/step)\n", result.decode_seconds,
