@@ -205,6 +205,10 @@ def save_checkpoint(run: pathlib.Path, state: dict) -> None:
 
 
 def command_train(args: argparse.Namespace) -> int:
+    longest = args.retrieval_max_length or args.context - 8
+    if args.retrieval_share > 0 and not 16 <= args.retrieval_min_length <= longest <= args.context - 8:
+        sys.exit(f"train_model: passkey prompts of {args.retrieval_min_length} to {longest} tokens "
+                 f"do not fit a context of {args.context} (16 at least, the context less 8 at most)")
     torch.set_num_threads(args.threads)
     run: pathlib.Path = args.run
     run.mkdir(parents=True, exist_ok=True)
@@ -277,7 +281,7 @@ def command_train(args: argparse.Namespace) -> int:
             if retrieval is not None and choice.random() < args.retrieval_share:
                 # The answer (at most 8 tokens) after the prompt stays within the context.
                 # Log-uniform: short examples teach the copy fast, long ones its reach.
-                longest = args.context - 8
+                longest = args.retrieval_max_length or args.context - 8
                 length = int(round(math.exp(choice.uniform(math.log(args.retrieval_min_length),
                                                            math.log(longest)))))
                 # As many examples as fit the micro-batch's tokens: short ones come many at once.
@@ -491,6 +495,9 @@ def main() -> int:
                        help="share of micro-batches that are passkey retrieval examples")
     train.add_argument("--retrieval-min-length", type=int, default=64,
                        help="shortest passkey prompt, in tokens")
+    train.add_argument("--retrieval-max-length", type=int, default=0,
+                       help="longest passkey prompt, in tokens (0: the context less 8); a run "
+                            "can start short, where the copy is learnt fast, and resume longer")
     train.set_defaults(handler=command_train)
 
     measure = commands.add_parser("measure", help="time training steps of one shape")
