@@ -81,7 +81,8 @@ struct KvPolicy {
   bool resumable = false;
   std::vector<std::string> session_options = {};
   // Whether the rows its store's token_row gives are in host memory on every device (a pool in
-  // pinned memory), so a session reads and writes them with the host's copies on CUDA too.
+  // pinned memory, or a host copy the store keeps for sessions), so a session reads and writes
+  // them with the host's copies on CUDA too.
   bool host_token_rows = false;
 };
 

@@ -22,8 +22,8 @@ SessionKey session_key(const ModelSource& source, const OffloadOptions& options,
          " cannot keep a session (its store is not saved yet); use one of ", resumable);
   }
   INFINIGEN_CHECK(device == Device::Cpu || policy.host_token_rows, "a session on ",
-                  option("device"), " cuda needs a policy that keeps its KV in host memory (",
-                  option("policy"), " full); ", policy.name, " keeps it on the device");
+                  option("device"), " cuda needs a policy whose rows it can read in host memory; ",
+                  policy.name, " keeps them on the device");
   INFINIGEN_CHECK(options.kv_pool_limit == 0.0, option("kv_pool_limit"),
                   " cannot be used with a session yet");
   const ModelConfig& c = source.config;

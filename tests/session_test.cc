@@ -264,15 +264,16 @@ TEST(Int4Session, RestoredCodesAndScalesAreTheSavedOnes) {
 
 // On a CUDA device (the emulated one in CI) the pools of `full`, `int4` and `infinigen` are pinned
 // host memory that a session reads and writes as on the CPU (InfiniGen's partial keys, on the
-// device, are copied to the host before a save reads them): three turns give the CPU's tokens,
-// and logits within the backends' rounding. The int4 codec is bit for bit the CPU's but the GEMMs
+// device, are copied to the host before a save reads them, as `gpu`'s whole KV is, and a resume
+// copies `gpu`'s back): three turns give the CPU's tokens, and logits within the backends'
+// rounding. The int4 codec is bit for bit the CPU's but the GEMMs
 // are not, and a key that rounds differently may take the next code (llama-tiny: 1.3e-3 in the
 // first turn already, 2e-3 by the third).
 TEST(SessionGpu, ContinuesAConversationAsTheCpuDoes) {
   INFINIGEN_SKIP_WITHOUT_CUDA_DEVICE();
   set_debug_poison(true);  // rows no load brought are NaN
   for (const std::string model : {"opt-tiny", "llama-tiny"}) {
-    for (const std::string policy : {"int4", "full", "infinigen"}) {
+    for (const std::string policy : {"int4", "full", "infinigen", "gpu"}) {
       const ModelSource source = session_model(model);
       const OffloadOptions options = session_options(policy);
       TempDir dir("session-gpu");
