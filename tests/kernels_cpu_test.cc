@@ -215,38 +215,41 @@ TEST(Attention, ReadsEachGroupsPrefixFromItsLeaderOnly) {
 }
 
 // Long contexts: the rows in many blocks of 64, and a sequence's rows split into parts scored by
-// different threads and merged (one sequence, two KV heads: parts whatever the thread count).
+// different threads and merged (few (sequence, KV head) pairs: parts whatever the thread count),
+// with grouped queries and multi-head.
 // fp16 rows; a prefix shared by sequences 0 and 2 (B = 3), padding, decode steps and 3 new rows.
 TEST(Attention, LongContextsInBlocksAndPartsMatchTheReference) {
-  const int64_t H = 8, H_kv = 2, d = 64, capacity = 3000;
+  const int64_t H = 8, d = 64, capacity = 3000;
   const int32_t prefix = 700;
-  for (const int64_t B : {int64_t{1}, int64_t{3}}) {
-    for (const int64_t n : {int64_t{1}, int64_t{3}}) {
-      const int64_t length = capacity - 5 + n;
-      // Sequence 1 (no group) starts its prefix where it ends: no shared rows.
-      std::vector<int32_t> first_valid = {1000, 1250, 2000}, prefix_begin = {0, prefix, 0},
-                           prefix_source = {0, 1, 0};
-      for (auto* v : {&first_valid, &prefix_begin, &prefix_source}) v->resize(B);
-      const int64_t rows = B == 3 ? prefix : 0;  // the prefix's end (none when B is 1)
-      const std::vector<float> values = random_values(B * H_kv * capacity * d, 40);
-      std::vector<uint16_t> k16(values.size()), v16(values.size());
-      f32_to_f16(values.data(), k16.data(), k16.size());
-      const std::vector<float> other = random_values(values.size(), 41);
-      f32_to_f16(other.data(), v16.data(), v16.size());
-      // The reference reads the rounded rows.
-      std::vector<float> k_cache(values.size()), v_cache(values.size());
-      f16_to_f32(k16.data(), k_cache.data(), k_cache.size());
-      f16_to_f32(v16.data(), v_cache.data(), v_cache.size());
-      const std::vector<float> q = random_values(B * n * H * d, 42, 0.3f);
-      std::vector<float> out(q.size(), std::nanf(""));
-      attention_decode(q.data(), k16.data(), v16.data(), Element::F16, out.data(), B, n, H, H_kv, d,
-                       capacity, length, first_valid.data(), prefix_begin.data(),
-                       prefix_source.data(), rows);
-      const std::vector<float> expected =
-          reference_over_cache(q, k_cache, v_cache, B, n, H, H_kv, d, capacity, length, first_valid,
-                               prefix_begin, prefix_source, rows);
-      EXPECT_LT(relative_error(out.data(), expected.data(), out.size()), 1e-5)
-          << "B " << B << ", n " << n;
+  for (const int64_t H_kv : {int64_t{2}, int64_t{8}}) {  // grouped queries, and multi-head
+    for (const int64_t B : {int64_t{1}, int64_t{3}}) {
+      for (const int64_t n : {int64_t{1}, int64_t{3}}) {
+        const int64_t length = capacity - 5 + n;
+        // Sequence 1 (no group) starts its prefix where it ends: no shared rows.
+        std::vector<int32_t> first_valid = {1000, 1250, 2000}, prefix_begin = {0, prefix, 0},
+                             prefix_source = {0, 1, 0};
+        for (auto* v : {&first_valid, &prefix_begin, &prefix_source}) v->resize(B);
+        const int64_t rows = B == 3 ? prefix : 0;  // the prefix's end (none when B is 1)
+        const std::vector<float> values = random_values(B * H_kv * capacity * d, 40);
+        std::vector<uint16_t> k16(values.size()), v16(values.size());
+        f32_to_f16(values.data(), k16.data(), k16.size());
+        const std::vector<float> other = random_values(values.size(), 41);
+        f32_to_f16(other.data(), v16.data(), v16.size());
+        // The reference reads the rounded rows.
+        std::vector<float> k_cache(values.size()), v_cache(values.size());
+        f16_to_f32(k16.data(), k_cache.data(), k_cache.size());
+        f16_to_f32(v16.data(), v_cache.data(), v_cache.size());
+        const std::vector<float> q = random_values(B * n * H * d, 42, 0.3f);
+        std::vector<float> out(q.size(), std::nanf(""));
+        attention_decode(q.data(), k16.data(), v16.data(), Element::F16, out.data(), B, n, H, H_kv,
+                         d, capacity, length, first_valid.data(), prefix_begin.data(),
+                         prefix_source.data(), rows);
+        const std::vector<float> expected =
+            reference_over_cache(q, k_cache, v_cache, B, n, H, H_kv, d, capacity, length,
+                                 first_valid, prefix_begin, prefix_source, rows);
+        EXPECT_LT(relative_error(out.data(), expected.data(), out.size()), 1e-5)
+            << "H_kv " << H_kv << ", B " << B << ", n " << n;
+      }
     }
   }
 }

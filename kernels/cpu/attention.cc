@@ -42,6 +42,10 @@ void softmax_rows(RowMajor& scores) {
 constexpr int64_t kRowBlock = 64;      // rows widened at a time: (64, d) fp32, 32 KB at d = 128
 constexpr int64_t kRowsPerPart = 512;  // fewest rows a part of a sequence is worth
 constexpr int64_t kTasks = 32;         // (sequence, KV head, part) tasks worth making
+// K and V rows of one head widened whole above which they no longer stay in cache: 16 MiB (16K
+// rows at d = 128; measured on a 2-core EPYC: below it one product over the widened rows is
+// faster for multi-head attention, above it the blocks are).
+constexpr int64_t kWidenedBytes = int64_t{16} << 20;
 
 // Where the rows of one (sequence, KV head) are: its shared prefix's rows of the group leader's
 // slice, then its own from its first valid one, numbered together from 0.
@@ -311,8 +315,14 @@ void attention_decode(const float* q, const void* k_cache, const void* v_cache, 
                       int64_t capacity, int64_t length, const int32_t* first_valid,
                       const int32_t* prefix_begin, const int32_t* prefix_source,
                       int64_t prefix_end) {
+  // Blocked where it reads less or keeps more threads busy: few queries per KV head, and either a
+  // KV head read for several query heads, few (sequence, KV head) pairs to share out, or rows too
+  // many to widen whole in cache. Otherwise (multi-head attention over a few thousand rows, many
+  // pairs) widening each head's rows whole into one matrix-vector product is faster.
   const bool few_queries = (H / H_kv) * n <= kQueryBlock;
-  (few_queries ? attention_over_cache_blocked : attention_over_cache_wide)(
+  const bool blocked = few_queries && (H > H_kv || B * H_kv < kTasks ||
+                                       2 * length * d * int64_t{sizeof(float)} > kWidenedBytes);
+  (blocked ? attention_over_cache_blocked : attention_over_cache_wide)(
       q, k_cache, v_cache, cache_type, out, B, n, H, H_kv, d, capacity, length, first_valid,
       prefix_begin, prefix_source, prefix_end);
 }
