@@ -154,17 +154,21 @@ TEST(DecodeAllocation, CappedInfinigenPoolDecodesWithoutAllocating) {
 
 // Sequences that end at different steps leave the batch (KvStore::drop_sequences): the steps
 // after a drop allocate nothing either, and neither does the drop.
-TEST(DecodeAllocation, DroppingEndedSequencesAllocatesNothing) {
+void expect_dropping_allocates_nothing(Device device) {
   GenerationRequest request = small_request();
   request.sequence_gen_len = {2, 6};
   const ModelSource source = model_source("opt");
   for (const KvPolicy* policy : kv_policies()) {
     OffloadOptions options;
     options.policy = policy->name;
-    const DecodeAllocations got = decode_allocations(source, request, options, Device::Cpu);
+    const DecodeAllocations got = decode_allocations(source, request, options, device);
     EXPECT_EQ(got.in_step_statistics, 0u) << policy->name << ": " << got.per_step;
     EXPECT_EQ(got.around_steps, 0u) << policy->name << ": " << describe(got.around);
   }
+}
+
+TEST(DecodeAllocation, DroppingEndedSequencesAllocatesNothing) {
+  expect_dropping_allocates_nothing(Device::Cpu);
 }
 
 // Pools of blocks shorter than the run, so that decode steps cross into new blocks: PagedKv
@@ -205,16 +209,7 @@ TEST(DecodeAllocationGpu, EveryPolicyThatRunsOnCudaDecodesWithoutAllocating) {
 
 TEST(DecodeAllocationGpu, DroppingEndedSequencesAllocatesNothing) {
   INFINIGEN_SKIP_WITHOUT_CUDA_DEVICE();
-  GenerationRequest request = small_request();
-  request.sequence_gen_len = {2, 6};
-  const ModelSource source = model_source("opt");
-  for (const KvPolicy* policy : kv_policies()) {
-    OffloadOptions options;
-    options.policy = policy->name;
-    const DecodeAllocations got = decode_allocations(source, request, options, Device::Cuda);
-    EXPECT_EQ(got.in_step_statistics, 0u) << policy->name << ": " << got.per_step;
-    EXPECT_EQ(got.around_steps, 0u) << policy->name << ": " << describe(got.around);
-  }
+  expect_dropping_allocates_nothing(Device::Cuda);
 }
 
 }  // namespace
