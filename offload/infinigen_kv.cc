@@ -2,6 +2,7 @@
 #include "offload/infinigen_kv.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "core/cuda_stream.h"
@@ -61,8 +62,15 @@ KvMemory infinigen_memory(const MemoryRequest& r) {
       {kv_staging_bytes(r, tokens), speculation, r.shared_memory ? partial_keys(on_device) : 0});
   const int64_t decode_rows =
       decode_staging_rows(tokens, s.fetch_cap(tokens), dense, resident, capped);
-  const size_t decode =
-      saturating_sum({kv_staging_bytes(r, decode_rows), speculation, partial_keys(on_device)});
+  // The row cache (offload/row_cache.h), allocated once the prompt is done; auto counts as on
+  // (the planner decides it before a run).
+  const size_t row_cache =
+      capped || r.options.row_cache == RowCacheUse::Off
+          ? 0
+          : RowCache::bytes(speculated_layers(r.options, c.num_layers), r.batch, c.kv_heads(),
+                            std::min(s.fetch_cap(tokens), tokens), d, r.kv_dtype);
+  const size_t decode = saturating_sum(
+      {kv_staging_bytes(r, decode_rows), speculation, partial_keys(on_device), row_cache});
   KvMemory memory{std::max(prompt, decode),
                   saturating_sum({kv_pool_bytes(r, pooled), partial_keys(on_host)}),
                   kv_pool_shape(r, pooled)};
@@ -85,8 +93,9 @@ const KvPolicy& infinigen_kv_policy() {
       "infinigen",
       "all KV in host memory, each layer loads the tokens speculated at the layer before",
       {"alpha", "partial_ratio", "partial_index_rule", "partial_key_dtype", "fetch_rule",
-       "max_num_kv", "dense_layers", "dense_kv", "partial_key_host_layers", "kv_pool_limit",
-       "eviction", "check_recall", "kv_block_tokens", "share_prefix", "prefill_chunk"},
+       "max_num_kv", "dense_layers", "dense_kv", "partial_key_host_layers", "row_cache",
+       "kv_pool_limit", "eviction", "check_recall", "kv_block_tokens", "share_prefix",
+       "prefill_chunk"},
       /*exact=*/false,
       /*selects_loads=*/true,
       // Speculation runs on the host, or on the device (speculate/device_partial.h).
@@ -99,7 +108,8 @@ const KvPolicy& infinigen_kv_policy() {
             a.stats, o.speculation, o.check_recall, KvPoolLimit{a.pool_positions, o.eviction},
             a.replay,
             InfinigenPlacement{resident_dense_layers(o, a.config.num_layers, a.pool_positions > 0),
-                               partial_key_host_layers(o, a.config.num_layers)});
+                               partial_key_host_layers(o, a.config.num_layers),
+                               o.row_cache != RowCacheUse::Off});
       },
       /*resumable=*/true,
       // The saved partial keys and columns depend on these.
@@ -147,6 +157,8 @@ InfinigenKv::InfinigenKv(const ModelConfig& config, int64_t batch, int64_t capac
     capped_.emplace(num_layers_, batch, kv_heads_, slots_, limit.eviction, &stats,
                     KvPool::capacity_bytes(paged_.pool().shape()));
   }
+  // CUDA selects and gathers on the device, where the cache is not built yet (docs/cuda.md).
+  use_row_cache_ = placement.row_cache && !capped_ && (device == Device::Cpu || dry_run());
   if (device == Device::Cuda && !dry_run()) {
     device_.emplace(num_layers_, batch, kv_heads_, slots_, std::min(options_.max_num_kv, slots_),
                     paged_.pool().shape(), capped_.has_value(), paged_.pipeline().keys(0).shape(),
@@ -160,6 +172,9 @@ int32_t InfinigenKv::token_at(int64_t layer, int64_t b, int64_t h, int64_t posit
 
 void InfinigenKv::start_pass(int64_t n_new) {
   KvStore::start_pass(n_new);
+  // A prompt's pass or an extension loads every layer whole: the next speculated step starts
+  // from an empty cache.
+  if (prompt_pass() || extending()) row_cache_.clear();
   paged_.start_pass();
   if (length() > 0) load_whole(0);  // decode: layer 0 (dense) starts moving before the embedding
 }
@@ -177,6 +192,7 @@ void InfinigenKv::keep_sequences(const std::vector<int64_t>& keep,
   const SharedPrefixes kept = shared().kept(keep);
   for (PartialLayer& partial : partial_) partial.keep_sequences(keep, moves, kept);
   if (capped_) capped_->keep_sequences(keep);
+  row_cache_.keep_sequences(keep);
   if (device_) {
     // The last step's kernels write the partial keys (on the device, or mapped in host memory).
     paged_.pipeline().engine().compute_stream().synchronize();
@@ -308,11 +324,18 @@ void InfinigenKv::decode_layer(int64_t layer, const Tensor& keys, const Tensor& 
       partial_[l].append(keys, length());
     }
   }
-  // 3. Attention follows this layer's load; rows of a shared prefix that several sequences
-  //    selected came once, and are copied to the others.
+  // 3. Attention follows this layer's load; the rows the row cache held are copied from it, and
+  //    rows of a shared prefix that several sequences selected came once and are copied to the
+  //    others; then the selected rows are the cache's.
   pipeline.wait_for_load(layer);
+  for (const CopyChunk& copy : row_cache_copies_[l % 2]) {
+    device_copy(copy.dst, staged_keys.device(), copy.src, row_cache_.device(), copy.bytes);
+  }
   for (const CopyChunk& copy : shared_row_copies_[l % 2]) {
     device_copy(copy.dst, staged_keys.device(), copy.src, staged_keys.device(), copy.bytes);
+  }
+  if (use_row_cache_ && !dense(layer)) {
+    row_cache_.store(layer, staged_keys, staged_values, sel.fetch, sel.take, sel.tokens);
   }
   // 4. Diagnostics and the eviction policy's view of what attention used.
   if (check_recall_ && !dense(layer)) pipeline.traffic(layer).recall = measure_recall(layer);
@@ -356,6 +379,13 @@ void InfinigenKv::end_pass(int64_t n_new) {
     paged_.pipeline().resize_staging(
         decode_staging_rows(capacity(), options_.max_num_kv, options_.dense_layers,
                             paged_.resident_layers(), capped_.has_value()));
+    if (use_row_cache_ && !row_cache_.allocated()) {
+      // After the staging shrank, as the memory plan counts it (the decode steps' device part).
+      const Tensor& staging = paged_.pipeline().keys(0);
+      row_cache_.allocate(num_layers_, options_.dense_layers, batch(), kv_heads_,
+                          std::min(options_.max_num_kv, slots_), head_dim_, staging.dtype(),
+                          staging.device());
+    }
   }
   KvStore::end_pass(n_new);
 }
@@ -520,25 +550,50 @@ void InfinigenKv::load_selection(int64_t layer) {
   const SharedPrefixes& shared = this->shared();
   std::vector<int64_t> first_staged(static_cast<size_t>(shared.num_groups() * H * shared.rows()),
                                     -1);
+  // The rows the layer's row cache holds are copied from it, not loaded (a dry run replays how
+  // many: the first ones of each (sequence, head)). A shared prefix's row that another sequence
+  // of the group staged first is copied from there as before, and counts as no hit.
+  const bool cached = use_row_cache_ && speculated(layer);
+  std::vector<CopyChunk>& from_cache = row_cache_copies_[p];
+  from_cache.clear();
+  uint64_t hits = 0;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t take = sel.take[static_cast<size_t>(b)];
+    const int64_t held = cached ? row_cache_.count(layer, b) : 0;
+    const int64_t replayed = dry_run() && cached ? replayed_hits(layer, take, held) : 0;
     for (int64_t h = 0; h < H; ++h) {
       const int32_t* positions = sel.tokens.data() + (b * H + h) * sel.fetch;
+      const int32_t* held_positions = held > 0 ? row_cache_.positions(layer, b, h) : nullptr;
+      int64_t c = 0;  // cursor in the ascending cached positions
       for (int64_t j = 0; j < take; ++j) {
         const int64_t dst_row = (b * H + h) * cap + sel.fetch - take + j;
         char* key_dst = static_cast<char*>(keys.raw()) + static_cast<size_t>(dst_row) * row_bytes;
         char* value_dst =
             static_cast<char*>(values.raw()) + static_cast<size_t>(dst_row) * row_bytes;
         if (shared.in_prefix(b, positions[j]) && !dry_run()) {
-          int64_t& first = first_staged[static_cast<size_t>(
+          int64_t* first = &first_staged[static_cast<size_t>(
               (shared.group(b) * H + h) * shared.rows() + positions[j])];
-          if (first >= 0) {
-            const size_t at = static_cast<size_t>(first) * row_bytes;
+          if (*first >= 0) {
+            const size_t at = static_cast<size_t>(*first) * row_bytes;
             copies.push_back({key_dst, static_cast<const char*>(keys.raw()) + at, row_bytes});
             copies.push_back({value_dst, static_cast<const char*>(values.raw()) + at, row_bytes});
             continue;
           }
-          first = dst_row;
+          *first = dst_row;
+        }
+        if (dry_run()) {
+          if (j < replayed) {
+            ++hits;
+            continue;
+          }
+        } else if (held > 0) {
+          while (c < held && held_positions[c] < positions[j]) ++c;
+          if (c < held && held_positions[c] == positions[j]) {
+            from_cache.push_back({key_dst, row_cache_.key_row(layer, b, h, c), row_bytes});
+            from_cache.push_back({value_dst, row_cache_.value_row(layer, b, h, c), row_bytes});
+            ++hits;
+            continue;
+          }
         }
         chunks.push_back({key_dst, pool.row(layer, KvKind::Key, b, h, positions[j]), row_bytes});
         chunks.push_back(
@@ -547,7 +602,13 @@ void InfinigenKv::load_selection(int64_t layer) {
     }
   }
   count_traffic(layer);
+  if (cached) pipeline.traffic(layer).tokens_from_row_cache = hits;
   pipeline.load(layer, std::move(chunks), TransferContent::KvRows);
+}
+
+int64_t InfinigenKv::replayed_hits(int64_t layer, int64_t take, int64_t cached) const {
+  const double share = replay_->again_share(layer, num_layers_, options_.dense_layers);
+  return std::min(cached, static_cast<int64_t>(std::floor(share * static_cast<double>(take))));
 }
 
 void InfinigenKv::count_traffic(int64_t layer) {

@@ -37,6 +37,7 @@
 #include "offload/device_speculation.h"
 #include "offload/offload_options.h"
 #include "offload/paged_kv.h"
+#include "offload/row_cache.h"
 #include "speculate/speculation.h"
 
 namespace infinigen {
@@ -53,6 +54,10 @@ struct InfinigenPlacement {
   // their partial keys in host memory.
   int64_t resident_layers = 0;
   int64_t partial_key_host_layers = 0;
+  // Whether each speculated layer keeps the rows it fetched at the step before on the device
+  // (offload/row_cache.h; OffloadOptions::row_cache as the plan decided it). Not with a capped
+  // pool.
+  bool row_cache = false;
 };
 
 // Rows per (sequence, KV head) of the staging once the prompt's passes are done (of a store of
@@ -99,6 +104,7 @@ class InfinigenKv : public KvStore {
   int32_t token_at(int64_t layer, int64_t b, int64_t h, int64_t position) const;
   const KvPool& pool() const { return paged_.pool(); }
   int64_t staging_rows() const { return paged_.pipeline().staging_rows(); }
+  bool uses_row_cache() const { return use_row_cache_; }
 
  protected:
   // Who loads what, and when: layer 0 before the embedding and layer l + 1 while layer l
@@ -144,6 +150,9 @@ class InfinigenKv : public KvStore {
   void load_selection(int64_t layer);
   // The tokens selection_[layer] fetches and those the pool holds, into this step's traffic.
   void count_traffic(int64_t layer);
+  // How many of the first selected rows of a sequence taking `take` rows a dry run serves from
+  // the row cache, which holds `cached` rows of it (FetchReplay::again).
+  int64_t replayed_hits(int64_t layer, int64_t take, int64_t cached) const;
   // Of selection_[layer]'s rows, those `previous` (the layer's selection at the step before)
   // also fetched, into this step's traffic (LayerTraffic::tokens_fetched_again).
   void count_fetched_again(int64_t layer, const PartialLayer::Selection& previous);
@@ -182,6 +191,13 @@ class InfinigenKv : public KvStore {
   // Per layer parity: rows of a shared prefix that several sequences selected, loaded once into
   // the first one's staging row and copied on the device to the others' once the load is done.
   std::array<std::vector<CopyChunk>, 2> shared_row_copies_;
+  // The rows each speculated layer fetched at the step before, on the device (uncapped pool,
+  // InfinigenPlacement::row_cache; allocated once the prompt's passes are done). Per layer
+  // parity: this step's copies of the selected rows it holds into the staging, made once the
+  // load is done and before the shared prefix's copies (which may read them).
+  bool use_row_cache_ = false;
+  RowCache row_cache_;
+  std::array<std::vector<CopyChunk>, 2> row_cache_copies_;
   // Speculation, selection and gather on the CUDA device (not in a dry run, whose selections
   // are replayed on the host).
   std::optional<DeviceSpeculation> device_;

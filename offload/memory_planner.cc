@@ -387,6 +387,11 @@ std::string describe_plan(const MemoryPlan& plan, const MemoryRequest* checked) 
     text += cat("  the KV staging shrinks to ", *plan.decode_staging_rows,
                 " rows per sequence and head once the prompt is done\n");
   }
+  if (plan.row_cache == true) {
+    text +=
+        "  each speculated layer keeps the rows it fetched at the step before on the device: "
+        "a step loads only the others\n";
+  }
   if (plan.dense_kv == KvPlacement::Device) {
     text += "  the dense layers' KV is kept on the device: no step loads it\n";
   } else if (plan.dense_kv == KvPlacement::Host) {
@@ -450,8 +455,8 @@ namespace {
 MemoryPlan plan_sizes(const MemoryRequest& r);
 
 // The plan of `request` with the placements it leaves to the planner decided (with_placements'
-// order), each candidate planned once.
-MemoryPlan placed_plan(const MemoryRequest& request) {
+// order), each candidate planned once; the row cache as asked.
+MemoryPlan placed_kv_plan(const MemoryRequest& request) {
   MemoryRequest placed = request;
   OffloadOptions& options = placed.options;
   // Under a pool limit the dense layers load what the pool keeps: no placement to choose.
@@ -520,6 +525,26 @@ MemoryPlan placed_plan(const MemoryRequest& request) {
   return *best;
 }
 
+// placed_kv_plan with the row cache decided last: for auto, on when the plan with every other
+// placement decided fits it (off under a pool limit, whose positions change tokens).
+MemoryPlan placed_plan(const MemoryRequest& request) {
+  MemoryRequest placed = request;
+  RowCacheUse& row_cache = placed.options.row_cache;
+  const bool reads = policy_reads_option(placed.options.policy, "row_cache");
+  if (!reads || request.kv_pool_tokens > 0) row_cache = RowCacheUse::Off;
+  if (row_cache != RowCacheUse::Auto) return placed_kv_plan(placed);
+  row_cache = RowCacheUse::Off;
+  MemoryPlan without = placed_kv_plan(placed);
+  if (!device_fits(without, placed) || !host_fits(without, placed)) return without;
+  if (without.dense_kv) placed.options.dense_kv = *without.dense_kv;
+  if (without.partial_key_host_layers) {
+    placed.options.partial_key_host_layers = *without.partial_key_host_layers;
+  }
+  row_cache = RowCacheUse::On;
+  MemoryPlan with = plan_sizes(placed);
+  return device_fits(with, placed) && host_fits(with, placed) ? with : without;
+}
+
 }  // namespace
 
 MemoryRequest with_placements(const MemoryRequest& request) {
@@ -529,6 +554,8 @@ MemoryRequest with_placements(const MemoryRequest& request) {
   if (plan.partial_key_host_layers) {
     placed.options.partial_key_host_layers = *plan.partial_key_host_layers;
   }
+  if (plan.row_cache)
+    placed.options.row_cache = *plan.row_cache ? RowCacheUse::On : RowCacheUse::Off;
   return placed;
 }
 
@@ -583,6 +610,9 @@ MemoryPlan plan_sizes(const MemoryRequest& r) {
   if (policy_reads_option(r.options.policy, "dense_kv")) plan.dense_kv = r.options.dense_kv;
   if (policy_reads_option(r.options.policy, "partial_key_host_layers")) {
     plan.partial_key_host_layers = partial_key_host_layers(r.options, c.num_layers);
+  }
+  if (policy_reads_option(r.options.policy, "row_cache")) {
+    plan.row_cache = r.kv_pool_tokens == 0 && r.options.row_cache != RowCacheUse::Off;
   }
 
   // Activations: the model's buffers (core/activations.h, the list the forward pass computes

@@ -77,6 +77,10 @@ struct MemoryPlan {
   // that reads OffloadOptions::partial_key_host_layers: as asked, or for -1 the fewest with which
   // the plan fits (all of them when nothing does).
   std::optional<int64_t> partial_key_host_layers;
+  // Whether InfiniGen keeps the rows fetched at the step before on the device, for a policy that
+  // reads OffloadOptions::row_cache: as asked, or for auto when the plan fits it once the other
+  // placements are decided (off under a pool limit).
+  std::optional<bool> row_cache;
   // Bytes a decode step reads from host memory because of these placements (KvMemory).
   size_t placement_reads = 0;
   // Rows per (sequence, KV head) of the KV staging after the prompt, where it shrinks (KvMemory).

@@ -112,6 +112,12 @@ OptionTable<OffloadOptions> make_table() {
           "host memory, read over the link by each step's speculation (-1: as few as the plan "
           "needs to fit)",
           [](auto& o) -> auto& { return o.partial_key_host_layers; }),
+      choice_option<O, RowCacheUse>(
+          "row_cache",
+          "infinigen: keep on the device the rows each speculated layer fetched at the step "
+          "before, so a step loads only the others: on, off or auto (on when the plan fits it)",
+          [](auto& o) -> auto& { return o.row_cache; },
+          {{"auto", RowCacheUse::Auto}, {"on", RowCacheUse::On}, {"off", RowCacheUse::Off}}),
       choice_option<O, EvictionPolicy>(
           "eviction", "infinigen: victim when the capped pool is full",
           [](auto& o) -> auto& { return o.eviction; }, eviction_choices()),
@@ -142,6 +148,7 @@ OptionTable<OffloadOptions> make_table() {
   for (OptionSpec<O>& spec : table) {
     if (spec.key == "eviction") spec.in_effect = [](const O& o) { return o.kv_pool_limit > 0; };
     if (spec.key == "dense_kv") spec.in_effect = [](const O& o) { return o.kv_pool_limit == 0; };
+    if (spec.key == "row_cache") spec.in_effect = [](const O& o) { return o.kv_pool_limit == 0; };
   }
   return table;
 }
@@ -225,6 +232,10 @@ void OffloadOptions::validate() const {
   INFINIGEN_CHECK(dense_kv != KvPlacement::Device || kv_pool_limit == 0, option("dense_kv"),
                   " device with ", option("kv_pool_limit"),
                   ": a capped pool keeps positions, not a layer's whole KV (use auto or host)");
+  INFINIGEN_CHECK(row_cache != RowCacheUse::On || kv_pool_limit == 0, option("row_cache"),
+                  " on with ", option("kv_pool_limit"),
+                  ": a capped pool stores new tokens over evicted ones' positions, so a cached "
+                  "row could be stale (use auto or off)");
   INFINIGEN_CHECK(partial_key_host_layers >= -1, option("partial_key_host_layers"),
                   " must be >= 0, or -1 (as few as the plan needs), got ", partial_key_host_layers);
   INFINIGEN_CHECK(h2o_budget > 0 && h2o_budget <= 1, option("h2o_budget"),

@@ -19,6 +19,10 @@ namespace infinigen {
 // does: MemoryPlan says which).
 enum class KvPlacement { Auto, Device, Host };
 
+// Whether InfiniGen's speculated layers keep the rows they fetched at the step before on the
+// device (offload/row_cache.h): on, off, or on when the memory plan fits it (MemoryPlan says).
+enum class RowCacheUse { Auto, On, Off };
+
 struct OffloadOptions {
   std::string policy = "infinigen";    // a KV policy's name (offload/kv_policy.h)
   double weights_gpu_percent = 100.0;  // share of each layer's weights kept on the device
@@ -52,6 +56,11 @@ struct OffloadOptions {
   // over the link, every step; on the CPU backend both are the same memory. -1: as few as the
   // memory plan needs to fit (0 when everything fits on the device).
   int64_t partial_key_host_layers = -1;
+  // Policy infinigen (uncapped pool, CPU backend): a device cache of the rows each speculated
+  // (layer, sequence, KV head) fetched at the step before; a step loads only the rows it does
+  // not hold (its K and V rows of the fetch cap per (layer, sequence, KV head)). Exact. Auto: on
+  // when the plan fits it beside the other placements, which come first.
+  RowCacheUse row_cache = RowCacheUse::Auto;
   EvictionPolicy eviction = EvictionPolicy::Counter;  // victims of a capped pool
   double h2o_budget = 0.2;  // policy h2o: share of the tokens kept per (layer, sequence, head)
 

@@ -24,6 +24,9 @@ struct LayerTraffic {
   // what a device cache of the last step's rows would not move again. -1: not known (a layer
   // that does not select, the first decode step, selections kept on the device).
   int64_t tokens_fetched_again = -1;
+  // Of tokens_fetched, the rows copied from the device's row cache instead of loaded
+  // (OffloadOptions::row_cache): kv_h2d_bytes leaves out their K and V.
+  uint64_t tokens_from_row_cache = 0;
   double recall = -1.0;        // share of full attention weight on the fetched rows (-1: n/a)
 };
 

@@ -18,7 +18,8 @@ TransferSummary summarize(const OffloadRun& run) {
   s.shared_prefix_groups = shared.num_groups();
   for (int32_t group : shared.groups()) s.shared_prefix_sequences += group >= 0 ? 1 : 0;
   double busy = 0, wait = 0, hidden = 0, fetched = 0, stored = 0, recall_sum = 0;
-  double again = 0, fetched_where_known = 0;
+  double again = 0, fetched_where_known = 0, from_row_cache = 0;
+  std::vector<double> layer_again, layer_known;
   int64_t recall_count = 0;
   std::vector<double> layer_recall, layer_recall_n, layer_fetched, layer_stored, step_seconds;
   for (size_t i = 1; i < steps.size(); ++i) {
@@ -27,6 +28,8 @@ TransferSummary summarize(const OffloadRun& run) {
     layer_recall_n.resize(num_layers, 0.0);
     layer_fetched.resize(num_layers, 0.0);
     layer_stored.resize(num_layers, 0.0);
+    layer_again.resize(num_layers, 0.0);
+    layer_known.resize(num_layers, 0.0);
     s.layer_load_wait.resize(num_layers, 0.0);
     step_seconds.push_back(steps[i].seconds);
     for (size_t l = 0; l < num_layers; ++l) {
@@ -39,6 +42,9 @@ TransferSummary summarize(const OffloadRun& run) {
       if (t.tokens_fetched_again >= 0) {
         again += static_cast<double>(t.tokens_fetched_again);
         fetched_where_known += static_cast<double>(t.tokens_fetched);
+        from_row_cache += static_cast<double>(t.tokens_from_row_cache);
+        layer_again[l] += static_cast<double>(t.tokens_fetched_again);
+        layer_known[l] += static_cast<double>(t.tokens_fetched);
       }
       if (t.recall >= 0) {
         recall_sum += t.recall;
@@ -76,7 +82,14 @@ TransferSummary summarize(const OffloadRun& run) {
                                                            : 0.0);
   }
   s.fetched_fraction = stored > 0 ? fetched / stored : 0.0;
-  if (fetched_where_known > 0) s.fetched_again_fraction = again / fetched_where_known;
+  if (fetched_where_known > 0) {
+    s.fetched_again_fraction = again / fetched_where_known;
+    s.row_cache_fraction = from_row_cache / fetched_where_known;
+  }
+  for (size_t l = 0; l < layer_again.size(); ++l) {
+    s.layer_fetched_again_fraction.push_back(layer_known[l] > 0 ? layer_again[l] / layer_known[l]
+                                                                : 0.0);
+  }
   if (recall_count > 0) {
     s.mean_recall = recall_sum / static_cast<double>(recall_count);
     for (size_t l = 0; l < layer_recall.size(); ++l) {

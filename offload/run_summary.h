@@ -48,6 +48,11 @@ struct TransferSummary {
   // Of the rows speculated layers fetched, the share the same (sequence, KV head) had fetched at
   // the step before (LayerTraffic::tokens_fetched_again; -1: not known).
   double fetched_again_fraction = -1;
+  // Of the same rows, the share copied from the device's row cache instead of loaded
+  // (LayerTraffic::tokens_from_row_cache; -1: not known, 0: no cache).
+  double row_cache_fraction = -1;
+  // Per layer, over the decode steps: fetched_again_fraction of that layer (0 where not known).
+  std::vector<double> layer_fetched_again_fraction;
   // Per layer, over the decode steps: KV rows loaded / rows stored (1 for full loads).
   std::vector<double> layer_fetched_fraction;
   // Per layer, over the decode steps: mean seconds compute waited for that layer's loads.

@@ -38,6 +38,7 @@ std::string plan_within_pinned(MemoryRequest memory, const OffloadOptions& optio
 OffloadOptions with_plan_placements(OffloadOptions options, const MemoryPlan& plan) {
   if (plan.dense_kv) options.dense_kv = *plan.dense_kv;
   if (plan.partial_key_host_layers) options.partial_key_host_layers = *plan.partial_key_host_layers;
+  if (plan.row_cache) options.row_cache = *plan.row_cache ? RowCacheUse::On : RowCacheUse::Off;
   return options;
 }
 

@@ -30,12 +30,40 @@ int64_t SpeculationOptions::fetch_cap(int64_t capacity) const {
   return max_num_kv > 0 ? max_num_kv : std::max<int64_t>(1, capacity / 5);
 }
 
+namespace {
+
+// `shares`' entry for layer `layer` of `num_layers`: its own when the measured model had as many
+// layers, else the one at the same relative depth among the speculated layers (the measured
+// model's first dense_layers entries are its dense layers, which load everything and say nothing
+// about a speculated layer).
+double per_layer_share(const std::vector<double>& shares, int64_t layer, int64_t num_layers,
+                       int64_t dense_layers) {
+  if (static_cast<int64_t>(shares.size()) == num_layers) return shares[static_cast<size_t>(layer)];
+  const int64_t measured_dense =
+      std::min<int64_t>(dense_layers, static_cast<int64_t>(shares.size()) - 1);
+  const int64_t measured = static_cast<int64_t>(shares.size()) - measured_dense;
+  const double depth = (static_cast<double>(layer - dense_layers) + 0.5) /
+                       static_cast<double>(num_layers - dense_layers);
+  const int64_t at =
+      std::min<int64_t>(measured - 1, static_cast<int64_t>(depth * static_cast<double>(measured)));
+  return shares[static_cast<size_t>(measured_dense + at)];
+}
+
+}  // namespace
+
+double FetchReplay::again_share(int64_t layer, int64_t num_layers, int64_t dense_layers) const {
+  return again.empty() ? 0.0 : per_layer_share(again, layer, num_layers, dense_layers);
+}
+
 void FetchReplay::validate(int64_t num_layers) const {
   INFINIGEN_CHECK(!fraction.empty() || !rows.empty(),
                   "a dry run of infinigen needs the share of tokens it fetches per layer (a "
                   "measured run's), as nothing is speculated without computing");
   for (double f : fraction) {
     INFINIGEN_CHECK(f >= 0 && f <= 1, "fetched share ", f, " is not in [0, 1]");
+  }
+  for (double f : again) {
+    INFINIGEN_CHECK(f >= 0 && f <= 1, "fetched-again share ", f, " is not in [0, 1]");
   }
   for (const std::vector<uint64_t>& step : rows) {
     INFINIGEN_CHECK(static_cast<int64_t>(step.size()) == num_layers, "fetched rows for ",
@@ -59,22 +87,7 @@ std::vector<int32_t> FetchReplay::take(int64_t step, int64_t layer, int64_t num_
     }
     return take;
   }
-  double share = 0;
-  if (static_cast<int64_t>(fraction.size()) == num_layers) {
-    share = fraction[static_cast<size_t>(layer)];
-  } else {
-    // Relative depth among the speculated layers: the measured model's first dense_layers
-    // entries are its dense layers (everything loaded), which say nothing about how much a
-    // speculated layer fetches.
-    const int64_t measured_dense =
-        std::min<int64_t>(dense_layers, static_cast<int64_t>(fraction.size()) - 1);
-    const int64_t measured = static_cast<int64_t>(fraction.size()) - measured_dense;
-    const double depth = (static_cast<double>(layer - dense_layers) + 0.5) /
-                         static_cast<double>(num_layers - dense_layers);
-    const int64_t at = std::min<int64_t>(
-        measured - 1, static_cast<int64_t>(depth * static_cast<double>(measured)));
-    share = fraction[static_cast<size_t>(measured_dense + at)];
-  }
+  const double share = per_layer_share(fraction, layer, num_layers, dense_layers);
   const int64_t per_head =
       std::clamp<int64_t>(static_cast<int64_t>(std::floor(share * static_cast<double>(stored))), 1,
                           std::max<int64_t>(1, std::min(cap, stored)));

@@ -58,6 +58,11 @@ struct FetchReplay {
   // Optional and exact: per decode step (1, 2, ...) and layer, the (sequence, head, token) rows
   // a run fetched. Overrides `fraction` where given.
   std::vector<std::vector<uint64_t>> rows;
+  // Optional: per layer of the measured model, the share of a decode step's fetched rows that the
+  // same (sequence, KV head) had fetched at the step before (a run's tokens_fetched_again /
+  // tokens_fetched): what a row cache serves (OffloadOptions::row_cache). Resampled as
+  // `fraction`; empty: none.
+  std::vector<double> again;
 
   // One-line Error when a share is outside [0, 1], a step of `rows` has not `num_layers`
   // entries, or there is nothing to replay.
@@ -69,6 +74,8 @@ struct FetchReplay {
   std::vector<int32_t> take(int64_t step, int64_t layer, int64_t num_layers, int64_t dense_layers,
                             int64_t heads, int64_t stored, const std::vector<int64_t>& valid,
                             int64_t cap) const;
+  // The share of `again` for speculated layer `layer` (0 when it is empty).
+  double again_share(int64_t layer, int64_t num_layers, int64_t dense_layers) const;
 };
 
 // The number of partial key columns per head, r = max(1, floor(ratio * head_dim)).

@@ -49,6 +49,7 @@ nlohmann::json transfers_json(const TransferSummary& s) {
           {"mean_recall", measured(s.mean_recall)},
           {"min_layer_recall", measured(s.min_layer_recall)},
           {"kv_fetched_again_fraction", measured(s.fetched_again_fraction)},
+          {"kv_row_cache_fraction", measured(s.row_cache_fraction)},
           {"decode_step_allocations_and_frees", s.decode_step_allocations_and_frees}};
 }
 
@@ -66,6 +67,7 @@ nlohmann::json plan_json(const MemoryPlan& p) {
     placed.dense_kv = *p.dense_kv;
     plan["dense_kv"] = find_option(offload_option_table(), "dense_kv")->format(placed);
   }
+  if (p.row_cache) plan["row_cache"] = *p.row_cache;
   if (p.partial_key_host_layers) plan["partial_key_host_layers"] = *p.partial_key_host_layers;
   if (p.decode_staging_rows) plan["decode_staging_rows"] = *p.decode_staging_rows;
   return plan;
@@ -93,6 +95,7 @@ nlohmann::json steps_json(const OffloadStats& stats) {
                         {"tokens_fetched_again", l.tokens_fetched_again >= 0
                                                      ? nlohmann::json(l.tokens_fetched_again)
                                                      : nlohmann::json()},
+                        {"tokens_from_row_cache", l.tokens_from_row_cache},
                         {"recall", measured(l.recall)}});
     }
     steps.push_back({{"seconds", step.seconds},
@@ -161,6 +164,11 @@ void print_transfers(const TransferSummary& s, const OffloadRun& run, bool per_l
     if (s.fetched_again_fraction >= 0) {
       std::printf("KV fetched again %9.1f%% of the rows fetched, also fetched at the step before\n",
                   100.0 * s.fetched_again_fraction);
+    }
+    if (s.row_cache_fraction > 0) {
+      std::printf(
+          "KV row cache     %9.1f%% of the rows fetched, copied on the device, not loaded\n",
+          100.0 * s.row_cache_fraction);
     }
   }
   if (!per_layer) return;
