@@ -267,6 +267,22 @@ std::shared_ptr<const SafetensorsFile> SafetensorsFile::open(const std::string& 
   return file;
 }
 
+std::shared_ptr<const SafetensorsFile> SafetensorsFile::copy_in_memory(
+    const SafetensorsFile& file) {
+  std::shared_ptr<SafetensorsFile> copy(new SafetensorsFile());
+  copy->path_ = file.path_;
+  copy->entries_ = file.entries_;
+  copy->metadata_ = file.metadata_;
+  copy->data_start_ = file.data_start_;
+  void* map =
+      ::mmap(nullptr, file.map_size_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (map == MAP_FAILED) fail(file.path_, ": cannot allocate a copy: ", errno_text(errno));
+  std::memcpy(map, file.map_, file.map_size_);
+  copy->map_ = static_cast<const unsigned char*>(map);
+  copy->map_size_ = file.map_size_;
+  return copy;
+}
+
 SafetensorsFile::~SafetensorsFile() {
   if (map_ != nullptr) ::munmap(const_cast<unsigned char*>(map_), map_size_);
 }

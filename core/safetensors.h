@@ -34,6 +34,10 @@ class SafetensorsFile {
  public:
   // Maps and validates `path`. Throws Error("<path>: <what is wrong>") on any defect.
   static std::shared_ptr<const SafetensorsFile> open(const std::string& path);
+  // A copy of `file` in anonymous memory, independent of its file from then on (a file later
+  // removed or dropped from the page cache is not read again): a session tier's copy
+  // (offload/session_tier.h).
+  static std::shared_ptr<const SafetensorsFile> copy_in_memory(const SafetensorsFile& file);
   ~SafetensorsFile();
   SafetensorsFile(const SafetensorsFile&) = delete;
   SafetensorsFile& operator=(const SafetensorsFile&) = delete;
@@ -42,6 +46,7 @@ class SafetensorsFile {
   const std::vector<SafetensorsEntry>& entries() const { return entries_; }  // sorted by name
   const SafetensorsEntry* find(std::string_view name) const;
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  size_t size() const { return map_size_; }  // the whole file's bytes
   // Start of the tensor's bytes inside the mapping (not necessarily aligned).
   const void* bytes(const SafetensorsEntry& entry) const;
 

@@ -73,14 +73,39 @@ std::unique_ptr<DiskSession> DiskSession::create(const fs::path& directory, Sess
   return session;
 }
 
-std::unique_ptr<DiskSession> DiskSession::open(const fs::path& directory, const SessionKey& key) {
+std::unique_ptr<DiskSession> DiskSession::open(const fs::path& directory, const SessionKey& key,
+                                               SessionTier* tier) {
   std::unique_ptr<DiskSession> session(new DiskSession(directory, key));
-  session->manifest_ = read_session_manifest(directory, key);
+  session->tier_ = tier;
+  // Every session in a tier was saved under its owner's key, this run's (session_tier.h).
+  if (tier) session->cached_ = tier->find(directory.string());
+  session->stats_.from_tier = session->cached_ != nullptr;
+  session->manifest_ =
+      session->cached_ ? session->cached_->manifest : read_session_manifest(directory, key);
   for (const std::vector<int32_t>& tokens : session->manifest_.tokens) {
     // Every token but the last generated one has its rows stored.
     session->history_.emplace_back(tokens.begin(), tokens.end() - 1);
   }
   return session;
+}
+
+SessionTier::Entry DiskSession::read_whole(const fs::path& directory, const SessionKey& key,
+                                           uint64_t* bytes_read) {
+  SessionTier::Entry entry;
+  entry.manifest = read_session_manifest(directory, key);
+  const auto add = [&](const SessionFile& file) {
+    if (file.path.empty()) return;
+    *bytes_read += check_session_file(directory, file);
+    entry.files[file.path] =
+        SafetensorsFile::copy_in_memory(*SafetensorsFile::open((directory / file.path).string()));
+    entry.bytes += file.bytes;
+  };
+  for (const SessionSegment& segment : entry.manifest.segments) {
+    for (const SessionFile& file : segment.layers) add(file);
+  }
+  for (const SessionFile& file : entry.manifest.prefix.layers) add(file);
+  for (const SessionFile& file : entry.manifest.state) add(file);
+  return entry;
 }
 
 void DiskSession::verify() const {
@@ -116,6 +141,32 @@ void DiskSession::begin() {
   reader_ = std::thread([this] { read_ahead(); });
 }
 
+std::shared_ptr<const SafetensorsFile> DiskSession::load(const SessionFile& file) {
+  if (cached_) {
+    const auto it = cached_->files.find(file.path);
+    INFINIGEN_CHECK(it != cached_->files.end(), file.path, ": not in the session tier");
+    stats_.bytes_from_tier += file.bytes;
+    return it->second;
+  }
+  stats_.bytes_read += check_session_file(directory_, file);
+  std::shared_ptr<const SafetensorsFile> read =
+      SafetensorsFile::open((directory_ / file.path).string());
+  if (!tier_) return read;
+  std::shared_ptr<const SafetensorsFile> copy = SafetensorsFile::copy_in_memory(*read);
+  std::lock_guard lock(kept_mutex_);
+  kept_[file.path] = copy;
+  return copy;
+}
+
+void DiskSession::keep_written(const std::string& relative) {
+  if (!tier_) return;
+  // Just written: the page cache holds it, and the copy reads no disk.
+  std::shared_ptr<const SafetensorsFile> copy =
+      SafetensorsFile::copy_in_memory(*SafetensorsFile::open((directory_ / relative).string()));
+  std::lock_guard lock(kept_mutex_);
+  kept_[relative] = std::move(copy);
+}
+
 void DiskSession::read_ahead() {
   const auto start = std::chrono::steady_clock::now();
   for (int64_t l = 0; l < key_.num_layers; ++l) {
@@ -126,10 +177,7 @@ void DiskSession::read_ahead() {
     }
     ReadLayer layer;
     try {
-      const auto read = [&](const SessionFile& file) {
-        stats_.bytes_read += check_session_file(directory_, file);
-        return SafetensorsFile::open((directory_ / file.path).string());
-      };
+      const auto read = [&](const SessionFile& file) { return load(file); };
       if (!manifest_.prefix.layers.empty())
         layer.prefix = read(manifest_.prefix.layers[static_cast<size_t>(l)]);
       for (const SessionSegment& segment : manifest_.segments) {
@@ -262,6 +310,7 @@ void DiskSession::write_segment(const KvStore& store, const std::vector<int32_t>
     }
     writer.finish();
     layer_files->push_back(record(relative));
+    keep_written(relative);
     if (with_state) {
       const KvStore::LayerState state = store.layer_state(l);
       if (state.empty()) {
@@ -272,6 +321,7 @@ void DiskSession::write_segment(const KvStore& store, const std::vector<int32_t>
       std::vector<std::pair<std::string, Tensor>> tensors(state.begin(), state.end());
       write_safetensors((directory_ / state_path).string(), tensors);
       state_files->push_back(record(state_path));
+      keep_written(state_path);
     }
   }
   fsync_directory(directory_ / directory);
@@ -379,9 +429,55 @@ void DiskSession::finish(const KvStore& store, const std::vector<int32_t>& rows_
     next = compact_session_segments(directory_, next, &stats_.bytes_written);
     stats_.write_seconds += seconds_since(start);
   }
+  if (defer_commit_) {
+    pending_ = std::move(next);
+    pending_compacted_ = compact;
+    return;
+  }
+  commit_manifest(std::move(next), compact);
+}
+
+void DiskSession::commit(const std::string& label, const std::string& record) {
+  INFINIGEN_CHECK(pending_.has_value(), "no finished turn to commit");
+  SessionManifest next = std::move(*pending_);
+  pending_.reset();
+  next.turn_label = label;
+  next.turn_record = record;
+  commit_manifest(std::move(next), pending_compacted_);
+}
+
+void DiskSession::commit_manifest(SessionManifest next, bool compacted) {
+  if (tier_) tier_->erase(directory_.string());  // the old entry no longer matches the disk
   write_session_manifest(directory_, key_, next);
   manifest_ = std::move(next);
-  if (compact) remove_unnamed_session_files(directory_, manifest_);
+  if (compacted) remove_unnamed_session_files(directory_, manifest_);
+  if (!tier_) return;
+  // The session as committed, every file it names in memory: this turn's reads and writes, the
+  // tier's entry it resumed from, or (files a compaction wrote) copied from the page cache.
+  SessionTier::Entry entry;
+  entry.manifest = manifest_;
+  const auto add = [&](const SessionFile& file) {
+    if (file.path.empty()) return;
+    std::shared_ptr<const SafetensorsFile> copy;
+    if (const auto it = kept_.find(file.path); it != kept_.end()) {
+      copy = it->second;
+    } else if (cached_ && cached_->files.count(file.path)) {
+      copy = cached_->files.at(file.path);
+    } else {
+      keep_written(file.path);
+      copy = kept_.at(file.path);
+    }
+    entry.files[file.path] = copy;
+    entry.bytes += file.bytes;
+  };
+  for (const SessionSegment& segment : manifest_.segments) {
+    for (const SessionFile& file : segment.layers) add(file);
+  }
+  for (const SessionFile& file : manifest_.prefix.layers) add(file);
+  for (const SessionFile& file : manifest_.state) add(file);
+  kept_.clear();
+  cached_.reset();
+  tier_->put(directory_.string(), std::move(entry));
 }
 
 }  // namespace infinigen

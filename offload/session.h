@@ -34,8 +34,10 @@
 #include <cstdint>
 #include <exception>
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -45,6 +47,7 @@
 #include "offload/session_compact.h"
 #include "offload/session_key.h"
 #include "offload/session_manifest.h"
+#include "offload/session_tier.h"
 
 namespace infinigen {
 
@@ -56,6 +59,8 @@ struct SessionStats {
   uint64_t bytes_written = 0;
   double write_seconds = 0.0;  // writing the turn's segments (partly while decoding)
   int64_t segments_compacted = 0;  // segments the save merged into one (0: none)
+  bool from_tier = false;          // the history came from the host-memory tier, not the disk
+  uint64_t bytes_from_tier = 0;    // history bytes the tier served (none read from the disk)
 };
 
 class DiskSession : public Conversation {
@@ -67,8 +72,16 @@ class DiskSession : public Conversation {
   // The session in `directory`, its manifest checked (format, checksum, shapes, file list) and
   // its key compared with `key`: one-line Errors naming what differs or is wrong. The files'
   // checksums are checked as they are read.
+  // With a `tier` that holds the session, its manifest and files come from there, and nothing is
+  // read from the disk; a tier also receives the session after its turn (commit()).
   static std::unique_ptr<DiskSession> open(const std::filesystem::path& directory,
-                                           const SessionKey& key);
+                                           const SessionKey& key, SessionTier* tier = nullptr);
+  // The session in `directory` read whole from the disk, every file checked and copied into
+  // memory, as a tier holds it (a prefetch); `bytes_read` adds what was read.
+  static SessionTier::Entry read_whole(const std::filesystem::path& directory,
+                                       const SessionKey& key, uint64_t* bytes_read);
+  // A new session that goes to `tier` after its first turn.
+  void set_tier(SessionTier* tier) { tier_ = tier; }
   ~DiskSession() override;
 
   // Sequences of the session (0 for a new one).
@@ -93,6 +106,13 @@ class DiskSession : public Conversation {
   // A save that leaves more than `segments` segments merges them into one (0: never);
   // kSessionCompactAfter unless set.
   void set_compact_after(int64_t segments) { compact_after_ = segments; }
+  // With deferred commits, finish() writes the turn's files but not its manifest, and commit()
+  // does, with the caller's record of the turn (SessionManifest::turn_label, turn_record).
+  void set_defer_commit(bool defer) { defer_commit_ = defer; }
+  void commit(const std::string& label, const std::string& record);
+  // The record committed with the last turn (empty for none).
+  const std::string& turn_label() const { return manifest_.turn_label; }
+  const std::string& turn_record() const { return manifest_.turn_record; }
 
   const SessionStats& stats() const { return stats_; }
   // Reads every file the manifest names and checks its size and checksum (one-line Error).
@@ -111,6 +131,14 @@ class DiskSession : public Conversation {
                      const std::string& directory, bool with_state,
                      std::vector<SessionFile>* layer_files, std::vector<SessionFile>* state_files);
 
+  // The file `file` of the session: from the tier's entry when there is one, else read from the
+  // disk and checked (and copied into memory when a tier will keep the session).
+  std::shared_ptr<const SafetensorsFile> load(const SessionFile& file);
+  // Writes manifest `next` (the turn's commit) and hands the session to the tier.
+  void commit_manifest(SessionManifest next, bool compacted);
+  // After a file of `relative` was written: its in-memory copy, when a tier will keep the session.
+  void keep_written(const std::string& relative);
+
   std::filesystem::path directory_;
   bool created_directory_ = false;  // this turn made directory_ (a new session's first save)
   SessionKey key_;
@@ -119,6 +147,14 @@ class DiskSession : public Conversation {
   std::vector<std::vector<int32_t>> history_;  // (B): tokens whose rows are stored
   std::vector<std::vector<int32_t>> prompts_;  // (B): this turn's prompts, for the save
   SessionStats stats_;
+  SessionTier* tier_ = nullptr;
+  std::shared_ptr<const SessionTier::Entry> cached_;  // the tier's copy this turn resumed from
+  // Copies in memory of the files this turn read or wrote, by relative path, for the tier.
+  std::mutex kept_mutex_;
+  std::map<std::string, std::shared_ptr<const SafetensorsFile>> kept_;
+  bool defer_commit_ = false;
+  std::optional<SessionManifest> pending_;  // finished, waiting for commit()
+  bool pending_compacted_ = false;
 
   // The read-ahead: per layer its files read and checked, or the error that stopped it.
   struct ReadLayer;

@@ -268,6 +268,10 @@ SessionManifest read_manifest(const fs::path& directory, const SessionKey* expec
         next.is_number_integer() && next.get<int64_t>() >= 1 && next.get<int64_t>() < 1000000,
         where, ": malformed next_segment");
     s.next_segment = next.get<int64_t>();
+    if (manifest.contains("turn")) {
+      s.turn_label = manifest["turn"].at("label").get<std::string>();
+      s.turn_record = manifest["turn"].at("record").get<std::string>();
+    }
     // Every file the manifest names must be there, whole, before anything is computed.
     std::vector<const SessionSegment*> named = {&s.prefix};
     for (const SessionSegment& segment : s.segments) named.push_back(&segment);
@@ -327,6 +331,9 @@ void write_session_manifest(const fs::path& directory, const SessionKey& key,
   }
   record["state"] = files_json(manifest.state);
   record["next_segment"] = manifest.next_segment;
+  if (!manifest.turn_label.empty()) {
+    record["turn"] = {{"label", manifest.turn_label}, {"record", manifest.turn_record}};
+  }
   record["checksum"] = hex32(manifest_checksum(record));
   write_text_file(directory / kSessionManifest, record.dump(1) + "\n");
   fsync_directory(directory);

@@ -36,6 +36,11 @@ struct SessionManifest {
   SharedPrefixes shared;           // those groups; empty: none
   std::vector<SessionFile> state;  // (L): path empty where a layer keeps no state
   int64_t next_segment = 1;        // the number of the next segment directory
+  // What the last turn's caller said of it, committed with it (empty: nothing): a batch job's
+  // request id and output line, so that a job killed after the save and before its line was
+  // written finds the line here instead of running the turn twice.
+  std::string turn_label;
+  std::string turn_record;
 };
 
 // The name of segment directory `index` ("seg-NNNNNN"), and of a layer's file in it

@@ -157,6 +157,16 @@ void read_fields(const json& fields, BatchRequest& request, bool plain) {
                "unsupported_value");
       }
       request.logprobs = k;
+    } else if (key == "session") {
+      if (value.is_null()) continue;
+      if (!value.is_string() || value.get<std::string>().empty()) {
+        refuse(cat("session must be a non-empty string, got ", shown(value)));
+      }
+      request.session = value.get<std::string>();
+    } else if (key == "session_new") {
+      if (value.is_null()) continue;
+      if (!value.is_boolean()) refuse(cat("session_new must be true or false, got ", shown(value)));
+      request.session_new = value.get<bool>();
     } else if (key == "messages") {
       refuse(
           "chat requests (messages) are not supported: there are no chat templates yet; give "
@@ -173,6 +183,12 @@ void read_fields(const json& fields, BatchRequest& request, bool plain) {
            "unsupported_value");
   }
   if (request.prompts.empty()) refuse("the request has no prompt");
+  if (request.session_new && request.session.empty()) refuse("session_new without a session");
+  if (!request.session.empty()) {
+    // A turn of a conversation: one sequence per conversation, its whole max_tokens, as `run`.
+    if (request.n != 1) refuse(cat("a session's turn takes n 1, got ", request.n));
+    if (!request.stop.empty()) refuse("a session's turn takes no stop strings");
+  }
 }
 
 // The OpenAI form: {"custom_id", "method", "url", "body": {...}}.

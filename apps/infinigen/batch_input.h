@@ -30,6 +30,11 @@ struct BatchRequest {
   // `logprobs` most likely tokens' (0 to kMostLogprobs, OpenAI's limit); unset: "logprobs": null.
   std::optional<int64_t> logprobs;
   int64_t n = 1;                  // samples per prompt
+  // The conversation this request is the next turn of (docs/batch.md, "Sessions"): a session
+  // directory, or a name under --session-root; empty: none. `session_new`: this request starts
+  // it (its first turn), as `run --session` does; otherwise it continues one, as `run --resume`.
+  std::string session;
+  bool session_new = false;
   std::string error_code;         // "invalid_json", "invalid_request", "unsupported_endpoint", ...
   std::string error;              // one line, without the line number
 

@@ -16,6 +16,7 @@
 #include "apps/infinigen/batch_input.h"
 #include "apps/infinigen/batch_output.h"
 #include "apps/infinigen/batch_schedule.h"
+#include "apps/infinigen/batch_sessions.h"
 #include "apps/infinigen/batch_shard.h"
 #include "apps/infinigen/commands.h"
 #include "apps/infinigen/option_flags.h"
@@ -24,6 +25,9 @@
 #include "core/interrupt.h"
 #include "core/model_loader.h"
 #include "offload/runtime.h"
+#include "offload/session.h"
+#include "offload/session_key.h"
+#include "offload/session_tier.h"
 
 namespace infinigen::cli {
 namespace {
@@ -39,6 +43,8 @@ struct BatchOptions : GenerationFlags {
   std::optional<int64_t> shard_count;  // a Kubernetes Indexed Job's completions; --merge's shards
   bool merge = false;
   bool json = false;
+  std::string session_root;                          // requests' session names live here
+  std::string session_cache = kSessionCacheDefault;  // the host-memory tier's budget
 };
 
 const char* environment(const char* name) {
@@ -90,7 +96,10 @@ std::variant<PreparedRequest, std::string> prepare(const BatchRequest& request,
     std::vector<int32_t> ids;
     if (const auto* text = std::get_if<std::string>(&input)) {
       if (!model.tokenizer) return "the model has no tokenizer: give the prompt as token ids";
-      if (const std::optional<int32_t> bos = prompt_bos(model)) ids.push_back(*bos);
+      // A turn that continues a conversation gets no BOS, as a resumed `run`.
+      const bool continues = !request.session.empty() && !request.session_new;
+      if (const std::optional<int32_t> bos = prompt_bos(model); bos && !continues)
+        ids.push_back(*bos);
       const std::vector<int32_t> text_ids = model.tokenizer->encode_bounded(*text, context);
       ids.insert(ids.end(), text_ids.begin(), text_ids.end());
     } else {
@@ -125,6 +134,7 @@ JobKey job_key(const BatchOptions& o, const ModelSource& model, const SamplingOp
                 {"--kv-dtype", std::string(dtype_name(parse_float_dtype(o.kv_dtype)))},
                 {"--batch", std::to_string(o.batch)},
                 {"--order", o.order}};
+  if (!o.session_root.empty()) key.emplace_back("--session-root", o.session_root);
   for (const auto& spec : offload_option_table()) {
     key.emplace_back(flag_spelling(spec.key), spec.format(o.offload));
   }
@@ -193,6 +203,15 @@ struct JobTotals {
   // are not, once the store drops it (KvStore::drop_sequences).
   int64_t computed_rows = 0;
   double seconds = 0.0;
+  // Session turns (one pass each), by where their history came from: the tier (hot), the disk
+  // (cold), or nowhere (a session's first turn); and their times to first token.
+  int64_t session_turns = 0;
+  int64_t hot_turns = 0, cold_turns = 0;
+  double hot_ttft = 0.0, cold_ttft = 0.0;  // sums
+  uint64_t hot_bytes = 0, cold_bytes = 0;  // history bytes from the tier, the disk
+  int64_t recovered_lines = 0;             // lines found committed in a session (a killed run's)
+  SessionTierStats tier;
+  uint64_t prefetch_bytes = 0;
 };
 
 // One batch of prepared requests, generated; returns each request's output line.
@@ -278,6 +297,78 @@ std::vector<std::string> run_batch(const std::vector<const PreparedRequest*>& ba
   return lines;
 }
 
+// One turn of a session: its history resumed (from the tier when it holds it, else from the disk),
+// `p`'s prompts generated as a `run --resume` would (every sequence its max_tokens, no stop), its
+// new rows saved, and the manifest committed with the request's output line, which is returned
+// (the caller then appends it). A line found committed (a run killed between the commit and the
+// line) is returned without running anything.
+std::string run_session_turn(const PreparedRequest& p, const std::string& directory,
+                             const SessionKey& key, SessionTier* tier, const BatchOptions& o,
+                             const ModelSource& model, Device device,
+                             const ProgressCallback& progress, JobTotals& totals) {
+  const BatchRequest& r = *p.request;
+  const bool exists = std::filesystem::exists(std::filesystem::path(directory) / kSessionManifest);
+  std::unique_ptr<DiskSession> session;
+  if (exists) {
+    session = DiskSession::open(directory, key, tier);
+    if (session->turn_label() == r.custom_id) {
+      ++totals.recovered_lines;
+      return session->turn_record();
+    }
+  } else {
+    session = DiskSession::create(directory, key);
+    session->set_tier(tier);
+  }
+  session->set_defer_commit(true);
+  GenerationRequest request;
+  request.kv_dtype = parse_float_dtype(o.kv_dtype);
+  request.prompts = session->turn_prompts(p.prompts);
+  request.gen_len = p.max_tokens;
+  request.sampling = p.sampling;
+  if (r.logprobs) {
+    request.score_tokens = true;
+    request.top_log_probs = *r.logprobs;
+  }
+  const OffloadRun run = run_offloaded(model, request, o.offload, device, progress, session.get());
+  const int64_t B = std::ssize(request.prompts);
+  std::vector<Choice> choices;
+  int64_t completion_tokens = 0, prompt_tokens = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const std::vector<int32_t>& tokens = run.result.tokens[b];
+    choices.push_back({token_text(model, tokens), b, "length", std::nullopt});
+    if (r.logprobs) {
+      choices.back().logprobs =
+          choice_logprobs(model, run.result, b, *r.logprobs, choices.back().text.size());
+    }
+    completion_tokens += std::ssize(tokens);
+    prompt_tokens += std::ssize(p.prompts[static_cast<size_t>(b)]);
+  }
+  const std::string line = completion_line(r, o.model, choices, prompt_tokens, completion_tokens);
+  session->commit(r.custom_id, line);  // durable: a later run finds the line here
+
+  const SessionStats& stats = session->stats();
+  totals.batches += 1;
+  totals.sequences += B;
+  totals.prompt_tokens += prompt_tokens;
+  totals.padded_prompt_rows += B * p.longest();
+  totals.generated_tokens += completion_tokens;
+  totals.decode_steps += run.result.gen_len;
+  totals.generated_rows += B * run.result.gen_len;
+  totals.computed_rows += run.result.rows;
+  totals.seconds += run.result.total_seconds();
+  totals.session_turns += 1;
+  if (exists && stats.from_tier) {
+    ++totals.hot_turns;
+    totals.hot_ttft += run.result.prefill_seconds;
+    totals.hot_bytes += stats.bytes_from_tier;
+  } else if (exists) {
+    ++totals.cold_turns;
+    totals.cold_ttft += run.result.prefill_seconds;
+    totals.cold_bytes += stats.bytes_read;
+  }
+  return line;
+}
+
 // --merge: the shards' count, from --shard-count or from the shard files beside the output.
 int64_t merged_shard_count(const BatchOptions& o) {
   if (o.shard_count) return *o.shard_count;
@@ -302,6 +393,28 @@ int64_t merged_shard_count(const BatchOptions& o) {
   return *count;
 }
 
+// The session turns of the summary (docs/batch.md, "Sessions").
+nlohmann::ordered_json session_summary(const JobTotals& t) {
+  const auto mean = [](double sum, int64_t n) {
+    return n > 0 ? sum / static_cast<double>(n) : 0.0;
+  };
+  return {{"turns", t.session_turns},
+          {"hot_turns", t.hot_turns},
+          {"cold_turns", t.cold_turns},
+          {"first_turns", t.session_turns - t.hot_turns - t.cold_turns},
+          {"hot_ttft_s", mean(t.hot_ttft, t.hot_turns)},
+          {"cold_ttft_s", mean(t.cold_ttft, t.cold_turns)},
+          {"hot_bytes", t.hot_bytes},
+          {"cold_bytes", t.cold_bytes},
+          {"tier_admitted", t.tier.admitted},
+          {"tier_evictions", t.tier.evictions},
+          {"tier_bypassed", t.tier.bypassed},
+          {"tier_prefetched", t.tier.prefetched},
+          {"prefetch_bytes", t.prefetch_bytes},
+          {"tier_peak_bytes", t.tier.peak_bytes},
+          {"recovered_lines", t.recovered_lines}};
+}
+
 void print_summary(const BatchOptions& o, const Shard& shard, const JobTotals& t,
                    const std::string& model, Device device, bool merged) {
   const double throughput = t.seconds > 0 ? static_cast<double>(t.generated_tokens) / t.seconds : 0;
@@ -318,7 +431,7 @@ void print_summary(const BatchOptions& o, const Shard& shard, const JobTotals& t
   const double ended_rows = share_of_rows(t.generated_rows - t.generated_tokens);
   const double dropped_rows = share_of_rows(t.generated_rows - t.computed_rows);
   if (o.json) {
-    const nlohmann::ordered_json summary = {
+    nlohmann::ordered_json summary = {
         {"model", model},
         {"device", device_name(device)},
         {"policy", o.offload.policy},
@@ -345,6 +458,7 @@ void print_summary(const BatchOptions& o, const Shard& shard, const JobTotals& t
         {"dropped_rows_share", dropped_rows},
         {"generation_s", t.seconds},
         {"throughput_tok_s", throughput}};
+    if (t.session_turns > 0 || t.recovered_lines > 0) summary["sessions"] = session_summary(t);
     std::printf("%s\n", summary.dump(2).c_str());
     return;
   }
@@ -366,6 +480,23 @@ void print_summary(const BatchOptions& o, const Shard& shard, const JobTotals& t
       "generation %.2f s, %.1f generated tok/s; %.1f%% of the batches' rows were of sequences "
       "that had ended, %.1f%% dropped (not computed)\n",
       t.seconds, throughput, 100.0 * ended_rows, 100.0 * dropped_rows);
+  if (t.session_turns > 0 || t.recovered_lines > 0) {
+    const nlohmann::ordered_json s = session_summary(t);
+    std::printf(
+        "session turns %lld: %lld hot (from memory, %.1f MB, time to first token %.3f s on "
+        "average), %lld cold (from the disk, %.1f MB, %.3f s), %lld first turns; tier: %lld "
+        "admitted, %lld evicted, %lld bypassed, %lld prefetched (%.1f MB read ahead), peak %.1f "
+        "MB; %lld lines found committed in their sessions\n",
+        static_cast<long long>(t.session_turns), static_cast<long long>(t.hot_turns),
+        static_cast<double>(t.hot_bytes) / 1e6, s["hot_ttft_s"].get<double>(),
+        static_cast<long long>(t.cold_turns), static_cast<double>(t.cold_bytes) / 1e6,
+        s["cold_ttft_s"].get<double>(),
+        static_cast<long long>(t.session_turns - t.hot_turns - t.cold_turns),
+        static_cast<long long>(t.tier.admitted), static_cast<long long>(t.tier.evictions),
+        static_cast<long long>(t.tier.bypassed), static_cast<long long>(t.tier.prefetched),
+        static_cast<double>(t.prefetch_bytes) / 1e6, static_cast<double>(t.tier.peak_bytes) / 1e6,
+        static_cast<long long>(t.recovered_lines));
+  }
   std::printf("%s: %s\n", merged ? o.output.c_str() : shard_file(o.output, shard).c_str(),
               merged ? "complete, in input order"
                      : "this shard is complete; the others have not all finished (infinigen batch "
@@ -404,6 +535,10 @@ int batch(const BatchOptions& o) {
   Sampler check_sampling(job_sampling);  // --temperature and --top-p refused now, not mid-job
   const std::string file = shard_file(o.output, shard);
   check_job_key(file, job_key(o, model, job_sampling));
+  const std::optional<uint64_t> tier_budget = parse_session_cache(o.session_cache);
+  INFINIGEN_CHECK(tier_budget.has_value(),
+                  "--session-cache must be bytes (512M, 2G) or a share of ",
+                  "the memory (10%), got '", o.session_cache, "'");
   int64_t dropped = 0;
   const DoneRequests done = read_done_requests(file, &dropped);
   if (dropped > 0) {
@@ -418,17 +553,47 @@ int batch(const BatchOptions& o) {
   // j % count's, and so is a request that cannot run on input position k % count.
   JobTotals totals;
   totals.input_requests = std::ssize(requests);
+  // Sessions: checked whole before any work (one-line Errors), each owned by the shard of its
+  // first request's input position, its turns run one pass each in input order.
+  bool any_session = false;
+  for (const BatchRequest& request : requests)
+    any_session = any_session || !request.session.empty();
+  SessionKey session_key_of_job;
+  std::map<std::string, int64_t> session_owner;  // directory -> input position of its first line
+  if (any_session) {
+    session_key_of_job = session_key(model, o.offload, parse_float_dtype(o.kv_dtype), device);
+    for (const JobSession& s : job_sessions(requests, o.session_root, session_key_of_job, done))
+      session_owner[s.directory] = static_cast<int64_t>(s.requests.front());
+  }
+  const auto directory_of = [&](const BatchRequest& request) {
+    return session_directory(request.session, o.session_root);
+  };
+  // A session with a turn that cannot run: its later turns cannot either.
+  std::map<std::string, int64_t> failed_session;  // directory -> line of the failed turn
   std::string error_lines;
   std::vector<PreparedRequest> prepared;
+  std::vector<PreparedRequest> turns;  // session requests, in input order
   for (size_t k = 0; k < requests.size(); ++k) {
     const BatchRequest& request = requests[k];
     std::variant<PreparedRequest, std::string> ready =
         request.ok() ? prepare(request, o, model, job_sampling) : request.error;
+    const bool in_session = request.ok() && !request.session.empty();
+    if (in_session) {
+      const std::string directory = directory_of(request);
+      if (const auto failed = failed_session.find(directory); failed != failed_session.end()) {
+        ready = cat("an earlier turn of session '", request.session, "' (line ", failed->second,
+                    ") cannot run");
+      } else if (std::holds_alternative<std::string>(ready)) {
+        failed_session[directory] = request.line;
+      }
+    }
     if (std::holds_alternative<PreparedRequest>(ready)) {
-      prepared.push_back(std::get<PreparedRequest>(std::move(ready)));
+      (in_session ? turns : prepared).push_back(std::get<PreparedRequest>(std::move(ready)));
       continue;
     }
-    if (!shard.owns(static_cast<int64_t>(k))) continue;
+    const int64_t owner =
+        in_session ? session_owner.at(directory_of(request)) : static_cast<int64_t>(k);
+    if (!shard.owns(owner)) continue;
     ++totals.share;
     if (done.holds(request)) {
       ++totals.already_done;
@@ -444,9 +609,21 @@ int batch(const BatchOptions& o) {
   }
   const std::vector<std::vector<size_t>> all_batches = group_requests(
       shapes, o.batch, o.order == "length" ? BatchOrder::ByLength : BatchOrder::Arrival);
+  // This shard's session turns not yet done, in input order.
+  std::vector<const PreparedRequest*> shard_turns;
+  int64_t to_run = 0;
+  for (const PreparedRequest& p : turns) {
+    if (!shard.owns(session_owner.at(directory_of(*p.request)))) continue;
+    ++totals.share;
+    if (done.holds(*p.request)) {
+      ++totals.already_done;
+      continue;
+    }
+    shard_turns.push_back(&p);
+    ++to_run;
+  }
   // This shard's batches with a request not yet done.
   std::vector<std::vector<size_t>> batches;
-  int64_t to_run = 0;
   for (size_t j = 0; j < all_batches.size(); ++j) {
     if (!shard.owns(static_cast<int64_t>(j))) continue;
     int64_t missing = 0;
@@ -482,6 +659,63 @@ int batch(const BatchOptions& o) {
       const double rate = elapsed > 0 ? static_cast<double>(totals.generated_tokens) / elapsed : 0;
       progress.update(finished, to_run, cat(static_cast<int64_t>(rate), " tok/s"));
     };
+    // The session turns first: one pass each, in input order. The tier keeps sessions after
+    // their turn; with look-ahead its eviction knows each session's next turn in this order, and
+    // the next turn's session is read into it while the current one computes.
+    SessionTier tier(*tier_budget);
+    size_t position = 0;  // the turn running now
+    tier.set_next_use([&](const std::string& directory) {
+      for (size_t i = position + 1; i < shard_turns.size(); ++i) {
+        if (directory_of(*shard_turns[i]->request) == directory) return static_cast<int64_t>(i);
+      }
+      return kNeverUsedAgain;
+    });
+    SessionPrefetch prefetch;
+    for (position = 0; position < shard_turns.size(); ++position) {
+      const PreparedRequest& turn = *shard_turns[position];
+      const std::string directory = directory_of(*turn.request);
+      prefetch.join();
+      if (position + 1 < shard_turns.size()) {
+        const std::string next = directory_of(*shard_turns[position + 1]->request);
+        if (next != directory && !failed_session.count(next))
+          prefetch.start(next, session_key_of_job, tier);
+      }
+      std::string line;
+      if (const auto failed = failed_session.find(directory); failed != failed_session.end()) {
+        line = error_line(*turn.request, "invalid_request",
+                          cat("an earlier turn of session '", turn.request->session, "' (line ",
+                              failed->second, ") failed"));
+        ++totals.errors;
+      } else {
+        try {
+          line = with_interrupt_context(
+              [&] {
+                return run_session_turn(
+                    turn, directory, session_key_of_job, &tier, o, model, device,
+                    [&](int64_t, int64_t) { show(); }, totals);
+              },
+              [&] {
+                return cat(" with ", finished, " of ", to_run, " requests of this run written to ",
+                           file, "; the same command resumes the job");
+              });
+        } catch (const Interrupted&) {
+          throw;
+        } catch (const Error& e) {
+          // The session stays as it was (nothing of the turn is committed).
+          line = error_line(*turn.request, "invalid_request", e.what());
+          failed_session[directory] = turn.request->line;
+          ++totals.errors;
+          tier.erase(directory);
+        }
+      }
+      appender.append(line);
+      ++finished;
+      totals.completed = finished;
+      show();
+    }
+    prefetch.join();
+    totals.tier = tier.stats();
+    totals.prefetch_bytes = prefetch.bytes_read();
     for (const std::vector<size_t>& members : batches) {
       std::vector<const PreparedRequest*> batch;
       for (size_t i : members) batch.push_back(&prepared[i]);
@@ -552,6 +786,13 @@ Command add_batch_command(CLI::App& app) {
                "Write --output from the finished shards' files, in input order, and stop")
       ->excludes(shard);
   app.add_flag("--json", o->json, "Print the summary as JSON on stdout");
+  app.add_option("--session-root", o->session_root,
+                 "Directory of the sessions that requests name (\"session\": a name under it); "
+                 "default: a request's session is a directory");
+  app.add_option("--session-cache", o->session_cache,
+                 "Host memory for sessions kept between their turns (bytes: 512M, 2G; or a share "
+                 "of the memory: 10%); 0: every turn reads its history from the disk")
+      ->default_val(kSessionCacheDefault);
   return [o] { return batch(*o); };
 }
 
