@@ -5,6 +5,7 @@
 #include "core/device.h"
 #include "core/kv_cache.h"
 #include "core/saturating.h"
+#include "core/trace.h"
 
 namespace infinigen {
 
@@ -64,6 +65,7 @@ void RowCache::store(int64_t layer, const Tensor& staged_keys, const Tensor& sta
   for (int64_t b = 0; b < B; ++b) {
     const int32_t n = take[static_cast<size_t>(b)];
     count_[l][static_cast<size_t>(b)] = n;
+    if (dry_run()) continue;  // shapes without memory: a dry run counts the rows only
     for (int64_t h = 0; h < kv_heads_; ++h) {
       const size_t at = static_cast<size_t>((b * kv_heads_ + h) * rows_) * row_bytes_;
       const size_t from =
