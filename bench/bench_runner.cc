@@ -64,6 +64,7 @@ PointMetrics metrics_of(const OffloadRun& run, int64_t num_layers) {
   m.host_kv_bytes = static_cast<double>(summary.host_kv_bytes);
   m.fetched_fraction = summary.fetched_fraction;
   m.layer_fetched_fraction = summary.layer_fetched_fraction;
+  m.layer_fetched_again_fraction = summary.layer_fetched_again_fraction;
   const auto& steps = run.stats.steps();
   for (size_t i = 1; i < steps.size(); ++i) {
     std::vector<uint64_t> rows;
@@ -98,6 +99,7 @@ PointMetrics median_metrics(const std::vector<PointMetrics>& runs) {
         return std::abs(a.total_s - m.total_s) < std::abs(b.total_s - m.total_s);
       });
   m.layer_fetched_fraction = closest->layer_fetched_fraction;
+  m.layer_fetched_again_fraction = closest->layer_fetched_again_fraction;
   m.fetched_rows = closest->fetched_rows;
   return m;
 }
@@ -295,7 +297,9 @@ BenchReport run_experiment(const Experiment& experiment, const BenchOptions& opt
     report.profile_description = profile->description;
     report.fractions_source =
         options.fetched_fraction > 0
-            ? cat("given: ", options.fetched_fraction, " of each speculated layer's KV")
+            ? cat("given: ", options.fetched_fraction, " of each speculated layer's KV, ",
+                  std::max(0.0, options.fetched_again_fraction),
+                  " of it fetched at the step before too")
         : options.measure ? "the measured runs of each point"
                           : cat("runs of each point's model at scale ", options.fractions_scale,
                                 " with the point's lengths, ", options.fractions_gen_len,
@@ -346,6 +350,7 @@ BenchReport run_experiment(const Experiment& experiment, const BenchOptions& opt
         } else if (result.measured) {
           model.fetched.fraction = result.measured->layer_fetched_fraction;
           model.fetched.rows = result.measured->fetched_rows;
+          model.fetched.again = result.measured->layer_fetched_again_fraction;
         } else {
           // The fetched share depends on the attention pattern and the context length, not on
           // the model's width: measure it on a narrow model with the point's lengths.
@@ -359,12 +364,18 @@ BenchReport run_experiment(const Experiment& experiment, const BenchOptions& opt
               run_inputs(small, narrow, options.fractions_scale, {}, options.seed);
           if (const std::string probe_status = plan_status(probe, options.device);
               probe_status == "ok") {
-            model.fetched.fraction = measure(probe, options.device, 1).layer_fetched_fraction;
+            const PointMetrics fractions = measure(probe, options.device, 1);
+            model.fetched.fraction = fractions.layer_fetched_fraction;
+            model.fetched.again = fractions.layer_fetched_again_fraction;
           } else {
             result.prediction_status =
                 cat("its fetched fractions could not be measured: ", probe_status);
           }
         }
+      }
+      if (options.fetched_again_fraction >= 0) {
+        model.fetched.again.assign(static_cast<size_t>(scaled.config.num_layers),
+                                   options.fetched_again_fraction);
       }
       if (result.prediction_status == "ok") {
         const PredictedRun predicted = predict_run(model, *profile);

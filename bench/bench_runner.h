@@ -29,6 +29,10 @@ struct BenchOptions {
   // When > 0: the share of each speculated layer's KV that `infinigen` loads, for the
   // prediction, instead of measured shares (e.g. a share a paper measured on a real model).
   double fetched_fraction = 0;
+  // When >= 0: the share of those rows that each (sequence, KV head) had fetched at the step
+  // before (what InfiniGen's row cache serves), for the prediction. -1: measured with the fetched
+  // shares, or none (0) where fetched_fraction is given.
+  double fetched_again_fraction = -1;
   uint64_t seed = 0;              // synthetic weights and prompts
 };
 
@@ -49,6 +53,8 @@ struct PointMetrics {
   double block_transfer_s = 0;
   double block_compute_s = 0;
   std::vector<double> layer_fetched_fraction;  // per layer, over decode steps
+  // Per layer, over decode steps: of the rows loaded, the share also loaded at the step before.
+  std::vector<double> layer_fetched_again_fraction;
   // Per decode step and layer: (sequence, head, token) rows loaded (measured runs only).
   std::vector<std::vector<uint64_t>> fetched_rows;
 };

@@ -328,13 +328,23 @@ void InfinigenKv::decode_layer(int64_t layer, const Tensor& keys, const Tensor& 
   //    rows of a shared prefix that several sequences selected came once and are copied to the
   //    others; then the selected rows are the cache's.
   pipeline.wait_for_load(layer);
+  const bool cached = use_row_cache_ && !dense(layer);
+  if (cached) {
+    // On the device: the held rows into the staging, then the whole selection into the cache
+    // (K and V rows of d), which the cost model prices as the runtime records it.
+    const LayerTraffic& traffic = pipeline.traffic(layer);
+    traced("row_cache_copy",
+           {static_cast<int64_t>(traffic.tokens_from_row_cache + traffic.tokens_fetched), 2,
+            head_dim_},
+           staged_keys.dtype());
+  }
   for (const CopyChunk& copy : row_cache_copies_[l % 2]) {
     device_copy(copy.dst, staged_keys.device(), copy.src, row_cache_.device(), copy.bytes);
   }
   for (const CopyChunk& copy : shared_row_copies_[l % 2]) {
     device_copy(copy.dst, staged_keys.device(), copy.src, staged_keys.device(), copy.bytes);
   }
-  if (use_row_cache_ && !dense(layer)) {
+  if (cached) {
     row_cache_.store(layer, staged_keys, staged_values, sel.fetch, sel.take, sel.tokens);
   }
   // 4. Diagnostics and the eviction policy's view of what attention used.

@@ -93,6 +93,9 @@ const std::pair<std::string_view, Pricing> kPrices[] = {
     // offload/session.h: a resumed session's history rows copied into the pool, s[0] bytes
     {"session_restore",
      [](auto& s, double, DType) { return OpWork{OpClass::HostCopy, 0, f(s[0]), 0, 0, 0, 0}; }},
+    // offload/row_cache.h: s[0] rows of s[1] x s[2] values read and written on the device
+    {"row_cache_copy",
+     [](auto& s, double e, DType) { return elementwise(2 * f(s[0] * s[1] * s[2]) * e); }},
     {"partial_append",
      [](auto& s, double, DType) { return elementwise(8 * f(s[0] * s[1] * s[2])); }},
     // offload/h2o_kv.h: a d-long dot and an exp per (query, key) pair scored

@@ -37,6 +37,7 @@ struct BenchCommandOptions {
   bool no_measure = false;
   double fractions_scale = 0.05;
   double fetched_fraction = 0.0;
+  double fetched_again_fraction = -1.0;
   bool no_plot = false;
   uint64_t seed = 0;
   std::string measure_profile;
@@ -112,6 +113,11 @@ int bench(const BenchCommandOptions& o) {
                   "--fetched-fraction must be in [0, 1], got ", o.fetched_fraction);
   INFINIGEN_CHECK(o.fetched_fraction == 0 || !o.predict.empty(),
                   "--fetched-fraction only applies to predictions: add --predict PROFILE");
+  INFINIGEN_CHECK(o.fetched_again_fraction == -1 ||
+                      (o.fetched_again_fraction >= 0 && o.fetched_again_fraction <= 1),
+                  "--fetched-again-fraction must be in [0, 1], got ", o.fetched_again_fraction);
+  INFINIGEN_CHECK(o.fetched_again_fraction == -1 || !o.predict.empty(),
+                  "--fetched-again-fraction only applies to predictions: add --predict PROFILE");
   INFINIGEN_CHECK(o.fractions_scale > 0 && o.fractions_scale <= 1,
                   "--fractions-scale must be in (0, 1], got ", o.fractions_scale);
   const Experiment experiment = load_experiment(o.experiment);
@@ -135,6 +141,7 @@ int bench(const BenchCommandOptions& o) {
   options.predict = o.predict;
   options.fractions_scale = o.fractions_scale;
   options.fetched_fraction = o.fetched_fraction;
+  options.fetched_again_fraction = o.fetched_again_fraction;
   options.seed = o.seed;
   if (!options.predict.empty()) load_hardware_profile(options.predict);  // fail before running
 
@@ -202,6 +209,11 @@ Command add_bench_command(CLI::App& app) {
   app.add_option("--fetched-fraction", o->fetched_fraction,
                  "Predict infinigen with this share of each speculated layer's KV loaded, instead "
                  "of measured shares (0 = measured)")
+      ->capture_default_str();
+  app.add_option("--fetched-again-fraction", o->fetched_again_fraction,
+                 "Predict infinigen's row cache serving this share of the rows a step loads (the "
+                 "rows also loaded at the step before; -1 = measured with the fetched shares, 0 "
+                 "with --fetched-fraction)")
       ->capture_default_str();
   app.add_flag("--no-plot", o->no_plot, "Write CSV and JSON only");
   add_threads_flag(app);
