@@ -203,11 +203,11 @@ TEST(RowCachePlan, CountedDroppedWhereItDoesNotFitAndRefusedWhenAsked) {
 
 // A dry run (the cost model's schedule) serves the replayed share of each speculated layer's rows
 // from the cache after the first decode step: none with a share of 0 (the same bytes as without
-// the cache), fewer with a share.
+// the cache), fewer with a share; where the selected rows bound the step, it is shorter.
 TEST(RowCachePrediction, PricesOnlyTheRowsTheCacheDoesNotServe) {
   CostModelInput in =
-      testing_util::preset_request<CostModelInput>("opt-1.3b", 4, 1024, 8, "infinigen");
-  in.fetched.fraction.assign(static_cast<size_t>(in.config.num_layers), 0.05);
+      testing_util::preset_request<CostModelInput>("opt-1.3b", 16, 2000, 8, "infinigen");
+  in.fetched.fraction.assign(static_cast<size_t>(in.config.num_layers), 0.2);
   const HardwareProfile profile = load_hardware_profile("a100-pcie4");
   const auto predicted = [&](RowCacheUse use, double again) {
     CostModelInput input = in;
@@ -232,7 +232,7 @@ TEST(RowCachePrediction, PricesOnlyTheRowsTheCacheDoesNotServe) {
       }
     }
   }
-  EXPECT_LE(some.decode_s, off.decode_s);
+  EXPECT_LT(some.decode_s, off.decode_s);
 }
 
 TEST(RowCacheCli, BadValueIsOneLine) {
