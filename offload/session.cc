@@ -89,22 +89,26 @@ std::unique_ptr<DiskSession> DiskSession::open(const fs::path& directory, const 
   return session;
 }
 
-SessionTier::Entry DiskSession::read_whole(const fs::path& directory, const SessionKey& key,
-                                           uint64_t* bytes_read) {
+std::optional<SessionTier::Entry> DiskSession::read_whole(const fs::path& directory,
+                                                          const SessionKey& key, uint64_t most,
+                                                          uint64_t* bytes_read) {
   SessionTier::Entry entry;
   entry.manifest = read_session_manifest(directory, key);
-  const auto add = [&](const SessionFile& file) {
-    if (file.path.empty()) return;
-    *bytes_read += check_session_file(directory, file);
-    entry.files[file.path] =
-        SafetensorsFile::copy_in_memory(*SafetensorsFile::open((directory / file.path).string()));
-    entry.bytes += file.bytes;
-  };
+  std::vector<const SessionFile*> files;
   for (const SessionSegment& segment : entry.manifest.segments) {
-    for (const SessionFile& file : segment.layers) add(file);
+    for (const SessionFile& file : segment.layers) files.push_back(&file);
   }
-  for (const SessionFile& file : entry.manifest.prefix.layers) add(file);
-  for (const SessionFile& file : entry.manifest.state) add(file);
+  for (const SessionFile& file : entry.manifest.prefix.layers) files.push_back(&file);
+  for (const SessionFile& file : entry.manifest.state) {
+    if (!file.path.empty()) files.push_back(&file);
+  }
+  for (const SessionFile* file : files) entry.bytes += file->bytes;
+  if (entry.bytes > most) return std::nullopt;
+  for (const SessionFile* file : files) {
+    *bytes_read += check_session_file(directory, *file);
+    entry.files[file->path] =
+        SafetensorsFile::copy_in_memory(*SafetensorsFile::open((directory / file->path).string()));
+  }
   return entry;
 }
 

@@ -77,9 +77,11 @@ class DiskSession : public Conversation {
   static std::unique_ptr<DiskSession> open(const std::filesystem::path& directory,
                                            const SessionKey& key, SessionTier* tier = nullptr);
   // The session in `directory` read whole from the disk, every file checked and copied into
-  // memory, as a tier holds it (a prefetch); `bytes_read` adds what was read.
-  static SessionTier::Entry read_whole(const std::filesystem::path& directory,
-                                       const SessionKey& key, uint64_t* bytes_read);
+  // memory, as a tier holds it (a prefetch); `bytes_read` adds what was read. Nothing but the
+  // manifest is read when its files pass `most` bytes (nullopt then).
+  static std::optional<SessionTier::Entry> read_whole(const std::filesystem::path& directory,
+                                                      const SessionKey& key, uint64_t most,
+                                                      uint64_t* bytes_read);
   // A new session that goes to `tier` after its first turn.
   void set_tier(SessionTier* tier) { tier_ = tier; }
   ~DiskSession() override;

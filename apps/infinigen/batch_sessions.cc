@@ -65,13 +65,16 @@ std::vector<JobSession> job_sessions(const std::vector<BatchRequest>& requests,
 void SessionPrefetch::start(const std::string& directory, const SessionKey& key,
                             SessionTier& tier) {
   join();
-  if (tier.holds(directory) || !fs::exists(fs::path(directory) / kSessionManifest)) return;
+  if (tier.budget() == 0 || tier.holds(directory) ||
+      !fs::exists(fs::path(directory) / kSessionManifest))
+    return;
   thread_ = std::thread([this, directory, key, &tier] {
     try {
       uint64_t bytes = 0;
-      SessionTier::Entry entry = DiskSession::read_whole(directory, key, &bytes);
+      std::optional<SessionTier::Entry> entry =
+          DiskSession::read_whole(directory, key, tier.budget(), &bytes);
       bytes_read_ += bytes;
-      tier.put(directory, std::move(entry), /*prefetch=*/true);
+      if (entry) tier.put(directory, std::move(*entry), /*prefetch=*/true);
     } catch (const std::exception&) {
       // Its pass reads it again, and reports what is wrong.
     }

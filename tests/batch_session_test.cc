@@ -1,0 +1,216 @@
+// tests: `infinigen batch` requests that continue sessions, through the binary on opt-tiny
+// (docs/batch.md, "Sessions"): a multi-turn job over several sessions gives the completions of the
+// same turns run one by one with `run --session/--resume`, whatever the host-memory tier holds;
+// a hot turn reads nothing from the disk; a job whose last line was lost after its turn committed
+// writes the same output again without running the turn twice; bad inputs end with one line.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "offload/session_tier.h"
+#include "tests/test_util.h"
+
+namespace infinigen {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+using testing_util::expect_one_line_error;
+using testing_util::run_infinigen;
+using testing_util::TempDir;
+
+const std::string kTiny = std::string(INFINIGEN_FIXTURES_DIR) + "/opt-tiny";
+const std::string kLlama = std::string(INFINIGEN_FIXTURES_DIR) + "/llama-tiny";
+
+std::string read_file(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+// Three sessions of 3 to 4 turns, interleaved, with a request of no session among them.
+struct Turn {
+  std::string id, session, prompt;
+  int max_tokens;
+};
+const std::vector<Turn> kTurns = {
+    {"a1", "a", "And the LORD said unto Moses", 6}, {"b1", "b", "To open a file in Python", 5},
+    {"c1", "c", "In the beginning God created", 7}, {"a2", "a", " and Aaron went in", 4},
+    {"x", "", "heaven and earth", 4},               {"b2", "b", " you call open", 6},
+    {"a3", "a", " unto Pharaoh", 5},                {"c2", "c", " the heaven and", 3},
+    {"b3", "b", " with a name", 4},                 {"a4", "a", " and said", 6},
+    {"c3", "c", " the earth", 5}};
+
+std::string job_text() {
+  std::string text;
+  std::map<std::string, bool> started;
+  for (const Turn& t : kTurns) {
+    json line = {{"custom_id", t.id}, {"prompt", t.prompt}, {"max_tokens", t.max_tokens}};
+    if (!t.session.empty()) {
+      line["session"] = t.session;
+      if (!started[t.session]) line["session_new"] = true;
+      started[t.session] = true;
+    }
+    text += line.dump() + "\n";
+  }
+  return text;
+}
+
+// custom_id -> completion text.
+std::map<std::string, std::string> completions(const std::string& output) {
+  std::map<std::string, std::string> texts;
+  std::istringstream in(output);
+  for (std::string line; std::getline(in, line);) {
+    const json j = json::parse(line);
+    EXPECT_TRUE(j["error"].is_null()) << line;
+    texts[j["custom_id"]] = j["response"]["body"]["choices"][0]["text"];
+  }
+  return texts;
+}
+
+json run_job(const TempDir& dir, const std::string& output, const std::string& cache,
+             const std::string& roots) {
+  const testing_util::CommandResult result = run_infinigen(
+      {"batch", "--model", kTiny, "--input", (dir.path() / "job.jsonl").string(), "--output",
+       (dir.path() / output).string(), "--temperature", "0", "--session-root", roots,
+       "--session-cache", cache, "--json"});
+  EXPECT_EQ(result.exit_code, 0) << result.err;
+  return json::parse(result.out);
+}
+
+// The same turns, one `run` each: --session for a session's first, --resume for the others.
+std::map<std::string, std::string> run_one_by_one(const TempDir& dir) {
+  std::map<std::string, std::string> texts;
+  std::map<std::string, bool> started;
+  for (const Turn& t : kTurns) {
+    std::vector<std::string> args = {"run",    "--model",    kTiny,
+                                     "--json", "--gen-len",  std::to_string(t.max_tokens),
+                                     "--temperature", "0", "--prompt", t.prompt};
+    if (!t.session.empty()) {
+      args.push_back(started[t.session] ? "--resume" : "--session");
+      args.push_back((dir.path() / ("run-" + t.session)).string());
+      started[t.session] = true;
+    }
+    const testing_util::CommandResult result = run_infinigen(args);
+    EXPECT_EQ(result.exit_code, 0) << result.err;
+    texts[t.id] = json::parse(result.out)["outputs"][0]["text"];
+  }
+  return texts;
+}
+
+TEST(BatchSessions, TurnsEqualRunResumeWithAndWithoutTheTier) {
+  TempDir dir("batch-sessions");
+  std::ofstream(dir.path() / "job.jsonl") << job_text();
+  const std::map<std::string, std::string> expected = run_one_by_one(dir);
+  ASSERT_EQ(expected.size(), kTurns.size());
+  // No tier, one smaller than any session (each bypasses it), two that hold everything, and one
+  // that holds about one session (evicting by look-ahead, prefetching the next turn's session).
+  int index = 0;
+  for (const std::string cache : {"0", "1K", "64M", "2%", "20K"}) {
+    const std::string roots = (dir.path() / ("roots-" + std::to_string(index))).string();
+    fs::create_directories(roots);
+    const std::string output = "out-" + std::to_string(index++) + ".jsonl";
+    const json summary = run_job(dir, output, cache, roots);
+    EXPECT_EQ(completions(read_file(dir.path() / output)), expected) << cache;
+    const json& s = summary["sessions"];
+    EXPECT_EQ(s["turns"], 10);
+    EXPECT_EQ(s["first_turns"], 3);
+    EXPECT_LE(s["tier_peak_bytes"].get<uint64_t>(), *parse_session_cache(cache));
+    EXPECT_EQ(s["hot_turns"].get<int>() + s["cold_turns"].get<int>(), 7);
+    if (cache == "0" || cache == "1K") {
+      EXPECT_EQ(s["hot_turns"], 0);
+      EXPECT_EQ(s["cold_turns"], 7);
+      EXPECT_GT(s["cold_bytes"].get<uint64_t>(), 0u);
+      EXPECT_EQ(s["tier_bypassed"], 10);
+    }
+    if (cache == "64M" || cache == "2%") {
+      // Every continued turn hot: its history from memory, nothing read from the disk.
+      EXPECT_EQ(s["hot_turns"], 7);
+      EXPECT_EQ(s["cold_turns"], 0);
+      EXPECT_EQ(s["cold_bytes"], 0);
+      EXPECT_EQ(s["prefetch_bytes"], 0);
+      EXPECT_GT(s["hot_bytes"].get<uint64_t>(), 0u);
+      EXPECT_EQ(s["tier_evictions"], 0);
+    }
+    if (cache == "20K") {
+      EXPECT_GT(s["tier_evictions"].get<int>(), 0);
+      EXPECT_GT(s["tier_prefetched"].get<int>(), 0);
+    }
+  }
+}
+
+// A run killed after a turn's manifest committed and before its line was written: the rerun finds
+// the line in the session and writes it, without running the turn again (which would continue
+// the conversation twice).
+TEST(BatchSessions, ALineLostAfterItsTurnCommittedIsFoundInTheSession) {
+  TempDir dir("batch-sessions-lost");
+  std::ofstream(dir.path() / "job.jsonl") << job_text();
+  const std::string roots = (dir.path() / "roots").string();
+  fs::create_directories(roots);
+  run_job(dir, "out.jsonl", "64M", roots);
+  const std::string whole = read_file(dir.path() / "out.jsonl");
+  // The last turn's line (c3, the last session turn run) is lost: the state a kill between the
+  // commit and the append leaves.
+  const std::string cut = whole.substr(0, whole.rfind('\n', whole.size() - 2) + 1);
+  ASSERT_NE(cut, whole);
+  std::ofstream(dir.path() / "out.jsonl", std::ios::trunc) << cut;
+  const json summary = run_job(dir, "out.jsonl", "64M", roots);
+  EXPECT_EQ(read_file(dir.path() / "out.jsonl"), whole);
+  EXPECT_EQ(summary["sessions"]["recovered_lines"], 1);
+  EXPECT_EQ(summary["sessions"]["turns"], 0);
+}
+
+TEST(BatchSessions, BadInputsEndWithOneLine) {
+  TempDir dir("batch-sessions-bad");
+  const std::string roots = (dir.path() / "roots").string();
+  fs::create_directories(roots);
+  const auto job = [&](const std::string& text) {
+    std::ofstream(dir.path() / "job.jsonl", std::ios::trunc) << text;
+    return std::vector<std::string>{"batch",
+                                    "--model",
+                                    kTiny,
+                                    "--input",
+                                    (dir.path() / "job.jsonl").string(),
+                                    "--output",
+                                    (dir.path() / "out.jsonl").string(),
+                                    "--session-root",
+                                    roots};
+  };
+  // A session no request starts and no directory holds.
+  expect_one_line_error(job(R"({"custom_id": "q", "prompt": "x", "session": "nobody"})"
+                            "\n"),
+                        {"line 1", "unknown session 'nobody'"});
+  // A bad --session-cache.
+  std::vector<std::string> args =
+      job(R"({"custom_id": "q", "prompt": "x", "session": "s", "session_new": true})"
+          "\n");
+  args.insert(args.end(), {"--session-cache", "lots"});
+  expect_one_line_error(args, {"--session-cache", "lots"});
+  // A session saved with another model.
+  ASSERT_EQ(run_infinigen({"run", "--model", kLlama, "--prompt-len", "4", "--gen-len", "2",
+                           "--session", roots + "/llama"})
+                .exit_code,
+            0);
+  expect_one_line_error(job(R"({"custom_id": "q", "prompt": "x", "session": "llama"})"
+                            "\n"),
+                        {"saved with another model"});
+  // A name that is not one under the root.
+  expect_one_line_error(job(R"({"custom_id": "q", "prompt": "x", "session": "../up"})"
+                            "\n"),
+                        {"not a plain name"});
+  // session_new for a session an earlier line started.
+  expect_one_line_error(
+      job(R"({"custom_id": "q", "prompt": "x", "session": "s", "session_new": true})"
+          "\n"
+          R"({"custom_id": "r", "prompt": "y", "session": "s", "session_new": true})"
+          "\n"),
+      {"line 2", "session_new"});
+}
+
+}  // namespace
+}  // namespace infinigen
