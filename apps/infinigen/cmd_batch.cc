@@ -4,10 +4,12 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <regex>
@@ -45,6 +47,7 @@ struct BatchOptions : GenerationFlags {
   bool json = false;
   std::string session_root;                          // requests' session names live here
   std::string session_cache = kSessionCacheDefault;  // the host-memory tier's budget
+  bool session_prefetch = true;  // the next turn's session read into the tier during a pass
 };
 
 const char* environment(const char* name) {
@@ -207,7 +210,7 @@ struct JobTotals {
   // (cold), or nowhere (a session's first turn); and their times to first token.
   int64_t session_turns = 0;
   int64_t hot_turns = 0, cold_turns = 0;
-  double hot_ttft = 0.0, cold_ttft = 0.0;  // sums
+  std::vector<double> hot_ttft, cold_ttft;  // per turn, seconds
   uint64_t hot_bytes = 0, cold_bytes = 0;  // history bytes from the tier, the disk
   int64_t recovered_lines = 0;             // lines found committed in a session (a killed run's)
   SessionTierStats tier;
@@ -359,11 +362,11 @@ std::string run_session_turn(const PreparedRequest& p, const std::string& direct
   totals.session_turns += 1;
   if (exists && stats.from_tier) {
     ++totals.hot_turns;
-    totals.hot_ttft += run.result.prefill_seconds;
+    totals.hot_ttft.push_back(run.result.prefill_seconds);
     totals.hot_bytes += stats.bytes_from_tier;
   } else if (exists) {
     ++totals.cold_turns;
-    totals.cold_ttft += run.result.prefill_seconds;
+    totals.cold_ttft.push_back(run.result.prefill_seconds);
     totals.cold_bytes += stats.bytes_read;
   }
   return line;
@@ -395,15 +398,19 @@ int64_t merged_shard_count(const BatchOptions& o) {
 
 // The session turns of the summary (docs/batch.md, "Sessions").
 nlohmann::ordered_json session_summary(const JobTotals& t) {
-  const auto mean = [](double sum, int64_t n) {
-    return n > 0 ? sum / static_cast<double>(n) : 0.0;
+  // The median of the turns' times (0 for none): a shared machine's outliers count less.
+  const auto median = [](std::vector<double> times) {
+    if (times.empty()) return 0.0;
+    std::sort(times.begin(), times.end());
+    const size_t n = times.size();
+    return n % 2 == 1 ? times[n / 2] : (times[n / 2 - 1] + times[n / 2]) / 2;
   };
   return {{"turns", t.session_turns},
           {"hot_turns", t.hot_turns},
           {"cold_turns", t.cold_turns},
           {"first_turns", t.session_turns - t.hot_turns - t.cold_turns},
-          {"hot_ttft_s", mean(t.hot_ttft, t.hot_turns)},
-          {"cold_ttft_s", mean(t.cold_ttft, t.cold_turns)},
+          {"hot_ttft_s", median(t.hot_ttft)},
+          {"cold_ttft_s", median(t.cold_ttft)},
           {"hot_bytes", t.hot_bytes},
           {"cold_bytes", t.cold_bytes},
           {"tier_admitted", t.tier.admitted},
@@ -483,8 +490,8 @@ void print_summary(const BatchOptions& o, const Shard& shard, const JobTotals& t
   if (t.session_turns > 0 || t.recovered_lines > 0) {
     const nlohmann::ordered_json s = session_summary(t);
     std::printf(
-        "session turns %lld: %lld hot (from memory, %.1f MB, time to first token %.3f s on "
-        "average), %lld cold (from the disk, %.1f MB, %.3f s), %lld first turns; tier: %lld "
+        "session turns %lld: %lld hot (from memory, %.1f MB, median time to first token %.3f "
+        "s), %lld cold (from the disk, %.1f MB, %.3f s), %lld first turns; tier: %lld "
         "admitted, %lld evicted, %lld bypassed, %lld prefetched (%.1f MB read ahead), peak %.1f "
         "MB; %lld lines found committed in their sessions\n",
         static_cast<long long>(t.session_turns), static_cast<long long>(t.hot_turns),
@@ -675,7 +682,7 @@ int batch(const BatchOptions& o) {
       const PreparedRequest& turn = *shard_turns[position];
       const std::string directory = directory_of(*turn.request);
       prefetch.join();
-      if (position + 1 < shard_turns.size()) {
+      if (o.session_prefetch && position + 1 < shard_turns.size()) {
         const std::string next = directory_of(*shard_turns[position + 1]->request);
         if (next != directory && !failed_session.count(next))
           prefetch.start(next, session_key_of_job, tier);
@@ -793,6 +800,10 @@ Command add_batch_command(CLI::App& app) {
                  "Host memory for sessions kept between their turns (bytes: 512M, 2G; or a share "
                  "of the memory: 10%); 0: every turn reads its history from the disk")
       ->default_val(kSessionCacheDefault);
+  app.add_option("--session-prefetch", o->session_prefetch,
+                 "Read the next turn's session from the disk into --session-cache while the "
+                 "current turn computes (true, false)")
+      ->capture_default_str();
   return [o] { return batch(*o); };
 }
 
