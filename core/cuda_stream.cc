@@ -7,6 +7,7 @@
 
 #include "core/error.h"
 #include "kernels/cuda/gather.h"
+#include "kernels/cuda/row_cache.h"
 #include "kernels/cuda/runtime.h"
 
 namespace infinigen::cuda_stream {
@@ -121,10 +122,26 @@ void copy_pieces(const CopyChunk* pieces, size_t count, void* stream) {
 
 void gather_selected_rows(const SelectedRows& r, void* stream) {
   const kernels::cuda::SelectedRowGather g{
-      r.positions,     r.take,         r.batch,      r.heads,        r.stride,
-      r.key_blocks,    r.value_blocks, r.max_blocks, r.block_tokens, r.staged_keys,
-      r.staged_values, r.rows,         r.row_bytes};
+      r.positions,    r.take,       r.batch,        r.heads,         r.stride,        r.key_blocks,
+      r.value_blocks, r.max_blocks, r.block_tokens, r.staged_keys,   r.staged_values, r.rows,
+      r.row_bytes,    r.sources,    r.cached_keys,  r.cached_values, r.cache_rows};
   check(kernels::cuda::gather_selected_rows(g, stream), "selected-row gather kernel");
+}
+
+void match_cached_rows(const CachedRows& c, int32_t* sources, int32_t* hits, void* stream) {
+  const kernels::cuda::CachedRowMatch m{
+      c.positions,        c.take,  c.batch,      c.heads, c.stride,
+      c.cached_positions, c.count, c.cache_rows, sources, hits};
+  check(kernels::cuda::match_cached_rows(m, stream), "row cache match kernel");
+}
+
+void store_cached_rows(const CachedRows& c, const void* staged_keys, const void* staged_values,
+                       int64_t rows, int64_t row_bytes, void* stream) {
+  const kernels::cuda::CachedRowStore s{
+      c.positions,   c.take,      c.batch,   c.heads,       c.stride,        staged_keys,
+      staged_values, rows,        row_bytes, c.cached_keys, c.cached_values, c.cached_positions,
+      c.count,       c.cache_rows};
+  check(kernels::cuda::store_cached_rows(s, stream), "row cache store kernel");
 }
 
 }  // namespace infinigen::cuda_stream

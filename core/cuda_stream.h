@@ -60,7 +60,29 @@ struct SelectedRows {
   void* staged_keys;    // (batch, heads, rows, row_bytes), device
   void* staged_values;  // (batch, heads, rows, row_bytes)
   int64_t rows, row_bytes;
+  // Optional: InfiniGen's row cache, the rows copied from it (null sources: none).
+  const int32_t* sources = nullptr;  // (batch, heads, stride), device
+  const void* cached_keys = nullptr;
+  const void* cached_values = nullptr;
+  int64_t cache_rows = 0;
 };
 void gather_selected_rows(const SelectedRows& rows, void* stream);
+
+// InfiniGen's row cache on the device (kernels/cuda/row_cache.h, fields of the same names): which
+// of a selection's rows the cache holds, with one kernel on `stream`; and the staged selection
+// stored into the cache.
+struct CachedRows {
+  const int32_t* positions;  // (batch, heads, stride), device: the selection
+  const int32_t* take;       // (batch), device
+  int64_t batch, heads, stride;
+  void* cached_keys;          // (batch, heads, cache_rows, row_bytes), device
+  void* cached_values;        // (batch, heads, cache_rows, row_bytes)
+  int32_t* cached_positions;  // (batch, heads, cache_rows)
+  int32_t* count;             // (batch)
+  int64_t cache_rows;
+};
+void match_cached_rows(const CachedRows& cache, int32_t* sources, int32_t* hits, void* stream);
+void store_cached_rows(const CachedRows& cache, const void* staged_keys, const void* staged_values,
+                       int64_t rows, int64_t row_bytes, void* stream);
 
 }  // namespace infinigen::cuda_stream

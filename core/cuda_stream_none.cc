@@ -47,5 +47,11 @@ void copy_pieces(const CopyChunk*, size_t, void*) {
 void gather_selected_rows(const SelectedRows&, void*) {
   throw_cuda_not_compiled();
 }
+void match_cached_rows(const CachedRows&, int32_t*, int32_t*, void*) {
+  throw_cuda_not_compiled();
+}
+void store_cached_rows(const CachedRows&, const void*, const void*, int64_t, int64_t, void*) {
+  throw_cuda_not_compiled();
+}
 
 }  // namespace infinigen::cuda_stream

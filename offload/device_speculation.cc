@@ -16,7 +16,7 @@ namespace infinigen {
 DeviceSpeculation::DeviceSpeculation(int64_t num_layers, int64_t batch, int64_t kv_heads,
                                      int64_t positions, int64_t fetch_cap, const KvPoolShape& pool,
                                      bool capped, const Shape& staging, DType kv_dtype,
-                                     int64_t query_width)
+                                     int64_t query_width, bool row_cache)
     : batch_(batch),
       kv_heads_(kv_heads),
       positions_(positions),
@@ -30,6 +30,11 @@ DeviceSpeculation::DeviceSpeculation(int64_t num_layers, int64_t batch, int64_t 
     summary_[p] = Tensor::pinned({2 + batch}, DType::I32, "a speculation's summary");
     block_tables_[p] =
         Tensor::pinned({2 * batch * blocks}, DType::I64, "the KV pool's block tables");
+    if (row_cache) {
+      sources_[p] = Tensor::empty({batch, kv_heads, fetch_cap}, DType::I32, Device::Cuda);
+      hits_[p] = Tensor::empty({batch, kv_heads}, DType::I32, Device::Cuda);
+      host_hits_[p] = Tensor::pinned({batch, kv_heads}, DType::I32, "the row cache's hits");
+    }
     if (capped) {
       tokens_[p] = Tensor::pinned({rows, fetch_cap}, DType::I32, "a speculation's selection");
       placed_[p] = Tensor::pinned({batch, kv_heads}, DType::I32, "a capped pool's placed positions",
@@ -89,11 +94,18 @@ PartialLayer::Selection DeviceSpeculation::select(int64_t layer, const Tensor& x
                                                   int64_t used,
                                                   const std::vector<int32_t>& first_valid,
                                                   const SpeculationOptions& options,
-                                                  Stream& compute) {
+                                                  Stream& compute, RowCache* cache) {
   const size_t l = static_cast<size_t>(layer), p = l % 2;
   ops::SelectionTensors& selected = selected_[p];
   layers_[l].speculate(x, rope_positions, used, first_valid, position_tokens_[l], options, logits_,
                        selected);
+  if (cache != nullptr) {
+    INFINIGEN_CHECK(sources_[p].defined(), "speculation: no buffers for a row cache");
+    cuda_stream::match_cached_rows(cache_kernel_args(*cache, layer, p), sources_[p].data<int32_t>(),
+                                   hits_[p].data<int32_t>(), compute.cuda_handle());
+    cuda_stream::copy_async(host_hits_[p].raw(), Device::Cpu, hits_[p].raw(), Device::Cuda,
+                            hits_[p].nbytes(), compute.cuda_handle());
+  }
   // The layer's one host wait: the compute stream holds nothing after the speculation yet, so
   // the device idles only for the host's turnaround.
   int32_t* summary = summary_[p].data<int32_t>();
@@ -105,6 +117,11 @@ PartialLayer::Selection DeviceSpeculation::select(int64_t layer, const Tensor& x
                             selected.tokens.nbytes(), compute.cuda_handle());
   }
   compute.synchronize();
+  cached_rows_ = 0;
+  if (cache != nullptr) {
+    const int32_t* hits = host_hits_[p].data<int32_t>();
+    for (int64_t i = 0; i < batch_ * kv_heads_; ++i) cached_rows_ += hits[i];
+  }
   PartialLayer::Selection sel;
   sel.take.assign(summary + 2, summary + 2 + batch_);
   std::memcpy(&sel.mean_count, summary, sizeof(double));
@@ -121,8 +138,24 @@ PartialLayer::Selection DeviceSpeculation::select(int64_t layer, const Tensor& x
   return sel;
 }
 
+cuda_stream::CachedRows DeviceSpeculation::cache_kernel_args(RowCache& cache, int64_t layer,
+                                                             size_t parity) {
+  const ops::SelectionTensors& selected = selected_[parity];
+  const RowCache::LayerBuffers buffers = cache.layer(layer);
+  return {selected.tokens.data<int32_t>(),
+          selected.summary.data<int32_t>() + 2,
+          batch_,
+          kv_heads_,
+          selected.tokens.dim(2),
+          buffers.keys.raw(),
+          buffers.values.raw(),
+          buffers.positions.data<int32_t>(),
+          buffers.count.data<int32_t>(),
+          cache.rows()};
+}
+
 void DeviceSpeculation::gather(int64_t layer, const PartialLayer::Selection& selection,
-                               const KvPool& pool, LayerPipeline& pipeline) {
+                               const KvPool& pool, LayerPipeline& pipeline, RowCache* cache) {
   const size_t p = static_cast<size_t>(layer % 2);
   const int64_t blocks = pool.num_blocks();
   const auto** tables = static_cast<const void**>(block_tables_[p].raw());
@@ -133,26 +166,48 @@ void DeviceSpeculation::gather(int64_t layer, const PartialLayer::Selection& sel
   int64_t rows = 0;
   for (int32_t take : selection.take) rows += 2 * take * kv_heads_;
   const ops::SelectionTensors& selected = selected_[p];
-  const cuda_stream::SelectedRows gather{selected.tokens.data<int32_t>(),
-                                         selected.summary.data<int32_t>() + 2,
-                                         batch_,
-                                         kv_heads_,
-                                         selected.tokens.dim(2),
-                                         tables,
-                                         tables + batch_ * blocks,
-                                         blocks,
-                                         pool.shape().block_tokens,
-                                         keys.raw(),
-                                         pipeline.values(layer).raw(),
-                                         keys.dim(2),
-                                         row_bytes};
+  cuda_stream::SelectedRows gather{selected.tokens.data<int32_t>(),
+                                   selected.summary.data<int32_t>() + 2,
+                                   batch_,
+                                   kv_heads_,
+                                   selected.tokens.dim(2),
+                                   tables,
+                                   tables + batch_ * blocks,
+                                   blocks,
+                                   pool.shape().block_tokens,
+                                   keys.raw(),
+                                   pipeline.values(layer).raw(),
+                                   keys.dim(2),
+                                   row_bytes};
+  if (cache == nullptr) {
+    pipeline.load_by_kernel(
+        layer,
+        [&gather](void* stream) {
+          cuda_stream::gather_selected_rows(gather, stream);
+          return 0;
+        },
+        static_cast<uint64_t>(rows * row_bytes), rows);
+    return;
+  }
+  // The rows select() found in the cache are copied from it on the device; the others cross.
+  // Then, after the gather on the same stream, the staged selection is the cache's.
+  const cuda_stream::CachedRows cached = cache_kernel_args(*cache, layer, p);
+  gather.sources = sources_[p].data<int32_t>();
+  gather.cached_keys = cached.cached_keys;
+  gather.cached_values = cached.cached_values;
+  gather.cache_rows = cached.cache_rows;
+  const void* staged_values = pipeline.values(layer).raw();
+  const int64_t loaded = rows - 2 * cached_rows_;
   pipeline.load_by_kernel(
       layer,
-      [&gather](void* stream) {
+      [&](void* stream) {
         cuda_stream::gather_selected_rows(gather, stream);
+        cuda_stream::store_cached_rows(cached, keys.raw(), staged_values, keys.dim(2), row_bytes,
+                                       stream);
         return 0;
       },
-      static_cast<uint64_t>(rows * row_bytes), rows);
+      static_cast<uint64_t>(loaded * row_bytes), loaded);
+  cache->stored(layer, selection.take);
 }
 
 void DeviceSpeculation::append(int64_t layer, const Tensor& keys, int64_t position) {
@@ -201,6 +256,9 @@ void DeviceSpeculation::keep_sequences(const std::vector<int64_t>& keep,
     narrow(summary_[p], 2 + K);
     narrow(tokens_[p], K * kv_heads_);
     narrow(placed_[p], K);
+    narrow(sources_[p], K);
+    narrow(hits_[p], K);
+    narrow(host_hits_[p], K);
   }
   narrow(host_keys_, K);
   narrow(host_queries_, K);

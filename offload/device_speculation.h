@@ -10,6 +10,10 @@
 //   capped pool's fetch counters need them on the host (they are copied back with the summary);
 // - gather(): the selected rows, read by a kernel on the load stream straight from the pool's
 //   blocks (the block tables as addresses in mapped pinned memory) into the compact staging;
+//   with the row cache (offload/row_cache.h), select() also matches the selection against the
+//   rows the layer fetched at the step before (a kernel; how many each (sequence, head) holds
+//   comes back with the summary), gather() copies those from the cache on the device and reads
+//   only the others over the link, then a kernel stores the staged selection into the cache;
 // - append() / place(): the new token's partial keys, at its position, or in a capped pool at
 //   the positions the eviction chose, whose token table on the device follows the host's.
 // Buffers the host writes for the device (block tables, placed positions) and reads back
@@ -21,10 +25,12 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/cuda_stream.h"
 #include "core/stream.h"
 #include "core/tensor.h"
 #include "offload/kv_pool.h"
 #include "offload/layer_pipeline.h"
+#include "offload/row_cache.h"
 #include "speculate/device_partial.h"
 #include "speculate/speculation.h"
 
@@ -36,9 +42,10 @@ class DeviceSpeculation {
   // positions each, at most `fetch_cap` tokens fetched per (sequence, head), over `pool`.
   // `capped`: a pool under a limit (position tokens on the device, selections copied back, and
   // host copies of a staging of `staging` shape and `kv_dtype` and of `query_width`-wide queries).
+  // `row_cache`: the buffers select() and gather() need for a row cache.
   DeviceSpeculation(int64_t num_layers, int64_t batch, int64_t kv_heads, int64_t positions,
                     int64_t fetch_cap, const KvPoolShape& pool, bool capped, const Shape& staging,
-                    DType kv_dtype, int64_t query_width);
+                    DType kv_dtype, int64_t query_width, bool row_cache = false);
 
   // Layer `layer`'s partial state, and in a capped pool its token per position (B, H_kv,
   // positions), to the device (the partial key cache to mapped pinned host memory when
@@ -50,14 +57,20 @@ class DeviceSpeculation {
   // with the new tokens at rotary positions `rope_positions`, over positions [0, used): the
   // selection as the host sees it (take, fetch, mean count; the tokens too in a capped pool).
   // Waits for the device to finish it.
+  // With `cache` (allocated on the device), also which selected rows it holds:
+  // cached_rows() tells how many.
   PartialLayer::Selection select(int64_t layer, const Tensor& x,
                                  const std::vector<int32_t>& rope_positions, int64_t used,
                                  const std::vector<int32_t>& first_valid,
-                                 const SpeculationOptions& options, Stream& compute);
+                                 const SpeculationOptions& options, Stream& compute,
+                                 RowCache* cache = nullptr);
+  // (sequence, head, token) rows of the last select()'s selection its row cache holds.
+  int64_t cached_rows() const { return cached_rows_; }
   // Enqueues, as layer `layer`'s load, the gather of the rows its last select() chose from
-  // `pool` into its staging, compact (offload/infinigen_kv.h).
+  // `pool` into its staging, compact (offload/infinigen_kv.h); with `cache` (the same as
+  // select()'s), the rows it holds copied from it, then the staged selection stored into it.
   void gather(int64_t layer, const PartialLayer::Selection& selection, const KvPool& pool,
-              LayerPipeline& pipeline);
+              LayerPipeline& pipeline, RowCache* cache = nullptr);
 
   // The new token's partial keys, keys (B, H_kv * d) on the device, at `position`.
   void append(int64_t layer, const Tensor& keys, int64_t position);
@@ -98,6 +111,14 @@ class DeviceSpeculation {
   std::array<ops::SelectionTensors, 2> selected_;
   std::array<Tensor, 2> summary_, tokens_, block_tables_, placed_, token_pieces_, token_value_;
   Tensor host_keys_, host_queries_;  // to_host()'s pinned copies (capped)
+  // Per layer parity, with a row cache: each selected row's cache row or -1 (B, H_kv, fetch cap)
+  // I32 and the rows each (sequence, head) found there (B, H_kv) I32, on the device, and the
+  // latter read back into pinned memory with the summary.
+  std::array<Tensor, 2> sources_, hits_, host_hits_;
+  int64_t cached_rows_ = 0;
+  // The row cache's buffers of layer `layer` and the selection of parity `parity`, for its
+  // kernels.
+  cuda_stream::CachedRows cache_kernel_args(RowCache& cache, int64_t layer, size_t parity);
 };
 
 }  // namespace infinigen

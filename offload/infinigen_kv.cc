@@ -157,12 +157,11 @@ InfinigenKv::InfinigenKv(const ModelConfig& config, int64_t batch, int64_t capac
     capped_.emplace(num_layers_, batch, kv_heads_, slots_, limit.eviction, &stats,
                     KvPool::capacity_bytes(paged_.pool().shape()));
   }
-  // CUDA selects and gathers on the device, where the cache is not built yet (docs/cuda.md).
-  use_row_cache_ = placement.row_cache && !capped_ && (device == Device::Cpu || dry_run());
+  use_row_cache_ = placement.row_cache && !capped_;
   if (device == Device::Cuda && !dry_run()) {
     device_.emplace(num_layers_, batch, kv_heads_, slots_, std::min(options_.max_num_kv, slots_),
                     paged_.pool().shape(), capped_.has_value(), paged_.pipeline().keys(0).shape(),
-                    kv_dtype, heads_ * head_dim_);
+                    kv_dtype, heads_ * head_dim_, use_row_cache_);
   }
 }
 
@@ -328,7 +327,7 @@ void InfinigenKv::decode_layer(int64_t layer, const Tensor& keys, const Tensor& 
   //    rows of a shared prefix that several sequences selected came once and are copied to the
   //    others; then the selected rows are the cache's.
   pipeline.wait_for_load(layer);
-  const bool cached = use_row_cache_ && !dense(layer);
+  const bool cached = use_row_cache_ && row_cache_.allocated() && !dense(layer);
   if (cached) {
     // On the device: the held rows into the staging, then the whole selection into the cache
     // (K and V rows of d), which the cost model prices as the runtime records it.
@@ -344,7 +343,7 @@ void InfinigenKv::decode_layer(int64_t layer, const Tensor& keys, const Tensor& 
   for (const CopyChunk& copy : shared_row_copies_[l % 2]) {
     device_copy(copy.dst, staged_keys.device(), copy.src, staged_keys.device(), copy.bytes);
   }
-  if (cached) {
+  if (cached && !device_) {  // on CUDA, the gather's kernels stored it
     row_cache_.store(layer, staged_keys, staged_values, sel.fetch, sel.take, sel.tokens);
   }
   // 4. Diagnostics and the eviction policy's view of what attention used.
@@ -447,12 +446,20 @@ void InfinigenKv::select_and_load(int64_t layer, const Tensor& x,
   if (partial_keys_on_host(layer)) read_host_partial_keys(layer, used_positions());
   const PartialLayer::Selection previous = std::move(selection_[l]);
   if (device_) {
+    RowCache* cache = use_row_cache_ && row_cache_.allocated() ? &row_cache_ : nullptr;
     selection_[l] = device_->select(layer, x, positions, used_positions(), first_valid(), options_,
-                                    paged_.pipeline().engine().compute_stream());
+                                    paged_.pipeline().engine().compute_stream(), cache);
     if (capped_) capped_->count_fetches(layer, selection_[l], length());
     count_traffic(layer);
     count_fetched_again(layer, previous);
-    device_->gather(layer, selection_[l], paged_.pool(), paged_.pipeline());
+    if (cache) {
+      // The positions stay on the device, where the cache holds the last step's selection: the
+      // rows it holds are the rows fetched again.
+      LayerTraffic& traffic = paged_.pipeline().traffic(layer);
+      traffic.tokens_from_row_cache = static_cast<uint64_t>(device_->cached_rows());
+      if (row_cache_.filled(layer)) traffic.tokens_fetched_again = device_->cached_rows();
+    }
+    device_->gather(layer, selection_[l], paged_.pool(), paged_.pipeline(), cache);
     return;
   }
   const std::vector<int32_t> take = dry_run() ? replayed_take(layer) : std::vector<int32_t>{};
@@ -563,7 +570,7 @@ void InfinigenKv::load_selection(int64_t layer) {
   // The rows the layer's row cache holds are copied from it, not loaded (a dry run replays how
   // many: the first ones of each (sequence, head)). A shared prefix's row that another sequence
   // of the group staged first is copied from there as before, and counts as no hit.
-  const bool cached = use_row_cache_ && speculated(layer);
+  const bool cached = use_row_cache_ && row_cache_.allocated() && speculated(layer);
   std::vector<CopyChunk>& from_cache = row_cache_copies_[p];
   from_cache.clear();
   uint64_t hits = 0;
@@ -573,7 +580,8 @@ void InfinigenKv::load_selection(int64_t layer) {
     const int64_t replayed = dry_run() && cached ? replayed_hits(layer, take, held) : 0;
     for (int64_t h = 0; h < H; ++h) {
       const int32_t* positions = sel.tokens.data() + (b * H + h) * sel.fetch;
-      const int32_t* held_positions = held > 0 ? row_cache_.positions(layer, b, h) : nullptr;
+      const int32_t* held_positions =
+          held > 0 && !dry_run() ? row_cache_.positions(layer, b, h) : nullptr;
       int64_t c = 0;  // cursor in the ascending cached positions
       for (int64_t j = 0; j < take; ++j) {
         const int64_t dst_row = (b * H + h) * cap + sel.fetch - take + j;

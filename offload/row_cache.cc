@@ -24,21 +24,29 @@ void RowCache::allocate(int64_t num_layers, int64_t first_layer, int64_t batch, 
   const size_t L = static_cast<size_t>(num_layers);
   keys_.assign(L, Tensor{});
   values_.assign(L, Tensor{});
-  positions_.assign(L, {});
-  count_.assign(L, {});
+  positions_.assign(L, Tensor{});
+  count_.assign(L, Tensor{});
+  held_.assign(L, {});
+  filled_.assign(L, 0);
   for (int64_t l = first_layer; l < num_layers; ++l) {
     const size_t i = static_cast<size_t>(l);
     keys_[i] = Tensor::empty({batch, kv_heads, rows, width}, dtype, device);
     values_[i] = Tensor::empty({batch, kv_heads, rows, width}, dtype, device);
-    positions_[i].assign(static_cast<size_t>(batch * kv_heads * rows), -1);
-    count_[i].assign(static_cast<size_t>(batch), 0);
+    positions_[i] = Tensor::empty({batch, kv_heads, rows}, DType::I32, device);
+    count_[i] = Tensor::empty({batch}, DType::I32, device);
+    held_[i].assign(static_cast<size_t>(batch), 0);
   }
+  clear();
 }
 
 void RowCache::clear() {
   for (size_t l = 0; l < keys_.size(); ++l) {
-    std::fill(count_[l].begin(), count_[l].end(), 0);
-    if (debug_poison() && keys_[l].defined()) {
+    std::fill(held_[l].begin(), held_[l].end(), 0);
+    filled_[l] = 0;
+    if (!keys_[l].defined() || keys_[l].dry()) continue;
+    const std::vector<int32_t> none(static_cast<size_t>(count_[l].numel()), 0);
+    device_copy(count_[l].raw(), device_, none.data(), Device::Cpu, count_[l].nbytes());
+    if (debug_poison()) {
       fill_nan(keys_[l]);
       fill_nan(values_[l]);
     }
@@ -62,10 +70,11 @@ void RowCache::store(int64_t layer, const Tensor& staged_keys, const Tensor& sta
   Tensor& keys = keys_[l];
   Tensor& values = values_[l];
   const int64_t B = keys.dim(0), staging_rows = staged_keys.dim(2);
+  stored(layer, take);
+  if (dry_run()) return;  // shapes without memory
   for (int64_t b = 0; b < B; ++b) {
     const int32_t n = take[static_cast<size_t>(b)];
-    count_[l][static_cast<size_t>(b)] = n;
-    if (dry_run()) continue;  // shapes without memory: a dry run counts the rows only
+    count_[l].data<int32_t>()[b] = n;
     for (int64_t h = 0; h < kv_heads_; ++h) {
       const size_t at = static_cast<size_t>((b * kv_heads_ + h) * rows_) * row_bytes_;
       const size_t from =
@@ -77,7 +86,7 @@ void RowCache::store(int64_t layer, const Tensor& staged_keys, const Tensor& sta
                   static_cast<const char*>(staged_values.raw()) + from, staged_values.device(),
                   bytes);
       std::copy_n(tokens.data() + (b * kv_heads_ + h) * fetch, n,
-                  positions_[l].data() + (b * kv_heads_ + h) * rows_);
+                  positions_[l].data<int32_t>() + (b * kv_heads_ + h) * rows_);
     }
   }
 }
@@ -87,8 +96,9 @@ void RowCache::keep_sequences(const std::vector<int64_t>& keep) {
     if (!keys_[l].defined()) continue;
     compact_batch(keys_[l], keep);
     compact_batch(values_[l], keep);
-    compact_batch(positions_[l], keep, static_cast<size_t>(kv_heads_ * rows_));
-    compact_batch(count_[l], keep, 1);
+    compact_batch(positions_[l], keep);
+    compact_batch(count_[l], keep);
+    compact_batch(held_[l], keep, 1);
   }
 }
 

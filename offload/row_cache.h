@@ -32,24 +32,44 @@ class RowCache {
   // Empties every layer (nothing is a hit until a step fills it again); poisons it in debug.
   void clear();
 
-  // Rows (sequence b, KV head h) of layer `layer` holds, and their ascending pool positions.
+  // The CPU backend, whose device memory the host reads: the rows (sequence b, KV head h) of
+  // layer `layer` holds, their ascending pool positions, and row j's keys or values.
   int32_t count(int64_t layer, int64_t b) const {
-    return count_[static_cast<size_t>(layer)][static_cast<size_t>(b)];
+    return held_[static_cast<size_t>(layer)][static_cast<size_t>(b)];
   }
+  // Whether layer `layer` holds a step's selection (a step stored it since the last clear()).
+  bool filled(int64_t layer) const { return filled_[static_cast<size_t>(layer)] != 0; }
   const int32_t* positions(int64_t layer, int64_t b, int64_t h) const {
-    return positions_[static_cast<size_t>(layer)].data() + (b * kv_heads_ + h) * rows_;
+    return positions_[static_cast<size_t>(layer)].data<int32_t>() + (b * kv_heads_ + h) * rows_;
   }
-  // Row j of (b, h)'s keys or values on the device.
   const char* key_row(int64_t layer, int64_t b, int64_t h, int64_t j) const;
   const char* value_row(int64_t layer, int64_t b, int64_t h, int64_t j) const;
   Device device() const { return device_; }
+  int64_t rows() const { return rows_; }
 
-  // After layer `layer`'s staging (B, H_kv, staging rows, d) holds this step's selected rows,
-  // compact (rows [fetch - take[b], fetch) of (b, h), positions tokens[(b * H_kv + h) * fetch +
-  // j]): they become the layer's cache. Copies on the device, after the work enqueued on the
-  // current stream.
+  // The CPU backend: after layer `layer`'s staging (B, H_kv, staging rows, d) holds this step's
+  // selected rows, compact (rows [fetch - take[b], fetch) of (b, h), positions
+  // tokens[(b * H_kv + h) * fetch + j]), they become the layer's cache. (CUDA stores them with a
+  // kernel, offload/device_speculation.h.)
   void store(int64_t layer, const Tensor& staged_keys, const Tensor& staged_values, int64_t fetch,
              const std::vector<int32_t>& take, const std::vector<int32_t>& tokens);
+
+  // CUDA: the store kernel made layer `layer`'s count take[b] (what count() tells the host).
+  void stored(int64_t layer, const std::vector<int32_t>& take) {
+    held_[static_cast<size_t>(layer)] = take;
+    filled_[static_cast<size_t>(layer)] = 1;
+  }
+  // Layer `layer`'s buffers, for the CUDA kernels that match and store rows.
+  struct LayerBuffers {
+    Tensor& keys;       // (B, H_kv, rows, d)
+    Tensor& values;     // (B, H_kv, rows, d)
+    Tensor& positions;  // (B, H_kv, rows) I32
+    Tensor& count;      // (B) I32
+  };
+  LayerBuffers layer(int64_t layer) {
+    const size_t l = static_cast<size_t>(layer);
+    return {keys_[l], values_[l], positions_[l], count_[l]};
+  }
 
   // Keeps the sequences `keep` (old indices, ascending), renumbered in that order
   // (KvStore::drop_sequences). A leader's move of a shared prefix changes no row's content.
@@ -59,12 +79,13 @@ class RowCache {
   int64_t kv_heads_ = 0, rows_ = 0;
   size_t row_bytes_ = 0;
   Device device_ = Device::Cpu;
-  // Per layer (undefined below first_layer): K and V rows (B, H_kv, rows, d) in the KV dtype;
-  // on the host their pool positions (B, H_kv, rows), the first count[b] of (b, h) valid and
-  // ascending, and count (B).
-  std::vector<Tensor> keys_, values_;
-  std::vector<std::vector<int32_t>> positions_;
-  std::vector<std::vector<int32_t>> count_;
+  // Per layer (undefined below first_layer), on the device: K and V rows (B, H_kv, rows, d) in
+  // the KV dtype, their pool positions (B, H_kv, rows) I32, the first count[b] of (b, h) valid
+  // and ascending, and count (B) I32.
+  std::vector<Tensor> keys_, values_, positions_, count_;
+  // Per layer, count (B) as the host knows it (a dry run's too, whose tensors have no memory).
+  std::vector<std::vector<int32_t>> held_;
+  std::vector<char> filled_;  // per layer: filled()
 };
 
 }  // namespace infinigen

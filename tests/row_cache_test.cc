@@ -38,14 +38,21 @@ OffloadOptions infinigen_options(RowCacheUse row_cache, double alpha = 1.0,
 // would break all three); the cache served some rows, and every layer's bytes are the uncached
 // run's minus the K and V rows it served. Without a shared prefix the served rows are exactly
 // those fetched at the step before too.
+// On CUDA (`exact` false) the logits agree within rounding: a step's kernels may sum in another
+// order from run to run.
 void expect_same_and_fewer_bytes(const OffloadRun& on, const OffloadRun& off,
-                                 const ModelConfig& config, bool shared_prefix = false) {
+                                 const ModelConfig& config, bool shared_prefix = false,
+                                 bool exact = true) {
   EXPECT_EQ(on.result.tokens, off.result.tokens);
-  EXPECT_EQ(on.result.token_log_probs, off.result.token_log_probs);
   ASSERT_EQ(on.result.last_logits.nbytes(), off.result.last_logits.nbytes());
   const std::vector<float> a = on.result.last_logits.to_floats();
   const std::vector<float> b = off.result.last_logits.to_floats();
-  EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0);
+  if (exact) {
+    EXPECT_EQ(on.result.token_log_probs, off.result.token_log_probs);
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0);
+  } else {
+    EXPECT_LT(testing_util::relative_error(a.data(), b.data(), a.size()), 1e-5);
+  }
   for (float x : a) ASSERT_FALSE(std::isnan(x));
   const uint64_t row_bytes = static_cast<uint64_t>(config.head_dim()) * 2;  // fp16
   const auto& s_on = on.stats.steps();
@@ -77,7 +84,7 @@ void expect_same_and_fewer_bytes(const OffloadRun& on, const OffloadRun& off,
   }
   EXPECT_GT(served, 0u);
   EXPECT_GT(summarize(on).row_cache_fraction, 0.0);
-  EXPECT_EQ(summarize(off).row_cache_fraction, 0.0);
+  EXPECT_LE(summarize(off).row_cache_fraction, 0.0);  // 0, or -1 where nothing is known (CUDA)
 }
 
 class RowCache : public ::testing::TestWithParam<std::string> {
@@ -146,6 +153,34 @@ TEST_P(RowCache, PromptInChunksStartsFromAnEmptyCache) {
   OffloadOptions on = infinigen_options(RowCacheUse::On), off = infinigen_options(RowCacheUse::Off);
   on.prefill_chunk = off.prefill_chunk = 5;
   expect_same_and_fewer_bytes(run(on), run(off), source_.config);
+}
+
+// The CUDA path: the selection stays on the device, a kernel matches it against the cached
+// positions, the gather copies the rows held from the cache and reads only the others from the
+// mapped pool, and a kernel stores the staged selection into the cache.
+TEST_P(RowCache, CudaComputesWhatTheUncachedRunDoesAndLoadsOnlyTheRowsItDidNotHold) {
+  INFINIGEN_SKIP_WITHOUT_CUDA_DEVICE();
+  for (const auto& [alpha, cap] : std::vector<std::pair<double, int64_t>>{{1.0, 5}, {4.0, 0}}) {
+    SCOPED_TRACE(cat("alpha ", alpha, ", max_num_kv ", cap));
+    const OffloadRun on = run_offloaded(
+        source_, request_, infinigen_options(RowCacheUse::On, alpha, cap), Device::Cuda);
+    const OffloadRun off = run_offloaded(
+        source_, request_, infinigen_options(RowCacheUse::Off, alpha, cap), Device::Cuda);
+    EXPECT_EQ(on.plan.row_cache, true);
+    expect_same_and_fewer_bytes(on, off, source_.config, /*shared_prefix=*/false, /*exact=*/false);
+  }
+}
+
+TEST_P(RowCache, CudaSequencesLeavingTheBatchKeepTheirCachedRows) {
+  INFINIGEN_SKIP_WITHOUT_CUDA_DEVICE();
+  request_.sequence_gen_len = {3, 12, 6};
+  request_.drop_ended = true;
+  const OffloadRun on =
+      run_offloaded(source_, request_, infinigen_options(RowCacheUse::On), Device::Cuda);
+  const OffloadRun off =
+      run_offloaded(source_, request_, infinigen_options(RowCacheUse::Off), Device::Cuda);
+  EXPECT_LT(on.result.rows, 3 * 12);
+  expect_same_and_fewer_bytes(on, off, source_.config, /*shared_prefix=*/false, /*exact=*/false);
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, RowCache, ::testing::Values("opt-tiny", "llama-tiny"),

@@ -110,10 +110,17 @@ __global__ void gather_selected_rows_kernel(SelectedRowGather g) {
     const int32_t take = g.take[b];
     if (j >= take) continue;
     const int64_t t = g.positions[bh * g.stride + j];
-    const char* block = static_cast<const char*>(
-        (value ? g.value_blocks : g.key_blocks)[b * g.max_blocks + t / g.block_tokens]);
-    const uint4* from = reinterpret_cast<const uint4*>(
-        block + (h * g.block_tokens + t % g.block_tokens) * g.row_bytes);
+    const int32_t c = g.sources != nullptr ? g.sources[bh * g.stride + j] : -1;
+    const uint4* from;
+    if (c >= 0) {  // held by the row cache: a copy on the device
+      const char* cache = static_cast<const char*>(value ? g.cached_values : g.cached_keys);
+      from = reinterpret_cast<const uint4*>(cache + (bh * g.cache_rows + c) * g.row_bytes);
+    } else {
+      const char* block = static_cast<const char*>(
+          (value ? g.value_blocks : g.key_blocks)[b * g.max_blocks + t / g.block_tokens]);
+      from = reinterpret_cast<const uint4*>(block + (h * g.block_tokens + t % g.block_tokens) *
+                                                        g.row_bytes);
+    }
     char* staging = static_cast<char*>(value ? g.staged_values : g.staged_keys);
     uint4* to = reinterpret_cast<uint4*>(staging + (bh * g.rows + fetch - take + j) * g.row_bytes);
     for (int64_t w = member; w < words; w += per_row) to[w] = from[w];

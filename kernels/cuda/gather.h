@@ -43,6 +43,13 @@ struct SelectedRowGather {
   void* staged_values;  // (batch, heads, rows, row_bytes)
   int64_t rows;         // staging rows per (b, h): at least the largest take
   int64_t row_bytes;    // a multiple of 16
+  // Optional, InfiniGen's row cache (kernels/cuda/row_cache.h; null sources: none): a position
+  // with sources[(b * heads + h) * stride + j] = c >= 0 is copied from cache row c of (b, h),
+  // (batch, heads, cache_rows, row_bytes) on the device, instead of read from the pool.
+  const int32_t* sources = nullptr;  // (batch, heads, stride), device
+  const void* cached_keys = nullptr;
+  const void* cached_values = nullptr;
+  int64_t cache_rows = 0;
 };
 
 // The gather of `g` with one kernel on `stream`, on `blocks` blocks (0: the default, as
