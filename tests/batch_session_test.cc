@@ -5,12 +5,16 @@
 // writes the same output again without running the turn twice; bad inputs end with one line.
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "offload/session_tier.h"
@@ -163,6 +167,67 @@ TEST(BatchSessions, ALineLostAfterItsTurnCommittedIsFoundInTheSession) {
   EXPECT_EQ(read_file(dir.path() / "out.jsonl"), whole);
   EXPECT_EQ(summary["sessions"]["recovered_lines"], 1);
   EXPECT_EQ(summary["sessions"]["turns"], 0);
+}
+
+// kill -9 at random moments of a longer job (3 sessions of 8 turns), then the same command until
+// it finishes: the output is the uninterrupted job's, byte for byte, whatever the moment (before
+// a turn's commit, between it and its line, during the line's write).
+TEST(BatchSessions, KilledAtRandomMomentsTheResumedJobLosesNothing) {
+  TempDir dir("batch-sessions-killed");
+  std::string text;
+  std::mt19937 rng(41);
+  static const char* const kWords[] = {"the", "LORD", "said", "file", "open", "unto", "heaven"};
+  for (int turn = 0; turn < 8; ++turn) {
+    for (const std::string name : {"p", "q", "r"}) {
+      std::string prompt;
+      for (int w = 0; w < 3 + static_cast<int>(rng() % 6); ++w) {
+        prompt += ' ';
+        prompt += kWords[rng() % 7];
+      }
+      json line = {{"custom_id", name + std::to_string(turn)},
+                   {"prompt", prompt},
+                   {"max_tokens", 12},
+                   {"session", name}};
+      if (turn == 0) line["session_new"] = true;
+      text += line.dump() + "\n";
+    }
+  }
+  std::ofstream(dir.path() / "job.jsonl") << text;
+  const auto args = [&](const std::string& output, const std::string& roots) {
+    return std::vector<std::string>{"batch",
+                                    "--model",
+                                    kTiny,
+                                    "--input",
+                                    (dir.path() / "job.jsonl").string(),
+                                    "--output",
+                                    (dir.path() / output).string(),
+                                    "--temperature",
+                                    "0",
+                                    "--session-root",
+                                    roots,
+                                    "--session-cache",
+                                    "20K"};
+  };
+  const std::string whole_roots = (dir.path() / "whole").string();
+  fs::create_directories(whole_roots);
+  ASSERT_EQ(run_infinigen(args("whole.jsonl", whole_roots)).exit_code, 0);
+  const std::string expected = read_file(dir.path() / "whole.jsonl");
+
+  const std::string roots = (dir.path() / "killed").string();
+  fs::create_directories(roots);
+  int kills = 0;
+  for (int attempt = 0; attempt < 40; ++attempt) {
+    testing_util::BackgroundInfinigen command(args("killed.jsonl", roots));
+    std::this_thread::sleep_for(std::chrono::milliseconds(5 + rng() % 120));
+    if (!command.running()) break;  // finished before the kill
+    double seconds = 0;
+    command.signal_and_wait(SIGKILL, 30.0, &seconds);
+    ++kills;
+  }
+  EXPECT_GT(kills, 0);
+  const testing_util::CommandResult last = run_infinigen(args("killed.jsonl", roots));
+  ASSERT_EQ(last.exit_code, 0) << last.err;
+  EXPECT_EQ(read_file(dir.path() / "killed.jsonl"), expected) << kills << " kills";
 }
 
 TEST(BatchSessions, BadInputsEndWithOneLine) {
