@@ -8,7 +8,10 @@
 // A decode step of layer l (decode_layer): layer l + 1's selection is made from layer l's
 // attention input, and its selected rows are gathered from the pool into layer l + 1's staging
 // while layer l's attention runs; the new token goes after layer l's staged rows and into the
-// pool and the partial key cache; attention waits for layer l's own load. Staged rows are
+// pool and the partial key cache; attention waits for layer l's own load. With the row cache
+// (InfinigenPlacement::row_cache, offload/row_cache.h) the selected rows the layer fetched at the
+// step before are copied from it on the device instead of loaded, and once the load is done the
+// staged selection becomes the cache. Staged rows are
 // compact: for sequence b, rows [n' - take[b], n') hold its selected positions in order and row
 // n' the new token; attention reads rows [n' - take[b], n' + 1) (the view's own first_valid).
 // Dense layers (and every layer of an extension pass) load their whole KV a layer ahead, as

@@ -56,10 +56,11 @@ struct OffloadOptions {
   // over the link, every step; on the CPU backend both are the same memory. -1: as few as the
   // memory plan needs to fit (0 when everything fits on the device).
   int64_t partial_key_host_layers = -1;
-  // Policy infinigen (uncapped pool, CPU backend): a device cache of the rows each speculated
-  // (layer, sequence, KV head) fetched at the step before; a step loads only the rows it does
-  // not hold (its K and V rows of the fetch cap per (layer, sequence, KV head)). Exact. Auto: on
-  // when the plan fits it beside the other placements, which come first.
+  // Policy infinigen (uncapped pool): a device cache of the rows each speculated (layer,
+  // sequence, KV head) fetched at the step before (offload/row_cache.h); a step loads only the
+  // rows it does not hold. Its K and V rows of the fetch cap per (layer, sequence, KV head) are
+  // device memory. Exact. Auto: on when the plan fits it beside the other placements, which come
+  // first; off under a pool limit, where on is refused.
   RowCacheUse row_cache = RowCacheUse::Auto;
   EvictionPolicy eviction = EvictionPolicy::Counter;  // victims of a capped pool
   double h2o_budget = 0.2;  // policy h2o: share of the tokens kept per (layer, sequence, head)
