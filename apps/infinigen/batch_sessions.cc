@@ -48,7 +48,15 @@ std::vector<JobSession> job_sessions(const std::vector<BatchRequest>& requests,
                       session.directory,
                       " holds none; start it with \"session_new\": true on its first request)");
     }
-    if (!on_disk) continue;
+    if (!on_disk) {
+      // Turns with lines already continued it: its directory went since.
+      for (size_t k : session.requests) {
+        INFINIGEN_CHECK(!done.holds(requests[k]), "line ", requests[k].line, ": unknown session '",
+                        first.session, "' (", session.directory,
+                        " holds none, but this turn has a line in the output already)");
+      }
+      continue;
+    }
     // Opened now for its checks (key, manifest, files), before any work.
     const std::unique_ptr<DiskSession> opened = DiskSession::open(session.directory, key);
     INFINIGEN_CHECK(!first.session_new || done.holds(first) ||

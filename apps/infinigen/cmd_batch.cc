@@ -319,6 +319,8 @@ std::string run_session_turn(const PreparedRequest& p, const std::string& direct
       return session->turn_record();
     }
   } else {
+    INFINIGEN_CHECK(r.session_new, "unknown session '", r.session, "' (", directory,
+                    " holds none)");
     session = DiskSession::create(directory, key);
     session->set_tier(tier);
   }
