@@ -77,12 +77,29 @@ std::map<std::string, std::string> completions(const std::string& output) {
   return texts;
 }
 
+// `infinigen batch` on opt-tiny of dir/job.jsonl into dir/`output`, greedy, its sessions under
+// `roots`, with `more` options.
+std::vector<std::string> batch_args(const TempDir& dir, const std::string& output,
+                                    const std::string& roots, std::vector<std::string> more = {}) {
+  std::vector<std::string> args = {"batch",
+                                   "--model",
+                                   kTiny,
+                                   "--input",
+                                   (dir.path() / "job.jsonl").string(),
+                                   "--output",
+                                   (dir.path() / output).string(),
+                                   "--temperature",
+                                   "0",
+                                   "--session-root",
+                                   roots};
+  args.insert(args.end(), more.begin(), more.end());
+  return args;
+}
+
 json run_job(const TempDir& dir, const std::string& output, const std::string& cache,
              const std::string& roots) {
-  const testing_util::CommandResult result = run_infinigen(
-      {"batch", "--model", kTiny, "--input", (dir.path() / "job.jsonl").string(), "--output",
-       (dir.path() / output).string(), "--temperature", "0", "--session-root", roots,
-       "--session-cache", cache, "--json"});
+  const testing_util::CommandResult result =
+      run_infinigen(batch_args(dir, output, roots, {"--session-cache", cache, "--json"}));
   EXPECT_EQ(result.exit_code, 0) << result.err;
   return json::parse(result.out);
 }
@@ -194,19 +211,7 @@ TEST(BatchSessions, KilledAtRandomMomentsTheResumedJobLosesNothing) {
   }
   std::ofstream(dir.path() / "job.jsonl") << text;
   const auto args = [&](const std::string& output, const std::string& roots) {
-    return std::vector<std::string>{"batch",
-                                    "--model",
-                                    kTiny,
-                                    "--input",
-                                    (dir.path() / "job.jsonl").string(),
-                                    "--output",
-                                    (dir.path() / output).string(),
-                                    "--temperature",
-                                    "0",
-                                    "--session-root",
-                                    roots,
-                                    "--session-cache",
-                                    "20K"};
+    return batch_args(dir, output, roots, {"--session-cache", "20K"});
   };
   const std::string whole_roots = (dir.path() / "whole").string();
   fs::create_directories(whole_roots);
@@ -236,15 +241,7 @@ TEST(BatchSessions, BadInputsEndWithOneLine) {
   fs::create_directories(roots);
   const auto job = [&](const std::string& text) {
     std::ofstream(dir.path() / "job.jsonl", std::ios::trunc) << text;
-    return std::vector<std::string>{"batch",
-                                    "--model",
-                                    kTiny,
-                                    "--input",
-                                    (dir.path() / "job.jsonl").string(),
-                                    "--output",
-                                    (dir.path() / "out.jsonl").string(),
-                                    "--session-root",
-                                    roots};
+    return batch_args(dir, "out.jsonl", roots);
   };
   // A session no request starts and no directory holds.
   expect_one_line_error(job(R"({"custom_id": "q", "prompt": "x", "session": "nobody"})"
