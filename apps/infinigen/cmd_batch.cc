@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -672,20 +673,20 @@ int batch(const BatchOptions& o) {
     // their turn; with look-ahead its eviction knows each session's next turn in this order, and
     // the next turn's session is read into it while the current one computes.
     SessionTier tier(*tier_budget);
-    size_t position = 0;  // the turn running now
+    // The turn running now; the prefetch thread's admissions read it.
+    std::atomic<size_t> position = 0;
     tier.set_next_use([&](const std::string& directory) {
-      for (size_t i = position + 1; i < shard_turns.size(); ++i) {
+      for (size_t i = position.load() + 1; i < shard_turns.size(); ++i) {
         if (directory_of(*shard_turns[i]->request) == directory) return static_cast<int64_t>(i);
       }
       return kNeverUsedAgain;
     });
     SessionPrefetch prefetch;
     for (position = 0; position < shard_turns.size(); ++position) {
-      const PreparedRequest& turn = *shard_turns[position];
+      const PreparedRequest& turn = *shard_turns[position.load()];
       const std::string directory = directory_of(*turn.request);
-      prefetch.join();
       if (o.session_prefetch && position + 1 < shard_turns.size()) {
-        const std::string next = directory_of(*shard_turns[position + 1]->request);
+        const std::string next = directory_of(*shard_turns[position.load() + 1]->request);
         if (next != directory && !failed_session.count(next))
           prefetch.start(next, session_key_of_job, tier);
       }
@@ -721,8 +722,9 @@ int batch(const BatchOptions& o) {
       ++finished;
       totals.completed = finished;
       show();
+      // Before the position moves: the prefetched session is admitted as the next turn's.
+      prefetch.join();
     }
-    prefetch.join();
     totals.tier = tier.stats();
     totals.prefetch_bytes = prefetch.bytes_read();
     for (const std::vector<size_t>& members : batches) {
