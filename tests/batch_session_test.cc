@@ -186,15 +186,16 @@ TEST(BatchSessions, ALineLostAfterItsTurnCommittedIsFoundInTheSession) {
   EXPECT_EQ(summary["sessions"]["turns"], 0);
 }
 
-// kill -9 at random moments of a longer job (3 sessions of 8 turns), then the same command until
-// it finishes: the output is the uninterrupted job's, byte for byte, whatever the moment (before
-// a turn's commit, between it and its line, during the line's write).
+// kill -9 at random moments of a longer job (3 sessions of 10 turns: each compacts its 18
+// segments on the save of its ninth turn, kSessionCompactAfter), then the same command until it
+// finishes: the output is the uninterrupted job's, byte for byte, whatever the moment (before a
+// turn's commit, between it and its line, during the line's write, in a compaction).
 TEST(BatchSessions, KilledAtRandomMomentsTheResumedJobLosesNothing) {
   TempDir dir("batch-sessions-killed");
   std::string text;
   std::mt19937 rng(41);
   static const char* const kWords[] = {"the", "LORD", "said", "file", "open", "unto", "heaven"};
-  for (int turn = 0; turn < 8; ++turn) {
+  for (int turn = 0; turn < 10; ++turn) {
     for (const std::string name : {"p", "q", "r"}) {
       std::string prompt;
       for (int w = 0; w < 3 + static_cast<int>(rng() % 6); ++w) {
@@ -217,6 +218,9 @@ TEST(BatchSessions, KilledAtRandomMomentsTheResumedJobLosesNothing) {
   fs::create_directories(whole_roots);
   ASSERT_EQ(run_infinigen(args("whole.jsonl", whole_roots)).exit_code, 0);
   const std::string expected = read_file(dir.path() / "whole.jsonl");
+  // Compacted at the ninth turn (18 segments into 1), then the tenth turn's 2.
+  EXPECT_EQ(
+      json::parse(read_file(fs::path(whole_roots) / "p" / "manifest.json"))["segments"].size(), 3u);
 
   const std::string roots = (dir.path() / "killed").string();
   fs::create_directories(roots);
@@ -233,6 +237,70 @@ TEST(BatchSessions, KilledAtRandomMomentsTheResumedJobLosesNothing) {
   const testing_util::CommandResult last = run_infinigen(args("killed.jsonl", roots));
   ASSERT_EQ(last.exit_code, 0) << last.err;
   EXPECT_EQ(read_file(dir.path() / "killed.jsonl"), expected) << kills << " kills";
+}
+
+// A turn that cannot run (its conversation would outgrow the context) gets an error line, its
+// session stays as it was and its later turns get error lines naming it; another session's turns
+// and the job go on.
+TEST(BatchSessions, ATurnThatCannotRunFailsItsSessionsLaterTurnsOnly) {
+  TempDir dir("batch-sessions-failed-turn");
+  const auto ids = [](int n) {
+    json prompt = json::array();
+    for (int i = 0; i < n; ++i) prompt.push_back(10 + i);
+    return prompt;
+  };
+  std::string text;
+  text += json({{"custom_id", "l1"},
+                {"prompt", ids(100)},
+                {"max_tokens", 50},
+                {"session", "long"},
+                {"session_new", true}})
+              .dump() +
+          "\n";
+  text += json({{"custom_id", "s1"},
+                {"prompt", "In the beginning"},
+                {"max_tokens", 4},
+                {"session", "short"},
+                {"session_new", true}})
+              .dump() +
+          "\n";
+  text += json({{"custom_id", "l2"}, {"prompt", ids(100)}, {"max_tokens", 50}, {"session", "long"}})
+              .dump() +
+          "\n";
+  text += json({{"custom_id", "l3"}, {"prompt", ids(2)}, {"max_tokens", 2}, {"session", "long"}})
+              .dump() +
+          "\n";
+  text += json({{"custom_id", "s2"},
+                {"prompt", " and the earth"},
+                {"max_tokens", 4},
+                {"session", "short"}})
+              .dump() +
+          "\n";
+  std::ofstream(dir.path() / "job.jsonl") << text;
+  const std::string roots = (dir.path() / "roots").string();
+  fs::create_directories(roots);
+  const testing_util::CommandResult result =
+      run_infinigen(batch_args(dir, "out.jsonl", roots, {"--json"}));
+  ASSERT_EQ(result.exit_code, 0) << result.err;
+  std::map<std::string, json> lines;
+  std::istringstream in(read_file(dir.path() / "out.jsonl"));
+  for (std::string line; std::getline(in, line);) {
+    const json j = json::parse(line);
+    lines[j["custom_id"]] = j;
+  }
+  ASSERT_EQ(lines.size(), 5u);
+  for (const char* ok : {"l1", "s1", "s2"}) EXPECT_TRUE(lines[ok]["error"].is_null()) << ok;
+  EXPECT_NE(lines["l2"]["error"]["message"].get<std::string>().find("context"), std::string::npos)
+      << lines["l2"];
+  EXPECT_NE(lines["l3"]["error"]["message"].get<std::string>().find("line 3"), std::string::npos)
+      << lines["l3"];
+  // The session holds its first turn only: 100 prompt tokens and 50 generated.
+  const json manifest = json::parse(read_file(fs::path(roots) / "long" / "manifest.json"));
+  EXPECT_EQ(manifest["sequences"][0].size(), 150u);
+  EXPECT_EQ(manifest["turn"]["label"], "l1");
+  const json summary = json::parse(result.out);
+  EXPECT_EQ(summary["completed"], 3);
+  EXPECT_EQ(summary["errors"], 2);
 }
 
 TEST(BatchSessions, BadInputsEndWithOneLine) {

@@ -662,7 +662,8 @@ int batch(const BatchOptions& o) {
   {
     Progress progress("requests");
     const auto started = std::chrono::steady_clock::now();
-    int64_t finished = 0;
+    int64_t finished = 0;      // lines written by this run (failed session turns' included)
+    int64_t failed_turns = 0;  // of those, session turns' error lines
     const auto show = [&] {
       const double elapsed =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
@@ -696,6 +697,7 @@ int batch(const BatchOptions& o) {
                           cat("an earlier turn of session '", turn.request->session, "' (line ",
                               failed->second, ") failed"));
         ++totals.errors;
+        ++failed_turns;
       } else {
         try {
           line = with_interrupt_context(
@@ -715,12 +717,13 @@ int batch(const BatchOptions& o) {
           line = error_line(*turn.request, "invalid_request", e.what());
           failed_session[directory] = turn.request->line;
           ++totals.errors;
+          ++failed_turns;
           tier.erase(directory);
         }
       }
       appender.append(line);
       ++finished;
-      totals.completed = finished;
+      totals.completed = finished - failed_turns;
       show();
       // Before the position moves: the prefetched session is admitted as the next turn's.
       prefetch.join();
@@ -748,7 +751,7 @@ int batch(const BatchOptions& o) {
         ++finished;
       }
       appender.append(written);
-      totals.completed = finished;
+      totals.completed = finished - failed_turns;
       show();
     }
   }
