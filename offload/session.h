@@ -27,7 +27,9 @@
 // killed) are removed by the next save. A save that leaves more segments than a count first
 // merges them into one (offload/session_compact.h), committed by the same manifest.
 //
-// The key is made in session_key.h, the manifest read and written in session_manifest.h.
+// The key is made in session_key.h, the manifest read and written in session_manifest.h. A
+// process that runs many turns (a batch job) keeps sessions in host memory between them
+// (session_tier.h): a turn resumed from there reads nothing from the disk.
 #pragma once
 
 #include <condition_variable>
