@@ -2,15 +2,41 @@
 #include "speculate/speculation.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <numeric>
 
 #include "core/ops.h"
 #include "core/trace.h"
+#include "kernels/cpu/parallel.h"
 #include "kernels/cpu/rope.h"
 
 namespace infinigen {
+
+namespace {
+
+// Positions per unit of work of the speculation's scores: large enough that a unit's fixed costs
+// vanish, small enough that one long sequence's positions spread over every thread.
+constexpr int64_t kSpeculationChunk = 256;
+
+// a . b over n elements in 8 lanes (lane l sums elements l, l + 8, ...; the lanes are then added
+// in pairs, the remainder last): a fixed order that the compiler turns into vector
+// multiply-adds, where a single running sum would have to stay scalar.
+float lane_dot(const float* a, const float* b, int64_t n) {
+  constexpr int64_t kLanes = 8;
+  std::array<float, kLanes> lanes{};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    for (int64_t l = 0; l < kLanes; ++l) lanes[static_cast<size_t>(l)] += a[j + l] * b[j + l];
+  }
+  float rest = 0.0f;
+  for (; j < n; ++j) rest += a[j] * b[j];
+  return ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) +
+         ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7])) + rest;
+}
+
+}  // namespace
 
 void SpeculationOptions::validate() const {
   INFINIGEN_CHECK(alpha >= 0 && !std::isnan(alpha), option("alpha"), " must be >= 0, got ", alpha);
@@ -439,37 +465,61 @@ std::vector<float> PartialLayer::estimate_logits(
   }
   if (traced("speculate", {batch_, kv_heads_, used, r_, heads_}, key_dtype_)) return {};
   INFINIGEN_CHECK(!keys_.empty(), "speculation: this layer's partial keys moved to the device");
-  const Tensor& host_rows = query_rows_;
+  // The scaled partial query of every head, (B, H, r): made once, read by every chunk below.
+  const int64_t H = heads_;
+  std::vector<float> queries(static_cast<size_t>(batch_ * H * r_));
+  for (int64_t b = 0; b < batch_; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
+      partial_query(query_rows_.data<float>() + b * M + head_rows_[static_cast<size_t>(h)], h,
+                    inv_freq_.empty() ? 0 : rope_positions[static_cast<size_t>(b)],
+                    queries.data() + (b * H + h) * r_);
+    }
+  }
+  // (B, H_kv, used): the largest estimated logit over each KV head's query heads, -inf where a
+  // position holds no token the sequence attends to. The positions of each (sequence, KV head) are
+  // split into chunks of a fixed size, so that a batch of a few long sequences still uses every
+  // thread; the split depends on the shapes only and each logit is computed the same way in any
+  // chunk, so the result does not depend on the thread count.
   std::vector<float> logits(static_cast<size_t>(batch_ * kv_heads_ * used), -INFINITY);
-#pragma omp parallel for collapse(2) schedule(static)
+  const int64_t chunks = (used + kSpeculationChunk - 1) / kSpeculationChunk;
+  const bool spread = batch_ * H * used * r_ > kernels::cpu::kParallelWork;
+#pragma omp parallel for collapse(3) schedule(static) if (spread)
   for (int64_t b = 0; b < batch_; ++b) {
     for (int64_t g = 0; g < kv_heads_; ++g) {
-      std::vector<float> query(static_cast<size_t>(r_));
-      std::vector<float> widened(key_dtype_ == DType::F32 ? 0 : static_cast<size_t>(r_));
-      float* s = logits.data() + (b * kv_heads_ + g) * used;
-      for (int64_t h = g * group_; h < (g + 1) * group_; ++h) {
-        partial_query(host_rows.data<float>() + b * M + head_rows_[static_cast<size_t>(h)], h,
-                      inv_freq_.empty() ? 0 : rope_positions[static_cast<size_t>(b)], query.data());
-        for (int64_t p = 0; p < used; ++p) {
-          const int64_t token =
-              position_tokens
-                  ? (*position_tokens)[static_cast<size_t>((b * kv_heads_ + g) * capacity_ + p)]
-                  : p;
-          if (!holds_token(token, first_valid, b)) continue;  // -inf: padding or empty
-          const char* stored = keys_.data() + key_offset(b, g, p);
-          const float* key = reinterpret_cast<const float*>(stored);
-          if (key_dtype_ != DType::F32) {
-            convert_to_f32(stored, key_dtype_, widened.data(), widened.size());
-            key = widened.data();
-          }
-          float dot = 0.0f;
-          for (int64_t j = 0; j < r_; ++j) dot += query[static_cast<size_t>(j)] * key[j];
-          s[p] = std::max(s[p], dot);
-        }
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t begin = c * kSpeculationChunk;
+        score_positions(queries.data() + (b * H + g * group_) * r_, b, g, begin,
+                        std::min(used, begin + kSpeculationChunk), first_valid, position_tokens,
+                        logits.data() + (b * kv_heads_ + g) * used);
       }
     }
   }
   return logits;
+}
+
+void PartialLayer::score_positions(const float* queries, int64_t b, int64_t g, int64_t begin,
+                                   int64_t end, const std::vector<int32_t>& first_valid,
+                                   const std::vector<int32_t>* position_tokens,
+                                   float* logits) const {
+  // Each key is widened once (fp16) and dotted with every query head of its group while it is in
+  // the first-level cache.
+  std::vector<float> widened(key_dtype_ == DType::F32 ? 0 : static_cast<size_t>(r_));
+  for (int64_t p = begin; p < end; ++p) {
+    const int64_t token =
+        position_tokens
+            ? (*position_tokens)[static_cast<size_t>((b * kv_heads_ + g) * capacity_ + p)]
+            : p;
+    if (!holds_token(token, first_valid, b)) continue;  // -inf: padding or empty
+    const char* stored = keys_.data() + key_offset(b, g, p);
+    const float* key = reinterpret_cast<const float*>(stored);
+    if (key_dtype_ != DType::F32) {
+      convert_to_f32(stored, key_dtype_, widened.data(), widened.size());
+      key = widened.data();
+    }
+    float best = -INFINITY;
+    for (int64_t h = 0; h < group_; ++h) best = std::max(best, lane_dot(queries + h * r_, key, r_));
+    logits[p] = best;
+  }
 }
 
 PartialLayer::Selection PartialLayer::speculate(

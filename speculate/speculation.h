@@ -278,6 +278,12 @@ class PartialLayer {
   // The sizes of a restored layer (restore, restore_shapes).
   void set_shape(int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                  int64_t capacity, int64_t r, DType key_dtype);
+  // Positions [begin, end) of (b, g) scored against the group's scaled partial queries
+  // (group_, r): logits[p] (the row's, indexed by position) = max over the heads of q . key(p),
+  // left as they are where the position holds no token of sequence b.
+  void score_positions(const float* queries, int64_t b, int64_t g, int64_t begin, int64_t end,
+                       const std::vector<int32_t>& first_valid,
+                       const std::vector<int32_t>* position_tokens, float* logits) const;
   // The partial query (r, scaled) of head h of sequence b from its needed rows `rows`.
   void partial_query(const float* rows, int64_t h, int32_t rope_position, float* out) const;
   // A dry run's selection: sequence b takes its first take[b] valid positions.
