@@ -67,9 +67,13 @@ PointMetrics metrics_of(const OffloadRun& run, int64_t num_layers) {
   m.layer_fetched_again_fraction = summary.layer_fetched_again_fraction;
   const auto& steps = run.stats.steps();
   for (size_t i = 1; i < steps.size(); ++i) {
-    std::vector<uint64_t> rows;
-    for (const LayerTraffic& layer : steps[i].layers) rows.push_back(layer.tokens_fetched);
+    std::vector<uint64_t> rows, cached;
+    for (const LayerTraffic& layer : steps[i].layers) {
+      rows.push_back(layer.tokens_fetched);
+      cached.push_back(layer.tokens_from_row_cache);
+    }
     m.fetched_rows.push_back(std::move(rows));
+    m.cached_rows.push_back(std::move(cached));
   }
   const double layers = static_cast<double>(num_layers);
   m.block_s = m.decode_step_s / layers;
@@ -101,6 +105,7 @@ PointMetrics median_metrics(const std::vector<PointMetrics>& runs) {
   m.layer_fetched_fraction = closest->layer_fetched_fraction;
   m.layer_fetched_again_fraction = closest->layer_fetched_again_fraction;
   m.fetched_rows = closest->fetched_rows;
+  m.cached_rows = closest->cached_rows;
   return m;
 }
 
@@ -351,6 +356,10 @@ BenchReport run_experiment(const Experiment& experiment, const BenchOptions& opt
           model.fetched.fraction = result.measured->layer_fetched_fraction;
           model.fetched.rows = result.measured->fetched_rows;
           model.fetched.again = result.measured->layer_fetched_again_fraction;
+          // Measured with the row cache on: the rows it served, step by step.
+          if (in.options.row_cache != RowCacheUse::Off) {
+            model.fetched.again_rows = result.measured->cached_rows;
+          }
         } else {
           // The fetched share depends on the attention pattern and the context length, not on
           // the model's width: measure it on a narrow model with the point's lengths.

@@ -57,6 +57,8 @@ struct PointMetrics {
   std::vector<double> layer_fetched_again_fraction;
   // Per decode step and layer: (sequence, head, token) rows loaded (measured runs only).
   std::vector<std::vector<uint64_t>> fetched_rows;
+  // Per decode step and layer: of those, the rows the row cache served (measured runs only).
+  std::vector<std::vector<uint64_t>> cached_rows;
 };
 
 struct PointResult {

@@ -577,8 +577,8 @@ void InfinigenKv::load_selection(int64_t layer) {
   for (int64_t b = 0; b < B; ++b) {
     const int64_t take = sel.take[static_cast<size_t>(b)];
     const int64_t held = cached ? row_cache_.count(layer, b) : 0;
-    const int64_t replayed = dry_run() && cached ? replayed_hits(layer, take, held) : 0;
     for (int64_t h = 0; h < H; ++h) {
+      const int64_t replayed = dry_run() && cached ? replayed_hits(layer, b, h, take, held) : 0;
       const int32_t* positions = sel.tokens.data() + (b * H + h) * sel.fetch;
       const int32_t* held_positions =
           held > 0 && !dry_run() ? row_cache_.positions(layer, b, h) : nullptr;
@@ -624,9 +624,10 @@ void InfinigenKv::load_selection(int64_t layer) {
   pipeline.load(layer, std::move(chunks), TransferContent::KvRows);
 }
 
-int64_t InfinigenKv::replayed_hits(int64_t layer, int64_t take, int64_t cached) const {
-  const double share = replay_->again_share(layer, num_layers_, options_.dense_layers);
-  return std::min(cached, static_cast<int64_t>(std::floor(share * static_cast<double>(take))));
+int64_t InfinigenKv::replayed_hits(int64_t layer, int64_t b, int64_t h, int64_t take,
+                                   int64_t cached) const {
+  return std::min(cached, replay_->cached(length() - prompt_tokens_ + 1, layer, num_layers_,
+                                          options_.dense_layers, b, h, batch(), kv_heads_, take));
 }
 
 void InfinigenKv::count_traffic(int64_t layer) {

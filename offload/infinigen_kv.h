@@ -153,9 +153,9 @@ class InfinigenKv : public KvStore {
   void load_selection(int64_t layer);
   // The tokens selection_[layer] fetches and those the pool holds, into this step's traffic.
   void count_traffic(int64_t layer);
-  // How many of the first selected rows of a sequence taking `take` rows a dry run serves from
-  // the row cache, which holds `cached` rows of it (FetchReplay::again).
-  int64_t replayed_hits(int64_t layer, int64_t take, int64_t cached) const;
+  // How many of the first selected rows of (sequence b, KV head h), which takes `take` rows, a
+  // dry run serves from the row cache, which holds `cached` rows of it (FetchReplay::cached).
+  int64_t replayed_hits(int64_t layer, int64_t b, int64_t h, int64_t take, int64_t cached) const;
   // Of selection_[layer]'s rows, those `previous` (the layer's selection at the step before)
   // also fetched, into this step's traffic (LayerTraffic::tokens_fetched_again).
   void count_fetched_again(int64_t layer, const PartialLayer::Selection& previous);

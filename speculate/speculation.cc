@@ -77,8 +77,20 @@ double per_layer_share(const std::vector<double>& shares, int64_t layer, int64_t
 
 }  // namespace
 
-double FetchReplay::again_share(int64_t layer, int64_t num_layers, int64_t dense_layers) const {
-  return again.empty() ? 0.0 : per_layer_share(again, layer, num_layers, dense_layers);
+int64_t FetchReplay::cached(int64_t step, int64_t layer, int64_t num_layers, int64_t dense_layers,
+                            int64_t b, int64_t h, int64_t batch, int64_t heads,
+                            int64_t take) const {
+  const size_t s = static_cast<size_t>(step - 1);
+  int64_t served = 0;
+  if (s < again_rows.size()) {
+    const int64_t total = static_cast<int64_t>(again_rows[s][static_cast<size_t>(layer)]);
+    const int64_t pairs = batch * heads;
+    served = total / pairs + (b * heads + h < total % pairs ? 1 : 0);
+  } else if (!again.empty()) {
+    const double share = per_layer_share(again, layer, num_layers, dense_layers);
+    served = static_cast<int64_t>(std::floor(share * static_cast<double>(take)));
+  }
+  return std::min(served, take);
 }
 
 void FetchReplay::validate(int64_t num_layers) const {
@@ -90,6 +102,10 @@ void FetchReplay::validate(int64_t num_layers) const {
   }
   for (double f : again) {
     INFINIGEN_CHECK(f >= 0 && f <= 1, "fetched-again share ", f, " is not in [0, 1]");
+  }
+  for (const std::vector<uint64_t>& step : again_rows) {
+    INFINIGEN_CHECK(static_cast<int64_t>(step.size()) == num_layers, "row cache rows for ",
+                    step.size(), " layers per step, the model has ", num_layers);
   }
   for (const std::vector<uint64_t>& step : rows) {
     INFINIGEN_CHECK(static_cast<int64_t>(step.size()) == num_layers, "fetched rows for ",

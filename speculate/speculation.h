@@ -63,6 +63,9 @@ struct FetchReplay {
   // tokens_fetched): what a row cache serves (OffloadOptions::row_cache). Resampled as
   // `fraction`; empty: none.
   std::vector<double> again;
+  // Optional and exact: per decode step (1, 2, ...) and layer, the (sequence, head, token) rows a
+  // run's row cache served (its tokens_from_row_cache). Overrides `again` where given.
+  std::vector<std::vector<uint64_t>> again_rows;
 
   // One-line Error when a share is outside [0, 1], a step of `rows` has not `num_layers`
   // entries, or there is nothing to replay.
@@ -74,8 +77,12 @@ struct FetchReplay {
   std::vector<int32_t> take(int64_t step, int64_t layer, int64_t num_layers, int64_t dense_layers,
                             int64_t heads, int64_t stored, const std::vector<int64_t>& valid,
                             int64_t cap) const;
-  // The share of `again` for speculated layer `layer` (0 when it is empty).
-  double again_share(int64_t layer, int64_t num_layers, int64_t dense_layers) const;
+  // Rows a row cache serves to (sequence b, KV head h) of `batch` x `heads` at decode step `step`
+  // of speculated layer `layer`, which takes `take` rows: the measured rows spread evenly over the
+  // (sequence, head) pairs, the remainder to the first, or the share `again` of `take` (0 when
+  // neither is given); at most `take`.
+  int64_t cached(int64_t step, int64_t layer, int64_t num_layers, int64_t dense_layers, int64_t b,
+                 int64_t h, int64_t batch, int64_t heads, int64_t take) const;
 };
 
 // The number of partial key columns per head, r = max(1, floor(ratio * head_dim)).

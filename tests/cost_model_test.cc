@@ -55,8 +55,10 @@ class CostModelSchedule : public testing_util::SmallRunTest {
     const auto& steps = run.stats.steps();
     for (size_t s = 1; s < steps.size(); ++s) {
       in.fetched.rows.emplace_back();
+      in.fetched.again_rows.emplace_back();
       for (const LayerTraffic& layer : steps[s].layers) {
         in.fetched.rows.back().push_back(layer.tokens_fetched);
+        in.fetched.again_rows.back().push_back(layer.tokens_from_row_cache);
       }
     }
     const Schedule schedule = run_schedule(in);

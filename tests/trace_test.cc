@@ -81,6 +81,12 @@ TEST_F(DryTrace, ReplayingEverythingRecordsWhatSelectingEverythingDoes) {
     options.speculation.max_num_kv = 1 << 20;
     FetchReplay everything;
     everything.fraction.assign(static_cast<size_t>(source_.config.num_layers), 1.0);
+    options.row_cache = RowCacheUse::Off;
+    expect_same_trace(options, &everything);
+    // With the row cache: selecting everything, a step holds all the step before selected (every
+    // row but the token stored since), which a replayed share of 1 serves too.
+    options.row_cache = RowCacheUse::On;
+    everything.again.assign(static_cast<size_t>(source_.config.num_layers), 1.0);
     expect_same_trace(options, &everything);
   }
   EXPECT_GE(selecting, 1);  // infinigen
