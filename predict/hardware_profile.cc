@@ -43,6 +43,8 @@ constexpr NumericField kNumericFields[] = {
      "fp16 B/s coded by int4 quantise/dequantise"},
     {"speculation_bytes_per_s", &HardwareProfile::speculation_bytes_per_s, 0, false,
      "partial-key B/s scanned by speculation"},
+    {"speculation_flops", &HardwareProfile::speculation_flops, 0, false,
+     "FLOP/s of speculation's query-head x partial-key products"},
     {"scoring_flops", &HardwareProfile::scoring_flops, 0, false,
      "FLOP/s of the h2o policy's per-entry score accumulation"},
     {"op_overhead_s", &HardwareProfile::op_overhead_s, 0, true, "s per op"},

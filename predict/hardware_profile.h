@@ -40,6 +40,7 @@ struct HardwareProfile {
   double elementwise_bytes_per_s = 0;  // LayerNorm, residual add, KV row writes, B/s
   double kv_codec_bytes_per_s = 0;  // int4 quantise/dequantise, fp16 bytes of rows coded per second
   double speculation_bytes_per_s = 0;  // InfiniGen scoring: partial-key bytes scanned per second
+  double speculation_flops = 0;  // InfiniGen scoring: query-head x partial-key products, FLOP/s
   double scoring_flops = 0;            // H2O's per-entry attention-score accumulation, FLOP/s
   double op_overhead_s = 0;            // fixed cost per op / kernel launch
 

@@ -86,9 +86,17 @@ const std::pair<std::string_view, Pricing> kPrices[] = {
        return elementwise(8 * rows * f(s[4]) + 4 * rows * f(s[1] * s[3]) +
                           4 * f(s[1] * s[3] * s[4]));
      }},
-    {"speculate",  // the estimated logits over every stored position's partial key, and top-k
+    // The estimated logits over every stored position's partial key, and top-k: each key of
+    // {B, H_kv, positions, r} read once, dotted with each of the H query heads of its group.
+    {"speculate",
      [](auto& s, double e, DType) {
-       return OpWork{OpClass::Speculation, 0, e * f(s[0] * s[1] * s[2] * s[3]), 0, 0, 0, 0};
+       return OpWork{OpClass::Speculation,
+                     2 * f(s[0] * s[4] * s[2] * s[3]),
+                     e * f(s[0] * s[1] * s[2] * s[3]),
+                     0,
+                     0,
+                     0,
+                     0};
      }},
     // offload/session.h: a resumed session's history rows copied into the pool, s[0] bytes
     {"session_restore",

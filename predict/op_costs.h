@@ -18,7 +18,7 @@ enum class OpClass {
   AttentionDecode,   // attention_flops, attention_bytes_per_s
   Elementwise,       // elementwise_bytes_per_s
   Codec,             // kv_codec_bytes_per_s
-  Speculation,       // speculation_bytes_per_s
+  Speculation,       // speculation_flops, speculation_bytes_per_s
   Scoring,           // scoring_flops
   Transfer,          // the link (and the host copy on the CPU backend)
   Gather,            // host threads gathering rows into pinned staging (cuda backend)

@@ -458,36 +458,57 @@ void measure_int4_codec(HardwareProfile& p, const Measurement& m) {
   m.say(cat("int4 codec: ", p.kv_codec_bytes_per_s / 1e9, " GB/s of fp16 rows"));
 }
 
-// Speculation: PartialLayer::speculate per byte of partial keys scanned, over layers whose
+// Seconds of one PartialLayer::speculate over n positions of B sequences, H query heads over
+// H_kv KV heads, r columns, with the runtime's default partial key dtype, over layers whose
 // partial key caches together exceed the last-level cache, as a decode step's layers do.
-void measure_speculation(HardwareProfile& p, const Measurement& m) {
-  const int64_t B = 4, H = 8, d = 128, D = H * d, n = 2048, r = 38;
+double time_speculation(const Measurement& m, int64_t H, int64_t Hkv) {
+  const int64_t B = 4, d = 128, D = H * d, n = 2048, r = 38;
+  const DType key_dtype = SpeculationOptions{}.partial_key_dtype;
   const Tensor q = random_tensor({B * n, D}, DType::F32, 18);
-  const Tensor k = random_tensor({B * n, D}, DType::F32, 19);
+  const Tensor k = random_tensor({B * n, Hkv * d}, DType::F32, 19);
   const Tensor wq = random_tensor({D, D}, DType::F16, 20);
   const Tensor bq = random_tensor({D}, DType::F32, 21);
   const Tensor x = random_tensor({B, D}, DType::F32, 22);
   const std::vector<int32_t> first_valid(static_cast<size_t>(B), 0);
   SpeculationOptions options;
   options.max_num_kv = options.fetch_cap(n);
-  const int copies = copies_for(m.effort.memory_set, 4.0 * static_cast<double>(B * H * n * r));
+  const double key_bytes = static_cast<double>(B * Hkv * n * r * dtype_size(key_dtype));
+  const int copies = copies_for(m.effort.memory_set, key_bytes);
   std::vector<PartialLayer> layers(static_cast<size_t>(copies));
   const Tensor none;
   for (PartialLayer& layer : layers) {
-    layer.build({q, k, wq, bq, none, none}, first_valid, H, H, n, r, PartialIndexRule::QK);
+    layer.build({q, k, wq, bq, none, none}, first_valid, H, Hkv, n, r, PartialIndexRule::QK,
+                nullptr, key_dtype);
   }
   size_t next = 0;
-  const double t = median_seconds(
+  return median_seconds(
       [&] {
         (void)layers[next].speculate(x, {}, n, first_valid, options);
         next = (next + 1) % layers.size();
       },
       m.effort.reps(4 * copies + 1), copies);
-  p.speculation_bytes_per_s = m.rate(4.0 * static_cast<double>(B * H * n * r), t);
+}
+
+// Speculation, priced as max(products / speculation_flops, key bytes / speculation_bytes_per_s)
+// (predict/op_costs.cc): the byte rate from multi-head attention (one query head per key, where
+// widening and reading the keys dominate), the product rate from 4 query heads per KV head
+// (Llama-3's grouping, where the products do). Both with the default partial key dtype.
+void measure_speculation(HardwareProfile& p, const Measurement& m) {
+  const int64_t B = 4, n = 2048, r = 38;
+  const size_t e = dtype_size(SpeculationOptions{}.partial_key_dtype);
+  const double multi_head = time_speculation(m, 8, 8);
+  p.speculation_bytes_per_s = m.rate(static_cast<double>(B * 8 * n * r * e), multi_head);
   p.sources["speculation_bytes_per_s"] = measured(
-      "PartialLayer::speculate (projection, scores, selection), B 4, H 8, r 38, 2048 "
-      "positions, per byte of partial keys, layers rotating beyond the last-level cache");
-  m.say(cat("speculation: ", p.speculation_bytes_per_s / 1e9, " GB/s of partial keys"));
+      "PartialLayer::speculate (projection, scores, selection), B 4, H 8 = H_kv, r 38, 2048 "
+      "positions, default partial key dtype, per byte of partial keys, layers rotating beyond "
+      "the last-level cache");
+  const double grouped = time_speculation(m, 32, 8);
+  p.speculation_flops = m.rate(2.0 * static_cast<double>(B * 32 * n * r), grouped);
+  p.sources["speculation_flops"] = measured(
+      "PartialLayer::speculate as for speculation_bytes_per_s with H 32 over H_kv 8, per "
+      "query-head x partial-key product (2 FLOP per element)");
+  m.say(cat("speculation: ", p.speculation_bytes_per_s / 1e9, " GB/s of partial keys, ",
+            p.speculation_flops / 1e9, " GFLOP/s grouped"));
 }
 
 // H2O's score accumulation: per (sequence, head), the h2o store's own scoring of the new query

@@ -90,6 +90,7 @@ OpCost op_cost(const ScheduledOp& op, const HardwareProfile& p, bool cached) {
       byte_rate = p.kv_codec_bytes_per_s;
       break;
     case OpClass::Speculation:
+      flop_rate = p.speculation_flops;
       byte_rate = p.speculation_bytes_per_s;
       break;
     case OpClass::Scoring:

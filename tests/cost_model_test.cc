@@ -138,9 +138,10 @@ TEST_F(CostModelSchedule, ASharedPrefixMovesTheRuntimesBytes) {
 // A cuda-backend profile with every compute rate scaled by `compute` and the link by `link`.
 HardwareProfile scaled(double compute, double link) {
   HardwareProfile p = load_hardware_profile("rtx-a6000-pcie3");
-  for (double* rate : {&p.gemm_flops, &p.device_memory_bytes_per_s, &p.attention_flops,
-                       &p.attention_bytes_per_s, &p.elementwise_bytes_per_s,
-                       &p.kv_codec_bytes_per_s, &p.speculation_bytes_per_s, &p.scoring_flops}) {
+  for (double* rate :
+       {&p.gemm_flops, &p.device_memory_bytes_per_s, &p.attention_flops, &p.attention_bytes_per_s,
+        &p.elementwise_bytes_per_s, &p.kv_codec_bytes_per_s, &p.speculation_bytes_per_s,
+        &p.speculation_flops, &p.scoring_flops}) {
     *rate *= compute;
   }
   if (std::isinf(compute)) p.op_overhead_s = 0;

@@ -24,10 +24,11 @@ TEST(ProfileMeasurement, AQuickMeasurementIsAProfileTheCostModelCanUse) {
   EXPECT_GT(lines.size(), 10u);  // progress on the long work
   EXPECT_EQ(p.name, "cpu-backend");
   EXPECT_EQ(p.backend, "cpu");
-  for (double rate : {p.gemm_flops, p.device_memory_bytes_per_s, p.attention_flops,
-                      p.attention_bytes_per_s, p.elementwise_bytes_per_s, p.kv_codec_bytes_per_s,
-                      p.speculation_bytes_per_s, p.scoring_flops, p.host_copy_bytes_per_s,
-                      p.host_row_copy_bytes_per_s, p.host_gather_bytes_per_s}) {
+  for (double rate :
+       {p.gemm_flops, p.device_memory_bytes_per_s, p.attention_flops, p.attention_bytes_per_s,
+        p.elementwise_bytes_per_s, p.kv_codec_bytes_per_s, p.speculation_bytes_per_s,
+        p.speculation_flops, p.scoring_flops, p.host_copy_bytes_per_s, p.host_row_copy_bytes_per_s,
+        p.host_gather_bytes_per_s}) {
     EXPECT_TRUE(std::isfinite(rate) && rate > 0) << rate;
   }
   EXPECT_GE(p.compute_slowdown_under_copy, 1);
