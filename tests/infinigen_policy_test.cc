@@ -225,6 +225,7 @@ TEST_F(InfinigenPolicy, PartialKeysInHostMemoryCountTheirBytesAndComputeTheSame)
   options.speculation = sparse;
   options.kv_block_tokens = 4;
   options.dense_kv = KvPlacement::Host;
+  options.row_cache = RowCacheUse::Off;  // decided after the partial keys (row_cache_test.cc)
   const OffloadRun device = run_offloaded(source_, request_, options, Device::Cpu);
   ASSERT_EQ(device.plan.partial_key_host_layers, 0);
   options.partial_key_host_layers = 1;
