@@ -97,7 +97,9 @@ TEST(CpuThreads, TheTeamShrinksWhileOtherProcessesKeepTheCoresBusy) {
   configure_cpu_threads(0);
   const CpuThreads start = cpu_threads();
   if (!start.adapts) GTEST_SKIP() << "one core, OMP_NUM_THREADS set, or no /proc: nothing adapts";
-  ASSERT_EQ(start.now, start.most);
+  // On a quiet machine the team starts at every core and must shrink; on a machine already busy
+  // it may start smaller (ABusyStartStartsSmall...), and must still end at one thread.
+  EXPECT_LE(start.now, start.most);
   {
     // As many busy processes as cores: whatever else runs, none is left free.
     BusyProcesses busy(start.most);
