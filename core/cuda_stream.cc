@@ -125,7 +125,16 @@ void gather_selected_rows(const SelectedRows& r, void* stream) {
       r.positions,    r.take,       r.batch,        r.heads,         r.stride,        r.key_blocks,
       r.value_blocks, r.max_blocks, r.block_tokens, r.staged_keys,   r.staged_values, r.rows,
       r.row_bytes,    r.sources,    r.cached_keys,  r.cached_values, r.cache_rows};
-  check(kernels::cuda::gather_selected_rows(g, stream), "selected-row gather kernel");
+  if (g.sources == nullptr) {
+    check(kernels::cuda::gather_selected_rows(g, stream), "selected-row gather kernel");
+    return;
+  }
+  // The row cache's rows by a grid as wide as them, then the pool's by the link's few blocks.
+  using kernels::cuda::SelectedRowSource;
+  check(kernels::cuda::gather_selected_rows(g, stream, 0, SelectedRowSource::RowCache),
+        "selected-row gather kernel (row cache)");
+  check(kernels::cuda::gather_selected_rows(g, stream, 0, SelectedRowSource::Pool),
+        "selected-row gather kernel");
 }
 
 void match_cached_rows(const CachedRows& c, int32_t* sources, int32_t* hits, void* stream) {

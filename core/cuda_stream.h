@@ -60,7 +60,8 @@ struct SelectedRows {
   void* staged_keys;    // (batch, heads, rows, row_bytes), device
   void* staged_values;  // (batch, heads, rows, row_bytes)
   int64_t rows, row_bytes;
-  // Optional: InfiniGen's row cache, the rows copied from it (null sources: none).
+  // Optional: InfiniGen's row cache, the rows copied from it (null sources: none), by a launch of
+  // their own as wide as they are; the pool's rows by the link's few blocks after it.
   const int32_t* sources = nullptr;  // (batch, heads, stride), device
   const void* cached_keys = nullptr;
   const void* cached_values = nullptr;

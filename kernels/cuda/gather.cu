@@ -88,9 +88,10 @@ __global__ void copy_items_kernel(const CopyItem* items, int64_t count) {
   }
 }
 
-// Lanes in groups of `per_row` (a row's 16-byte words, at most a warp) each copy one row per
-// pass: item i is (kind, b, h, j) with j < stride; rows past take[b] are skipped.
-__global__ void gather_selected_rows_kernel(SelectedRowGather g) {
+// Lanes in groups of `per_row` (a row's 16-byte words, at most a warp) each copy kUnroll rows
+// per pass, every load in flight before the first store: item i is (kind, b, h, j) with
+// j < stride; rows past take[b], and rows `source` leaves to another launch, are skipped.
+__global__ void gather_selected_rows_kernel(SelectedRowGather g, SelectedRowSource source) {
   int32_t fetch = 0;
   for (int64_t b = 0; b < g.batch; ++b) fetch = max(fetch, g.take[b]);
   const int64_t words = g.row_bytes / 16;
@@ -102,28 +103,51 @@ __global__ void gather_selected_rows_kernel(SelectedRowGather g) {
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / kWarpSize;
   const int64_t items = 2 * g.batch * g.heads * g.stride;
-  for (int64_t i = warp * groups_per_warp + group; i < items; i += warps * groups_per_warp) {
+  const int64_t step = warps * groups_per_warp;
+  // Item i's source and destination rows; null `from` where this launch copies nothing.
+  const auto locate = [&](int64_t i, const uint4*& from, uint4*& to) {
+    from = nullptr;
+    if (i >= items) return;
     const int64_t j = i % g.stride;
     const int64_t bh = (i / g.stride) % (g.batch * g.heads);
     const bool value = i >= g.batch * g.heads * g.stride;
     const int64_t b = bh / g.heads, h = bh % g.heads;
     const int32_t take = g.take[b];
-    if (j >= take) continue;
-    const int64_t t = g.positions[bh * g.stride + j];
+    if (j >= take) return;
     const int32_t c = g.sources != nullptr ? g.sources[bh * g.stride + j] : -1;
-    const uint4* from;
+    if ((c >= 0 && source == SelectedRowSource::Pool) ||
+        (c < 0 && source == SelectedRowSource::RowCache)) {
+      return;
+    }
     if (c >= 0) {  // held by the row cache: a copy on the device
       const char* cache = static_cast<const char*>(value ? g.cached_values : g.cached_keys);
       from = reinterpret_cast<const uint4*>(cache + (bh * g.cache_rows + c) * g.row_bytes);
     } else {
+      const int64_t t = g.positions[bh * g.stride + j];
       const char* block = static_cast<const char*>(
           (value ? g.value_blocks : g.key_blocks)[b * g.max_blocks + t / g.block_tokens]);
       from = reinterpret_cast<const uint4*>(block + (h * g.block_tokens + t % g.block_tokens) *
                                                         g.row_bytes);
     }
     char* staging = static_cast<char*>(value ? g.staged_values : g.staged_keys);
-    uint4* to = reinterpret_cast<uint4*>(staging + (bh * g.rows + fetch - take + j) * g.row_bytes);
-    for (int64_t w = member; w < words; w += per_row) to[w] = from[w];
+    to = reinterpret_cast<uint4*>(staging + (bh * g.rows + fetch - take + j) * g.row_bytes);
+  };
+  for (int64_t first = warp * groups_per_warp + group; first < items; first += kUnroll * step) {
+    const uint4* from[kUnroll];
+    uint4* to[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) locate(first + u * step, from[u], to[u]);
+    for (int64_t w = member; w < words; w += per_row) {
+      uint4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (from[u] != nullptr) v[u] = from[u][w];
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (from[u] != nullptr) to[u][w] = v[u];
+      }
+    }
   }
 }
 
@@ -135,13 +159,24 @@ constexpr int kDefaultBlocks = 8;
 
 }  // namespace
 
-int gather_selected_rows(const SelectedRowGather& g, void* stream, int blocks) {
+int gather_selected_rows(const SelectedRowGather& g, void* stream, int blocks,
+                         SelectedRowSource source) {
   if (g.batch <= 0 || g.heads <= 0 || g.stride <= 0) return cudaSuccess;
   if (g.row_bytes <= 0 || g.row_bytes % 16 != 0) return cudaErrorInvalidValue;
-  if (blocks <= 0) blocks = kDefaultBlocks;
+  if (source == SelectedRowSource::RowCache && g.sources == nullptr) return cudaSuccess;
+  if (blocks <= 0) {
+    // The cache's rows: enough threads for every row's words, kUnroll rows a thread.
+    const int64_t items = 2 * g.batch * g.heads * g.stride;
+    const int64_t words = g.row_bytes / 16;
+    blocks = source == SelectedRowSource::RowCache
+                 ? static_cast<int>(detail::grid_stride_blocks(
+                       (items * (words < kWarpSize ? words : kWarpSize) + kUnroll - 1) / kUnroll,
+                       kThreads))
+                 : kDefaultBlocks;
+  }
   INFINIGEN_LAUNCH(static_cast<unsigned>(blocks), kThreads, 0, detail::as_stream(stream),
                    gather_selected_rows_kernel)
-  (g);
+  (g, source);
   return cudaGetLastError();
 }
 

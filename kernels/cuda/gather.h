@@ -52,8 +52,16 @@ struct SelectedRowGather {
   int64_t cache_rows = 0;
 };
 
-// The gather of `g` with one kernel on `stream`, on `blocks` blocks (0: the default, as
-// copy_items).
-int gather_selected_rows(const SelectedRowGather& g, void* stream, int blocks = 0);
+// Which of a selection's rows a launch copies. The rows of the pool cross the link, which a few
+// blocks keep busy (more would only take multiprocessors from the compute beside them); the rows
+// of the row cache stay on the device, where a few blocks would copy them at a small share of
+// the device's bandwidth (on an H100, 8 blocks copying cached rows made InfiniGen's loads take
+// 1.2 ms a layer for 5.6 MB over the link: docs/gpu.md).
+enum class SelectedRowSource : int32_t { Any, Pool, RowCache };
+
+// The rows of `g` that `source` names, with one kernel on `stream`, on `blocks` blocks (0: the
+// default: as copy_items for the pool's rows, one block per 512 rows of the cache's).
+int gather_selected_rows(const SelectedRowGather& g, void* stream, int blocks = 0,
+                         SelectedRowSource source = SelectedRowSource::Any);
 
 }  // namespace infinigen::kernels::cuda
