@@ -355,7 +355,8 @@ class Check:
         if self.args.profile != "auto":
             return self.args.profile
         gpu = self.results["steps"].get("env", {}).get("gpu", "")
-        for name, profile in (("H200", "h200-pcie5"), ("H100", "h100-pcie5"),
+        for name, profile in (("H200", "h200-pcie5"), ("H100 80GB HBM3", "h100-sxm-pcie5"),
+                              ("H100 SXM", "h100-sxm-pcie5"), ("H100", "h100-pcie5"),
                               ("A6000", "rtx-a6000-pcie3")):
             if name in gpu:
                 return profile
