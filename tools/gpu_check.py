@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -18,6 +19,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = ["env", "tests", "sanitize", "cli", "bench", "runs"]
+
+
+class Stopped(Exception):
+    """SIGTERM (a lease's or `timeout`'s end): the running command is killed, results are kept."""
+
+
+def stop(signum, frame):
+    raise Stopped()
 
 
 def log(message):
@@ -308,6 +317,10 @@ class Check:
                 result.append(row)
                 log(f"  {label} {policy}: " + (f"{row['decode_step_ms']:.1f} ms/step"
                                                 if report else f"error: {row['error']}"))
+                # Each run's row reaches results.json at once: a lease that ends mid-step keeps it.
+                self.results["steps"]["runs"] = {"points": result, "ok": False,
+                                                 "unfinished": True}
+                self.write()
                 # A policy the CUDA backend refuses is recorded, not a failure of the check.
                 ok = ok and (report is not None or "--device cuda" in row.get("error", ""))
         predicted = {} if self.args.quick or self.args.no_predict else self.predict()
@@ -437,7 +450,8 @@ def summary_markdown(results):
               f"{build.get('BUILD_CUDA', '?')}, sm {build.get('BUILD_ARCHITECTURES', '?')}", ""]
     lines += ["| step | result |", "| --- | --- |"]
     for name, step in results["steps"].items():
-        lines.append(f"| {name} | {'ok' if step['ok'] else 'FAILED'} |")
+        state = "ok" if step["ok"] else "unfinished" if step.get("unfinished") else "FAILED"
+        lines.append(f"| {name} | {state} |")
     tests = results["steps"].get("tests")
     if tests:
         lines += ["", "| suite | passed | failed | skipped | not run | s |",
@@ -521,10 +535,16 @@ def main():
     if unknown:
         sys.exit(f"gpu_check: unknown step {unknown[0]} (steps: {', '.join(STEPS)})")
     check = Check(args)
+    signal.signal(signal.SIGTERM, stop)
     for name in steps:
         log(f"step {name}")
         try:
             getattr(check, f"{name}_step")()
+        except Stopped:  # subprocess.run killed the step's command on its way out
+            log(f"stopped (SIGTERM) during step {name}: the results so far are kept")
+            check.results["stopped_during"] = name
+            check.write()
+            return 124
         except Exception as error:  # one broken step must not lose the others' results
             check.step(name, {"error": repr(error)}, False)
         check.write()
