@@ -1,15 +1,18 @@
 // apps/infinigen: the sessions of an `infinigen batch` job (docs/batch.md, "Sessions"): which
 // conversation each request continues, the order its turns run in, the checks made before any
-// work, and the host-memory tier's look-ahead and prefetch (offload/session_tier.h).
+// work, the host-memory tier's look-ahead and prefetch (offload/session_tier.h), a turn's run,
+// and the sessions' part of the summary.
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "apps/infinigen/batch_input.h"
+#include "apps/infinigen/batch_job.h"
 #include "apps/infinigen/batch_output.h"
 #include "offload/session.h"
 
@@ -54,5 +57,18 @@ class SessionPrefetch {
   std::thread thread_;
   uint64_t bytes_read_ = 0;
 };
+
+// One turn of a session: its history resumed (from the tier when it holds it, else from the disk),
+// `p`'s prompts generated as a `run --resume` would (every sequence its max_tokens, no stop), its
+// new rows saved, and the manifest committed with the request's output line, which is returned
+// (the caller then appends it). A line found committed (a run killed between the commit and the
+// line) is returned without running anything.
+std::string run_session_turn(const PreparedRequest& p, const std::string& directory,
+                             const SessionKey& key, SessionTier* tier, const BatchOptions& o,
+                             const ModelSource& model, Device device,
+                             const ProgressCallback& progress, JobTotals& totals);
+
+// The session turns of the summary (docs/batch.md, "Sessions").
+nlohmann::ordered_json session_summary(const JobTotals& t);
 
 }  // namespace infinigen::cli

@@ -17,6 +17,7 @@
 #include <variant>
 
 #include "apps/infinigen/batch_input.h"
+#include "apps/infinigen/batch_job.h"
 #include "apps/infinigen/batch_output.h"
 #include "apps/infinigen/batch_schedule.h"
 #include "apps/infinigen/batch_sessions.h"
@@ -37,20 +38,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-struct BatchOptions : GenerationFlags {
-  std::string input;
-  std::string output;
-  int64_t batch = 8;  // sequences per batch
-  std::string order = "length";
-  std::string shard;                   // "I/N"; empty: from the environment
-  std::optional<int64_t> shard_count;  // a Kubernetes Indexed Job's completions; --merge's shards
-  bool merge = false;
-  bool json = false;
-  std::string session_root;                          // requests' session names live here
-  std::string session_cache = kSessionCacheDefault;  // the host-memory tier's budget
-  bool session_prefetch = true;  // the next turn's session read into the tier during a pass
-};
-
 const char* environment(const char* name) {
   return std::getenv(name);
 }
@@ -65,19 +52,6 @@ int64_t node_gpus() {
   }
   return count;
 }
-
-// A request ready to run: its prompts as token ids and its settings resolved.
-struct PreparedRequest {
-  const BatchRequest* request = nullptr;
-  std::vector<std::vector<int32_t>> prompts;  // BOS first for a text prompt
-  int64_t max_tokens = 0;
-  SamplingOptions sampling;  // choice i draws with seed + i
-  int64_t longest() const {
-    int64_t n = 0;
-    for (const auto& p : prompts) n = std::max<int64_t>(n, std::ssize(p));
-    return n;
-  }
-};
 
 // `request` as token ids and settings, or the one-line reason it cannot run.
 std::variant<PreparedRequest, std::string> prepare(const BatchRequest& request,
@@ -152,72 +126,6 @@ size_t stop_position(const std::string& text, const std::vector<std::string>& st
   return at;
 }
 
-// Sequence b's log-probabilities for a choice whose text is the first `text_size` bytes of its
-// tokens' (what a stop string left): the tokens that begin within it, each with the `k` most
-// likely tokens at its position (and itself, when not among them).
-ChoiceLogprobs choice_logprobs(const ModelSource& model, const GenerationResult& result, int64_t b,
-                               int64_t k, size_t text_size) {
-  const std::vector<int32_t>& tokens = result.tokens[b];
-  const std::vector<std::vector<TokenLogProb>>& most_likely = result.top_log_probs[b];
-  ChoiceLogprobs out;
-  std::vector<int32_t> before;
-  for (size_t i = 0; i < tokens.size(); ++i) {
-    const size_t offset = token_text(model, before).size();
-    if (offset >= text_size) break;
-    const double log_prob = result.token_log_probs[b][i];
-    out.tokens.push_back(token_text(model, {tokens[i]}));
-    out.token_logprobs.push_back(log_prob);
-    out.text_offset.push_back(static_cast<int64_t>(offset));
-    // The batch asked for the most k of its requests: this one's first k, and the chosen token.
-    std::vector<std::pair<std::string, double>> top;
-    bool chosen_listed = false;
-    static const std::vector<TokenLogProb> none;  // every request of the batch asked for 0
-    for (const TokenLogProb& t : i < most_likely.size() ? most_likely[i] : none) {
-      if (std::ssize(top) >= k) break;
-      top.emplace_back(token_text(model, {t.token}), t.log_prob);
-      chosen_listed = chosen_listed || t.token == tokens[i];
-    }
-    if (!chosen_listed) top.emplace_back(out.tokens.back(), log_prob);
-    out.top_logprobs.push_back(std::move(top));
-    before.push_back(tokens[i]);
-  }
-  return out;
-}
-
-// What the job did, for the summary.
-struct JobTotals {
-  int64_t input_requests = 0;
-  int64_t share = 0;         // this shard's requests
-  int64_t already_done = 0;  // with a line before this run
-  int64_t completed = 0;     // run now
-  int64_t errors = 0;        // error lines written now
-  int64_t batches = 0;
-  int64_t sequences = 0;
-  int64_t prompt_tokens = 0;
-  int64_t padded_prompt_rows = 0;  // sum over batches of batch * longest prompt
-  int64_t generated_tokens = 0;
-  // Prompt tokens not computed or stored again: shared prefixes (n samples of one prompt, prompts
-  // that begin alike) counted once per member less once per group.
-  int64_t shared_prefix_tokens = 0;
-  int64_t decode_steps = 0;
-  // Sum over batches of batch * token positions generated: the rows of a static batch's steps,
-  // of which those beyond generated_tokens belonged to sequences that had ended.
-  int64_t generated_rows = 0;
-  // Of those, the rows the steps computed (GenerationResult::rows): an ended sequence's rows
-  // are not, once the store drops it (KvStore::drop_sequences).
-  int64_t computed_rows = 0;
-  double seconds = 0.0;
-  // Session turns (one pass each), by where their history came from: the tier (hot), the disk
-  // (cold), or nowhere (a session's first turn); and their times to first token.
-  int64_t session_turns = 0;
-  int64_t hot_turns = 0, cold_turns = 0;
-  std::vector<double> hot_ttft, cold_ttft;  // per turn, seconds
-  uint64_t hot_bytes = 0, cold_bytes = 0;  // history bytes from the tier, the disk
-  int64_t recovered_lines = 0;             // lines found committed in a session (a killed run's)
-  SessionTierStats tier;
-  uint64_t prefetch_bytes = 0;
-};
-
 // One batch of prepared requests, generated; returns each request's output line.
 std::vector<std::string> run_batch(const std::vector<const PreparedRequest*>& batch,
                                    const BatchOptions& o, const ModelSource& model, Device device,
@@ -266,15 +174,7 @@ std::vector<std::string> run_batch(const std::vector<const PreparedRequest*>& ba
   int64_t longest = 0;
   for (const auto& prompt : request.prompts)
     longest = std::max<int64_t>(longest, std::ssize(prompt));
-  totals.batches += 1;
-  totals.sequences += B;
-  totals.padded_prompt_rows += B * longest;
-  totals.decode_steps += run.result.gen_len;
-  totals.generated_rows += B * run.result.gen_len;
-  totals.computed_rows += run.result.rows;
-  totals.shared_prefix_tokens +=
-      run.shared_prefixes.member_tokens() - run.shared_prefixes.kept_tokens();
-  totals.seconds += run.result.total_seconds();
+  totals.add_pass(run, longest);
   std::vector<std::vector<Choice>> choices(batch.size());
   std::vector<int64_t> completion_tokens(batch.size(), 0);
   for (int64_t b = 0; b < B; ++b) {
@@ -301,80 +201,6 @@ std::vector<std::string> run_batch(const std::vector<const PreparedRequest*>& ba
   return lines;
 }
 
-// One turn of a session: its history resumed (from the tier when it holds it, else from the disk),
-// `p`'s prompts generated as a `run --resume` would (every sequence its max_tokens, no stop), its
-// new rows saved, and the manifest committed with the request's output line, which is returned
-// (the caller then appends it). A line found committed (a run killed between the commit and the
-// line) is returned without running anything.
-std::string run_session_turn(const PreparedRequest& p, const std::string& directory,
-                             const SessionKey& key, SessionTier* tier, const BatchOptions& o,
-                             const ModelSource& model, Device device,
-                             const ProgressCallback& progress, JobTotals& totals) {
-  const BatchRequest& r = *p.request;
-  const bool exists = std::filesystem::exists(std::filesystem::path(directory) / kSessionManifest);
-  std::unique_ptr<DiskSession> session;
-  if (exists) {
-    session = DiskSession::open(directory, key, tier);
-    if (session->turn_label() == r.custom_id) {
-      ++totals.recovered_lines;
-      return session->turn_record();
-    }
-  } else {
-    INFINIGEN_CHECK(r.session_new, "unknown session '", r.session, "' (", directory,
-                    " holds none)");
-    session = DiskSession::create(directory, key);
-    session->set_tier(tier);
-  }
-  session->set_defer_commit(true);
-  GenerationRequest request;
-  request.kv_dtype = parse_float_dtype(o.kv_dtype);
-  request.prompts = session->turn_prompts(p.prompts);
-  request.gen_len = p.max_tokens;
-  request.sampling = p.sampling;
-  if (r.logprobs) {
-    request.score_tokens = true;
-    request.top_log_probs = *r.logprobs;
-  }
-  const OffloadRun run = run_offloaded(model, request, o.offload, device, progress, session.get());
-  const int64_t B = std::ssize(request.prompts);
-  std::vector<Choice> choices;
-  int64_t completion_tokens = 0, prompt_tokens = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    const std::vector<int32_t>& tokens = run.result.tokens[b];
-    choices.push_back({token_text(model, tokens), b, "length", std::nullopt});
-    if (r.logprobs) {
-      choices.back().logprobs =
-          choice_logprobs(model, run.result, b, *r.logprobs, choices.back().text.size());
-    }
-    completion_tokens += std::ssize(tokens);
-    prompt_tokens += std::ssize(p.prompts[static_cast<size_t>(b)]);
-  }
-  const std::string line = completion_line(r, o.model, choices, prompt_tokens, completion_tokens);
-  session->commit(r.custom_id, line);  // durable: a later run finds the line here
-
-  const SessionStats& stats = session->stats();
-  totals.batches += 1;
-  totals.sequences += B;
-  totals.prompt_tokens += prompt_tokens;
-  totals.padded_prompt_rows += B * p.longest();
-  totals.generated_tokens += completion_tokens;
-  totals.decode_steps += run.result.gen_len;
-  totals.generated_rows += B * run.result.gen_len;
-  totals.computed_rows += run.result.rows;
-  totals.seconds += run.result.total_seconds();
-  totals.session_turns += 1;
-  if (exists && stats.from_tier) {
-    ++totals.hot_turns;
-    totals.hot_ttft.push_back(run.result.prefill_seconds);
-    totals.hot_bytes += stats.bytes_from_tier;
-  } else if (exists) {
-    ++totals.cold_turns;
-    totals.cold_ttft.push_back(run.result.prefill_seconds);
-    totals.cold_bytes += stats.bytes_read;
-  }
-  return line;
-}
-
 // --merge: the shards' count, from --shard-count or from the shard files beside the output.
 int64_t merged_shard_count(const BatchOptions& o) {
   if (o.shard_count) return *o.shard_count;
@@ -397,32 +223,6 @@ int64_t merged_shard_count(const BatchOptions& o) {
   INFINIGEN_CHECK(count.has_value(), "--merge: no shard files (", o.output,
                   ".shard-I-of-N) beside ", o.output);
   return *count;
-}
-
-// The session turns of the summary (docs/batch.md, "Sessions").
-nlohmann::ordered_json session_summary(const JobTotals& t) {
-  // The median of the turns' times (0 for none): a shared machine's outliers count less.
-  const auto median = [](std::vector<double> times) {
-    if (times.empty()) return 0.0;
-    std::sort(times.begin(), times.end());
-    const size_t n = times.size();
-    return n % 2 == 1 ? times[n / 2] : (times[n / 2 - 1] + times[n / 2]) / 2;
-  };
-  return {{"turns", t.session_turns},
-          {"hot_turns", t.hot_turns},
-          {"cold_turns", t.cold_turns},
-          {"first_turns", t.session_turns - t.hot_turns - t.cold_turns},
-          {"hot_ttft_s", median(t.hot_ttft)},
-          {"cold_ttft_s", median(t.cold_ttft)},
-          {"hot_bytes", t.hot_bytes},
-          {"cold_bytes", t.cold_bytes},
-          {"tier_admitted", t.tier.admitted},
-          {"tier_evictions", t.tier.evictions},
-          {"tier_bypassed", t.tier.bypassed},
-          {"tier_prefetched", t.tier.prefetched},
-          {"prefetch_bytes", t.prefetch_bytes},
-          {"tier_peak_bytes", t.tier.peak_bytes},
-          {"recovered_lines", t.recovered_lines}};
 }
 
 void print_summary(const BatchOptions& o, const Shard& shard, const JobTotals& t,
