@@ -507,6 +507,83 @@ void append_partial_keys(const Tensor& keys, PartialTensors& layer, int64_t posi
   cuda::append_partial_keys(keys, layer, position, positions, shared, B, H_kv, capacity);
 }
 
+void partial_column_scores(const Tensor& queries, const Tensor& keys, const Tensor& skew,
+                           int64_t heads, const std::vector<int64_t>& sequences,
+                           const std::vector<int32_t>& first_valid, int64_t first_row,
+                           bool with_keys, Tensor& scores) {
+  const char* op = "partial_column_scores";
+  const Device device = common_device(op, {&queries, &keys, &scores});
+  INFINIGEN_CHECK(device == Device::Cuda && (!skew.defined() || skew.device() == device), op,
+                  ": runs on CUDA tensors (the CPU backend adds up in PartialLayer)");
+  const int64_t P = std::ssize(sequences);
+  INFINIGEN_CHECK(P > 0 && std::ssize(first_valid) == P && queries.rank() == 2 &&
+                      queries.dim(0) % P == 0 && heads > 0 && queries.dim(1) % heads == 0,
+                  op, ": queries of shape ", shape_string(queries.shape()), " for ", P,
+                  " sequences of ", heads, " heads");
+  const int64_t d = queries.dim(1) / heads;
+  INFINIGEN_CHECK(keys.rank() == 2 && keys.dim(0) == queries.dim(0) && keys.dim(1) % d == 0 &&
+                      keys.dim(1) > 0 && heads % (keys.dim(1) / d) == 0,
+                  op, ": keys of shape ", shape_string(keys.shape()), " for queries of ",
+                  shape_string(queries.shape()));
+  const int64_t H_kv = keys.dim(1) / d;
+  check_dtype(op, queries, DType::F32, "queries");
+  check_dtype(op, keys, DType::F32, "keys");
+  check_dtype(op, scores, DType::I64, "scores (doubles)");
+  INFINIGEN_CHECK(scores.rank() == 2 && scores.dim(1) == H_kv * d, op, ": scores of shape ",
+                  shape_string(scores.shape()));
+  for (int64_t b : sequences) {
+    INFINIGEN_CHECK(b >= 0 && b < scores.dim(0), op, ": sequence ", b, " of ", scores.dim(0));
+  }
+  if (skew.defined()) {
+    check_shape(op, skew, {H_kv, d, d});
+    check_dtype(op, skew, DType::F32, "skew");
+  }
+  if (dry_run()) return;
+  const std::vector<int32_t> rows(sequences.begin(), sequences.end());
+  cuda::partial_column_scores(queries, keys, skew, heads, H_kv, rows, first_valid, first_row,
+                              with_keys, scores);
+}
+
+void gather_rows(const Tensor& src, const std::vector<int32_t>& rows, Tensor& dst) {
+  const char* op = "gather_rows";
+  const Device device = common_device(op, {&src, &dst});
+  INFINIGEN_CHECK(device == Device::Cuda, op, ": runs on CUDA tensors");
+  INFINIGEN_CHECK(src.rank() == 2, op, ": source of shape ", shape_string(src.shape()));
+  check_shape(op, dst, {std::ssize(rows), src.dim(1)});
+  check_dtype(op, dst, src.dtype(), "rows");
+  for (int32_t row : rows) {
+    INFINIGEN_CHECK(row >= 0 && row < src.dim(0), op, ": row ", row, " of ", src.dim(0));
+  }
+  if (dry_run()) return;
+  cuda::gather_rows(src, rows, dst);
+}
+
+void prompt_partial_keys(const Tensor& fresh, int64_t past, const PoolKeyBlocks& pool,
+                         PartialTensors& layer, const std::vector<int32_t>& first_valid,
+                         const SharedPrefixes* shared) {
+  const char* op = "prompt_partial_keys";
+  const auto [B, H_kv, capacity, r] = check_partial(op, layer, {&fresh});
+  (void)r;
+  INFINIGEN_CHECK(std::ssize(first_valid) == B, op, ": ", first_valid.size(),
+                  " first valid tokens for a batch of ", B);
+  int64_t n = 0;
+  if (fresh.defined()) {
+    check_dtype(op, fresh, DType::F32, "keys");
+    INFINIGEN_CHECK(
+        fresh.rank() == 2 && fresh.dim(1) == H_kv * layer.head_dim && fresh.dim(0) % B == 0, op,
+        ": keys of shape ", shape_string(fresh.shape()), " for a batch of ", B);
+    n = fresh.dim(0) / B;
+  }
+  INFINIGEN_CHECK(past >= 0 && past + n <= capacity, op, ": tokens [0, ", past + n,
+                  ") in a partial key cache of ", capacity);
+  INFINIGEN_CHECK(past == 0 || (pool.blocks != nullptr && pool.block_tokens > 0 &&
+                                pool.max_blocks * pool.block_tokens >= past),
+                  op, ": ", past, " earlier tokens and no pool blocks to read them from");
+  check_shared(op, shared, B, capacity);
+  if (dry_run()) return;
+  cuda::prompt_partial_keys(fresh, past, n, pool, layer, first_valid, shared, B, H_kv, capacity);
+}
+
 int64_t int4_group_size(int64_t d) {
   constexpr int64_t group = cpu::kInt4GroupSize;
   INFINIGEN_CHECK(d > 0 && d % 2 == 0 && (d < group || d % group == 0),

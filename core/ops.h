@@ -163,6 +163,42 @@ void select_top(const Tensor& logits, int64_t used, double alpha, int64_t max_nu
 void append_partial_keys(const Tensor& keys, PartialTensors& layer, int64_t position,
                          const Tensor& positions, const SharedPrefixes* shared);
 
+// ---- InfiniGen's prompt-time work on the device (PartialLayer's, speculate/speculation.h) ----
+//
+// CUDA tensors only, as the speculation's ops above; on the CPU backend PartialLayer does the same
+// on the host (kernels/cuda/partial_build.h says how close). Not recorded in a trace: the caller
+// records `partial_build` once, whichever device builds.
+
+// PartialLayer::accumulate: adds the column rule's sums over a pass's rows, queries (P * n, H * d)
+// and keys (P * n, H_kv * d) fp32, to rows sequences[i] of scores (B, H_kv * d), I64 storage
+// holding doubles (the CPU's sums are doubles; no tensor dtype is). Row j of the pass's sequence
+// i is its token first_row + j and counts from first_valid[i]; skew (H_kv, d, d) fp32 or
+// undefined; with_keys: the QK rule (|Q~| + |K~|), else |Q~| only.
+void partial_column_scores(const Tensor& queries, const Tensor& keys, const Tensor& skew,
+                           int64_t heads, const std::vector<int64_t>& sequences,
+                           const std::vector<int32_t>& first_valid, int64_t first_row,
+                           bool with_keys, Tensor& scores);
+
+// dst (rows.size(), D) = the rows `rows` of src (N, D), on one device (any dtype, the same).
+void gather_rows(const Tensor& src, const std::vector<int32_t>& rows, Tensor& dst);
+
+// Where a prompt's earlier passes' keys are: the KV pool's key blocks of a layer, an array in
+// mapped pinned memory of (B, max_blocks) block addresses (KvPool::block_addresses), each block
+// (H_kv, block_tokens, d) of `dtype`.
+struct PoolKeyBlocks {
+  const void* const* blocks = nullptr;
+  int64_t max_blocks = 0, block_tokens = 0;
+  DType dtype = DType::F16;
+};
+
+// The partial keys of every prompt token (InfinigenKv::write_prompt_partial_keys): tokens
+// [0, past) from `pool`, [past, past + n) from fresh (B * n, H_kv * d) fp32, each written at its
+// position of layer.keys when sequence b holds it (first_valid, `shared`), a shared prefix's
+// once, into its source's slot.
+void prompt_partial_keys(const Tensor& fresh, int64_t past, const PoolKeyBlocks& pool,
+                         PartialTensors& layer, const std::vector<int32_t>& first_valid,
+                         const SharedPrefixes* shared);
+
 // ---- the int4 KV codec (the `int4` policy, offload/int4_kv.h) ----
 //
 // FlexGen's group-wise asymmetric 4-bit codes (the arithmetic: kernels/cpu/int4.h; the CUDA

@@ -31,6 +31,7 @@
 #include "kernels/cuda/int4.h"
 #include "kernels/cuda/layer_norm.h"
 #include "kernels/cuda/linear.h"
+#include "kernels/cuda/partial_build.h"
 #include "kernels/cuda/rms_norm.h"
 #include "kernels/cuda/rope.h"
 #include "kernels/cuda/runtime.h"
@@ -497,6 +498,47 @@ void append_partial_keys(const Tensor& keys, PartialTensors& layer, int64_t posi
                  capacity, position, positions.defined() ? positions.data<int32_t>() : nullptr,
                  prefixes, prefixes ? prefixes + B : nullptr, shared ? shared->rows() : 0,
                  lease ? lease->stream() : current_cuda_stream()));
+}
+
+void partial_column_scores(const Tensor& queries, const Tensor& keys, const Tensor& skew,
+                           int64_t heads, int64_t kv_heads, std::span<const int32_t> sequences,
+                           std::span<const int32_t> first_valid, int64_t first_row, bool with_keys,
+                           Tensor& scores) {
+  StreamLease lease;
+  const int64_t P = std::ssize(sequences);
+  // (P) the pass's sequences, then (P) their first valid rows.
+  const int32_t* rows = lease.upload({sequences, first_valid});
+  check_cuda("partial_column_scores",
+             gpu::partial_column_scores(
+                 queries.data<float>(), with_keys ? keys.data<float>() : nullptr,
+                 skew.defined() ? skew.data<float>() : nullptr, rows, rows + P, first_row, P,
+                 queries.dim(0) / P, heads, kv_heads, queries.dim(1) / heads, with_keys,
+                 reinterpret_cast<double*>(scores.raw()), lease.stream()));
+}
+
+void gather_rows(const Tensor& src, std::span<const int32_t> rows, Tensor& dst) {
+  StreamLease lease;
+  const int64_t row_bytes = src.dim(1) * static_cast<int64_t>(dtype_size(src.dtype()));
+  check_cuda("gather_rows", gpu::gather_rows(src.raw(), row_bytes, lease.upload({rows}),
+                                             std::ssize(rows), dst.raw(), lease.stream()));
+}
+
+void prompt_partial_keys(const Tensor& fresh, int64_t past, int64_t n, const PoolKeyBlocks& pool,
+                         PartialTensors& layer, std::span<const int32_t> first_valid,
+                         const SharedPrefixes* shared, int64_t B, int64_t H_kv, int64_t capacity) {
+  StreamLease lease;
+  // (B) first_valid, then the prefixes' first rows and source sequences (B each) when shared.
+  using Ints = std::span<const int32_t>;
+  const int32_t* rows = lease.upload({first_valid, shared ? Ints(shared->begin()) : Ints{},
+                                      shared ? Ints(shared->source()) : Ints{}});
+  check_cuda("prompt_partial_keys",
+             gpu::prompt_partial_keys(
+                 n > 0 ? fresh.data<float>() : nullptr, past, n, pool.blocks, pool.max_blocks,
+                 pool.block_tokens, gpu_element(pool.dtype), layer.columns.data<int32_t>(),
+                 layer.skew.defined() ? layer.skew.data<float>() : nullptr, layer.keys.raw(),
+                 gpu_element(layer.keys.dtype()), rows, shared ? rows + B : nullptr,
+                 shared ? rows + 2 * B : nullptr, shared ? shared->rows() : 0, B, H_kv,
+                 layer.head_dim, layer.keys.dim(3), capacity, lease.stream()));
 }
 
 }  // namespace cuda

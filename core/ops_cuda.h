@@ -68,6 +68,16 @@ void append_partial_keys(const Tensor& keys, PartialTensors& layer, int64_t posi
                          const Tensor& positions, const SharedPrefixes* shared, int64_t B,
                          int64_t H_kv, int64_t capacity);
 
+// InfiniGen's prompt-time work (core/ops.h)
+void partial_column_scores(const Tensor& queries, const Tensor& keys, const Tensor& skew,
+                           int64_t heads, int64_t kv_heads, std::span<const int32_t> sequences,
+                           std::span<const int32_t> first_valid, int64_t first_row, bool with_keys,
+                           Tensor& scores);
+void gather_rows(const Tensor& src, std::span<const int32_t> rows, Tensor& dst);
+void prompt_partial_keys(const Tensor& fresh, int64_t past, int64_t n, const PoolKeyBlocks& pool,
+                         PartialTensors& layer, std::span<const int32_t> first_valid,
+                         const SharedPrefixes* shared, int64_t B, int64_t H_kv, int64_t capacity);
+
 // keys, values (B * n, H * d) into rows [0, n) of dst
 void int4_quantize(const Tensor& keys, const Tensor& values, const Int4Rows& dst, int64_t n);
 // rows [t0, t1) of src into keys, values (B, H, capacity, d) fp16 from row row0

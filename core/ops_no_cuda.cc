@@ -82,6 +82,20 @@ void append_partial_keys(const Tensor&, PartialTensors&, int64_t, const Tensor&,
   throw_op_not_on_device("append_partial_keys", Device::Cuda);
 }
 
+void partial_column_scores(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t,
+                           std::span<const int32_t>, std::span<const int32_t>, int64_t, bool,
+                           Tensor&) {
+  throw_op_not_on_device("partial_column_scores", Device::Cuda);
+}
+void gather_rows(const Tensor&, std::span<const int32_t>, Tensor&) {
+  throw_op_not_on_device("gather_rows", Device::Cuda);
+}
+void prompt_partial_keys(const Tensor&, int64_t, int64_t, const PoolKeyBlocks&, PartialTensors&,
+                         std::span<const int32_t>, const SharedPrefixes*, int64_t, int64_t,
+                         int64_t) {
+  throw_op_not_on_device("prompt_partial_keys", Device::Cuda);
+}
+
 }  // namespace cuda
 
 void reserve_cuda_scratch(size_t, size_t) {

@@ -67,6 +67,30 @@ void DeviceSpeculation::upload(int64_t layer, PartialLayer& partial,
   }
 }
 
+void DeviceSpeculation::build_from_prompt(int64_t layer, const PartialLayer& partial,
+                                          const Tensor& keys, int64_t past, const KvPool& pool,
+                                          const std::vector<int32_t>& first_valid,
+                                          bool keys_on_host) {
+  DevicePartialLayer& device = layers_[static_cast<size_t>(layer)];
+  device.adopt(partial, keys_on_host);
+  ops::PoolKeyBlocks blocks;
+  if (past > 0) {
+    const KvPoolShape& shape = pool.shape();
+    const int64_t per_layer =
+        batch_ * ((shape.max_tokens + shape.block_tokens - 1) / shape.block_tokens);
+    INFINIGEN_CHECK(pool.num_blocks() * batch_ <= per_layer, "speculation: ", pool.num_blocks(),
+                    " blocks per sequence in a pool of ", shape.max_tokens, " tokens");
+    if (!prompt_tables_.defined()) {
+      prompt_tables_ = Tensor::pinned({std::ssize(layers_) * per_layer}, DType::I64,
+                                      "a prompt's key block tables");
+    }
+    const auto** tables = static_cast<const void**>(prompt_tables_.raw()) + layer * per_layer;
+    pool.block_addresses(layer, KvKind::Key, tables);
+    blocks = {tables, pool.num_blocks(), pool.shape().block_tokens, pool.shape().dtype};
+  }
+  device.write_prompt_keys(keys, past, blocks, first_valid);
+}
+
 void DeviceSpeculation::copy_keys_to_host(int64_t layer, std::vector<char>& out,
                                           int64_t from) const {
   const DevicePartialLayer& partial = layers_[static_cast<size_t>(layer)];

@@ -52,6 +52,15 @@ class DeviceSpeculation {
   // `keys_on_host`); the host's partial key cache is released.
   void upload(int64_t layer, PartialLayer& partial, const std::vector<int32_t>* position_tokens,
               bool keys_on_host = false);
+  // The prompt's last pass of an uncapped pool, on the device: layer `layer`'s state taken from
+  // `partial` (its columns just chosen; DevicePartialLayer::adopt), and every prompt token's
+  // partial key written there, tokens [0, past) read from `pool` (mapped pinned memory; their
+  // stores must have landed), the pass's from `keys` (B * n, H_kv * d) fp32 on the device.
+  void build_from_prompt(int64_t layer, const PartialLayer& partial, const Tensor& keys,
+                         int64_t past, const KvPool& pool, const std::vector<int32_t>& first_valid,
+                         bool keys_on_host);
+  // Whether layer `layer`'s state is on the device already (upload or build_from_prompt).
+  bool holds(int64_t layer) const { return layers_[static_cast<size_t>(layer)].batch() > 0; }
 
   // Speculates layer `layer` from the previous layer's attention input x (B, D) on the device,
   // with the new tokens at rotary positions `rope_positions`, over positions [0, used): the
@@ -115,6 +124,10 @@ class DeviceSpeculation {
   // I32 and the rows each (sequence, head) found there (B, H_kv) I32, on the device, and the
   // latter read back into pinned memory with the summary.
   std::array<Tensor, 2> sources_, hits_, host_hits_;
+  // A multi-pass prompt's key block tables (layers, B, blocks) I64 in mapped pinned memory, one
+  // part per layer so that no layer's table is rewritten while a kernel may read it; made at the
+  // first build_from_prompt with earlier tokens.
+  Tensor prompt_tables_;
   int64_t cached_rows_ = 0;
   // The row cache's buffers of layer `layer` and the selection of parity `parity`, for its
   // kernels.

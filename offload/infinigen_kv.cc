@@ -25,10 +25,10 @@ namespace {
 // fp32 and, under a pool limit, the token of each position (B, H_kv, positions) I32; once the
 // logits (B, H_kv, tokens) fp32 and two selections (B, H_kv, n' cap) I32. With the dense layers'
 // KV on the device, their whole K and V (B, H_kv, tokens, d) in the KV dtype.
-// The device holds the most in one of two phases: the prompt's passes, with the whole staging (and
-// on the CPU backend, whose device memory is the host's, the partial keys, which CUDA keeps in
-// host memory until the prompt is done), and the decode steps, with the staging of
-// decode_staging_rows and the partial keys.
+// The device holds the most in one of two phases: the prompt's passes, with the whole staging and
+// the partial keys (written at the prompt's last pass, while the staging is still whole; a capped
+// pool on CUDA keeps them in host memory until the prompt is done), and the decode steps, with
+// the staging of decode_staging_rows and the partial keys.
 KvMemory infinigen_memory(const MemoryRequest& r) {
   const ModelConfig& c = r.config;
   const int64_t tokens = request_positions(r);
@@ -58,8 +58,8 @@ KvMemory infinigen_memory(const MemoryRequest& r) {
        capped ? saturating_product({c.num_layers, r.batch, c.kv_heads(), pooled, 4}) : 0,
        saturating_product({r.batch, c.kv_heads(), pooled, 4}),
        saturating_product({2, r.batch, c.kv_heads(), s.fetch_cap(tokens), 4}), whole_kv(resident)});
-  const size_t prompt = saturating_sum(
-      {kv_staging_bytes(r, tokens), speculation, r.shared_memory ? partial_keys(on_device) : 0});
+  const size_t prompt = saturating_sum({kv_staging_bytes(r, tokens), speculation,
+                                        r.shared_memory || !capped ? partial_keys(on_device) : 0});
   const int64_t decode_rows =
       decode_staging_rows(tokens, s.fetch_cap(tokens), dense, resident, capped);
   // The row cache (offload/row_cache.h), allocated once the prompt is done; auto counts as on
@@ -248,7 +248,8 @@ void InfinigenKv::prompt_layer(int64_t layer, const Tensor& keys, const Tensor& 
   partial.accumulate(in.queries, keys, pass_sequences_, pass_first_valid(), length());
   if (sharing_pass()) partial.continue_from_prefixes(shared());
   if (!last_prompt_pass()) return;
-  partial.choose_columns(in.q_weight, in.q_bias, slots_);
+  // On CUDA the device keeps the partial key cache (write_prompt_partial_keys).
+  partial.choose_columns(in.q_weight, in.q_bias, slots_, /*device_keys=*/device_.has_value());
   if (!shared().empty()) partial.share_prefixes(shared(), /*from_leaders=*/false);
   if (dry_run()) return;
   earlier_rows->wait();
@@ -257,6 +258,13 @@ void InfinigenKv::prompt_layer(int64_t layer, const Tensor& keys, const Tensor& 
 
 void InfinigenKv::write_prompt_partial_keys(int64_t layer, const Tensor& keys) {
   PartialLayer& partial = partial_[static_cast<size_t>(layer)];
+  if (device_) {
+    // On the device, straight into its partial key cache: the earlier passes' keys read from the
+    // pool where they landed, the pass's from its keys; nothing crosses back to the host.
+    device_->build_from_prompt(layer, partial, keys, length(), paged_.pool(), first_valid(),
+                               partial_keys_on_host(layer));
+    return;
+  }
   // The tokens of the prompt's earlier passes are read back from the pool, where they have
   // landed; the pass's own from its fresh keys.
   const Tensor host = keys.device() == Device::Cpu ? keys : keys.to(Device::Cpu);
@@ -377,6 +385,7 @@ void InfinigenKv::end_pass(int64_t n_new) {
     // The prompt's passes are done (the columns were chosen from all of it): each speculated
     // layer's partial state moves to the device for good, before the first decode step.
     for (int64_t layer = options_.dense_layers; layer < num_layers_; ++layer) {
+      if (device_->holds(layer)) continue;  // built from the prompt on the device
       device_->upload(layer, partial_[static_cast<size_t>(layer)],
                       capped_ ? &capped_->position_tokens(layer) : nullptr,
                       partial_keys_on_host(layer));

@@ -21,11 +21,31 @@ Tensor device_ints(const std::vector<int32_t>& values) {
 }  // namespace
 
 void DevicePartialLayer::upload(const PartialLayer& layer, bool keys_on_host) {
+  adopt(layer, keys_on_host);
+  const std::vector<char>& keys = layer.key_bytes();
+  INFINIGEN_CHECK(keys.size() == tensors_.keys.nbytes(),
+                  "speculation: no partial key cache to upload (", keys.size(), " bytes)");
+  if (keys_on_host) {
+    std::memcpy(tensors_.keys.raw(), keys.data(), keys.size());
+  } else {
+    device_copy(tensors_.keys.raw(), Device::Cuda, keys.data(), Device::Cpu, keys.size());
+  }
+}
+
+void DevicePartialLayer::write_prompt_keys(const Tensor& fresh, int64_t past,
+                                           const ops::PoolKeyBlocks& pool,
+                                           const std::vector<int32_t>& first_valid) {
+  ops::prompt_partial_keys(fresh, past, pool, tensors_, first_valid, shared());
+}
+
+void DevicePartialLayer::adopt(const PartialLayer& layer, bool keys_on_host) {
   const int64_t B = layer.batch(), H = layer.num_heads(), r = layer.r();
   const int64_t H_kv = std::ssize(layer.columns()) / r, group = H / H_kv;
+  // The weights where choose_columns gathered them (the device, unless W_q was on the host).
+  weight_ =
+      layer.weight().device() == Device::Cuda ? layer.weight() : layer.weight().to(Device::Cuda);
+  bias_ = layer.bias().to(Device::Cuda);
   for (const auto& [name, tensor] : layer.state()) {
-    if (name == "partial_weight") weight_ = tensor.to(Device::Cuda);
-    if (name == "partial_bias") bias_ = tensor.to(Device::Cuda);
     if (name == "partial_skew") tensors_.skew = tensor.to(Device::Cuda);
     if (name == "partial_inv_freq") tensors_.inv_freq = tensor.to(Device::Cuda);
   }
@@ -44,18 +64,10 @@ void DevicePartialLayer::upload(const PartialLayer& layer, bool keys_on_host) {
   tensors_.head_rows = device_ints(head_rows);
   tensors_.needed_dims = device_ints(needed);
   tensors_.columns = device_ints(layer.columns()).reshape({H_kv, r});
-  const std::vector<char>& keys = layer.key_bytes();
   const Shape key_shape = {B, H_kv, layer.capacity(), r};
   tensors_.keys = keys_on_host ? Tensor::pinned(key_shape, layer.key_dtype(),
                                                 "a layer's partial key cache", Device::Cuda)
                                : Tensor::empty(key_shape, layer.key_dtype(), Device::Cuda);
-  INFINIGEN_CHECK(keys.size() == tensors_.keys.nbytes(),
-                  "speculation: no partial key cache to upload (", keys.size(), " bytes)");
-  if (keys_on_host) {
-    std::memcpy(tensors_.keys.raw(), keys.data(), keys.size());
-  } else {
-    device_copy(tensors_.keys.raw(), Device::Cuda, keys.data(), Device::Cpu, keys.size());
-  }
   keys_on_host_ = keys_on_host;
   tensors_.heads = H;
   tensors_.head_dim = layer.head_dim();

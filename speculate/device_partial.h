@@ -1,13 +1,16 @@
 // speculate: a speculated layer's state on the CUDA device and its decode-time speculation there,
 // the twin of PartialLayer (speculate/speculation.h) on the host.
 //
-// The prompt's passes build a layer's PartialLayer on the host (the columns are chosen from the
-// whole prompt); upload() then copies its state and partial key cache to the device, and from
-// that step on the layer speculates, selects and appends on the device through the ops of
-// core/ops.h (kernels/cuda/speculation.h): the partial query rows x W~^T + b~ (cuBLAS), the
-// estimated logits, the alpha counts, n' and the top-n' positions. The positions never leave the
-// device; the host reads back only each sequence's take and the mean count (the selection's
-// summary), which the view of the staged rows and the statistics need.
+// The prompt's passes build a layer's PartialLayer (the columns are chosen on the host from the
+// whole prompt's column sums, which with the prompt on the device are added up there, and the
+// partial query weights gathered on the device); adopt() then takes its state to the device and
+// write_prompt_keys() writes the prompt's partial keys there from its keys (or upload() copies a
+// partial key cache built on the host: a capped pool), and from that step on the layer speculates,
+// selects and appends on the device through the ops of core/ops.h (kernels/cuda/speculation.h): the
+// partial query rows x W~^T + b~ (cuBLAS), the estimated logits, the alpha counts, n' and the
+// top-n' positions. The positions never leave the device; the host reads back only each sequence's
+// take and the mean count (the selection's summary), which the view of the staged rows and the
+// statistics need.
 #pragma once
 
 #include <cstdint>
@@ -27,6 +30,16 @@ class DevicePartialLayer {
   // and its partial key cache (B, H_kv, capacity, r) to the CUDA device; with `keys_on_host` the
   // cache goes to mapped pinned host memory instead, which the kernels read over the link.
   void upload(const PartialLayer& layer, bool keys_on_host = false);
+  // upload() without the partial key cache: `layer`'s state on the device (its partial weights
+  // stay where choose_columns gathered them when that is the device), and a partial key cache
+  // (B, H_kv, capacity, r) for write_prompt_keys to fill: unlike the host's, not zeroed (a
+  // position that holds no token is never read as a key; a later token's append writes it).
+  void adopt(const PartialLayer& layer, bool keys_on_host = false);
+  // The prompt's partial keys (ops::prompt_partial_keys): tokens [0, past) read from the pool's
+  // key blocks, [past, past + n) from the last pass's keys (B * n, H_kv * d) fp32 on the device,
+  // of the sequences' tokens (first_valid and the layer's shared prefixes).
+  void write_prompt_keys(const Tensor& fresh, int64_t past, const ops::PoolKeyBlocks& pool,
+                         const std::vector<int32_t>& first_valid);
 
   // Speculates the layer from x (B, D) on the device, the previous layer's attention input, with
   // the new token of sequence b at rotary position rope_positions[b], over positions [0, used):

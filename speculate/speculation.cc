@@ -233,6 +233,19 @@ void PartialLayer::begin_prompt(const PartialSource& source, int64_t batch, int6
   }
   column_scores_.assign(dry_run() ? 0 : static_cast<size_t>(batch_ * KV), 0.0);
   prompt_rows_ = 0;
+  device_scores_ = {};
+  device_skew_ = {};
+  if (!dry_run() && source.queries.device() == Device::Cuda) {
+    // The passes' rows are on the device: so are the sums (accumulate), until choose_columns.
+    device_scores_ = Tensor::empty({batch_, KV}, DType::I64, Device::Cuda);
+    device_copy(device_scores_.raw(), Device::Cuda, column_scores_.data(), Device::Cpu,
+                device_scores_.nbytes());
+    if (skewed) {
+      device_skew_ = Tensor::empty({kv_heads_, d, d}, DType::F32, Device::Cuda);
+      device_copy(device_skew_.raw(), Device::Cuda, skew_.data(), Device::Cpu,
+                  device_skew_.nbytes());
+    }
+  }
 }
 
 void PartialLayer::accumulate(const Tensor& queries, const Tensor& keys,
@@ -241,6 +254,11 @@ void PartialLayer::accumulate(const Tensor& queries, const Tensor& keys,
   const int64_t P = std::ssize(sequences), n = queries.dim(0) / P;
   prompt_rows_ = first_row + n;
   if (dry_run()) return;
+  if (device_scores_.defined()) {
+    ops::partial_column_scores(queries, keys, device_skew_, heads_, sequences, first_valid,
+                               first_row, rule_ == PartialIndexRule::QK, device_scores_);
+    return;
+  }
   const int64_t d = head_dim_, Q = heads_ * d, KV = kv_heads_ * d;
   const Tensor host_queries = on_host(queries), host_keys = on_host(keys);
   const float* q = host_queries.data<float>();
@@ -280,12 +298,30 @@ void PartialLayer::continue_from_prefixes(const SharedPrefixes& shared) {
   for (int64_t b = 0; b < shared.batch(); ++b) {
     const int64_t leader = shared.source(b);
     if (shared.prefix_length(b) == 0 || leader == b) continue;
+    if (device_scores_.defined()) {
+      const size_t row = KV * sizeof(double);
+      device_copy(
+          static_cast<char*>(device_scores_.raw()) + static_cast<size_t>(b) * row, Device::Cuda,
+          static_cast<const char*>(device_scores_.raw()) + static_cast<size_t>(leader) * row,
+          Device::Cuda, row);
+      continue;
+    }
     std::copy_n(column_scores_.begin() + static_cast<std::ptrdiff_t>(leader * KV), KV,
                 column_scores_.begin() + static_cast<std::ptrdiff_t>(b * KV));
   }
 }
 
-void PartialLayer::choose_columns(const Tensor& q_weight, const Tensor& q_bias, int64_t capacity) {
+std::vector<double> PartialLayer::column_scores() const {
+  std::vector<double> scores = column_scores_;
+  if (device_scores_.defined()) {
+    device_copy(scores.data(), Device::Cpu, device_scores_.raw(), Device::Cuda,
+                device_scores_.nbytes());
+  }
+  return scores;
+}
+
+void PartialLayer::choose_columns(const Tensor& q_weight, const Tensor& q_bias, int64_t capacity,
+                                  bool device_keys) {
   const int64_t d = head_dim_, KV = kv_heads_ * d, D = q_weight.dim(1);
   capacity_ = capacity;
   columns_.assign(static_cast<size_t>(kv_heads_ * r_), 0);
@@ -294,6 +330,9 @@ void PartialLayer::choose_columns(const Tensor& q_weight, const Tensor& q_bias, 
       std::iota(columns_.begin() + g * r_, columns_.begin() + (g + 1) * r_, 0);
     }
   } else {
+    // Kept on the device (accumulate): the B x H_kv * d sums come to the host here, the only
+    // read of the prompt's column rule.
+    if (device_scores_.defined()) column_scores_ = column_scores();
     // The sums of every sequence, added in order.
     std::vector<double> score(static_cast<size_t>(KV), 0.0);
     for (int64_t b = 0; b < batch_; ++b) {
@@ -312,31 +351,47 @@ void PartialLayer::choose_columns(const Tensor& q_weight, const Tensor& q_bias, 
     }
   }
   column_scores_ = {};
+  device_scores_ = {};
+  device_skew_ = {};
 
   derive_needed_rows(!inv_freq_.empty(), !skew_.empty());
   // Partial query weights: the needed rows of W_q (HF layout: rows are output features), in its
-  // own dtype, and their biases.
+  // own dtype, gathered where W_q is (on the CUDA device, W_q never crosses the link), and their
+  // biases.
   const int64_t rows = head_rows_.back();
-  weight_ = Tensor::empty({rows, D}, q_weight.dtype());
+  const bool on_device = q_weight.device() == Device::Cuda && !dry_run();
+  weight_ = Tensor::empty({rows, D}, q_weight.dtype(), on_device ? Device::Cuda : Device::Cpu);
   bias_ = Tensor::empty({rows}, DType::F32);
   allocate_query_rows();
+  keys_.clear();
   if (dry_run()) return;  // a dry run keeps no partial keys
-  const Tensor w = q_weight.to(Device::Cpu);
   const Tensor bq = q_bias.defined() ? q_bias.to(Device::Cpu).to_dtype(DType::F32) : Tensor();
-  const size_t row_bytes = static_cast<size_t>(D) * dtype_size(w.dtype());
+  std::vector<int32_t> sources(static_cast<size_t>(rows));  // the W_q row of each partial row
   for (int64_t h = 0; h < heads_; ++h) {
     const std::vector<int32_t>& dims = needed_[static_cast<size_t>(h / group_)];
     for (size_t j = 0; j < dims.size(); ++j) {
       const int64_t src = h * d + dims[j];
       const int64_t dst = head_rows_[static_cast<size_t>(h)] + static_cast<int64_t>(j);
-      std::memcpy(static_cast<char*>(weight_.raw()) + static_cast<size_t>(dst) * row_bytes,
-                  static_cast<const char*>(w.raw()) + static_cast<size_t>(src) * row_bytes,
-                  row_bytes);
+      sources[static_cast<size_t>(dst)] = static_cast<int32_t>(src);
       bias_.data<float>()[dst] = bq.defined() ? bq.data<float>()[src] : 0.0f;
     }
   }
-  keys_.assign(static_cast<size_t>(batch_ * kv_heads_ * capacity_ * r_) * dtype_size(key_dtype_),
-               0);
+  if (on_device) {
+    ops::gather_rows(q_weight, sources, weight_);
+  } else {
+    const Tensor w = q_weight.to(Device::Cpu);
+    const size_t row_bytes = static_cast<size_t>(D) * dtype_size(w.dtype());
+    for (int64_t dst = 0; dst < rows; ++dst) {
+      std::memcpy(static_cast<char*>(weight_.raw()) + static_cast<size_t>(dst) * row_bytes,
+                  static_cast<const char*>(w.raw()) +
+                      static_cast<size_t>(sources[static_cast<size_t>(dst)]) * row_bytes,
+                  row_bytes);
+    }
+  }
+  if (!device_keys) {
+    keys_.assign(static_cast<size_t>(batch_ * kv_heads_ * capacity_ * r_) * dtype_size(key_dtype_),
+                 0);
+  }
 }
 
 void PartialLayer::write_partial_key(int64_t b, int64_t g, int64_t position, const float* key) {
@@ -685,9 +740,10 @@ std::vector<std::pair<std::string, Tensor>> PartialLayer::state() const {
   const bool values = !dry_run();
   Tensor columns = Tensor::empty({kv_heads_, r_}, DType::I32);
   if (values) std::copy(columns_.begin(), columns_.end(), columns.data<int32_t>());
-  std::vector<std::pair<std::string, Tensor>> state = {{"partial_columns", std::move(columns)},
-                                                       {"partial_weight", weight_},
-                                                       {"partial_bias", bias_}};
+  std::vector<std::pair<std::string, Tensor>> state = {
+      {"partial_columns", std::move(columns)},
+      {"partial_weight", weight_.device() == Device::Cpu ? weight_ : weight_.to(Device::Cpu)},
+      {"partial_bias", bias_}};
   if (!skew_.empty()) {
     Tensor skew = Tensor::empty({kv_heads_, head_dim_, head_dim_}, DType::F32);
     if (values) std::copy(skew_.begin(), skew_.end(), skew.data<float>());

@@ -142,11 +142,21 @@ class PartialLayer {
   // each sequence's tokens in the order one pass would.
   void accumulate(const Tensor& queries, const Tensor& keys, const std::vector<int64_t>& sequences,
                   const std::vector<int32_t>& first_valid, int64_t first_row);
+  // With the pass's rows on the CUDA device (begin_prompt's source there), the sums are kept and
+  // added up there (ops::partial_column_scores, the same order of additions), and only
+  // choose_columns reads them back: (B, H_kv * d) doubles.
   // After the sharing pass (the groups' leaders): each member's sums start from its leader's.
   void continue_from_prefixes(const SharedPrefixes& shared);
   // The columns from every sequence's sums, the partial query weights from W_q (H * d, D) and
-  // its bias (or undefined), and an empty partial key cache of `capacity` positions.
-  void choose_columns(const Tensor& q_weight, const Tensor& q_bias, int64_t capacity);
+  // its bias (or undefined), and an empty partial key cache of `capacity` positions. With W_q on
+  // the CUDA device its needed rows are gathered there (the weights stay on the device);
+  // `device_keys`: a DevicePartialLayer (speculate/device_partial.h) keeps the partial key cache,
+  // and none is made here.
+  void choose_columns(const Tensor& q_weight, const Tensor& q_bias, int64_t capacity,
+                      bool device_keys = false);
+  // Inspection (tests): each sequence's column sums so far (B, H_kv * d), between begin_prompt
+  // and choose_columns; copied from the device when kept there.
+  std::vector<double> column_scores() const;
   // The partial key of a key row (d fp32, rotated) of KV head g, at `position` of (b, g).
   void write_partial_key(int64_t b, int64_t g, int64_t position, const float* key);
   // After a build from the prompt prefixes that groups of a batch share (`from_leaders`: the
@@ -231,6 +241,10 @@ class PartialLayer {
     return needed_[static_cast<size_t>(g)];
   }
   const std::vector<int64_t>& head_rows() const { return head_rows_; }
+  // The partial query weights (head_rows()[H], D) in W_q's dtype, on the device where W_q was
+  // (choose_columns), and their bias (head_rows()[H]) fp32 on the host.
+  const Tensor& weight() const { return weight_; }
+  const Tensor& bias() const { return bias_; }
   const std::vector<char>& key_bytes() const { return keys_; }
   int64_t batch() const { return batch_; }
   int64_t capacity() const { return capacity_; }
@@ -264,6 +278,9 @@ class PartialLayer {
   PartialIndexRule rule_ = PartialIndexRule::QK;
   std::vector<double> column_scores_;
   int64_t prompt_rows_ = 0;
+  // The same sums on the CUDA device while the prompt's rows are there: (B, H_kv * d) I64 storage
+  // of doubles, and the skew there (H_kv, d, d) fp32 (undefined: none).
+  Tensor device_scores_, device_skew_;
 
   // Offset in keys_ of position p of (b, g) (its group leader's for a shared position).
   size_t key_offset(int64_t b, int64_t g, int64_t p) const {

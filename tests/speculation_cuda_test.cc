@@ -563,6 +563,200 @@ std::vector<LayerCase> layer_cases() {
 INSTANTIATE_TEST_SUITE_P(Layers, SpeculationCuda, ::testing::ValuesIn(layer_cases()),
                          [](const auto& param_info) { return param_info.param.name; });
 
+// ---- the prompt's partial state built on the device (kernels/cuda/partial_build.h) ----
+//
+// The same prompt, in one pass or two (a chunked prefill: the second pass reads the first's keys
+// from a pool of fp16 blocks in mapped pinned memory, as InfinigenKv's does), is accumulated by a
+// PartialLayer from host tensors (the CPU's reference) and by one from device tensors (the
+// column sums on the device); both choose columns, the device one gathering the partial query
+// weights on the device, and a DevicePartialLayer writes the prompt's partial keys from the
+// device layer's state. Compared: the column sums, bit for bit unskewed (each is one thread's
+// double sum in the CPU's order), within 1e-6 relative skewed (the skewed values are fp32 sums
+// over d, which the two compilers contract into multiply-adds differently: an ulp or so), then the
+// chosen columns exactly: the inputs are random normals, whose column sums are far apart next to
+// that rounding (a near-tie, which would let the two choose differently, is not what this test is
+// about); the gathered weight rows bit for bit; the partial keys at every position that holds a
+// token within 1e-5 (fp32) or an fp16 ulp, exactly where there is no skew.
+
+struct BuildCase {
+  std::string name;
+  bool rotary = false;
+  bool skewed = false;
+  DType key_dtype = DType::F32;
+  DType weight_dtype = DType::F32;
+  int64_t heads = 4, kv_heads = 4;
+  bool padded = false;
+  bool two_passes = false;
+  PartialIndexRule rule = PartialIndexRule::QK;
+};
+std::ostream& operator<<(std::ostream& out, const BuildCase& c) {
+  return out << c.name;
+}
+
+class PartialBuildCuda : public ::testing::TestWithParam<BuildCase> {
+ protected:
+  void SetUp() override { INFINIGEN_SKIP_WITHOUT_CUDA_DEVICE(); }
+};
+
+// Rows [first, first + count) of each of the B sequences of `t` (B * n, width), fp32 on the CPU.
+Tensor sequence_rows(const Tensor& t, int64_t B, int64_t n, int64_t first, int64_t count) {
+  const int64_t width = t.dim(1);
+  Tensor out = Tensor::empty({B * count, width}, DType::F32);
+  for (int64_t b = 0; b < B; ++b) {
+    std::memcpy(out.data<float>() + b * count * width, t.data<float>() + (b * n + first) * width,
+                static_cast<size_t>(count * width) * sizeof(float));
+  }
+  return out;
+}
+
+TEST_P(PartialBuildCuda, ColumnScoresWeightsAndPartialKeysMatchTheCpu) {
+  const BuildCase c = GetParam();
+  std::mt19937_64 rng(4321 + std::hash<std::string>{}(c.name) % 1000);
+  const int64_t H = c.heads, H_kv = c.kv_heads, d = 32, D = 48, KV = H_kv * d, B = 3, n = 40;
+  const int64_t r = partial_columns(0.3, d), capacity = 64;
+  const std::vector<int32_t> first_valid =
+      c.padded ? std::vector<int32_t>{0, 5, 29} : std::vector<int32_t>{0, 0, 0};
+  const Tensor wq = normal_tensor({H * d, D}, rng, 0.2f).to_dtype(c.weight_dtype);
+  const Tensor bq = normal_tensor({H * d}, rng);
+  Tensor queries = normal_tensor({B * n, H * d}, rng);
+  const Tensor keys = normal_tensor({B * n, KV}, rng);
+  Tensor inv_freq, skew;
+  if (c.rotary) {
+    RopeConfig rope;
+    rope.theta = 10000.0;
+    inv_freq = Tensor::from_floats({d / 2}, rope_inv_freq(rope, d));
+  }
+  if (c.skewed) skew = normal_tensor({H_kv, d, d}, rng, 1.0f / std::sqrt(static_cast<float>(d)));
+  const Tensor wq_dev = wq.to(Device::Cuda), bq_dev = bq.to(Device::Cuda);
+  const Tensor queries_dev = queries.to(Device::Cuda), keys_dev = keys.to(Device::Cuda);
+  const Tensor freq_dev = inv_freq.defined() ? inv_freq.to(Device::Cuda) : Tensor();
+  const Tensor skew_dev = skew.defined() ? skew.to(Device::Cuda) : Tensor();
+
+  // The passes: [0, n) at once, or [0, 24) then [24, n).
+  const int64_t split = c.two_passes ? 24 : n;
+  std::vector<std::pair<int64_t, int64_t>> passes = {{0, split}};
+  if (c.two_passes) passes.emplace_back(split, n - split);
+  const std::vector<int64_t> sequences = {0, 1, 2};
+  PartialLayer cpu, gpu;
+  cpu.begin_prompt({queries, keys, wq, bq, inv_freq, skew}, B, H, H_kv, r, c.rule, c.key_dtype);
+  gpu.begin_prompt({queries_dev, keys_dev, wq_dev, bq_dev, freq_dev, skew_dev}, B, H, H_kv, r,
+                   c.rule, c.key_dtype);
+  for (const auto& [first, count] : passes) {
+    const Tensor q = sequence_rows(queries, B, n, first, count);
+    const Tensor k = sequence_rows(keys, B, n, first, count);
+    cpu.accumulate(q, k, sequences, first_valid, first);
+    gpu.accumulate(q.to(Device::Cuda), k.to(Device::Cuda), sequences, first_valid, first);
+  }
+  const std::vector<double> cpu_scores = cpu.column_scores(), gpu_scores = gpu.column_scores();
+  ASSERT_EQ(gpu_scores.size(), static_cast<size_t>(B * KV));
+  ASSERT_EQ(cpu_scores.size(), gpu_scores.size());
+  int64_t score_bits = 0;
+  for (size_t i = 0; i < cpu_scores.size(); ++i) {
+    ASSERT_NEAR(gpu_scores[i], cpu_scores[i], 1e-6 * std::fabs(cpu_scores[i]) + 1e-12)
+        << "sequence " << i / KV << ", column " << i % KV;
+    score_bits += gpu_scores[i] != cpu_scores[i] ? 1 : 0;
+  }
+  if (!c.skewed) {
+    EXPECT_EQ(score_bits, 0) << "unskewed sums are the same additions";
+  }
+
+  cpu.choose_columns(wq, bq, capacity);
+  gpu.choose_columns(wq_dev, bq_dev, capacity, /*device_keys=*/true);
+  ASSERT_EQ(gpu.columns(), cpu.columns());
+  ASSERT_EQ(gpu.weight().device(), Device::Cuda) << "W_q's rows gathered where W_q is";
+  const Tensor gpu_weight = gpu.weight().to(Device::Cpu);
+  ASSERT_EQ(gpu_weight.nbytes(), cpu.weight().nbytes());
+  EXPECT_EQ(std::memcmp(gpu_weight.raw(), cpu.weight().raw(), gpu_weight.nbytes()), 0);
+  EXPECT_EQ(std::memcmp(gpu.bias().raw(), cpu.bias().raw(), cpu.bias().nbytes()), 0);
+  EXPECT_TRUE(gpu.key_bytes().empty()) << "the device keeps the partial key cache";
+
+  // The CPU's partial keys, as InfinigenKv::write_prompt_partial_keys writes them: the earlier
+  // pass's keys through the pool's dtype (fp16), the last pass's as they are.
+  const int64_t past = c.two_passes ? split : 0, block_tokens = 8;
+  std::vector<float> row(static_cast<size_t>(d));
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t g = 0; g < H_kv; ++g) {
+      for (int64_t t = first_valid[static_cast<size_t>(b)]; t < n; ++t) {
+        const float* key = keys.data<float>() + (b * n + t) * KV + g * d;
+        if (t < past) {
+          std::vector<f16> half(static_cast<size_t>(d));
+          convert_from_f32(key, half.data(), DType::F16, half.size());
+          convert_to_f32(half.data(), DType::F16, row.data(), row.size());
+          key = row.data();
+        }
+        cpu.write_partial_key(b, g, t, key);
+      }
+    }
+  }
+  // The device's: the earlier pass in fp16 pool blocks (H_kv, block_tokens, d) in mapped pinned
+  // memory, their addresses in a (B, blocks) table there too.
+  ops::PoolKeyBlocks pool;
+  Tensor blocks, table;
+  if (past > 0) {
+    const int64_t per_sequence = (past + block_tokens - 1) / block_tokens;
+    const int64_t block_elems = H_kv * block_tokens * d;
+    blocks =
+        Tensor::pinned({B * per_sequence * block_elems}, DType::F16, "test pool", Device::Cuda);
+    table = Tensor::pinned({B * per_sequence}, DType::I64, "test block table", Device::Cuda);
+    auto* block_data = static_cast<f16*>(blocks.raw());
+    auto** addresses = static_cast<const void**>(table.raw());
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t i = 0; i < per_sequence; ++i) {
+        addresses[b * per_sequence + i] = block_data + (b * per_sequence + i) * block_elems;
+      }
+      for (int64_t g = 0; g < H_kv; ++g) {
+        for (int64_t t = 0; t < past; ++t) {
+          f16* dst = block_data + (b * per_sequence + t / block_tokens) * block_elems +
+                     (g * block_tokens + t % block_tokens) * d;
+          convert_from_f32(keys.data<float>() + (b * n + t) * KV + g * d, dst, DType::F16,
+                           static_cast<size_t>(d));
+        }
+      }
+    }
+    pool = {static_cast<const void* const*>(table.raw()), per_sequence, block_tokens, DType::F16};
+  }
+  DevicePartialLayer device;
+  device.adopt(gpu);
+  device.write_prompt_keys(sequence_rows(keys, B, n, past, n - past).to(Device::Cuda), past, pool,
+                           first_valid);
+  const std::vector<char> got = download<char>(device.keys(), device.keys().nbytes());
+  ASSERT_EQ(got.size(), cpu.key_bytes().size());
+  const size_t key_size = dtype_size(c.key_dtype);
+  std::vector<float> want_row(static_cast<size_t>(r)), got_row(static_cast<size_t>(r));
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t g = 0; g < H_kv; ++g) {
+      for (int64_t t = first_valid[static_cast<size_t>(b)]; t < n; ++t) {
+        const size_t at = static_cast<size_t>(((b * H_kv + g) * capacity + t) * r) * key_size;
+        convert_to_f32(cpu.key_bytes().data() + at, c.key_dtype, want_row.data(), want_row.size());
+        convert_to_f32(got.data() + at, c.key_dtype, got_row.data(), got_row.size());
+        for (int64_t j = 0; j < r; ++j) {
+          const float want = want_row[static_cast<size_t>(j)];
+          const float tolerance =
+              !c.skewed ? 0.0f
+                        : (c.key_dtype == DType::F16 ? 1e-3f : 1e-5f) * (1.0f + std::fabs(want));
+          ASSERT_NEAR(got_row[static_cast<size_t>(j)], want, tolerance)
+              << "sequence " << b << ", KV head " << g << ", token " << t << ", column " << j;
+        }
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Prompts, PartialBuildCuda,
+    ::testing::Values(BuildCase{"opt_like", false, false},
+                      BuildCase{"opt_like_padded_two_passes_f16_keys", false, false, DType::F16,
+                                DType::F16, 4, 4, true, true},
+                      BuildCase{"opt_like_q_rule_padded", false, false, DType::F32, DType::F32, 4,
+                                4, true, false, PartialIndexRule::Q},
+                      BuildCase{"llama_like_grouped_skewed", true, true, DType::F32, DType::BF16, 8,
+                                2, true, false},
+                      BuildCase{"llama_like_grouped_skewed_two_passes_f16_keys", true, true,
+                                DType::F16, DType::F16, 8, 2, true, true},
+                      BuildCase{"rotary_unskewed_two_passes", true, false, DType::F32, DType::F32,
+                                4, 2, false, true}),
+    [](const auto& param_info) { return param_info.param.name; });
+
 // ---- select_top alone, on made-up logits ----
 
 class SpeculationSelectTopCuda : public ::testing::Test {
