@@ -73,10 +73,11 @@ void cache_store(const Tensor& rows, Tensor& cache, int64_t offset);
 
 // ---- the `h2o` policy on the device (offload/h2o_kv.h; kernels/cuda/h2o.h) ----
 //
-// CUDA tensors only: on the CPU backend h2o scores on the host, in offload/h2o_kv.cc, with the
-// same arithmetic in the same order (these refuse CPU tensors). Not recorded in a trace: their
-// caller records h2o_prefill_scores and h2o_decode_scores once, whichever device scores, so that
-// a trace and its prices (predict/op_costs.cc) are the same for both.
+// CUDA tensors only: on the CPU backend h2o scores on the host, in offload/h2o_kv.cc, whose
+// scores these match within fp32 rounding (kernels/cuda/h2o.h; these refuse CPU tensors). Not
+// recorded in a trace: their caller records h2o_prefill_scores and h2o_decode_scores once,
+// whichever device scores, so that a trace and its prices (predict/op_costs.cc) are the same for
+// both.
 
 // Decode, one layer: adds each query head's softmax over sequence b's kept rows [first_row[b],
 // rows - 1) and the new token's row rows - 1 to their scores (the new row first gets token

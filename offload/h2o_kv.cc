@@ -57,10 +57,11 @@ Tensor on_host(const Tensor& tensor) {
   return tensor.device() == Device::Cpu ? tensor : tensor.to(Device::Cpu);
 }
 
-// Products rounded on their own, summed in order: the device's scores (kernels/cuda/h2o.cu) do
-// the same, so both keep the same tokens. offload/CMakeLists.txt compiles this file with
-// -ffp-contract=off, or the compiler would fuse some products and sums into FMAs and not others
-// (the vectorised body and the tail of this loop differ at -O3).
+// Products rounded on their own, summed in order: the reference the device's scores
+// (kernels/cuda/h2o.cu, tiled, with FMAs) match within fp32 rounding. offload/CMakeLists.txt
+// compiles this file with -ffp-contract=off, so that the reference does not depend on which
+// products the compiler fuses into FMAs (the vectorised body and the tail of this loop differ at
+// -O3).
 float dot(const float* a, const float* b, int64_t n) {
   float sum = 0.0f;
   for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];

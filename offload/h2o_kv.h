@@ -14,13 +14,14 @@
 //
 // Where it runs: on the CPU backend scoring, the victim choice and the bookkeeping (scores, token
 // indices, an fp32 copy of the kept keys) run on the host. On CUDA they run on the device
-// (kernels/cuda/h2o.h, through core/ops.h's h2o ops) with the same arithmetic in the same order,
-// so both keep the same tokens: the scores and token indices live in device memory, decode
-// scores from the staged keys after the layer's load, the choice of each new token's row stays
-// on the device, and the store is a kernel on the store stream that writes the staged row into
-// the mapped pinned pool at that row (TransferEngine::store_by_kernel). The host never reads
-// them in a step: the counts, which the loads need, do not depend on scores and are kept on the
-// host (docs/cuda.md, "h2o on the device").
+// (kernels/cuda/h2o.h, through core/ops.h's h2o ops), tiled and reduced in parallel, with the
+// host's scores within fp32 rounding, so both keep the same tokens except at near-ties (two
+// scores at a keep boundary within that rounding): the scores and token indices live in device
+// memory, decode scores from the staged keys after the layer's load, the choice of each new
+// token's row stays on the device, and the store is a kernel on the store stream that writes the
+// staged row into the mapped pinned pool at that row (TransferEngine::store_by_kernel). The host
+// never reads them in a step: the counts, which the loads need, do not depend on scores and are
+// kept on the host (docs/cuda.md, "h2o on the device").
 //
 // Host pool (pinned, allocated up front): [L][2][B][H][slots] rows of d in the KV dtype, K then V.
 // Sequence b keeps count[b] entries (the same for every layer and head: every head keeps the
@@ -83,8 +84,8 @@ int64_t h2o_slots(double budget, int64_t capacity);
 
 // The decode's scoring of one query head on the host: `scores` (n) += the softmax of the dots of
 // `query` (d) with the `n` kept keys (n, d), fp32; `probs` (n) is scratch. Each product is
-// rounded on its own and summed in order, as the device's scores are (kernels/cuda/h2o.cu), so
-// both backends keep the same tokens.
+// rounded on its own and summed in order: the reference that the device's scores
+// (kernels/cuda/h2o.cu) match within fp32 rounding.
 void h2o_accumulate_scores(const float* query, const float* keys, int64_t n, int64_t d,
                            float* probs, float* scores);
 

@@ -1,12 +1,15 @@
 // kernels/cuda: the `h2o` policy on the device (offload/h2o_kv.h): accumulated attention scores,
 // the keep/evict choice and the store of the new token to its pool row.
 //
-// The arithmetic is the CPU's (offload/h2o_kv.cc), in the same order, so that the kept sets are
-// the same: each (query, key) logit is a sequential sum over d of products rounded on their own
-// (never fused into an FMA), a softmax subtracts the maximum, sums the exponentials in key order
-// and divides; a key's score adds the probabilities in the order the CPU does. Keys are read as
-// the KV dtype stores them. On the emulated device the results are bit-identical to the CPU's; on
-// a GPU `expf` may differ from the C library's by an ulp or two.
+// The scores are the CPU's (offload/h2o_kv.cc) up to fp32 rounding, not bit for bit: the logits
+// are tiled products with FMAs (the prefill) or warp sums (decode), softmax sums are parallel
+// reductions (the prefill's an online softmax), and a key's probabilities are added in another
+// order. Scores agree within a relative 1e-5 or so (tests allow a few times that); the keys are
+// read, or rounded, as the KV dtype stores them, as on the CPU. The keep and evict choices are
+// exact functions of the scores (the CPU's orders, ties included), so the kept sets are the
+// CPU's except where two scores at the boundary are within that rounding of each other (a
+// near-tie), and exact ties the inputs force (probabilities that underflow to 0 on both) stay
+// ties.
 #pragma once
 
 #include <cstdint>
@@ -25,7 +28,7 @@ namespace infinigen::kernels::cuda {
 //
 // Scoring (one block per (b, h)): row rows - 1 gets token `token` and score 0; then, for each
 // query head of the group in turn, the softmax of its logits over rows [first_row[b], rows) is
-// added to their scores.
+// added to their scores (a warp per row's logit, block reductions for the maximum and the sum).
 // Placing (one warp per (b, h)): the new token's row is first_row[b] - 1 while there is room
 // (first_row[b] > 0), else the victim's: the lowest score among rows [0, rows) whose token is
 // older than `recent_start`, ties to the smallest token (offload/h2o_kv.h, h2o_choose_victim;
@@ -38,6 +41,9 @@ int h2o_decode(const float* q, const void* keys, Element key_type, float* scores
                void* stream);
 
 // Prefill, one layer: scores every valid prompt key and keeps `slots` of them per (b, h).
+// Two tiled passes (64 x 64 tiles of logits per block, queries and keys through shared memory,
+// FMAs): each valid query's causal softmax maximum and sum, then each key's received
+// probabilities; about 2 n^2 d flops per (b, query head), none of it serial per row.
 //
 // q: (B, n, H, d) fp32, scaled; k, v: (B, n, H_kv, d) fp32; sequence b's tokens before
 // first_valid[b] (int32 device array, B) are padding. A key's score is the sum, over the group's
