@@ -393,8 +393,12 @@ class Check:
         return predicted
 
     def write(self):
-        (self.out / "results.json").write_text(json.dumps(self.results, indent=1))
-        (self.out / "summary.md").write_text(summary_markdown(self.results))
+        # The development machine's paths stay out of results meant for the repository.
+        paths = {"BUILD_SOURCE_DIR": "<source>", "BUILD_BINARY_DIR": "<build>", "dir": "<build>"}
+        results = dict(self.results,
+                       build={k: paths.get(k, v) for k, v in self.results.get("build", {}).items()})
+        (self.out / "results.json").write_text(json.dumps(results, indent=1))
+        (self.out / "summary.md").write_text(summary_markdown(results))
         log(f"wrote {self.out}/results.json and summary.md")
 
 
