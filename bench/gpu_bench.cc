@@ -27,6 +27,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <random>
 #include <string>
@@ -351,14 +352,19 @@ void gather_selected(benchmark::State& state, bool cached) {
 // The gather kernel alone (kernels/cuda/gather.h), its list prepared in mapped pinned memory, on
 // grids of state.range(1) blocks: `rows`, 10% of the keys' 256-byte rows (InfiniGen's load);
 // `blocks`, every (sequence, head)'s 128-token block runs of 32 KiB (the `full` policy's load).
-void gather_kernel(benchmark::State& state, bool rows) {
+// The gather kernel on a grid of state.range(0) blocks, over either every row of the layer
+// (`run_rows` 0) or its runs of `run_rows` rows, at most `max_runs` of them (a short list of
+// large pieces: int4's codes and scales are about 70 KB a chunk, 1,300 of them a layer).
+void gather_kernel(benchmark::State& state, size_t run_rows,
+                   size_t max_runs = std::numeric_limits<size_t>::max()) {
   const KeyLayer& layer = key_layer();
   std::vector<CopyChunk> list;
-  if (rows) {
+  if (run_rows == 0) {
     for (const char* row : layer.select(100)) list.push_back({nullptr, row, layer.row_bytes});
   } else {
-    const size_t run = 128 * layer.row_bytes;
-    for (size_t offset = 0; offset + run <= layer.pool.bytes; offset += run) {
+    const size_t run = run_rows * layer.row_bytes;
+    for (size_t offset = 0; offset + run <= layer.pool.bytes && list.size() < max_runs;
+         offset += run) {
       list.push_back({nullptr, layer.pool.data + offset, run});
     }
   }
@@ -600,15 +606,16 @@ void register_benchmarks() {
         ->Unit(kMillisecond);
   }
   for (int blocks : {4, 8, 16, 1056}) {
-    add("GatherKernel/rows", [](auto& s) { gather_kernel(s, true); })
-        ->Arg(blocks)
-        ->Unit(kMillisecond);
+    add("GatherKernel/rows", [](auto& s) { gather_kernel(s, 0); })->Arg(blocks)->Unit(kMillisecond);
   }
   for (int blocks : {8, 1056}) {
-    add("GatherKernel/blocks", [](auto& s) { gather_kernel(s, false); })
+    add("GatherKernel/blocks", [](auto& s) { gather_kernel(s, 128); })
         ->Arg(blocks)
         ->Unit(kMillisecond);
   }
+  add("GatherKernel/few_large", [](auto& s) { gather_kernel(s, 256, 1300); })
+      ->Arg(0)
+      ->Unit(kMillisecond);
   for (int blocks : {0, 16, 1056}) {
     add("ComputeBesideGather", compute_beside_gather)->Arg(blocks)->Unit(kMicrosecond);
   }

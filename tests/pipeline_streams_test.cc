@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "core/cuda_stream.h"
@@ -130,17 +131,19 @@ TEST(PipelineStreams, ComputeWaitsAreDeviceSideAndTheirStallIsSettled) {
 // shuffled order, into or out of a device buffer. Every path of the gather kernel: rows of 64,
 // 256 and 512 bytes (16-byte words, several rows per warp-wide pass), of 48 (16-byte words, a
 // row at a time), of 100 (bytes) and of 4 KiB + 16 (16-byte words, several per lane in flight);
-// 3000 pieces leave a last group of fewer than 32.
+// 3000 pieces leave a last group of fewer than 32 per warp, 300 and 9 give each warp of the grid
+// a group of 3 or 1 (a short list of large pieces).
 class PipelineGather : public ::testing::TestWithParam<GatherMode> {};
 
 TEST_P(PipelineGather, ManySmallChunksLandInPlaceBothWays) {
   INFINIGEN_SKIP_WITHOUT_CUDA_DEVICE();
   TransferEngine engine(Device::Cuda, {}, GetParam());
   const CudaStreamScope compute(engine.compute_stream().cuda_handle());
-  for (const size_t row :
-       {size_t{256}, size_t{64}, size_t{512}, size_t{48}, size_t{100}, size_t{4096 + 16}}) {
-    constexpr size_t kPieces = 3000;
-    const size_t bytes = kPieces * row;
+  const std::pair<size_t, size_t> shapes[] = {{256, 3000}, {64, 3000},       {512, 3000},
+                                              {48, 3000},  {100, 3000},      {4096 + 16, 3000},
+                                              {256, 300},  {4096 + 16, 300}, {4096 + 16, 9}};
+  for (const auto& [row, pieces] : shapes) {
+    const size_t bytes = pieces * row;
     auto* pool = static_cast<uint8_t*>(pinned_alloc(2 * bytes, "a test pool"));
     auto* back = static_cast<uint8_t*>(pinned_alloc(2 * bytes, "a test pool"));
     for (size_t i = 0; i < 2 * bytes; ++i) pool[i] = static_cast<uint8_t>(i * 7 + i / 251);
@@ -148,8 +151,8 @@ TEST_P(PipelineGather, ManySmallChunksLandInPlaceBothWays) {
     void* device = device_alloc(Device::Cuda, bytes);
     // Piece i: pool row 2 * perm(i) + 1 -> device row i -> back row 2 * perm(i) + 1.
     std::vector<CopyChunk> loads, stores;
-    for (size_t i = 0; i < kPieces; ++i) {
-      const size_t from = 2 * ((i * 1237) % kPieces) + 1;  // 1237 is prime to 3000
+    for (size_t i = 0; i < pieces; ++i) {
+      const size_t from = 2 * ((i * 1237) % pieces) + 1;  // 1237 is a prime: a permutation
       uint8_t* on_device = static_cast<uint8_t*>(device) + i * row;
       loads.push_back({on_device, pool + from * row, row});
       stores.push_back({back + from * row, on_device, row});
@@ -159,8 +162,8 @@ TEST_P(PipelineGather, ManySmallChunksLandInPlaceBothWays) {
     // The load on its own (a fault of the load that the store undid would cancel out below).
     std::vector<uint8_t> landed(bytes);
     device_copy(landed.data(), Device::Cpu, device, Device::Cuda, bytes);
-    for (size_t i = 0; i < kPieces; ++i) {
-      const size_t from = 2 * ((i * 1237) % kPieces) + 1;
+    for (size_t i = 0; i < pieces; ++i) {
+      const size_t from = 2 * ((i * 1237) % pieces) + 1;
       ASSERT_EQ(std::memcmp(landed.data() + i * row, pool + from * row, row), 0)
           << "piece " << i << " with rows of " << row;
     }

@@ -16,7 +16,9 @@ archive=${2:?usage: gpu_bundle.sh BUILD_DIR OUT.tar.xz}
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=$(cd "$build" && pwd)
 [ -x "$build/bin/infinigen" ] || { echo "gpu_bundle: $build/bin/infinigen is missing: build $build first" >&2; exit 1; }
-ldd "$build/bin/infinigen" | grep -q libcublas ||
+# ldd into a variable first: `grep -q` closing the pipe early would fail it under pipefail.
+linked=$(ldd "$build/bin/infinigen")
+grep -q libcublas <<<"$linked" ||
   { echo "gpu_bundle: $build is not a CUDA build (configure it with nvcc found, e.g. --preset test)" >&2; exit 1; }
 
 stage=$(mktemp -d)

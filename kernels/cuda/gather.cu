@@ -24,22 +24,25 @@ __device__ __forceinline__ void copy_words(uint4* to, const uint4* from, uint64_
   for (; w < words; w += kWarpSize) to[w] = from[w];
 }
 
-// Each warp takes 32 consecutive items at a time (lane i reads item i's descriptor: one coalesced
-// read, a single trip over the link when the list is in mapped host memory), then copies them:
+// Each warp takes `group` (at most 32) consecutive items at a time (lane i reads item i's
+// descriptor: one coalesced read, a single trip over the link when the list is in mapped host
+// memory), then copies them:
 // - when the 32 are aligned and of one size s of at most 512 bytes dividing 512 (KV rows: 256
 //   bytes for head_dim 128 in fp16), as one flat run of words, 512 / s items per warp-wide pass
 //   and kUnroll passes in flight;
 // - otherwise one item after another, the warp striding over its words (or bytes, unaligned).
 // Warps stride over the list, so the grid can be much smaller than the list: it occupies only
 // `gridDim.x` blocks' worth of multiprocessors, and kernels running beside it keep the rest.
-__global__ void copy_items_kernel(const CopyItem* items, int64_t count) {
+// `group` is smaller than 32 when the list is short (a few hundred chunks of tens of kilobytes:
+// int4's codes and scales, h2o's rows), so that every warp of the grid has items to copy.
+__global__ void copy_items_kernel(const CopyItem* items, int64_t count, int group) {
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / kWarpSize;
-  for (int64_t base = warp * kWarpSize; base < count; base += warps * kWarpSize) {
+  for (int64_t base = warp * group; base < count; base += warps * group) {
+    const int n = static_cast<int>(count - base < group ? count - base : group);
     CopyItem mine{nullptr, nullptr, 0};
-    if (base + lane < count) mine = items[base + lane];
-    const int n = static_cast<int>(count - base < kWarpSize ? count - base : kWarpSize);
+    if (lane < n) mine = items[base + lane];
     const auto dst_bits = reinterpret_cast<unsigned long long>(mine.dst);
     const auto src_bits = reinterpret_cast<unsigned long long>(mine.src);
     const unsigned long long size = mine.bytes;
@@ -183,10 +186,15 @@ int gather_selected_rows(const SelectedRowGather& g, void* stream, int blocks,
 int copy_items(const CopyItem* items, int64_t count, void* stream, int blocks) {
   if (count <= 0) return cudaSuccess;
   if (blocks <= 0) blocks = kDefaultBlocks;
-  const int64_t needed = (count + kThreads / kWarpSize * kWarpSize - 1) /
-                         (kThreads / kWarpSize * kWarpSize);  // 32 items per warp at least
-  const unsigned grid = static_cast<unsigned>(needed < blocks ? needed : blocks);
-  INFINIGEN_LAUNCH(grid, kThreads, 0, detail::as_stream(stream), copy_items_kernel)(items, count);
+  // At least one item per warp; then as many per warp as the grid needs, up to 32.
+  constexpr int64_t kWarpsPerBlock = kThreads / kWarpSize;
+  const int64_t needed = (count + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  const int64_t grid = needed < blocks ? needed : blocks;
+  const int64_t per_warp = (count + grid * kWarpsPerBlock - 1) / (grid * kWarpsPerBlock);
+  const int group = static_cast<int>(per_warp < kWarpSize ? per_warp : kWarpSize);
+  INFINIGEN_LAUNCH(static_cast<unsigned>(grid), kThreads, 0, detail::as_stream(stream),
+                   copy_items_kernel)
+  (items, count, group);
   return cudaGetLastError();
 }
 
