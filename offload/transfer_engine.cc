@@ -49,9 +49,9 @@ namespace {
 
 // Transfers of at most this many chunks, or of chunks this large on average, go as one
 // cudaMemcpyAsync per chunk (a layer's weights: a few tensors of megabytes); the others gather.
-// Measured on an H100 with PCIe 5 (docs/gpu.md, run 6): a layer's load as one cudaMemcpyAsync
-// per chunk moved 17 GB/s in chunks of about 70 KB (int4's codes and scales) and 21 GB/s in
-// 100 KB (h2o's rows), where the gather kernel moved full's 32 KB block runs at 49.6 GB/s.
+// Measured on an H100 with PCIe 5 (docs/gpu.md, runs 6 and 8): a layer's load as one
+// cudaMemcpyAsync per chunk moved 17 GB/s in chunks of about 70 KB (int4's codes and scales) and
+// 21 GB/s in 100 KB (h2o's rows); through the gather kernel 27.7 and 48.7 GB/s.
 constexpr size_t kDirectCopyChunks = 8;
 constexpr uint64_t kDirectCopyBytes = uint64_t{1} << 18;
 

@@ -268,7 +268,12 @@ class Check:
                                  self.logs / "gpu_bench.log")
         rows = []
         if report.exists():
-            for b in json.loads(report.read_text()).get("benchmarks", []):
+            data = json.loads(report.read_text())
+            if "executable" in data.get("context", {}):  # this machine's path, not the repo's
+                data["context"]["executable"] = \
+                    ("<bundle>" if self.args.bundle else "<build>") + "/bin/gpu_bench"
+                report.write_text(json.dumps(data, indent=2))
+            for b in data.get("benchmarks", []):
                 if b.get("aggregate_name", "median") != "median":
                     continue
                 rows.append({"name": b["run_name"], "error": b.get("error_message"),
