@@ -6,6 +6,7 @@
 
 #include <algorithm>
 
+#include "core/op_profile.h"
 #include "core/ops_cuda.h"
 #include "core/trace.h"
 #include "kernels/cpu/attention.h"
@@ -253,6 +254,8 @@ void attention_decode(const Tensor& q, const Tensor& k_cache, const Tensor& v_ca
                : traced("attention_extend", {H, kv_heads, pairs, rows, d}, k_cache.dtype())) {
       return;
     }
+  } else {
+    profile_op(n == 1 ? "attention_decode" : "attention_extend");  // sizes only for a trace
   }
   if (device == Device::Cuda) {
     cuda::attention_decode(q, k_cache, v_cache, out, B, n, H, kv_heads, d, capacity, length,
@@ -668,6 +671,8 @@ void int4_dequantize(const Int4Rows& src, int64_t t0, int64_t t1,
       rows += 2 * H * (t1 - std::min(t1, first));
     }
     if (traced("int4_dequantize", {rows, d})) return;
+  } else {
+    profile_op("int4_dequantize");
   }
   if (device == Device::Cuda) {
     cuda::int4_dequantize(src, t0, t1, first_valid, row0, keys, values);

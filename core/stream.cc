@@ -11,6 +11,7 @@
 
 #include "core/cuda_stream.h"
 #include "core/error.h"
+#include "core/op_profile.h"
 #include "core/trace.h"
 
 namespace infinigen {
@@ -45,6 +46,7 @@ Event::~Event() {
 
 void Event::wait() const {
   if (Trace* trace = active_trace()) trace->host_waits(traced_op_);
+  profile_host_wait();
   if (cuda_event_ != nullptr) {
     cuda_stream::synchronize_event(cuda_event_);
     return;
@@ -182,6 +184,7 @@ void Stream::synchronize() {
   INFINIGEN_CHECK(worker_.get_id() != std::this_thread::get_id(), "stream '", name_,
                   "': synchronize() called from one of its own tasks would never return");
   if (mode_ == Mode::Cuda) {
+    profile_host_wait();
     cuda_stream::synchronize(cuda_stream_);
     std::lock_guard lock(mutex_);
     if (failure_) std::rethrow_exception(failure_);

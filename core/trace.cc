@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "core/error.h"
+#include "core/op_profile.h"
 
 namespace infinigen {
 namespace {
@@ -60,7 +61,13 @@ TraceScope::TraceScope(Trace& trace) : previous_(g_active) { g_active = &trace; 
 
 TraceScope::~TraceScope() { g_active = previous_; }
 
+void trace_step(int64_t step) {
+  if (g_active != nullptr) g_active->set_step(step);
+  profile_step(step);
+}
+
 bool traced(const char* name, std::array<int64_t, 5> sizes, DType dtype) {
+  profile_op(name);
   if (g_active == nullptr) return false;
   g_active->compute(name, sizes, dtype);
   return g_active->dry();

@@ -97,9 +97,8 @@ class TraceScope {
 
 // The step (0: the prefill) and the layer (-1: none) that ops recorded from now on belong to,
 // when a trace is active.
-inline void trace_step(int64_t step) {
-  if (Trace* trace = active_trace()) trace->set_step(step);
-}
+// Also where an op profile (core/op_profile.h) starts its step.
+void trace_step(int64_t step);
 inline void trace_layer(int64_t layer) {
   if (Trace* trace = active_trace()) trace->set_layer(layer);
 }

@@ -307,6 +307,8 @@ class Check:
             for policy in self.args.policies.split(","):
                 command = [str(self.bin / "infinigen"), "run", *point, "--policy", policy,
                            "--device", "cuda", "--json"]
+                if self.args.profile_ops:
+                    command.append("--profile-ops")
                 code, seconds, out = run(command, self.args.run_timeout, self.env,
                                          self.logs / "runs.log")
                 row = {"point": label, "policy": policy, "exit": code, "seconds": seconds}
@@ -315,7 +317,8 @@ class Check:
                     steps = max(1, report["gen_len"] - 1)
                     row.update({k: report.get(k) for k in
                                 ["prefill_latency_s", "decode_latency_s", "throughput_tok_s",
-                                 "decode_throughput_tok_s", "weights_gpu_percent", "transfer"]})
+                                 "decode_throughput_tok_s", "weights_gpu_percent", "transfer",
+                                 "op_profile"] if k in report})
                     row["decode_step_ms"] = 1e3 * report["decode_latency_s"] / steps
                 else:
                     row["error"] = out.strip().splitlines()[-1] if out.strip() else "no output"
@@ -504,6 +507,16 @@ def summary_markdown(results):
             else:
                 lines.append(f"| {r['point']} | {r['policy']} | {r.get('error')} | {pp} | | {pd} "
                              "| | | |")
+        for r in runs["points"]:
+            decode = (r.get("op_profile") or {}).get("decode")
+            if not decode or not decode.get("steps"):
+                continue
+            per = 1e3 / decode["steps"]
+            lines += ["", f"{r['point']} {r['policy']}, a decode step op by op (--profile-ops; "
+                      f"{decode['seconds'] * per:.2f} ms a step):", "",
+                      "| op | ms a step | calls a step |", "| --- | --- | --- |"]
+            lines += [f"| {o['name']} | {o['seconds'] * per:.3f} | {o['calls'] / decode['steps']:.1f} |"
+                      for o in decode["ops"][:12]]
     return "\n".join(lines) + "\n"
 
 
@@ -530,6 +543,9 @@ def main():
     parser.add_argument("--bench-filter", help="gpu_bench's --benchmark_filter (default: all)")
     parser.add_argument("--sanitizers", default="memcheck,racecheck,synccheck",
                         help="compute-sanitizer tools of the sanitize step")
+    parser.add_argument("--profile-ops", action="store_true",
+                        help="throughput runs with `infinigen run --profile-ops`: each policy's "
+                             "decode step op by op (an event per op: steps a little longer)")
     parser.add_argument("--no-predict", action="store_true",
                         help="no cost-model predictions beside the throughput points")
     parser.add_argument("--gen-len", type=int, default=16,

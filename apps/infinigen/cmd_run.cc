@@ -48,6 +48,7 @@ struct RunOptions : GenerationFlags {
   bool prompt_len_given = false;
   bool json = false;
   bool stats = false;
+  bool profile_ops = false;
   bool dry_run = false;
   std::string shared_prefix;  // a file whose text every prompt follows
   std::string session;        // a new session saved here after the run
@@ -289,12 +290,16 @@ int run(const RunOptions& o) {
   request.sampling = flag_sampling(o, loaded);
   request.kv_dtype = kv_dtype;
   OffloadRun run;
+  OpProfile profile;
   {
     Progress progress("generating");
+    std::optional<OpProfileScope> profiling;
+    if (o.profile_ops) profiling.emplace(profile);
     run = run_offloaded(
         loaded, request, offload, device,
         [&](int64_t done, int64_t total) { progress.update(done, total); }, session.get());
   }
+  profile.finish();
   const GenerationResult& result = run.result;
   const TransferSummary transfers = summarize(run);
   // What each sequence was given this turn: a resumed turn's prompt without the previous turn's
@@ -345,6 +350,7 @@ int run(const RunOptions& o) {
                              {"kv_pool_cap", pool_cap_json(run.stats.pool_cap())},
                              {"outputs", outputs}};
     if (o.stats) report["steps"] = steps_json(run.stats);
+    if (o.profile_ops) report["op_profile"] = op_profile_json(profile);
     if (session) {
       const SessionStats& s = session->stats();
       report["session"] = {{"directory", o.resume.empty() ? o.session : o.resume},
@@ -388,6 +394,7 @@ int run(const RunOptions& o) {
   std::printf("throughput       %9.1f tok/s  (decode only: %.1f tok/s)\n", result.throughput(),
               result.decode_throughput());
   print_transfers(transfers, run, o.stats);
+  if (o.profile_ops) print_op_profile(profile);
   if (offload.check_recall && transfers.mean_recall < 0) {
     std::printf("recall           not measured: %s\n",
                 why_no_recall(transfers, offload, loaded.config.num_layers).c_str());
@@ -425,6 +432,9 @@ Command add_run_command(CLI::App& app) {
   auto* batch = app.add_option("--batch,-b", o->batch, "Sequences (default: one per prompt)");
   app.add_flag("--json", o->json, "Print the result as JSON on stdout");
   app.add_flag("--stats", o->stats, "Per-layer and per-step transfer statistics");
+  app.add_flag("--profile-ops", o->profile_ops,
+               "Time per op (the device's, on a GPU) and per host wait, for the prefill and a "
+               "decode step (core/op_profile.h)");
   auto* shared_prefix = app.add_option(
       "--shared-prefix", o->shared_prefix,
       "File whose text every prompt follows (a system prompt, a document): with share_prefix on, "

@@ -215,4 +215,46 @@ void print_transfers(const TransferSummary& s, const OffloadRun& run, bool per_l
   }
 }
 
+nlohmann::json op_profile_json(const OpProfile& profile) {
+  const auto phase_json = [](const OpProfile::Phase& phase) {
+    nlohmann::json ops = nlohmann::json::array();
+    for (const OpProfile::Entry& e : phase.entries) {
+      ops.push_back({{"name", e.name}, {"calls", e.calls}, {"seconds", e.seconds}});
+    }
+    return nlohmann::json{{"steps", phase.steps}, {"seconds", phase.seconds()}, {"ops", ops}};
+  };
+  return {{"prefill", phase_json(profile.prefill())}, {"decode", phase_json(profile.decode())}};
+}
+
+void print_op_profile(const OpProfile& profile) {
+  constexpr size_t kShown = 14;  // the rest on one line
+  const auto print_phase = [](const OpProfile::Phase& phase, const char* title) {
+    if (phase.steps == 0 || phase.entries.empty()) return;
+    const double per = 1.0 / static_cast<double>(phase.steps);
+    const double total = phase.seconds();
+    std::printf("\n%s (%lld step%s, %.3f ms a step; from each op's start to the next's):\n", title,
+                static_cast<long long>(phase.steps), phase.steps == 1 ? "" : "s",
+                1e3 * total * per);
+    double rest = 0.0;
+    int64_t rest_ops = 0;
+    for (size_t i = 0; i < phase.entries.size(); ++i) {
+      const OpProfile::Entry& e = phase.entries[i];
+      if (i >= kShown) {
+        rest += e.seconds;
+        ++rest_ops;
+        continue;
+      }
+      std::printf("  %-22s %10.3f ms %6.1f%%  %8.1f calls a step\n", e.name.c_str(),
+                  1e3 * e.seconds * per, total > 0 ? 100.0 * e.seconds / total : 0.0,
+                  static_cast<double>(e.calls) * per);
+    }
+    if (rest_ops > 0) {
+      std::printf("  %-22s %10.3f ms %6.1f%%\n", cat(rest_ops, " more ops").c_str(),
+                  1e3 * rest * per, total > 0 ? 100.0 * rest / total : 0.0);
+    }
+  };
+  print_phase(profile.prefill(), "ops of the prefill");
+  print_phase(profile.decode(), "ops of a decode step");
+}
+
 }  // namespace infinigen::cli

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <nlohmann/json.hpp>
 
+#include "core/op_profile.h"
 #include "offload/run_summary.h"
 #include "offload/runtime.h"
 
@@ -18,5 +19,10 @@ nlohmann::json pool_cap_json(const PoolCapStats& cap);
 nlohmann::json steps_json(const OffloadStats& stats);
 // Lines for the text report; the per-layer table when `per_layer`.
 void print_transfers(const TransferSummary& summary, const OffloadRun& run, bool per_layer);
+// --profile-ops: {"prefill": {...}, "decode": {...}}, each {"steps", "seconds", "ops": [{"name",
+// "calls", "seconds"}]} (sums over the phase's steps, the largest first).
+nlohmann::json op_profile_json(const OpProfile& profile);
+// The same as text, per decode step and for the prefill.
+void print_op_profile(const OpProfile& profile);
 
 }  // namespace infinigen::cli

@@ -1,0 +1,106 @@
+// core: the op profile of a run.
+#include "core/op_profile.h"
+
+#include <algorithm>
+
+#include "core/cuda_stream.h"
+#include "core/stream.h"
+#include "core/trace.h"
+
+namespace infinigen {
+namespace {
+
+thread_local OpProfile* g_profile = nullptr;
+
+constexpr const char* kHostWait = "(host wait)";
+
+}  // namespace
+
+double OpProfile::Phase::seconds() const {
+  double sum = 0.0;
+  for (const Entry& e : entries) sum += e.seconds;
+  return sum;
+}
+
+OpProfile::~OpProfile() {
+  for (const Mark& m : marks_) {
+    if (m.event != nullptr) cuda_stream::release_event(m.event);
+  }
+}
+
+void OpProfile::mark(const char* name) {
+  Mark m{name, phase_, current_cuda_stream(), nullptr, Clock::now()};
+  if (m.stream != nullptr) {
+    m.event = cuda_stream::acquire_event();
+    try {
+      cuda_stream::record(m.event, m.stream);
+    } catch (...) {
+      cuda_stream::release_event(m.event);
+      throw;
+    }
+  }
+  marks_.push_back(m);
+}
+
+void OpProfile::start_step(int64_t step) {
+  settle(/*keep_last=*/true);
+  phase_ = step == 0 ? 0 : 1;
+  ++steps_[static_cast<size_t>(phase_)];
+}
+
+void OpProfile::finish() { settle(/*keep_last=*/false); }
+
+void OpProfile::settle(bool keep_last) {
+  for (size_t i = 0; i + 1 < marks_.size(); ++i) {
+    const Mark& from = marks_[i];
+    const Mark& to = marks_[i + 1];
+    double seconds = std::chrono::duration<double>(to.host - from.host).count();
+    if (from.event != nullptr || to.event != nullptr) {
+      if (from.event == nullptr || to.event == nullptr) continue;  // no common clock
+      cuda_stream::synchronize_event(to.event);
+      cuda_stream::synchronize_event(from.event);
+      // Marks on two streams may complete out of order: nothing is charged then.
+      seconds = std::max(0.0, cuda_stream::elapsed_seconds(from.event, to.event));
+    }
+    Entry& entry = totals_[{from.phase, from.name}];
+    entry.name = from.name;
+    entry.calls += 1;
+    entry.seconds += seconds;
+  }
+  const size_t kept = keep_last && !marks_.empty() ? 1 : 0;
+  for (size_t i = 0; i + kept < marks_.size(); ++i) {
+    if (marks_[i].event != nullptr) cuda_stream::release_event(marks_[i].event);
+  }
+  marks_.erase(marks_.begin(), marks_.end() - static_cast<std::ptrdiff_t>(kept));
+}
+
+OpProfile::Phase OpProfile::phase(int32_t which) const {
+  Phase p;
+  p.steps = steps_[static_cast<size_t>(which)];
+  for (const auto& [key, entry] : totals_) {
+    if (key.first == which) p.entries.push_back(entry);
+  }
+  std::sort(p.entries.begin(), p.entries.end(),
+            [](const Entry& a, const Entry& b) { return a.seconds > b.seconds; });
+  return p;
+}
+
+OpProfile* active_op_profile() { return g_profile; }
+
+OpProfileScope::OpProfileScope(OpProfile& profile) : previous_(g_profile) { g_profile = &profile; }
+
+OpProfileScope::~OpProfileScope() { g_profile = previous_; }
+
+void profile_op(const char* name) {
+  if (g_profile != nullptr && !dry_run()) g_profile->mark(name);
+}
+
+void profile_host_wait() {
+  if (g_profile != nullptr && !dry_run()) g_profile->mark(kHostWait);
+}
+
+void profile_step(int64_t step) {
+  if (g_profile != nullptr && !dry_run()) g_profile->start_step(step);
+}
+
+}  // namespace infinigen
