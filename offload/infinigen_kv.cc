@@ -25,11 +25,10 @@ namespace {
 // fp32 and, under a pool limit, the token of each position (B, H_kv, positions) I32; once the
 // logits (B, H_kv, tokens) fp32 and two selections (B, H_kv, n' cap) I32. With the dense layers'
 // KV on the device, their whole K and V (B, H_kv, tokens, d) in the KV dtype.
-// The device holds the most in one of two phases: the prompt's passes, with the whole staging (and
-// on the CPU backend, whose device memory is the host's, the partial keys), and the decode steps,
-// with the staging of decode_staging_rows and the partial keys. On CUDA the partial keys are
-// written on the device at the prompt's last pass (before, uploaded at its end), while the
-// staging is still whole: the prompt phase does not count them yet.
+// The device holds the most in one of two phases: the prompt's passes, with the whole staging and
+// the partial keys (the CPU backend builds them over the passes; CUDA writes them on the device
+// at the last pass, while the staging is still whole), and the decode steps, with the staging of
+// decode_staging_rows and the partial keys.
 KvMemory infinigen_memory(const MemoryRequest& r) {
   const ModelConfig& c = r.config;
   const int64_t tokens = request_positions(r);
@@ -59,8 +58,8 @@ KvMemory infinigen_memory(const MemoryRequest& r) {
        capped ? saturating_product({c.num_layers, r.batch, c.kv_heads(), pooled, 4}) : 0,
        saturating_product({r.batch, c.kv_heads(), pooled, 4}),
        saturating_product({2, r.batch, c.kv_heads(), s.fetch_cap(tokens), 4}), whole_kv(resident)});
-  const size_t prompt = saturating_sum(
-      {kv_staging_bytes(r, tokens), speculation, r.shared_memory ? partial_keys(on_device) : 0});
+  const size_t prompt =
+      saturating_sum({kv_staging_bytes(r, tokens), speculation, partial_keys(on_device)});
   const int64_t decode_rows =
       decode_staging_rows(tokens, s.fetch_cap(tokens), dense, resident, capped);
   // The row cache (offload/row_cache.h), allocated once the prompt is done; auto counts as on

@@ -528,13 +528,13 @@ TEST(MemoryPlanner, DenseLayersKvIsPlacedOnTheDeviceWhenItFits) {
   const MemoryPlan placed = plan_memory(r);
   EXPECT_EQ(placed.dense_kv, KvPlacement::Device);
   // No layer loads its whole KV in a decode step: the staging shrinks after the prompt to a
-  // speculated layer's rows, the default cap of 20% of 32896 tokens and the new token. The two
-  // dense layers' K and V, (4, 8, 32896, 128) fp16 each, take the whole staging's place in the
-  // decode steps, which need the most (the partial keys join them): the plans differ by the small
-  // staging.
+  // speculated layer's rows, the default cap of 20% of 32896 tokens and the new token. The
+  // prompt's last pass needs the most in both plans, the whole staging beside every speculated
+  // layer's partial keys (written on the device there), so the plans differ by the two dense
+  // layers' K and V, (4, 8, 32896, 128) fp16 each.
   EXPECT_EQ(placed.decode_staging_rows, 32896 / 5 + 1);
   EXPECT_FALSE(loaded.decode_staging_rows.has_value());
-  EXPECT_EQ(placed.device_kv - loaded.device_kv, size_t{2} * 2 * 4 * 8 * (32896 / 5 + 1) * 128 * 2);
+  EXPECT_EQ(placed.device_kv - loaded.device_kv, size_t{2} * 2 * 4 * 8 * 32896 * 128 * 2);
   EXPECT_EQ(placed.host_kv_pool, loaded.host_kv_pool);  // the pool keeps every layer still
   EXPECT_NE(placed.describe().find("dense layers' KV is kept on the device"), std::string::npos);
   EXPECT_NE(placed.describe().find("the KV staging shrinks to 6580 rows"), std::string::npos);
@@ -543,18 +543,19 @@ TEST(MemoryPlanner, DenseLayersKvIsPlacedOnTheDeviceWhenItFits) {
   const size_t dense_kv = size_t{2} * 2 * 4 * 8 * 32896 * 128 * 2;
   EXPECT_EQ(loaded.placement_reads, dense_kv);
   EXPECT_EQ(placed.placement_reads, 0);
-  // Between the two plans' needs, auto keeps the dense layers' KV on the device and moves the two
-  // layers' partial keys, (4, 8, 32896, 38) fp16 each, that make room to host memory: a step reads
-  // fewer bytes than the dense layers' KV.
+  // Between the two plans' needs, auto keeps the dense layers' KV on the device and moves the
+  // seven layers' partial keys, (4, 8, 32896, 38) fp16 each, that make room to host memory: a step
+  // reads fewer bytes than the dense layers' KV.
   r.device_capacity = (loaded.device_total() + placed.device_total()) / 2;
   const MemoryPlan between = plan_memory(r);
   EXPECT_EQ(between.dense_kv, KvPlacement::Device);
-  EXPECT_EQ(between.partial_key_host_layers, 2);
-  EXPECT_EQ(between.placement_reads, size_t{2} * 4 * 8 * 32896 * 38 * 2);
-  // Asked on the device with every partial key there too, the refusal offers those two layers'.
+  EXPECT_EQ(between.partial_key_host_layers, 7);
+  EXPECT_EQ(between.placement_reads, size_t{7} * 4 * 8 * 32896 * 38 * 2);
+  EXPECT_LT(between.placement_reads, dense_kv);
+  // Asked on the device with every partial key there too, the refusal offers those seven layers'.
   r.options.dense_kv = KvPlacement::Device;
   r.options.partial_key_host_layers = 0;
-  EXPECT_EQ(expect_suggestion_fits(r, "; try --partial-key-host-layers 2").fixed.batch, r.batch);
+  EXPECT_EQ(expect_suggestion_fits(r, "; try --partial-key-host-layers 7").fixed.batch, r.batch);
   // Where even every partial key in host memory leaves the device short with the dense layers'
   // KV on it (the prompt's passes hold it beside the whole staging), the refusal offers the host
   // pool.
