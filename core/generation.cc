@@ -7,6 +7,7 @@
 
 #include "core/error.h"
 #include "core/interrupt.h"
+#include "core/op_profile.h"
 #include "core/trace.h"
 
 namespace infinigen {
@@ -405,6 +406,7 @@ GenerationResult generate(Model& model, const GenerationRequest& request,
             emitted = step + 1;
             if (progress) progress(step + 1, request.gen_len);
           }
+          profile_steps_end();
           result.decode_seconds = seconds_since(start);
           result.gen_len = emitted;
           // A decode step's logits are the model's buffer, which its next pass overwrites.

@@ -43,9 +43,16 @@ void OpProfile::mark(const char* name) {
 }
 
 void OpProfile::start_step(int64_t step) {
-  settle(/*keep_last=*/true);
   phase_ = step == 0 ? 0 : 1;
   ++steps_[static_cast<size_t>(phase_)];
+  mark("(step start)");
+  settle(/*keep_last=*/true);
+}
+
+void OpProfile::end_steps() {
+  phase_ = kOutside;
+  mark("(after the steps)");
+  settle(/*keep_last=*/true);
 }
 
 void OpProfile::finish() { settle(/*keep_last=*/false); }
@@ -62,6 +69,7 @@ void OpProfile::settle(bool keep_last) {
       // Marks on two streams may complete out of order: nothing is charged then.
       seconds = std::max(0.0, cuda_stream::elapsed_seconds(from.event, to.event));
     }
+    if (from.phase == kOutside) continue;
     Entry& entry = totals_[{from.phase, from.name}];
     entry.name = from.name;
     entry.calls += 1;
@@ -101,6 +109,10 @@ void profile_host_wait() {
 
 void profile_step(int64_t step) {
   if (g_profile != nullptr && !dry_run()) g_profile->start_step(step);
+}
+
+void profile_steps_end() {
+  if (g_profile != nullptr && !dry_run()) g_profile->end_steps();
 }
 
 }  // namespace infinigen

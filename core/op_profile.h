@@ -43,8 +43,13 @@ class OpProfile {
 
   // An op named `name` (a static string) starts now.
   void mark(const char* name);
-  // Step `step` starts (0: the prefill): the marks so far are settled.
+  // Step `step` starts (0: the prefill): the op before ends here, the marks so far are settled.
+  // What follows until its first op is "(step start)" (on the CPU, the host's work between
+  // steps).
   void start_step(int64_t step);
+  // The steps are over: what runs after them (the stores' last waits, a session's save) is not
+  // counted.
+  void end_steps();
   // Settles the last step: call once the run is over, before prefill() and decode(). The run's
   // last op, whose end no mark follows, is not counted.
   void finish();
@@ -56,15 +61,16 @@ class OpProfile {
   using Clock = std::chrono::steady_clock;
   struct Mark {
     const char* name;
-    int32_t phase;                  // 0: prefill, 1: decode
+    int32_t phase;                  // 0: prefill, 1: decode, kOutside
     void* stream;                   // the CUDA stream the op is enqueued on, or null
     void* event;                    // an event recorded there, or null (the host clock)
     Clock::time_point host;
   };
+  static constexpr int32_t kOutside = -1;  // before the prefill, after the last step
   void settle(bool keep_last);
   Phase phase(int32_t which) const;
 
-  int32_t phase_ = 0;
+  int32_t phase_ = kOutside;
   std::vector<int64_t> steps_ = {0, 0};
   std::vector<Mark> marks_;  // since the last settle; the first is the previous settle's last
   std::map<std::pair<int32_t, std::string>, Entry> totals_;
@@ -89,5 +95,6 @@ class OpProfileScope {
 void profile_op(const char* name);
 void profile_host_wait();
 void profile_step(int64_t step);
+void profile_steps_end();
 
 }  // namespace infinigen
