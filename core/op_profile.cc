@@ -28,8 +28,13 @@ OpProfile::~OpProfile() {
   }
 }
 
+void OpProfile::op(const char* name) {
+  // An op enqueued on another stream (a store's) runs beside the one timed: not charged.
+  if (current_cuda_stream() == stream_) mark(name);
+}
+
 void OpProfile::mark(const char* name) {
-  Mark m{name, phase_, current_cuda_stream(), nullptr, Clock::now()};
+  Mark m{name, phase_, stream_, nullptr, Clock::now()};
   if (m.stream != nullptr) {
     m.event = cuda_stream::acquire_event();
     try {
@@ -42,7 +47,12 @@ void OpProfile::mark(const char* name) {
   marks_.push_back(m);
 }
 
+void OpProfile::host_wait() {
+  mark(kHostWait);
+}
+
 void OpProfile::start_step(int64_t step) {
+  if (phase_ == kOutside) stream_ = current_cuda_stream();
   phase_ = step == 0 ? 0 : 1;
   ++steps_[static_cast<size_t>(phase_)];
   mark("(step start)");
@@ -100,11 +110,11 @@ OpProfileScope::OpProfileScope(OpProfile& profile) : previous_(g_profile) { g_pr
 OpProfileScope::~OpProfileScope() { g_profile = previous_; }
 
 void profile_op(const char* name) {
-  if (g_profile != nullptr && !dry_run()) g_profile->mark(name);
+  if (g_profile != nullptr && !dry_run()) g_profile->op(name);
 }
 
 void profile_host_wait() {
-  if (g_profile != nullptr && !dry_run()) g_profile->mark(kHostWait);
+  if (g_profile != nullptr && !dry_run()) g_profile->host_wait();
 }
 
 void profile_step(int64_t step) {

@@ -2,8 +2,9 @@
 // of each op the forward pass and the KV policy run (every op that core/trace.h records) to the
 // start of the next one, summed by op name, for the prefill and for the decode steps.
 //
-// On a CUDA device the starts are events recorded on the stream the op is enqueued on, so an op's
-// time is what the device spent on it plus any idle time before the next op reached the device:
+// On a CUDA device the starts are events recorded on the compute stream (ops enqueued on a side
+// stream, a store's, are not charged: the transfer engine times those), so an op's time is what
+// the device spent on it plus any idle time before the next op reached the device:
 // a host wait (the host thread blocking on the device: a selection's counts, a load) is an entry
 // of its own, "(host wait)", which holds the device's idle time while the host turned around. On
 // the CPU backend the starts are the host clock and an op's time is its run time; a host wait's
@@ -41,8 +42,12 @@ class OpProfile {
   OpProfile(const OpProfile&) = delete;
   OpProfile& operator=(const OpProfile&) = delete;
 
-  // An op named `name` (a static string) starts now.
-  void mark(const char* name);
+  // An op named `name` (a static string) is enqueued now on the calling thread's CUDA stream
+  // (core/stream.h's current_cuda_stream; none on the CPU backend): charged when that is the
+  // stream the steps started on (the compute stream), not when it is a side stream.
+  void op(const char* name);
+  // The host thread is about to wait (for the device, or a transfer).
+  void host_wait();
   // Step `step` starts (0: the prefill): the op before ends here, the marks so far are settled.
   // What follows until its first op is "(step start)" (on the CPU, the host's work between
   // steps).
@@ -67,10 +72,12 @@ class OpProfile {
     Clock::time_point host;
   };
   static constexpr int32_t kOutside = -1;  // before the prefill, after the last step
+  void mark(const char* name);  // on stream_ (or the host clock), whatever the current stream
   void settle(bool keep_last);
   Phase phase(int32_t which) const;
 
   int32_t phase_ = kOutside;
+  void* stream_ = nullptr;  // the compute stream: current at the first step's start
   std::vector<int64_t> steps_ = {0, 0};
   std::vector<Mark> marks_;  // since the last settle; the first is the previous settle's last
   std::map<std::pair<int32_t, std::string>, Entry> totals_;

@@ -13,14 +13,6 @@
 namespace infinigen {
 namespace {
 
-GenerationRequest small_request() {
-  GenerationRequest request;
-  request.prompts = {{2, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20},
-                     {2, 500, 600, 700, 800, 900, 1000, 1100, 1200, 1300, 1400, 1500}};
-  request.gen_len = 6;
-  return request;
-}
-
 const OpProfile::Entry* find(const OpProfile::Phase& phase, const std::string& name) {
   for (const OpProfile::Entry& e : phase.entries) {
     if (e.name == name) return &e;
@@ -28,58 +20,57 @@ const OpProfile::Entry* find(const OpProfile::Phase& phase, const std::string& n
   return nullptr;
 }
 
-// opt-tiny (4 layers) under `policy`: the profile of the run, and the run.
-struct Profiled {
-  OffloadRun run;
-  OpProfile::Phase prefill, decode;
+// SmallRunTest's run (opt-tiny cut to 4 layers, two prompts of 12 tokens, 6 generated) under a
+// policy, profiled.
+class OpProfileRun : public testing_util::SmallRunTest {
+ protected:
+  struct Profiled {
+    OffloadRun run;
+    OpProfile::Phase prefill, decode;
+  };
+  Profiled profiled_run(const std::string& policy, Device device) {
+    OffloadOptions options;
+    options.policy = policy;
+    OpProfile profile;
+    Profiled p;
+    {
+      const OpProfileScope scope(profile);
+      p.run = run_offloaded(source_, request_, options, device);
+    }
+    profile.finish();
+    p.prefill = profile.prefill();
+    p.decode = profile.decode();
+    return p;
+  }
+  void expect_every_op_charged(const Profiled& p, const std::string& policy) const;
 };
 
-Profiled profiled_run(const std::string& policy, Device device) {
-  ModelSource source = resolve_model("opt-tiny", {});
-  source.config.num_layers = 4;
-  OffloadOptions options;
-  options.policy = policy;
-  OpProfile profile;
-  Profiled p;
-  {
-    const OpProfileScope scope(profile);
-    p.run = run_offloaded(source, small_request(), options, device);
-  }
-  profile.finish();
-  p.prefill = profile.prefill();
-  p.decode = profile.decode();
-  return p;
-}
-
-// `what`: the policy.
-void expect_every_op_charged(const Profiled& p, const std::string& what) {
-  const GenerationRequest request = small_request();
-  const int64_t layers = 4, decode_steps = request.gen_len - 1;
-  EXPECT_EQ(p.prefill.steps, 1) << what;
-  EXPECT_EQ(p.decode.steps, decode_steps) << what;
+void OpProfileRun::expect_every_op_charged(const Profiled& p, const std::string& policy) const {
+  const int64_t layers = 4, decode_steps = request_.gen_len - 1;
+  EXPECT_EQ(p.prefill.steps, 1) << policy;
+  EXPECT_EQ(p.decode.steps, decode_steps) << policy;
   // Per layer q, k, v, out, fc1, fc2, then the LM head: in every pass; InfiniGen's speculation
   // adds the partial query of each of opt-tiny's 2 speculated layers.
   const OpProfile::Entry* linear = find(p.decode, "linear");
-  ASSERT_NE(linear, nullptr) << what;
-  const int64_t speculated = what == "infinigen" ? 2 : 0;
-  EXPECT_EQ(linear->calls, decode_steps * (6 * layers + 1 + speculated)) << what;
+  ASSERT_NE(linear, nullptr) << policy;
+  const int64_t speculated = policy == "infinigen" ? 2 : 0;
+  EXPECT_EQ(linear->calls, decode_steps * (6 * layers + 1 + speculated)) << policy;
   const OpProfile::Entry* attention = find(p.decode, "attention_decode");
-  ASSERT_NE(attention, nullptr) << what;
-  EXPECT_EQ(attention->calls, decode_steps * layers) << what;
-  EXPECT_GT(attention->seconds, 0.0) << what;
+  ASSERT_NE(attention, nullptr) << policy;
+  EXPECT_EQ(attention->calls, decode_steps * layers) << policy;
+  EXPECT_GT(attention->seconds, 0.0) << policy;
   const OpProfile::Entry* prompt_attention = find(p.prefill, "attention_prefill");
-  ASSERT_NE(prompt_attention, nullptr) << what;
-  EXPECT_EQ(prompt_attention->calls, layers) << what;
-  // The intervals tile the run's time between op starts: no more than the phase took (the
-  // prefill's clock starts before its first op; a decode step's last interval reaches into the
-  // next step's first op, a few microseconds of host work).
-  EXPECT_GT(p.decode.seconds(), 0.0) << what;
-  EXPECT_LE(p.decode.seconds(), p.run.result.decode_seconds * 1.05 + 1e-3) << what;
-  EXPECT_LE(p.prefill.seconds(), p.run.result.prefill_seconds * 1.05 + 1e-3) << what;
+  ASSERT_NE(prompt_attention, nullptr) << policy;
+  EXPECT_EQ(prompt_attention->calls, layers) << policy;
+  // The intervals tile each phase from its first step's start to the next phase's: no more than
+  // the phase took (the prefill's end reaches past its clock by the first token's bookkeeping).
+  EXPECT_GT(p.decode.seconds(), 0.0) << policy;
+  EXPECT_LE(p.decode.seconds(), p.run.result.decode_seconds * 1.05 + 1e-3) << policy;
+  EXPECT_LE(p.prefill.seconds(), p.run.result.prefill_seconds * 1.05 + 1e-3) << policy;
   for (const OpProfile::Entry& e : p.decode.entries) EXPECT_GE(e.seconds, 0.0) << e.name;
 }
 
-TEST(OpProfile, ChargesEveryOpOfEveryStepOnTheCpu) {
+TEST_F(OpProfileRun, ChargesEveryOpOfEveryStepOnTheCpu) {
   for (const std::string policy : {"full", "infinigen"}) {
     expect_every_op_charged(profiled_run(policy, Device::Cpu), policy);
   }
@@ -90,16 +81,14 @@ TEST(OpProfile, ChargesEveryOpOfEveryStepOnTheCpu) {
   EXPECT_EQ(speculate->calls, 5 * 2);  // opt-tiny's 2 speculated layers of 4
 }
 
-TEST(OpProfile, RecordsNothingWithoutAScopeOrInADryRun) {
+TEST_F(OpProfileRun, RecordsNothingWithoutAScopeOrInADryRun) {
   OpProfile profile;
-  ModelSource source = resolve_model("opt-tiny", {});
-  source.config.num_layers = 4;
   OffloadOptions options;
   options.policy = "full";
-  run_offloaded(source, small_request(), options, Device::Cpu);
+  run_offloaded(source_, request_, options, Device::Cpu);
   {
     const OpProfileScope scope(profile);
-    dry_run_trace(source.config, small_request(), options, Device::Cpu, nullptr);
+    dry_run_trace(source_.config, request_, options, Device::Cpu, nullptr);
   }
   profile.finish();
   EXPECT_EQ(profile.prefill().steps, 0);
@@ -110,7 +99,9 @@ TEST(OpProfile, RecordsNothingWithoutAScopeOrInADryRun) {
 
 // On a CUDA device (the emulated one in CI) the marks are events on the compute stream, and the
 // host's waits for the device (InfiniGen's selection counts, a layer each) have an entry.
-TEST(OpProfileGpu, ChargesEveryOpOnTheDeviceAndTheHostWaits) {
+class OpProfileGpu : public OpProfileRun {};
+
+TEST_F(OpProfileGpu, ChargesEveryOpOnTheDeviceAndTheHostWaits) {
   INFINIGEN_SKIP_WITHOUT_CUDA_DEVICE();
   for (const std::string policy : {"full", "infinigen"}) {
     const Profiled p = profiled_run(policy, Device::Cuda);
