@@ -21,6 +21,10 @@ static_assert(sizeof(CopyChunk) == sizeof(kernels::cuda::CopyItem) &&
                   offsetof(CopyChunk, bytes) == offsetof(kernels::cuda::CopyItem, bytes),
               "a gather list of CopyChunks is read by the gather kernel as CopyItems");
 
+kernels::cuda::DeviceSelection kernel_selection(const DeviceSelection& s) {
+  return {s.positions, s.take, s.batch, s.heads, s.stride};
+}
+
 // Events no Event holds now, for reuse. Never destroyed: events released during static
 // destruction still find it.
 struct EventPool {
@@ -121,10 +125,19 @@ void copy_pieces(const CopyChunk* pieces, size_t count, void* stream) {
 }
 
 void gather_selected_rows(const SelectedRows& r, void* stream) {
-  const kernels::cuda::SelectedRowGather g{
-      r.positions,    r.take,       r.batch,        r.heads,         r.stride,        r.key_blocks,
-      r.value_blocks, r.max_blocks, r.block_tokens, r.staged_keys,   r.staged_values, r.rows,
-      r.row_bytes,    r.sources,    r.cached_keys,  r.cached_values, r.cache_rows};
+  const kernels::cuda::SelectedRowGather g{kernel_selection(r.selection),
+                                           r.key_blocks,
+                                           r.value_blocks,
+                                           r.max_blocks,
+                                           r.block_tokens,
+                                           r.staged_keys,
+                                           r.staged_values,
+                                           r.rows,
+                                           r.row_bytes,
+                                           r.sources,
+                                           r.cached_keys,
+                                           r.cached_values,
+                                           r.cache_rows};
   if (g.sources == nullptr) {
     check(kernels::cuda::gather_selected_rows(g, stream), "selected-row gather kernel");
     return;
@@ -139,17 +152,22 @@ void gather_selected_rows(const SelectedRows& r, void* stream) {
 
 void match_cached_rows(const CachedRows& c, int32_t* sources, int32_t* hits, void* stream) {
   const kernels::cuda::CachedRowMatch m{
-      c.positions,        c.take,  c.batch,      c.heads, c.stride,
-      c.cached_positions, c.count, c.cache_rows, sources, hits};
+      kernel_selection(c.selection), c.cached_positions, c.count, c.cache_rows, sources, hits};
   check(kernels::cuda::match_cached_rows(m, stream), "row cache match kernel");
 }
 
 void store_cached_rows(const CachedRows& c, const void* staged_keys, const void* staged_values,
                        int64_t rows, int64_t row_bytes, void* stream) {
-  const kernels::cuda::CachedRowStore s{
-      c.positions,   c.take,      c.batch,   c.heads,       c.stride,        staged_keys,
-      staged_values, rows,        row_bytes, c.cached_keys, c.cached_values, c.cached_positions,
-      c.count,       c.cache_rows};
+  const kernels::cuda::CachedRowStore s{kernel_selection(c.selection),
+                                        staged_keys,
+                                        staged_values,
+                                        rows,
+                                        row_bytes,
+                                        c.cached_keys,
+                                        c.cached_values,
+                                        c.cached_positions,
+                                        c.count,
+                                        c.cache_rows};
   check(kernels::cuda::store_cached_rows(s, stream), "row cache store kernel");
 }
 

@@ -47,13 +47,18 @@ void check(int code, const char* what);
 // with one kernel on `stream`; a piece's source or destination may be mapped pinned host memory.
 void copy_pieces(const CopyChunk* pieces, size_t count, void* stream);
 
+// A selection on the device: kernels/cuda/selection.h's DeviceSelection, field for field.
+struct DeviceSelection {
+  const int32_t* positions;  // (batch, heads, stride), device
+  const int32_t* take;       // (batch), device
+  int64_t batch, heads, stride;
+};
+
 // The rows a selection on the device picked from a paged pool, gathered into a compact staging
 // with one kernel on `stream`: kernels/cuda/gather.h's SelectedRowGather (every field below is
 // its field of the same name, documented there).
 struct SelectedRows {
-  const int32_t* positions;  // (batch, heads, stride), device
-  const int32_t* take;       // (batch), device
-  int64_t batch, heads, stride;
+  DeviceSelection selection;
   const void* const* key_blocks;    // (batch, max_blocks), device-readable
   const void* const* value_blocks;  // (batch, max_blocks)
   int64_t max_blocks, block_tokens;
@@ -73,9 +78,7 @@ void gather_selected_rows(const SelectedRows& rows, void* stream);
 // of a selection's rows the cache holds, with one kernel on `stream`; and the staged selection
 // stored into the cache.
 struct CachedRows {
-  const int32_t* positions;  // (batch, heads, stride), device: the selection
-  const int32_t* take;       // (batch), device
-  int64_t batch, heads, stride;
+  DeviceSelection selection;
   void* cached_keys;          // (batch, heads, cache_rows, row_bytes), device
   void* cached_values;        // (batch, heads, cache_rows, row_bytes)
   int32_t* cached_positions;  // (batch, heads, cache_rows)

@@ -162,20 +162,19 @@ PartialLayer::Selection DeviceSpeculation::select(int64_t layer, const Tensor& x
   return sel;
 }
 
+cuda_stream::DeviceSelection DeviceSpeculation::selection_args(size_t parity) const {
+  const ops::SelectionTensors& selected = selected_[parity];
+  // The summary holds the mean count (a double) and then take[b].
+  return {selected.tokens.data<int32_t>(), selected.summary.data<int32_t>() + 2, batch_, kv_heads_,
+          selected.tokens.dim(2)};
+}
+
 cuda_stream::CachedRows DeviceSpeculation::cache_kernel_args(RowCache& cache, int64_t layer,
                                                              size_t parity) {
-  const ops::SelectionTensors& selected = selected_[parity];
   const RowCache::LayerBuffers buffers = cache.layer(layer);
-  return {selected.tokens.data<int32_t>(),
-          selected.summary.data<int32_t>() + 2,
-          batch_,
-          kv_heads_,
-          selected.tokens.dim(2),
-          buffers.keys.raw(),
-          buffers.values.raw(),
-          buffers.positions.data<int32_t>(),
-          buffers.count.data<int32_t>(),
-          cache.rows()};
+  return {selection_args(parity),        buffers.keys.raw(),
+          buffers.values.raw(),          buffers.positions.data<int32_t>(),
+          buffers.count.data<int32_t>(), cache.rows()};
 }
 
 void DeviceSpeculation::gather(int64_t layer, const PartialLayer::Selection& selection,
@@ -189,12 +188,7 @@ void DeviceSpeculation::gather(int64_t layer, const PartialLayer::Selection& sel
   const int64_t row_bytes = keys.dim(3) * static_cast<int64_t>(dtype_size(keys.dtype()));
   int64_t rows = 0;
   for (int32_t take : selection.take) rows += 2 * take * kv_heads_;
-  const ops::SelectionTensors& selected = selected_[p];
-  cuda_stream::SelectedRows gather{selected.tokens.data<int32_t>(),
-                                   selected.summary.data<int32_t>() + 2,
-                                   batch_,
-                                   kv_heads_,
-                                   selected.tokens.dim(2),
+  cuda_stream::SelectedRows gather{selection_args(p),
                                    tables,
                                    tables + batch_ * blocks,
                                    blocks,

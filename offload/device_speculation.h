@@ -131,6 +131,8 @@ class DeviceSpeculation {
   int64_t cached_rows_ = 0;
   // The row cache's buffers of layer `layer` and the selection of parity `parity`, for its
   // kernels.
+  // The selection of layer parity `parity`, as the kernels read it.
+  cuda_stream::DeviceSelection selection_args(size_t parity) const;
   cuda_stream::CachedRows cache_kernel_args(RowCache& cache, int64_t layer, size_t parity);
 };
 

@@ -95,8 +95,9 @@ __global__ void copy_items_kernel(const CopyItem* items, int64_t count, int grou
 // per pass, every load in flight before the first store: item i is (kind, b, h, j) with
 // j < stride; rows past take[b], and rows `source` leaves to another launch, are skipped.
 __global__ void gather_selected_rows_kernel(SelectedRowGather g, SelectedRowSource source) {
+  const DeviceSelection sel = g.selection;
   int32_t fetch = 0;
-  for (int64_t b = 0; b < g.batch; ++b) fetch = max(fetch, g.take[b]);
+  for (int64_t b = 0; b < sel.batch; ++b) fetch = max(fetch, sel.take[b]);
   const int64_t words = g.row_bytes / 16;
   const int per_row = static_cast<int>(words < kWarpSize ? words : kWarpSize);
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
@@ -105,19 +106,19 @@ __global__ void gather_selected_rows_kernel(SelectedRowGather g, SelectedRowSour
   if (group >= groups_per_warp) return;  // lanes left over when per_row does not divide 32
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / kWarpSize;
-  const int64_t items = 2 * g.batch * g.heads * g.stride;
+  const int64_t items = 2 * sel.batch * sel.heads * sel.stride;
   const int64_t step = warps * groups_per_warp;
   // Item i's source and destination rows; null `from` where this launch copies nothing.
   const auto locate = [&](int64_t i, const uint4*& from, uint4*& to) {
     from = nullptr;
     if (i >= items) return;
-    const int64_t j = i % g.stride;
-    const int64_t bh = (i / g.stride) % (g.batch * g.heads);
-    const bool value = i >= g.batch * g.heads * g.stride;
-    const int64_t b = bh / g.heads, h = bh % g.heads;
-    const int32_t take = g.take[b];
+    const int64_t j = i % sel.stride;
+    const int64_t bh = (i / sel.stride) % (sel.batch * sel.heads);
+    const bool value = i >= sel.batch * sel.heads * sel.stride;
+    const int64_t b = bh / sel.heads, h = bh % sel.heads;
+    const int32_t take = sel.take[b];
     if (j >= take) return;
-    const int32_t c = g.sources != nullptr ? g.sources[bh * g.stride + j] : -1;
+    const int32_t c = g.sources != nullptr ? g.sources[bh * sel.stride + j] : -1;
     if ((c >= 0 && source == SelectedRowSource::Pool) ||
         (c < 0 && source == SelectedRowSource::RowCache)) {
       return;
@@ -126,7 +127,7 @@ __global__ void gather_selected_rows_kernel(SelectedRowGather g, SelectedRowSour
       const char* cache = static_cast<const char*>(value ? g.cached_values : g.cached_keys);
       from = reinterpret_cast<const uint4*>(cache + (bh * g.cache_rows + c) * g.row_bytes);
     } else {
-      const int64_t t = g.positions[bh * g.stride + j];
+      const int64_t t = sel.positions[bh * sel.stride + j];
       const char* block = static_cast<const char*>(
           (value ? g.value_blocks : g.key_blocks)[b * g.max_blocks + t / g.block_tokens]);
       from = reinterpret_cast<const uint4*>(block + (h * g.block_tokens + t % g.block_tokens) *
@@ -164,12 +165,13 @@ constexpr int kDefaultBlocks = 8;
 
 int gather_selected_rows(const SelectedRowGather& g, void* stream, int blocks,
                          SelectedRowSource source) {
-  if (g.batch <= 0 || g.heads <= 0 || g.stride <= 0) return cudaSuccess;
+  const DeviceSelection& sel = g.selection;
+  if (sel.batch <= 0 || sel.heads <= 0 || sel.stride <= 0) return cudaSuccess;
   if (g.row_bytes <= 0 || g.row_bytes % 16 != 0) return cudaErrorInvalidValue;
   if (source == SelectedRowSource::RowCache && g.sources == nullptr) return cudaSuccess;
   if (blocks <= 0) {
     // The cache's rows: enough threads for every row's words, kUnroll rows a thread.
-    const int64_t items = 2 * g.batch * g.heads * g.stride;
+    const int64_t items = 2 * sel.batch * sel.heads * sel.stride;
     const int64_t words = g.row_bytes / 16;
     blocks = source == SelectedRowSource::RowCache
                  ? static_cast<int>(detail::grid_stride_blocks(

@@ -3,6 +3,8 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/selection.h"
+
 namespace infinigen::kernels::cuda {
 
 // One piece of a gather: `bytes` from `src` to `dst`. Either side may be device memory or mapped
@@ -23,18 +25,14 @@ int copy_items(const CopyItem* items, int64_t count, void* stream, int blocks = 
 
 // The rows a selection picked, read from a paged pool straight into a compact staging, with the
 // selection on the device (InfiniGen's loads: the indices never visit the host). For sequence b
-// and head h, the take[b] pool positions positions[(b * heads + h) * stride + j], j < take[b],
-// land in staging rows [fetch - take[b], fetch) of (b, h), in order, where fetch is the largest
-// take (the kernel finds it: the host need not know it). Pool position t of (b, h) is row
-// (h, t % block_tokens) of block t / block_tokens of sequence b: tables[b * max_blocks + i] is the
-// address of sequence b's logical block i, (heads, block_tokens, row bytes), null where nothing
-// is stored (never selected). Keys and values are gathered alike.
+// and head h, the take[b] pool positions of `selection` land in staging rows [fetch - take[b],
+// fetch) of (b, h), in order, where fetch is the largest take (the kernel finds it: the host need
+// not know it). Pool position t of (b, h) is row (h, t % block_tokens) of block t / block_tokens of
+// sequence b: tables[b * max_blocks + i] is the address of sequence b's logical block i, (heads,
+// block_tokens, row bytes), null where nothing is stored (never selected). Keys and values are
+// gathered alike.
 struct SelectedRowGather {
-  const int32_t* positions;  // (batch, heads, stride), on the device
-  const int32_t* take;       // (batch), on the device
-  int64_t batch;
-  int64_t heads;
-  int64_t stride;
+  DeviceSelection selection;
   const void* const* key_blocks;    // (batch, max_blocks): device-readable (device or mapped)
   const void* const* value_blocks;  // (batch, max_blocks)
   int64_t max_blocks;

@@ -10,13 +10,14 @@ constexpr int kThreads = 256;
 
 // Thread i takes (b, h) = (i / heads, i % heads): a merge of the two ascending lists.
 __global__ void match_cached_rows_kernel(CachedRowMatch m) {
+  const DeviceSelection sel = m.selection;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= m.batch * m.heads) return;
-  const int64_t b = i / m.heads;
-  const int32_t take = m.take[b], held = m.count[b];
-  const int32_t* now = m.positions + i * m.stride;
+  if (i >= sel.batch * sel.heads) return;
+  const int64_t b = i / sel.heads;
+  const int32_t take = sel.take[b], held = m.count[b];
+  const int32_t* now = sel.positions + i * sel.stride;
   const int32_t* cached = m.cached_positions + i * m.cache_rows;
-  int32_t* sources = m.sources + i * m.stride;
+  int32_t* sources = m.sources + i * sel.stride;
   int32_t hits = 0, c = 0;
   for (int32_t j = 0; j < take; ++j) {
     while (c < held && cached[c] < now[j]) ++c;
@@ -31,8 +32,9 @@ __global__ void match_cached_rows_kernel(CachedRowMatch m) {
 // pass: item i is (kind, b, h, j) with j < stride; rows past take[b] are skipped. The first item
 // of each (b, h) also copies its positions, and of each b its count.
 __global__ void store_cached_rows_kernel(CachedRowStore s) {
+  const DeviceSelection sel = s.selection;
   int32_t fetch = 0;
-  for (int64_t b = 0; b < s.batch; ++b) fetch = max(fetch, s.take[b]);
+  for (int64_t b = 0; b < sel.batch; ++b) fetch = max(fetch, sel.take[b]);
   const int64_t words = s.row_bytes / 16;
   const int per_row = static_cast<int>(words < detail::kWarpSize ? words : detail::kWarpSize);
   const int lane = static_cast<int>(threadIdx.x) % detail::kWarpSize;
@@ -42,16 +44,16 @@ __global__ void store_cached_rows_kernel(CachedRowStore s) {
   const int64_t warp =
       (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / detail::kWarpSize;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / detail::kWarpSize;
-  const int64_t items = 2 * s.batch * s.heads * s.stride;
+  const int64_t items = 2 * sel.batch * sel.heads * sel.stride;
   for (int64_t i = warp * groups_per_warp + group; i < items; i += warps * groups_per_warp) {
-    const int64_t j = i % s.stride;
-    const int64_t bh = (i / s.stride) % (s.batch * s.heads);
-    const bool value = i >= s.batch * s.heads * s.stride;
-    const int64_t b = bh / s.heads;
-    const int32_t take = s.take[b];
+    const int64_t j = i % sel.stride;
+    const int64_t bh = (i / sel.stride) % (sel.batch * sel.heads);
+    const bool value = i >= sel.batch * sel.heads * sel.stride;
+    const int64_t b = bh / sel.heads;
+    const int32_t take = sel.take[b];
     if (!value && member == 0) {
-      if (j < take) s.cached_positions[bh * s.cache_rows + j] = s.positions[bh * s.stride + j];
-      if (j == 0 && bh % s.heads == 0) s.count[b] = take;
+      if (j < take) s.cached_positions[bh * s.cache_rows + j] = sel.positions[bh * sel.stride + j];
+      if (j == 0 && bh % sel.heads == 0) s.count[b] = take;
     }
     if (j >= take) continue;
     const char* staging = static_cast<const char*>(value ? s.staged_values : s.staged_keys);
@@ -66,7 +68,8 @@ __global__ void store_cached_rows_kernel(CachedRowStore s) {
 }  // namespace
 
 int match_cached_rows(const CachedRowMatch& m, void* stream) {
-  const int64_t rows = m.batch * m.heads;
+  const DeviceSelection& sel = m.selection;
+  const int64_t rows = sel.batch * sel.heads;
   if (rows <= 0) return cudaSuccess;
   INFINIGEN_LAUNCH(detail::grid_stride_blocks(rows, kThreads), kThreads, 0,
                    detail::as_stream(stream), match_cached_rows_kernel)
@@ -75,10 +78,11 @@ int match_cached_rows(const CachedRowMatch& m, void* stream) {
 }
 
 int store_cached_rows(const CachedRowStore& s, void* stream) {
-  if (s.batch <= 0 || s.heads <= 0 || s.stride <= 0) return cudaSuccess;
+  const DeviceSelection& sel = s.selection;
+  if (sel.batch <= 0 || sel.heads <= 0 || sel.stride <= 0) return cudaSuccess;
   if (s.row_bytes <= 0 || s.row_bytes % 16 != 0) return cudaErrorInvalidValue;
   // Rows stay on the device: a grid as wide as the rows, not the link-bound gather's.
-  const int64_t groups = 2 * s.batch * s.heads * s.stride;
+  const int64_t groups = 2 * sel.batch * sel.heads * sel.stride;
   INFINIGEN_LAUNCH(detail::grid_stride_blocks(groups, kThreads), kThreads, 0,
                    detail::as_stream(stream), store_cached_rows_kernel)
   (s);

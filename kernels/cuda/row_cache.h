@@ -4,19 +4,17 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/selection.h"
+
 namespace infinigen::kernels::cuda {
 
 // A selection against the cache: for sequence b and head h, the take[b] ascending pool positions
-// positions[(b * heads + h) * stride + j] against the count[b] ascending ones the cache holds,
+// of `selection` against the count[b] ascending ones the cache holds,
 // cached_positions[(b * heads + h) * cache_rows + c]. sources[(b * heads + h) * stride + j] = the
 // cache row c holding position j's row, or -1; hits[b * heads + h] = how many it holds. One
 // thread per (b, h) walks both lists (positions never repeat within one).
 struct CachedRowMatch {
-  const int32_t* positions;  // (batch, heads, stride), device
-  const int32_t* take;       // (batch), device
-  int64_t batch;
-  int64_t heads;
-  int64_t stride;
+  DeviceSelection selection;
   const int32_t* cached_positions;  // (batch, heads, cache_rows), device
   const int32_t* count;             // (batch), device
   int64_t cache_rows;
@@ -29,11 +27,7 @@ int match_cached_rows(const CachedRowMatch& m, void* stream);
 // the largest take, found by the kernel) to cache rows [0, take[b]), keys and values, with their
 // positions; count[b] = take[b]. take[b] <= cache_rows.
 struct CachedRowStore {
-  const int32_t* positions;  // (batch, heads, stride), device
-  const int32_t* take;       // (batch), device
-  int64_t batch;
-  int64_t heads;
-  int64_t stride;
+  DeviceSelection selection;
   const void* staged_keys;    // (batch, heads, rows, row_bytes), device
   const void* staged_values;  // (batch, heads, rows, row_bytes)
   int64_t rows;
