@@ -68,16 +68,21 @@ class PasskeyExamples:
                   if needle[:len(first)] == first else (0, 0))
         return prompt, answer, repeat
 
-    def batch(self, rows: int, length: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    def batch(self, rows: int, length: int, seed: int,
+              edge_share: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
         """(rows, length + answer) ids and labels of one length: the labels are -100 except on
         the answer's tokens and the needle's repeat of the key, the only ones trained on (the
         corpus rows train the language; the repeat, a copy over a few tokens, is the easy case
-        of the answer's copy over the whole prompt)."""
+        of the answer's copy over the whole prompt). A share `edge_share` of the examples puts
+        the key at depth 0 or 1 (half each), the others at a uniform depth: the prompt's two
+        ends, the farthest from the question and the nearest, are otherwise rare."""
         rng = np.random.default_rng(seed)
         examples = []
         for _ in range(rows):
             key = self.key(rng)
-            examples.append(self.example(length, float(rng.random()), key, rng))
+            edge = rng.random() < edge_share
+            depth = float(rng.integers(0, 2)) if edge else float(rng.random())
+            examples.append(self.example(length, depth, key, rng))
         width = length + max(len(answer) for _, answer, _ in examples)
         ids = np.full((rows, width), self.bos_id, dtype=np.int64)
         labels = np.full((rows, width), -100, dtype=np.int64)

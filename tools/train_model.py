@@ -286,7 +286,7 @@ def command_train(args: argparse.Namespace) -> int:
                                                            math.log(longest)))))
                 # As many examples as fit the micro-batch's tokens: short ones come many at once.
                 rows = max(args.micro_batch, args.micro_batch * args.context // length)
-                ids, labels = retrieval.batch(rows, length, seed)
+                ids, labels = retrieval.batch(rows, length, seed, args.retrieval_edge_share)
                 batch = torch.from_numpy(ids).to(args.device)
                 labels = torch.from_numpy(labels).to(args.device)
             else:
@@ -498,6 +498,9 @@ def main() -> int:
     train.add_argument("--retrieval-max-length", type=int, default=0,
                        help="longest passkey prompt, in tokens (0: the context less 8); a run "
                             "can start short, where the copy is learnt fast, and resume longer")
+    train.add_argument("--retrieval-edge-share", type=float, default=0.0,
+                       help="share of passkey examples with the key at the prompt's start or end "
+                            "(depth 0 or 1), the others at a uniform depth")
     train.set_defaults(handler=command_train)
 
     measure = commands.add_parser("measure", help="time training steps of one shape")
