@@ -88,8 +88,14 @@ OptionTable<OffloadOptions> make_table() {
           {{"sequence", FetchRule::Sequence}, {"batch", FetchRule::Batch}}),
       integer_option<O>(
           "max_num_kv",
-          "infinigen: most tokens fetched per head and layer (0: 20% of prompt + generation)",
+          "infinigen: most tokens fetched per head and layer (0: max_fetch_share of prompt + "
+          "generation)",
           [](auto& o) -> auto& { return o.speculation.max_num_kv; }),
+      number_option<O>(
+          "max_fetch_share",
+          "infinigen: with max_num_kv 0, the cap on tokens fetched per head and layer as a share "
+          "of prompt + generation",
+          [](auto& o) -> auto& { return o.speculation.max_fetch_share; }),
       integer_option<O>(
           "dense_layers", "infinigen: first layers that always fetch their whole KV",
           [](auto& o) -> auto& { return o.speculation.dense_layers; }),

@@ -47,13 +47,17 @@ void SpeculationOptions::validate() const {
                   dtype_name(partial_key_dtype));
   INFINIGEN_CHECK(max_num_kv >= 0, option("max_num_kv"), " must be >= 0 (0: the default cap), got ",
                   max_num_kv);
+  INFINIGEN_CHECK(max_fetch_share > 0 && max_fetch_share <= 1, option("max_fetch_share"),
+                  " must be in (0, 1], got ", max_fetch_share);
   INFINIGEN_CHECK(dense_layers >= 1, option("dense_layers"),
                   " must be at least 1 (layer 0 has no previous layer to speculate from), got ",
                   dense_layers);
 }
 
 int64_t SpeculationOptions::fetch_cap(int64_t capacity) const {
-  return max_num_kv > 0 ? max_num_kv : std::max<int64_t>(1, capacity / 5);
+  if (max_num_kv > 0) return max_num_kv;
+  return std::max<int64_t>(1,
+                           static_cast<int64_t>(static_cast<double>(capacity) * max_fetch_share));
 }
 
 namespace {

@@ -41,10 +41,12 @@ struct SpeculationOptions {
   // The partial key cache: F16 (the default, as the reference code keeps it in the KV's type:
   // half the memory; docs/accuracy.md measures no change), or F32.
   DType partial_key_dtype = DType::F16;
-  int64_t max_num_kv = 0;    // cap on n' per layer; 0 = 20% of the sequence capacity
+  int64_t max_num_kv = 0;        // cap on n' per layer; 0 = max_fetch_share of the capacity
+  double max_fetch_share = 0.2;  // the cap's share of the sequence capacity, in (0, 1]
   int64_t dense_layers = 2;  // layers [0, dense_layers) always fetch their whole KV
   void validate() const;     // one-line Error naming the option
-  // max_num_kv, or its default for a sequence capacity of `capacity` tokens when it is 0.
+  // max_num_kv, or when it is 0 max_fetch_share of a sequence capacity of `capacity` tokens
+  // (rounded down, at least 1).
   int64_t fetch_cap(int64_t capacity) const;
 };
 

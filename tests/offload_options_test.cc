@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <set>
 
 #include "offload/kv_policy.h"
@@ -82,6 +83,8 @@ TEST(OffloadOptions, ValidateNamesTheOptionOutOfRange) {
   bad([](OffloadOptions& o) { o.speculation.alpha = -1; }, "--alpha");
   bad([](OffloadOptions& o) { o.speculation.partial_ratio = 0; }, "--partial-ratio");
   bad([](OffloadOptions& o) { o.speculation.dense_layers = 0; }, "--dense-layers");
+  bad([](OffloadOptions& o) { o.speculation.max_fetch_share = 0; }, "--max-fetch-share");
+  bad([](OffloadOptions& o) { o.speculation.max_fetch_share = 1.5; }, "--max-fetch-share");
   bad([](OffloadOptions& o) { o.weights_gpu_percent = 101; }, "--weights-gpu-percent");
   bad([](OffloadOptions& o) { o.kv_block_tokens = 0; }, "--kv-block-tokens");
   bad([](OffloadOptions& o) { o.h2o_budget = 0; }, "--h2o-budget");
@@ -166,6 +169,23 @@ TEST(KvPolicies, FullNeedsTheLeastDeviceMemoryOfTheExactOnes) {
     if (policy->name == "full") full = device;
   }
   EXPECT_EQ(full, least);
+}
+
+// InfiniGen's fetch cap: max_num_kv when given, else max_fetch_share of the capacity, rounded
+// down, at least 1 (20% by default: 8320 tokens cap at 1664, as capacity / 5 did).
+TEST(SpeculationOptions, FetchCapIsTheTokenCapOrTheShareOfTheCapacity) {
+  SpeculationOptions s;
+  for (int64_t capacity = 1; capacity <= 200000; ++capacity) {
+    ASSERT_EQ(s.fetch_cap(capacity), std::max<int64_t>(1, capacity / 5)) << capacity;
+  }
+  EXPECT_EQ(s.fetch_cap(8320), 1664);
+  EXPECT_EQ(s.fetch_cap(32896), 32896 / 5);
+  EXPECT_EQ(s.fetch_cap(4), 1);
+  s.max_fetch_share = 0.05;
+  EXPECT_EQ(s.fetch_cap(2040), 102);
+  EXPECT_EQ(s.fetch_cap(19), 1);
+  s.max_num_kv = 300;
+  EXPECT_EQ(s.fetch_cap(2040), 300);
 }
 
 }  // namespace
