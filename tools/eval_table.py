@@ -6,6 +6,8 @@ Usage: eval_table.py eval.json [--chunks]
 One row per setting: policy, settings, perplexity, change against `full`, KV loaded per decode
 step (share of the full KV, all layers and speculated layers), mean and worst-layer recall.
 With --chunks, a second table: perplexity per chunk of positions, one column per setting.
+A passkey result (`--task passkey`) gives instead per setting its score with its 95% interval,
+the KV loaded, and its cells under 90% (length/depth: score; the six lowest).
 """
 
 import argparse
@@ -16,6 +18,22 @@ def percent(value):
     return "-" if value is None else "%.1f%%" % (100 * value)
 
 
+def passkey_table(points):
+    print("| policy | settings | score | 95% interval | KV loaded | speculated layers | "
+          "cells under 90%, the lowest (length/depth: score) |")
+    print("|---|---|---|---|---|---|---|")
+    for p in points:
+        under = sorted((c for c in p["cells"] if c["score"] < 0.9), key=lambda c: c["score"])
+        low = ["%d/%g: %d%%" % (c["length"], c["depth"], round(100 * c["score"]))
+               for c in under[:6]]
+        if len(under) > 6:
+            low.append("%d more" % (len(under) - 6))
+        print("| %s | %s | %s (%d of %d) | %.1f-%.1f%% | %s | %s | %s |" % (
+            p["policy"], p["settings"] or "-", percent(p["score"]), p["correct"], p["trials"],
+            100 * p["wilson_low"], 100 * p["wilson_high"], percent(p["kv_fetched"]),
+            percent(p["kv_fetched_speculated_layers"]), ", ".join(low) or "none"))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("result")
@@ -24,6 +42,9 @@ def main() -> int:
     with open(args.result, encoding="utf-8") as handle:
         result = json.load(handle)
     points = result["points"]
+    if result.get("task") == "passkey":
+        passkey_table(points)
+        return 0
 
     print("| policy | settings | perplexity | vs full | KV loaded | speculated layers | recall "
           "(mean / worst layer) |")
