@@ -73,11 +73,10 @@ void OpProfile::settle(bool keep_last) {
     const Mark& to = marks_[i + 1];
     double seconds = std::chrono::duration<double>(to.host - from.host).count();
     if (from.event != nullptr || to.event != nullptr) {
-      if (from.event == nullptr || to.event == nullptr) continue;  // no common clock
-      cuda_stream::synchronize_event(to.event);
-      cuda_stream::synchronize_event(from.event);
-      // Marks on two streams may complete out of order: nothing is charged then.
-      seconds = std::max(0.0, cuda_stream::elapsed_seconds(from.event, to.event));
+      // The marks before the first step's start have no event: nothing to compare them with.
+      if (from.event == nullptr || to.event == nullptr) continue;
+      cuda_stream::synchronize_event(to.event);  // one stream: `from` has completed too
+      seconds = cuda_stream::elapsed_seconds(from.event, to.event);
     }
     if (from.phase == kOutside) continue;
     Entry& entry = totals_[{from.phase, from.name}];
