@@ -440,13 +440,27 @@ def model_card(card: dict, generation: dict) -> str:
     use = ("`--model builtin-llama` names it: the engine's rotary, grouped-query path on attention "
            "that learned language." if llama else
            "It is what `infinigen run` and `infinigen eval` use when no `--model` is given.")
+    # A run that continued another checkpoint (--init) says which, and how much that one had seen.
+    origin, before = "trained from scratch", ""
+    if s.get("init"):
+        prior = pathlib.Path(s["init"]) / "training.json"
+        prior_tokens = json.loads(prior.read_text())["tokens_seen"] if prior.is_file() else None
+        origin = f"continued from the checkpoint that `{s['init']}` held when its training began"
+        if prior_tokens:
+            before = f", after the {prior_tokens / 1e6:.1f} M of the checkpoint it continued"
+    retrieval = ""
+    if s.get("retrieval_share", 0) > 0:
+        retrieval = (f" Its training mixed in passkey retrieval examples ({s['retrieval_share']:.0%}"
+                     " of the micro-batches in its last phase: a key hidden in the text and asked "
+                     "for at the end, `tools/passkey_examples.py`), so that it finds one token far "
+                     "back (`infinigen eval --task passkey`, `docs/accuracy.md`).")
     return f"""# The built-in {"Llama " if llama else ""}model
 
-A small `{kind}` trained from scratch with `tools/train_model.py` on real English that
+A small `{kind}` {origin} with `tools/train_model.py` on real English that
 Debian packages ship ({packages}): the reStructuredText sources of the Python documentation and
 the King James Bible, documents kept whole. {use} It writes English-like text; it knows little and makes no sense for
 long. It exists so that the engine, and InfiniGen's choice of KV entries, are judged on attention
-that learned language rather than on random weights.
+that learned language rather than on random weights.{retrieval}
 
 | | |
 |---|---|
@@ -454,7 +468,7 @@ that learned language rather than on random weights.
 | context | {s['context']} tokens |
 | parameters | {card['parameters'] / 1e6:.2f} M |
 | vocabulary | {card['vocab_size']} tokens, byte-level BPE trained on the same corpus (`tools/train_tokenizer.py`) |
-| tokens seen | {card['tokens_seen'] / 1e6:.1f} M ({card['steps']} steps of {s['batch_tokens']} tokens) |
+| tokens seen | {card['tokens_seen'] / 1e6:.1f} M ({card['steps']} steps of {s['batch_tokens']} tokens{before}) |
 | held-out perplexity | {card['heldout_perplexity_fp16_weights']:.1f} (HF transformers, these fp16 weights, {card['heldout_windows']} windows of {s['context']} tokens from documents never trained on) |
 | weights | fp16 safetensors |
 | sampling default | temperature {generation['temperature']}, top-p {generation['top_p']} (`generation_config.json`) |
