@@ -28,13 +28,9 @@ text_args=()
 for text in "${texts[@]}"; do text_args+=(--text "$text"); done
 mkdir -p "$out"
 
+source tools/sweeps.sh
 run() {  # run NAME [eval options...]: one sweep into $out/NAME, when SWEEPS names it
-  local name=$1
-  shift
-  [[ $sweeps == *" ${name} "* ]] || return 0
-  echo "== $name" >&2
-  "$bin" eval --model "$model" "${text_args[@]}" --max-windows "$windows" --out "$out/$name" "$@" \
-    >"$out/$name.txt"
+  run_sweep "$1" "$bin" eval --model "$model" "${text_args[@]}" --max-windows "$windows" "${@:2}"
 }
 
 run alpha --policy full,infinigen --alpha 1,2,3,4,5,6,7,8,9

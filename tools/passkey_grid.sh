@@ -23,13 +23,9 @@ trials=${TRIALS:-10}
 sweeps=" ${SWEEPS:-full-int4 infinigen h2o pool skewed} "
 mkdir -p "$out"
 
+source tools/sweeps.sh
 run() {  # run NAME [eval options...]: one sweep into $out/NAME, when SWEEPS names it
-  local name=$1
-  shift
-  [[ $sweeps == *" ${name} "* ]] || return 0
-  echo "== $name" >&2
-  "$bin" eval --task passkey --model "$model" --trials "$trials" --out "$out/$name" "$@" \
-    >"$out/$name.txt"
+  run_sweep "$1" "$bin" eval --task passkey --model "$model" --trials "$trials" "${@:2}"
 }
 
 caps=0.2,0.1,0.05
