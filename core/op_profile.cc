@@ -34,11 +34,11 @@ void OpProfile::op(const char* name) {
 }
 
 void OpProfile::mark(const char* name) {
-  Mark m{name, phase_, stream_, nullptr, Clock::now()};
-  if (m.stream != nullptr) {
+  Mark m{name, phase_, nullptr, Clock::now()};
+  if (stream_ != nullptr) {
     m.event = cuda_stream::acquire_event();
     try {
-      cuda_stream::record(m.event, m.stream);
+      cuda_stream::record(m.event, stream_);
     } catch (...) {
       cuda_stream::release_event(m.event);
       throw;

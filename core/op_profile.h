@@ -66,9 +66,8 @@ class OpProfile {
   using Clock = std::chrono::steady_clock;
   struct Mark {
     const char* name;
-    int32_t phase;                  // 0: prefill, 1: decode, kOutside
-    void* stream;                   // the CUDA stream the op is enqueued on, or null
-    void* event;                    // an event recorded there, or null (the host clock)
+    int32_t phase;  // 0: prefill, 1: decode, kOutside
+    void* event;    // an event recorded on stream_, or null (the host clock)
     Clock::time_point host;
   };
   static constexpr int32_t kOutside = -1;  // before the prefill, after the last step

@@ -6,7 +6,6 @@
 
 #include <algorithm>
 
-#include "core/op_profile.h"
 #include "core/ops_cuda.h"
 #include "core/trace.h"
 #include "kernels/cpu/attention.h"
@@ -239,7 +238,7 @@ void attention_decode(const Tensor& q, const Tensor& k_cache, const Tensor& v_ca
     INFINIGEN_CHECK(start >= prefix_end, "attention_decode: a sequence's rows start at ", start,
                     ", inside the ", prefix_end, " rows of shared prefixes");
   }
-  if (active_trace() != nullptr) {
+  const auto sizes = [&]() -> std::array<int64_t, 5> {
     // Rows attention reads over the batch, each (sequence, KV head)'s once: its prefix's, then
     // its own from its first valid one; and the (query, row) pairs it scores.
     int64_t rows = 0, pairs = 0;
@@ -250,12 +249,11 @@ void attention_decode(const Tensor& q, const Tensor& k_cache, const Tensor& v_ca
       for (int64_t t = std::max(length - n, start); t < length; ++t)
         pairs += prefix + t + 1 - start;
     }
-    if (n == 1 ? traced("attention_decode", {B, H, rows, d, kv_heads}, k_cache.dtype())
-               : traced("attention_extend", {H, kv_heads, pairs, rows, d}, k_cache.dtype())) {
-      return;
-    }
-  } else {
-    profile_op(n == 1 ? "attention_decode" : "attention_extend");  // sizes only for a trace
+    if (n == 1) return {B, H, rows, d, kv_heads};
+    return {H, kv_heads, pairs, rows, d};
+  };
+  if (traced_lazily(n == 1 ? "attention_decode" : "attention_extend", sizes, k_cache.dtype())) {
+    return;
   }
   if (device == Device::Cuda) {
     cuda::attention_decode(q, k_cache, v_cache, out, B, n, H, kv_heads, d, capacity, length,
@@ -663,17 +661,16 @@ void int4_dequantize(const Int4Rows& src, int64_t t0, int64_t t1,
       capacity);
   INFINIGEN_CHECK(std::ssize(first_valid) == B, "int4_dequantize: ", first_valid.size(),
                   " first_valid entries for a batch of ", B);
-  if (active_trace() != nullptr) {
+  const auto sizes = [&]() -> std::array<int64_t, 5> {
     // Rows decoded, K and V over the batch: each sequence's from its first valid one.
     int64_t rows = 0;
     for (int64_t b = 0; b < B; ++b) {
       const int64_t first = std::max(t0, first_valid[static_cast<size_t>(b)] - row0 + t0);
       rows += 2 * H * (t1 - std::min(t1, first));
     }
-    if (traced("int4_dequantize", {rows, d})) return;
-  } else {
-    profile_op("int4_dequantize");
-  }
+    return {rows, d};
+  };
+  if (traced_lazily("int4_dequantize", sizes)) return;
   if (device == Device::Cuda) {
     cuda::int4_dequantize(src, t0, t1, first_valid, row0, keys, values);
     return;

@@ -106,6 +106,12 @@ inline void trace_layer(int64_t layer) {
 // Records a compute op into the active trace, if any. Returns true when the caller must not
 // compute it (a dry run).
 bool traced(const char* name, std::array<int64_t, 5> sizes, DType dtype = DType::F32);
+// The same, with the sizes computed by `sizes()` only when a trace records them (where they cost
+// a pass over the batch).
+template <typename Sizes>
+bool traced_lazily(const char* name, Sizes sizes, DType dtype = DType::F32) {
+  return traced(name, active_trace() != nullptr ? sizes() : std::array<int64_t, 5>{}, dtype);
+}
 
 // Where a dry allocation of any size points: an address range reserved without access rights,
 // so that a dry run that reads or writes data faults at once instead of computing garbage.
