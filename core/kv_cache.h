@@ -191,6 +191,12 @@ class KvStore {
     return {};
   }
   virtual void restore_layer_state(int64_t layer, const LayerState& state);
+  // After a session moved rows [from, from + count) of sequence b to earlier positions and
+  // rotated their keys there (a conversation that overflowed the context, offload/session.h):
+  // recomputes what the store derives from those keys (InfiniGen's partial keys).
+  virtual void rederive_rows(int64_t layer, int64_t b, int64_t from, int64_t count) {
+    (void)layer, (void)b, (void)from, (void)count;
+  }
   // Waits until every row a pass stored is readable through token_row.
   virtual void finish_stores() {}
   // Allocates every row the store can hold now, so that token_row's addresses of stored rows can

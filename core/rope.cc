@@ -1,11 +1,12 @@
 // core: RoPE frequencies (transformers' _compute_default_rope_parameters and the linear and
-// llama3 rescalings).
+// llama3 rescalings), and a rotated key moved to another position.
 #include "core/rope.h"
 
 #include <cmath>
 #include <numbers>
 
 #include "core/error.h"
+#include "kernels/cpu/rope.h"
 
 namespace infinigen {
 
@@ -43,6 +44,18 @@ std::vector<float> rope_inv_freq(const RopeConfig& rope, int64_t head_dim) {
     }
   }
   return inv_freq;
+}
+
+void shift_rotary_row(void* row, DType dtype, const std::vector<float>& inv_freq, int64_t delta,
+                      std::vector<float>& scratch) {
+  const int64_t head_dim = 2 * std::ssize(inv_freq);
+  INFINIGEN_CHECK(delta > -(int64_t{1} << 24) && delta < (int64_t{1} << 24), "a rotary shift of ",
+                  delta, " positions is past fp32's exact integers");
+  scratch.resize(static_cast<size_t>(head_dim));
+  convert_to_f32(row, dtype, scratch.data(), scratch.size());
+  const int32_t position = static_cast<int32_t>(delta);
+  kernels::cpu::rope(scratch.data(), &position, inv_freq.data(), 1, 1, head_dim);
+  convert_from_f32(scratch.data(), row, dtype, scratch.size());
 }
 
 }  // namespace infinigen

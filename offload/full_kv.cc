@@ -24,7 +24,8 @@ const KvPolicy& full_kv_policy() {
       },
       /*resumable=*/true,
       /*session_options=*/{},
-      /*host_token_rows=*/true};
+      /*host_token_rows=*/true,
+      /*shifts_positions=*/true};
   return policy;
 }
 

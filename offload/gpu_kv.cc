@@ -29,7 +29,8 @@ const KvPolicy& gpu_kv_policy() {
       /*resumable=*/true,
       /*session_options=*/{},
       // On CUDA its rows go through a host copy (finish_stores, resume).
-      /*host_token_rows=*/true};
+      /*host_token_rows=*/true,
+      /*shifts_positions=*/true};
   return policy;
 }
 

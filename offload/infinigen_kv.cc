@@ -116,7 +116,8 @@ const KvPolicy& infinigen_kv_policy() {
       {"partial_ratio", "partial_key_dtype", "dense_layers"},
       // Its pool is pinned host memory; on CUDA its partial keys are copied from the device
       // before a save reads them (finish_stores).
-      /*host_token_rows=*/true};
+      /*host_token_rows=*/true,
+      /*shifts_positions=*/true};
   return policy;
 }
 
@@ -729,6 +730,19 @@ void InfinigenKv::restore_layer_state(int64_t layer, const LayerState& state) {
                                                options_.partial_key_dtype);
   if (!shared().empty()) {
     partial_[static_cast<size_t>(layer)].share_prefixes(shared(), /*from_leaders=*/false);
+  }
+}
+
+void InfinigenKv::rederive_rows(int64_t layer, int64_t b, int64_t from, int64_t count) {
+  if (dense(layer) || dry_run()) return;
+  PartialLayer& partial = partial_[static_cast<size_t>(layer)];
+  const DType kv_dtype = paged_.pool().shape().dtype;
+  std::vector<float> row(static_cast<size_t>(head_dim_));
+  for (int64_t g = 0; g < kv_heads_; ++g) {
+    for (int64_t t = from; t < from + count; ++t) {
+      convert_to_f32(paged_.token_row(layer, 0, b, g, t), kv_dtype, row.data(), row.size());
+      partial.write_partial_key(b, g, t, row.data());
+    }
   }
 }
 

@@ -91,6 +91,8 @@ class InfinigenKv : public KvStore {
                         int64_t t) const override;
   LayerState layer_state(int64_t layer) const override;
   void restore_layer_state(int64_t layer, const LayerState& state) override;
+  // A speculated layer's partial keys of the moved rows, from their rotated keys.
+  void rederive_rows(int64_t layer, int64_t b, int64_t from, int64_t count) override;
   // Sequences leave the batch with their pool blocks, partial keys (on the host or the device)
   // and a capped pool's eviction state compacted (KvStore::drop_sequences), except where the
   // survivors' fetches depend on them: under --fetch-rule batch (n' is the mean over every

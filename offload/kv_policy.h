@@ -84,6 +84,11 @@ struct KvPolicy {
   // pinned memory, or a host copy the store keeps for sessions), so a session reads and writes
   // them with the host's copies on CUDA too.
   bool host_token_rows = false;
+  // Whether a session's kept rows can move to earlier positions when a conversation overflows a
+  // rotary model's context (docs/sessions.md, "Overflow"): its token streams are "keys", which the
+  // session rotates back, "values", and streams the store derives from the keys again
+  // (KvStore::rederive_rows). int4's codes would have to be requantised: not.
+  bool shifts_positions = false;
 };
 
 // Every registered policy, in the order help texts list them.

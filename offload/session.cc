@@ -5,11 +5,14 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <limits>
 #include <numeric>
 
 #include "core/error.h"
 #include "core/file_io.h"
+#include "core/rope.h"
 #include "core/safetensors.h"
+#include "offload/kv_policy.h"
 #include "offload/session_compact.h"
 
 namespace infinigen {
@@ -32,6 +35,35 @@ std::vector<int32_t> all_sequences(int64_t batch) {
 }
 
 }  // namespace
+
+std::vector<int64_t> overflow_drops(const std::vector<int64_t>& held,
+                                    const std::vector<int64_t>& added, int64_t gen_len,
+                                    int64_t context, int64_t keep_prefix,
+                                    const std::vector<int64_t>& shared_lengths) {
+  INFINIGEN_CHECK(keep_prefix >= 0, "--keep-prefix must be at least 0, got ", keep_prefix);
+  std::vector<int64_t> dropped(held.size(), 0);
+  for (size_t b = 0; b < held.size(); ++b) {
+    // The sizes come from the user: clamped where the sum could overflow (such a turn cannot fit).
+    constexpr int64_t most = std::numeric_limits<int64_t>::max() / 4;
+    const int64_t over =
+        std::min(held[b], most) + std::min(added[b], most) + std::min(gen_len, most) - context;
+    if (over <= 0) continue;
+    // Droppable: the history after the kept prefix, up to the last token (not yet through the
+    // model, it starts this turn's prompt).
+    const int64_t droppable = std::max<int64_t>(0, held[b] - 1 - keep_prefix);
+    INFINIGEN_CHECK(over <= droppable, "sequence ", b + 1, ": this turn's ", added[b],
+                    " prompt tokens and ", gen_len, " generated need ", over,
+                    " positions more than the context of ", context, " leaves, and only ",
+                    droppable, " history tokens after the kept prefix of ", keep_prefix,
+                    " can be dropped");
+    INFINIGEN_CHECK(shared_lengths.empty() || shared_lengths[b] <= keep_prefix, "sequence ", b + 1,
+                    " shares a prompt prefix of ", shared_lengths[b],
+                    " tokens with others, which an overflow cannot drop: --keep-prefix must be at "
+                    "least that");
+    dropped[b] = over;
+  }
+  return dropped;
+}
 
 struct DiskSession::ReadLayer {
   bool ready = false;
@@ -137,6 +169,36 @@ std::vector<std::vector<int32_t>> DiskSession::turn_prompts(
   return prompts_;
 }
 
+int64_t DiskSession::drop_oldest(const ModelConfig& config, const std::vector<int64_t>& added,
+                                 int64_t gen_len, int64_t keep_prefix) {
+  std::vector<int64_t> held, shared_lengths;
+  for (const std::vector<int32_t>& tokens : manifest_.tokens) held.push_back(std::ssize(tokens));
+  for (int64_t b = 0; !manifest_.shared.empty() && b < batch(); ++b) {
+    shared_lengths.push_back(manifest_.shared.prefix_length(b));
+  }
+  const std::vector<int64_t> dropped =
+      overflow_drops(held, added, gen_len, config.max_positions, keep_prefix, shared_lengths);
+  const int64_t total = std::accumulate(dropped.begin(), dropped.end(), int64_t{0});
+  if (total == 0) return 0;
+  INFINIGEN_CHECK(config.rope.enabled(), "the conversation passes the model's context of ",
+                  config.max_positions, " positions, and ", config.name,
+                  " learns its positions (no rotary embedding): its kept keys cannot move to new "
+                  "positions; start a new session");
+  INFINIGEN_CHECK(kv_policy(key_.policy).shifts_positions,
+                  "the conversation passes the model's "
+                  "context of ",
+                  config.max_positions, " positions, and the policy ", key_.policy,
+                  "'s saved rows cannot move to new positions; start a new session");
+  rope_inv_freq_ = rope_inv_freq(config.rope, config.head_dim());
+  for (size_t b = 0; b < history_.size(); ++b) {
+    const auto first = history_[b].begin() + keep_prefix;
+    history_[b].erase(first, first + dropped[b]);
+  }
+  overflow_ = SessionOverflow{keep_prefix, dropped};
+  stats_.tokens_dropped = total;
+  return total;
+}
+
 void DiskSession::begin() {
   if (history_.empty()) return;
   read_.clear();
@@ -223,11 +285,11 @@ void DiskSession::restore_layer(int64_t layer, KvStore& store) {
   store.restore_layer_state(layer, state);
   const std::vector<KvStore::TokenStream> streams = store.token_streams(layer);
   const int64_t H = key_.kv_heads;
-  // Rows rows[i] of the file's sequences i into the rows from first[i] of the store's sequence
-  // sequences[i], up to what the pass computes again (those need no restoring).
+  // Rows rows[i] of the file's sequence i into the store's sequence sequences[i], file row j at
+  // store row destination(i, j) (negative: dropped by an overflow), up to what the pass computes
+  // again (those need no restoring).
   const auto restore_rows = [&](const SafetensorsFile& file, const std::vector<int32_t>& rows,
-                                const std::vector<int64_t>& first,
-                                const std::vector<int32_t>& sequences) {
+                                const std::vector<int32_t>& sequences, const auto& destination) {
     const int64_t B = std::ssize(rows), R = *std::max_element(rows.begin(), rows.end());
     for (size_t k = 0; k < streams.size(); ++k) {
       const KvStore::TokenStream& stream = streams[k];
@@ -239,10 +301,11 @@ void DiskSession::restore_layer(int64_t layer, KvStore& store) {
       const size_t row_bytes = static_cast<size_t>(stream.width) * dtype_size(stream.dtype);
       const char* data = static_cast<const char*>(file.bytes(*entry));
       for (int64_t b = 0; b < B; ++b) {
-        const int64_t count = std::min<int64_t>(rows[b], store.length() - first[b]);
-        for (int64_t h = 0; h < H; ++h) {
-          for (int64_t j = 0; j < count; ++j) {
-            std::memcpy(store.mutable_token_row(layer, k, sequences[b], h, first[b] + j),
+        for (int64_t j = 0; j < rows[b]; ++j) {
+          const int64_t row = destination(b, j);
+          if (row < 0 || row >= store.length()) continue;
+          for (int64_t h = 0; h < H; ++h) {
+            std::memcpy(store.mutable_token_row(layer, k, sequences[b], h, row),
                         data + static_cast<size_t>((b * H + h) * R + j) * row_bytes, row_bytes);
           }
         }
@@ -253,21 +316,63 @@ void DiskSession::restore_layer(int64_t layer, KvStore& store) {
     INFINIGEN_CHECK(store.shared() == manifest_.shared,
                     "the store does not share the prefixes of the session");
     const std::vector<int32_t>& begin = manifest_.shared.leader_first_valid();
-    restore_rows(*read.prefix, manifest_.prefix.rows, {begin.begin(), begin.end()},
-                 manifest_.shared.leaders());
+    restore_rows(*read.prefix, manifest_.prefix.rows, manifest_.shared.leaders(),
+                 [&](int64_t i, int64_t j) { return begin[static_cast<size_t>(i)] + j; });
   }
   const int64_t B = store.batch();
   const std::vector<int32_t> sequences = all_sequences(B);
-  std::vector<int64_t> first(store.first_valid().begin(), store.first_valid().end());
-  for (size_t s = 0; s < manifest_.segments.size(); ++s) {
-    restore_rows(*read.segments[s], manifest_.segments[s].rows, first, sequences);
-    for (int64_t b = 0; b < B; ++b) first[b] += manifest_.segments[s].rows[b];
+  // Per sequence: its own history rows (after a shared prefix) the earlier segments held, the
+  // first `kept[b]` of which stay where they are, the next `dropped[b]` of which an overflow drops.
+  std::vector<int64_t> held(static_cast<size_t>(B), 0), kept(static_cast<size_t>(B)),
+      dropped(static_cast<size_t>(B), 0);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t shared = manifest_.shared.empty() ? 0 : manifest_.shared.prefix_length(b);
+    kept[b] = overflow_ ? overflow_->keep_prefix - shared : std::numeric_limits<int64_t>::max();
+    if (overflow_) dropped[b] = overflow_->dropped[b];
   }
+  for (size_t s = 0; s < manifest_.segments.size(); ++s) {
+    restore_rows(*read.segments[s], manifest_.segments[s].rows, sequences,
+                 [&](int64_t b, int64_t j) -> int64_t {
+                   const int64_t own = held[b] + j;
+                   if (own < kept[b]) return store.first_valid()[b] + own;
+                   if (own < kept[b] + dropped[b]) return -1;
+                   return store.first_valid()[b] + own - dropped[b];
+                 });
+    for (int64_t b = 0; b < B; ++b) held[b] += manifest_.segments[s].rows[b];
+  }
+  if (overflow_) move_kept_keys(layer, store, streams, kept);
   {
     std::lock_guard lock(mutex_);
     consumed_ = layer + 1;
   }
   changed_.notify_all();
+}
+
+void DiskSession::move_kept_keys(int64_t layer, KvStore& store,
+                                 const std::vector<KvStore::TokenStream>& streams,
+                                 const std::vector<int64_t>& kept) {
+  const auto start = std::chrono::steady_clock::now();
+  const auto keys = std::find_if(streams.begin(), streams.end(),
+                                 [](const KvStore::TokenStream& s) { return s.name == "keys"; });
+  INFINIGEN_CHECK(keys != streams.end(), "this run's KV store keeps no keys to move");
+  const size_t k = static_cast<size_t>(keys - streams.begin());
+  std::vector<float> scratch;
+  for (int64_t b = 0; b < store.batch(); ++b) {
+    const int64_t delta = overflow_->dropped[static_cast<size_t>(b)];
+    if (delta == 0) continue;
+    const int64_t shared = manifest_.shared.empty() ? 0 : manifest_.shared.prefix_length(b);
+    const int64_t from = store.first_valid()[b] + kept[b];
+    const int64_t to = std::min<int64_t>(store.length(),
+                                         store.first_valid()[b] + std::ssize(history_[b]) - shared);
+    for (int64_t h = 0; h < key_.kv_heads; ++h) {
+      for (int64_t t = from; t < to; ++t) {
+        shift_rotary_row(store.mutable_token_row(layer, k, b, h, t), keys->dtype, rope_inv_freq_,
+                         -delta, scratch);
+      }
+    }
+    if (to > from) store.rederive_rows(layer, b, from, to - from);
+  }
+  stats_.shift_seconds += seconds_since(start);
 }
 
 void DiskSession::write_segment(const KvStore& store, const std::vector<int32_t>& sequences,
@@ -339,10 +444,12 @@ void DiskSession::after_first_pass(const KvStore& store, const std::vector<int32
   remove_unnamed_session_files(directory_, manifest_);
   new_segments_.clear();
   new_state_.clear();
+  // After an overflow the kept history moved: it is saved again, with the turn's rows, as the
+  // session's only segment besides a shared prefix's.
+  const std::vector<int32_t>& from = overflow_ ? store.first_valid() : rows_from;
   SessionSegment segment;
   for (int64_t b = 0; b < store.batch(); ++b) {
-    segment.rows.push_back(
-        static_cast<int32_t>(store.length() - rows_from[static_cast<size_t>(b)]));
+    segment.rows.push_back(static_cast<int32_t>(store.length() - from[static_cast<size_t>(b)]));
   }
   new_segments_.push_back(segment);
   const bool with_state = manifest_.segments.empty();
@@ -358,8 +465,8 @@ void DiskSession::after_first_pass(const KvStore& store, const std::vector<int32
     prefix_directory = session_segment_name(manifest_.next_segment++);
   }
   const std::string directory = session_segment_name(manifest_.next_segment++);
-  writer_ =
-      std::thread([this, &store, rows_from, segment, directory, prefix_directory, with_state] {
+  writer_ = std::thread(
+      [this, &store, rows_from = from, segment, directory, prefix_directory, with_state] {
         try {
           if (!prefix_directory.empty()) {
             write_segment(store, new_shared_.leaders(), new_shared_.leader_first_valid(),
@@ -411,14 +518,22 @@ void DiskSession::finish(const KvStore& store, const std::vector<int32_t>& rows_
   // stays what is committed until the new manifest is (an abandoned save removes what it does
   // not name).
   SessionManifest next = manifest_;
-  if (next.tokens.empty()) next.tokens.assign(prompts_.size(), {});
+  const bool first_turn = next.segments.empty();
+  if (first_turn) next.tokens.assign(prompts_.size(), {});
+  if (overflow_) {  // the old segments hold the history before it moved
+    next.segments.clear();
+    for (size_t b = 0; b < next.tokens.size(); ++b) {
+      const auto first = next.tokens[b].begin() + overflow_->keep_prefix;
+      next.tokens[b].erase(first, first + overflow_->dropped[b]);
+    }
+  }
   for (size_t b = 0; b < next.tokens.size(); ++b) {
     // A resumed turn's prompt starts with the previous turn's last token, already there.
-    const auto from = prompts_[b].begin() + (next.segments.empty() ? 0 : 1);
+    const auto from = prompts_[b].begin() + (first_turn ? 0 : 1);
     next.tokens[b].insert(next.tokens[b].end(), from, prompts_[b].end());
     next.tokens[b].insert(next.tokens[b].end(), generated[b].begin(), generated[b].end());
   }
-  if (next.segments.empty()) {
+  if (first_turn) {
     next.state = new_state_;
     next.prefix = new_prefix_;
     next.shared = new_shared_;
@@ -433,12 +548,14 @@ void DiskSession::finish(const KvStore& store, const std::vector<int32_t>& rows_
     next = compact_session_segments(directory_, next, &stats_.bytes_written);
     stats_.write_seconds += seconds_since(start);
   }
+  // Files the new manifest no longer names go after it commits: merged or moved segments.
+  const bool replaced = compact || overflow_.has_value();
   if (defer_commit_) {
     pending_ = std::move(next);
-    pending_compacted_ = compact;
+    pending_replaced_ = replaced;
     return;
   }
-  commit_manifest(std::move(next), compact);
+  commit_manifest(std::move(next), replaced);
 }
 
 void DiskSession::commit(const std::string& label, const std::string& record) {
@@ -447,14 +564,14 @@ void DiskSession::commit(const std::string& label, const std::string& record) {
   pending_.reset();
   next.turn_label = label;
   next.turn_record = record;
-  commit_manifest(std::move(next), pending_compacted_);
+  commit_manifest(std::move(next), pending_replaced_);
 }
 
-void DiskSession::commit_manifest(SessionManifest next, bool compacted) {
+void DiskSession::commit_manifest(SessionManifest next, bool replaced) {
   if (tier_) tier_->erase(directory_.string());  // the old entry no longer matches the disk
   write_session_manifest(directory_, key_, next);
   manifest_ = std::move(next);
-  if (compacted) remove_unnamed_session_files(directory_, manifest_);
+  if (replaced) remove_unnamed_session_files(directory_, manifest_);
   if (!tier_) return;
   // The session as committed, every file it names in memory: this turn's reads and writes, the
   // tier's entry it resumed from, or (files a compaction wrote) copied from the page cache.

@@ -63,7 +63,31 @@ struct SessionStats {
   int64_t segments_compacted = 0;  // segments the save merged into one (0: none)
   bool from_tier = false;          // the history came from the host-memory tier, not the disk
   uint64_t bytes_from_tier = 0;    // history bytes the tier served (none read from the disk)
+  int64_t tokens_dropped = 0;      // history tokens an overflow dropped, over every sequence
+  double shift_seconds = 0.0;      // rotating the kept keys to their new positions (restore)
 };
+
+// What a turn's overflow keeps of a conversation (DiskSession::drop_oldest): every history token
+// but [keep_prefix, keep_prefix + dropped[b]) of sequence b, the later ones moved dropped[b]
+// positions earlier.
+struct SessionOverflow {
+  int64_t keep_prefix = 0;
+  std::vector<int64_t> dropped;  // (B)
+};
+// The tokens each sequence must drop so that a conversation of held[b] tokens (the last one, not
+// yet through the model, included), added[b] new prompt tokens and gen_len generated fits
+// `context` positions, keeping its first keep_prefix and at least its last token: all zeros when
+// every sequence fits. One-line Error when one cannot fit, or when a sequence's shared prompt
+// prefix (shared_lengths[b], 0 for none) is longer than keep_prefix.
+std::vector<int64_t> overflow_drops(const std::vector<int64_t>& held,
+                                    const std::vector<int64_t>& added, int64_t gen_len,
+                                    int64_t context, int64_t keep_prefix,
+                                    const std::vector<int64_t>& shared_lengths);
+
+// The tokens kept at the start of a conversation when it overflows (run --keep-prefix): the
+// first few tokens hold much of the attention of every later one (StreamingLLM's attention
+// sinks: BOS and the start of a system prompt), so dropping them hurts most.
+inline constexpr int64_t kSessionKeepPrefix = 4;
 
 class DiskSession : public Conversation {
  public:
@@ -98,6 +122,17 @@ class DiskSession : public Conversation {
   std::vector<std::vector<int32_t>> turn_prompts(
       const std::vector<std::vector<int32_t>>& new_prompts);
 
+  // Makes room for this turn when a conversation would pass a rotary model's context
+  // (docs/sessions.md, "Overflow"): `added[b]` new prompt tokens and `gen_len` generated. Where
+  // sequence b would not fit, its oldest history tokens after the first `keep_prefix` go
+  // (overflow_drops); the restore moves the rest to their new positions (keys rotated back by the
+  // tokens dropped, what the store derives from keys derived again) and the save rewrites the
+  // kept history as one segment. Returns the tokens dropped (0: the turn fits; nothing changes).
+  // One-line Errors: a model with learned positions (OPT), a policy whose rows cannot move
+  // (KvPolicy::shifts_positions), and overflow_drops's.
+  int64_t drop_oldest(const ModelConfig& config, const std::vector<int64_t>& added, int64_t gen_len,
+                      int64_t keep_prefix);
+
   const std::vector<std::vector<int32_t>>& history() const override { return history_; }
   const SharedPrefixes& shared_prefixes() const override { return manifest_.shared; }
   void begin() override;
@@ -124,6 +159,12 @@ class DiskSession : public Conversation {
 
  private:
   DiskSession(std::filesystem::path directory, SessionKey key);
+  // After an overflow's restore of `layer`: sequence b's restored rows after its first kept[b]
+  // own rows (the kept prefix) moved overflow_->dropped[b] positions earlier, so their keys are
+  // rotated back by as many, and the store derives what it keeps from them again.
+  void move_kept_keys(int64_t layer, KvStore& store,
+                      const std::vector<KvStore::TokenStream>& streams,
+                      const std::vector<int64_t>& kept);
   // Reads and checks every file of layers [0, L) in order, at most kReadAhead layers ahead of
   // restore_layer.
   void read_ahead();
@@ -138,8 +179,9 @@ class DiskSession : public Conversation {
   // The file `file` of the session: from the tier's entry when there is one, else read from the
   // disk and checked (and copied into memory when a tier will keep the session).
   std::shared_ptr<const SafetensorsFile> load(const SessionFile& file);
-  // Writes manifest `next` (the turn's commit) and hands the session to the tier.
-  void commit_manifest(SessionManifest next, bool compacted);
+  // Writes manifest `next` (the turn's commit) and hands the session to the tier; with
+  // `replaced`, removes the files it no longer names (segments merged, or moved by an overflow).
+  void commit_manifest(SessionManifest next, bool replaced);
   // After a file of `relative` was written: its in-memory copy, when a tier will keep the session.
   void keep_written(const std::string& relative);
 
@@ -150,6 +192,8 @@ class DiskSession : public Conversation {
   SessionManifest manifest_;  // what the session holds: as read, or as last committed
   std::vector<std::vector<int32_t>> history_;  // (B): tokens whose rows are stored
   std::vector<std::vector<int32_t>> prompts_;  // (B): this turn's prompts, for the save
+  std::optional<SessionOverflow> overflow_;    // this turn drops history tokens
+  std::vector<float> rope_inv_freq_;           // (d / 2): the rotation that moves kept keys
   SessionStats stats_;
   SessionTier* tier_ = nullptr;
   std::shared_ptr<const SessionTier::Entry> cached_;  // the tier's copy this turn resumed from
@@ -158,7 +202,7 @@ class DiskSession : public Conversation {
   std::map<std::string, std::shared_ptr<const SafetensorsFile>> kept_;
   bool defer_commit_ = false;
   std::optional<SessionManifest> pending_;  // finished, waiting for commit()
-  bool pending_compacted_ = false;
+  bool pending_replaced_ = false;
 
   // The read-ahead: per layer its files read and checked, or the error that stopped it.
   struct ReadLayer;

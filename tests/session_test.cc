@@ -31,6 +31,8 @@ namespace {
 
 namespace fs = std::filesystem;
 using testing_util::read_bytes;
+using testing_util::resume_store;
+using testing_util::ResumedStore;
 using testing_util::session_model;
 using testing_util::session_options;
 using testing_util::TempDir;
@@ -203,37 +205,6 @@ TEST(Int4Session, ResumedTurnsAgreeWithOneRunOverTheConcatenatedTurns) {
     }
   }
   set_debug_poison(false);
-}
-
-// A store of `options.policy` resumed on the CPU from `session`'s history, left padded, and
-// through the layer loads of a one-token pass: what it then holds is what a resumed turn reads.
-struct ResumedStore {
-  explicit ResumedStore(const OffloadOptions& options) : engine(Device::Cpu, options.link) {}
-  TransferEngine engine;
-  OffloadStats stats;
-  std::unique_ptr<KvStore> store;
-  std::vector<int32_t> first_valid;  // (B): each sequence's first history row
-};
-
-std::unique_ptr<ResumedStore> resume_store(DiskSession& session, const ModelSource& source,
-                                           const OffloadOptions& options) {
-  auto resumed = std::make_unique<ResumedStore>(options);
-  const auto& history = session.history();
-  const int64_t B = std::ssize(history), L = source.config.num_layers;
-  int64_t longest = 0;
-  for (const auto& h : history) longest = std::max<int64_t>(longest, std::ssize(h) + 1);
-  for (const auto& h : history)
-    resumed->first_valid.push_back(static_cast<int32_t>(longest - std::ssize(h) - 1));
-  resumed->store = kv_policy(options.policy)
-                       .make_store({source.config, B, longest + 4, DType::F16, Device::Cpu, options,
-                                    0, resumed->engine, resumed->stats});
-  resumed->store->resume(longest - 1, resumed->first_valid, L,
-                         [&](int64_t layer, KvStore& s) { session.restore_layer(layer, s); });
-  session.begin();
-  resumed->store->begin_pass(1);
-  for (int64_t l = 0; l < L; ++l) resumed->store->begin_layer(l);
-  resumed->engine.synchronize();
-  return resumed;
 }
 
 // What an int4 store holds after a resume is what the session saved: the codes and scales of

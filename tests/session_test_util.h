@@ -1,14 +1,22 @@
-// tests: what the session suites share (session_test.cc, session_compact_test.cc): the tiny
-// models they run, each policy's options for them, and the raw bytes of a session's files.
+// tests: what the session suites share (session_test.cc, session_compact_test.cc,
+// session_overflow_test.cc): the tiny models they run, each policy's options for them, a store
+// resumed from a session, and the raw bytes of a session's files.
 #pragma once
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "core/model_loader.h"
+#include "offload/kv_policy.h"
 #include "offload/offload_options.h"
+#include "offload/offload_stats.h"
+#include "offload/session.h"
+#include "offload/transfer_engine.h"
 
 namespace infinigen::testing_util {
 
@@ -29,6 +37,37 @@ inline OffloadOptions session_options(const std::string& policy) {
     options.speculation.max_num_kv = 100000;
   }
   return options;
+}
+
+// A store of `options.policy` resumed on the CPU from `session`'s history, left padded, and
+// through the layer loads of a one-token pass: what it then holds is what a resumed turn reads.
+struct ResumedStore {
+  explicit ResumedStore(const OffloadOptions& options) : engine(Device::Cpu, options.link) {}
+  TransferEngine engine;
+  OffloadStats stats;
+  std::unique_ptr<KvStore> store;
+  std::vector<int32_t> first_valid;  // (B): each sequence's first history row
+};
+
+inline std::unique_ptr<ResumedStore> resume_store(DiskSession& session, const ModelSource& source,
+                                                  const OffloadOptions& options) {
+  auto resumed = std::make_unique<ResumedStore>(options);
+  const auto& history = session.history();
+  const int64_t B = std::ssize(history), L = source.config.num_layers;
+  int64_t longest = 0;
+  for (const auto& h : history) longest = std::max<int64_t>(longest, std::ssize(h) + 1);
+  for (const auto& h : history)
+    resumed->first_valid.push_back(static_cast<int32_t>(longest - std::ssize(h) - 1));
+  resumed->store = kv_policy(options.policy)
+                       .make_store({source.config, B, longest + 4, DType::F16, Device::Cpu, options,
+                                    0, resumed->engine, resumed->stats});
+  resumed->store->resume(longest - 1, resumed->first_valid, L,
+                         [&](int64_t layer, KvStore& s) { session.restore_layer(layer, s); });
+  session.begin();
+  resumed->store->begin_pass(1);
+  for (int64_t l = 0; l < L; ++l) resumed->store->begin_layer(l);
+  resumed->engine.synchronize();
+  return resumed;
 }
 
 inline std::string read_bytes(const std::filesystem::path& path) {

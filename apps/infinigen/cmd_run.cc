@@ -54,6 +54,9 @@ struct RunOptions : GenerationFlags {
   std::string session;        // a new session saved here after the run
   std::string resume;         // a session continued (and saved back)
   int64_t session_compact_after = kSessionCompactAfter;
+  std::string
+      overflow;  // --overflow: refuse, or drop-oldest (a resumed conversation past the context)
+  int64_t keep_prefix = kSessionKeepPrefix;
 };
 
 std::vector<std::string> read_prompt_file(const std::string& path) {
@@ -229,16 +232,23 @@ int run(const RunOptions& o) {
   const PromptPlan prompt_plan = plan_prompts(o, loaded, resumed);
   int64_t longest = prompt_plan.longest;  // per sequence, padding excluded: what the plan holds
   if (resumed) {
+    std::vector<int64_t> added;  // per conversation: this turn's new prompt tokens
+    for (int64_t b = 0; b < resumed->batch(); ++b) {
+      added.push_back(prompt_plan.texts.empty()
+                          ? prompt_plan.longest
+                          : std::ssize(prompt_plan.texts[b % prompt_plan.texts.size()]));
+    }
+    if (o.overflow == "drop-oldest") {
+      session->drop_oldest(loaded.config, added, o.gen_len, o.keep_prefix);
+    }
     // The longest conversation with this turn's prompt: what the context and the plan must hold.
     longest = 0;
     for (int64_t b = 0; b < resumed->batch(); ++b) {
-      const int64_t added = prompt_plan.texts.empty()
-                                ? prompt_plan.longest
-                                : std::ssize(prompt_plan.texts[b % prompt_plan.texts.size()]);
-      const int64_t held = std::ssize(resumed->tokens()[b]);
-      const int64_t total = added > std::numeric_limits<int64_t>::max() - held
+      // Its history and the last token, not yet through the model.
+      const int64_t held = std::ssize(resumed->history()[b]) + 1;
+      const int64_t total = added[b] > std::numeric_limits<int64_t>::max() - held
                                 ? std::numeric_limits<int64_t>::max()  // no overflow
-                                : held + added;
+                                : held + added[b];
       check_conversation_context(loaded.config, static_cast<size_t>(b), total, o.gen_len);
       longest = std::max(longest, total);
     }
@@ -360,7 +370,9 @@ int run(const RunOptions& o) {
                            {"restore_wait_s", s.restore_wait_seconds},
                            {"bytes_written", s.bytes_written},
                            {"write_s", s.write_seconds},
-                           {"segments_compacted", s.segments_compacted}};
+                           {"segments_compacted", s.segments_compacted},
+                           {"tokens_dropped", s.tokens_dropped},
+                           {"shift_s", s.shift_seconds}};
     }
     std::printf("%s\n", report.dump(2).c_str());
     return 0;
@@ -412,6 +424,13 @@ int run(const RunOptions& o) {
     if (s.segments_compacted > 0) {
       std::printf(", %lld segments compacted into 1", static_cast<long long>(s.segments_compacted));
     }
+    if (s.tokens_dropped > 0) {
+      std::printf(
+          "; past the context: %lld history tokens dropped after the first %lld, the "
+          "rest moved (keys rotated in %.3f s)",
+          static_cast<long long>(s.tokens_dropped), static_cast<long long>(o.keep_prefix),
+          s.shift_seconds);
+    }
     std::printf("\n");
   }
   return 0;
@@ -444,17 +463,32 @@ Command add_run_command(CLI::App& app) {
       "--session", o->session,
       "Save the conversations (KV cache, tokens, InfiniGen's state) in this directory after the "
       "run, to continue them with --resume (docs/sessions.md)");
-  app.add_option("--resume", o->resume,
-                 "Continue the conversations saved in this directory with a new prompt each "
-                 "(--prompt, --prompt-file: one line per conversation, or --prompt-len), and "
-                 "save the turn back into it")
-      ->excludes(session)
-      ->excludes(shared_prefix);
+  auto* resume =
+      app.add_option("--resume", o->resume,
+                     "Continue the conversations saved in this directory with a new prompt each "
+                     "(--prompt, --prompt-file: one line per conversation, or --prompt-len), and "
+                     "save the turn back into it")
+          ->excludes(session)
+          ->excludes(shared_prefix);
   app.add_option("--session-compact-after", o->session_compact_after,
                  "Merge the session's segments (two per turn) into one when a save leaves more "
                  "than N (0: never)")
       ->check(CLI::NonNegativeNumber)
       ->default_val(kSessionCompactAfter);
+  auto* overflow =
+      app.add_option("--overflow", o->overflow,
+                     "When a resumed conversation with this turn would pass the context: refuse "
+                     "it, or drop its oldest history tokens after --keep-prefix and move the rest "
+                     "to earlier positions (rotary models; docs/sessions.md, \"Overflow\")")
+          ->check(CLI::IsMember({"refuse", "drop-oldest"}))
+          ->default_val("refuse")
+          ->needs(resume);
+  app.add_option("--keep-prefix", o->keep_prefix,
+                 "Tokens kept at the start of every conversation when --overflow drop-oldest "
+                 "drops history (a system prompt; the first tokens draw much of the attention)")
+      ->check(CLI::NonNegativeNumber)
+      ->default_val(kSessionKeepPrefix)
+      ->needs(overflow);
   app.add_flag("--dry-run", o->dry_run,
                "Check the sizes against the context and the memory plan, print the plan, and stop "
                "before loading weights");
