@@ -6,7 +6,6 @@
 #include <numbers>
 
 #include "core/error.h"
-#include "kernels/cpu/rope.h"
 
 namespace infinigen {
 
@@ -46,16 +45,26 @@ std::vector<float> rope_inv_freq(const RopeConfig& rope, int64_t head_dim) {
   return inv_freq;
 }
 
-void shift_rotary_row(void* row, DType dtype, const std::vector<float>& inv_freq, int64_t delta,
-                      std::vector<float>& scratch) {
-  const int64_t head_dim = 2 * std::ssize(inv_freq);
+RotaryShift::RotaryShift(const std::vector<float>& inv_freq, int64_t delta) {
   INFINIGEN_CHECK(delta > -(int64_t{1} << 24) && delta < (int64_t{1} << 24), "a rotary shift of ",
                   delta, " positions is past fp32's exact integers");
-  scratch.resize(static_cast<size_t>(head_dim));
-  convert_to_f32(row, dtype, scratch.data(), scratch.size());
-  const int32_t position = static_cast<int32_t>(delta);
-  kernels::cpu::rope(scratch.data(), &position, inv_freq.data(), 1, 1, head_dim);
-  convert_from_f32(scratch.data(), row, dtype, scratch.size());
+  const float position = static_cast<float>(delta);
+  for (const float frequency : inv_freq) {
+    cos_.push_back(std::cos(position * frequency));
+    sin_.push_back(std::sin(position * frequency));
+  }
+  row_.resize(2 * inv_freq.size());
+}
+
+void RotaryShift::apply(void* row, DType dtype) {
+  const size_t half = cos_.size();
+  convert_to_f32(row, dtype, row_.data(), row_.size());
+  for (size_t i = 0; i < half; ++i) {  // the rotate-half convention of kernels/cpu/rope.h
+    const float x1 = row_[i], x2 = row_[i + half];
+    row_[i] = x1 * cos_[i] - x2 * sin_[i];
+    row_[i + half] = x2 * cos_[i] + x1 * sin_[i];
+  }
+  convert_from_f32(row_.data(), row, dtype, row_.size());
 }
 
 }  // namespace infinigen

@@ -15,11 +15,20 @@ namespace infinigen {
 // (d / 2) fp32 frequencies, computed in fp32 as transformers does so that angles match.
 std::vector<float> rope_inv_freq(const RopeConfig& rope, int64_t head_dim);
 
-// Moves a rotated key to another position: `row` (d elements of `dtype`, rotated at position p)
-// becomes the key rotated at p + delta, since rotations by angles add (in fp32, then stored back
-// in `dtype`). `scratch` is any buffer, resized here. A conversation's kept keys move to earlier
-// positions this way when it overflows the context (offload/session.h).
-void shift_rotary_row(void* row, DType dtype, const std::vector<float>& inv_freq, int64_t delta,
-                      std::vector<float>& scratch);
+// Moves rotated keys to other positions: a key row rotated at position p becomes the key rotated
+// at p + delta, since rotations by angles add (the angles delta * inv_freq[i] computed once, in
+// fp32 as ops::rope computes them; each row widened to fp32, rotated and stored back in its
+// dtype). A conversation's kept keys move to earlier positions this way when it overflows the
+// context (offload/session.h).
+class RotaryShift {
+ public:
+  RotaryShift(const std::vector<float>& inv_freq, int64_t delta);
+  // `row`: d = 2 * inv_freq.size() elements of `dtype`, rotated in place.
+  void apply(void* row, DType dtype);
+
+ private:
+  std::vector<float> cos_, sin_;  // (d / 2)
+  std::vector<float> row_;        // (d): the row in fp32
+};
 
 }  // namespace infinigen

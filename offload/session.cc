@@ -356,18 +356,17 @@ void DiskSession::move_kept_keys(int64_t layer, KvStore& store,
                                  [](const KvStore::TokenStream& s) { return s.name == "keys"; });
   INFINIGEN_CHECK(keys != streams.end(), "this run's KV store keeps no keys to move");
   const size_t k = static_cast<size_t>(keys - streams.begin());
-  std::vector<float> scratch;
   for (int64_t b = 0; b < store.batch(); ++b) {
     const int64_t delta = overflow_->dropped[static_cast<size_t>(b)];
     if (delta == 0) continue;
+    RotaryShift shift(rope_inv_freq_, -delta);
     const int64_t shared = manifest_.shared.empty() ? 0 : manifest_.shared.prefix_length(b);
     const int64_t from = store.first_valid()[b] + kept[b];
     const int64_t to = std::min<int64_t>(store.length(),
                                          store.first_valid()[b] + std::ssize(history_[b]) - shared);
     for (int64_t h = 0; h < key_.kv_heads; ++h) {
       for (int64_t t = from; t < to; ++t) {
-        shift_rotary_row(store.mutable_token_row(layer, k, b, h, t), keys->dtype, rope_inv_freq_,
-                         -delta, scratch);
+        shift.apply(store.mutable_token_row(layer, k, b, h, t), keys->dtype);
       }
     }
     if (to > from) store.rederive_rows(layer, b, from, to - from);

@@ -39,7 +39,6 @@ TEST(RotaryShift, AMovedKeyIsTheKeyRotatedAtItsNewPosition) {
     for (const DType dtype : {DType::F32, DType::F16, DType::BF16}) {
       // fp32: the angles' rounding at positions up to 130000; the others: one rounding each way.
       const float tolerance = dtype == DType::F32 ? 2e-2f : dtype == DType::F16 ? 4e-2f : 1.5e-1f;
-      std::vector<float> scratch;
       for (const auto& [position, delta] : {std::pair{100, 60}, {2047, 1500}, {130000, 70000}}) {
         std::vector<float> key(d);
         for (float& x : key) x = normal(rng);
@@ -49,7 +48,7 @@ TEST(RotaryShift, AMovedKeyIsTheKeyRotatedAtItsNewPosition) {
         kernels::cpu::rope(at_new.data(), &new_position, inv_freq.data(), 1, 1, d);
         std::vector<char> stored(static_cast<size_t>(d) * dtype_size(dtype));
         convert_from_f32(at_old.data(), stored.data(), dtype, at_old.size());
-        shift_rotary_row(stored.data(), dtype, inv_freq, -delta, scratch);
+        RotaryShift(inv_freq, -delta).apply(stored.data(), dtype);
         std::vector<float> moved(d);
         convert_to_f32(stored.data(), dtype, moved.data(), moved.size());
         for (int64_t i = 0; i < d; ++i) {
@@ -57,7 +56,7 @@ TEST(RotaryShift, AMovedKeyIsTheKeyRotatedAtItsNewPosition) {
               << dtype_name(dtype) << " position " << position << " delta " << delta << " " << i;
         }
         // The rotation is exact but for rounding: a round trip gives the key back.
-        shift_rotary_row(stored.data(), dtype, inv_freq, delta, scratch);
+        RotaryShift(inv_freq, delta).apply(stored.data(), dtype);
         convert_to_f32(stored.data(), dtype, moved.data(), moved.size());
         for (int64_t i = 0; i < d; ++i) ASSERT_NEAR(moved[i], at_old[i], 2 * tolerance);
       }
