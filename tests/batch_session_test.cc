@@ -5,6 +5,7 @@
 // writes the same output again without running the turn twice; bad inputs end with one line.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <csignal>
 #include <filesystem>
@@ -301,6 +302,54 @@ TEST(BatchSessions, ATurnThatCannotRunFailsItsSessionsLaterTurnsOnly) {
   const json summary = json::parse(result.out);
   EXPECT_EQ(summary["completed"], 3);
   EXPECT_EQ(summary["errors"], 2);
+}
+
+// With --overflow drop-oldest, the same job on a rotary model (llama-tiny, a context of 256 as
+// opt-tiny's) runs every turn: the second drops the 44 oldest tokens after the kept 4, the third 4
+// more, and the session then holds exactly the context.
+TEST(BatchSessions, TurnsPastTheContextDropTheOldestWithOverflow) {
+  TempDir dir("batch-sessions-overflow");
+  const auto ids = [](int n) {
+    json prompt = json::array();
+    for (int i = 0; i < n; ++i) prompt.push_back(10 + i);
+    return prompt;
+  };
+  std::string text;
+  text += json({{"custom_id", "l1"},
+                {"prompt", ids(100)},
+                {"max_tokens", 50},
+                {"session", "long"},
+                {"session_new", true}})
+              .dump() +
+          "\n";
+  text += json({{"custom_id", "l2"}, {"prompt", ids(100)}, {"max_tokens", 50}, {"session", "long"}})
+              .dump() +
+          "\n";
+  text += json({{"custom_id", "l3"}, {"prompt", ids(2)}, {"max_tokens", 2}, {"session", "long"}})
+              .dump() +
+          "\n";
+  std::ofstream(dir.path() / "job.jsonl") << text;
+  const std::string roots = (dir.path() / "roots").string();
+  fs::create_directories(roots);
+  std::vector<std::string> args =
+      batch_args(dir, "out.jsonl", roots, {"--json", "--overflow", "drop-oldest"});
+  *std::find(args.begin(), args.end(), kTiny) = kLlama;
+  const testing_util::CommandResult result = run_infinigen(args);
+  ASSERT_EQ(result.exit_code, 0) << result.err;
+  std::istringstream in(read_file(dir.path() / "out.jsonl"));
+  int64_t lines = 0;
+  for (std::string line; std::getline(in, line); ++lines) {
+    EXPECT_TRUE(json::parse(line)["error"].is_null()) << line;
+  }
+  EXPECT_EQ(lines, 3);
+  const json manifest = json::parse(read_file(fs::path(roots) / "long" / "manifest.json"));
+  EXPECT_EQ(manifest["sequences"][0].size(), 256u);
+  EXPECT_EQ(manifest["turn"]["label"], "l3");
+  // The kept prefix is the first turn's first 4 tokens; then what the third turn kept of the
+  // second's prompt.
+  EXPECT_EQ(manifest["sequences"][0][0], 10);
+  EXPECT_EQ(manifest["sequences"][0][3], 13);
+  EXPECT_EQ(json::parse(result.out)["completed"], 3);
 }
 
 TEST(BatchSessions, BadInputsEndWithOneLine) {

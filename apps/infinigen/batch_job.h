@@ -19,7 +19,7 @@
 namespace infinigen::cli {
 
 // The options of `infinigen batch` (docs/batch.md), each declared with its flag in cmd_batch.cc.
-struct BatchOptions : GenerationFlags {
+struct BatchOptions : GenerationFlags, OverflowFlags {
   std::string input;
   std::string output;
   int64_t batch = 8;  // sequences per batch

@@ -115,6 +115,11 @@ std::string run_session_turn(const PreparedRequest& p, const std::string& direct
     session->set_tier(tier);
   }
   session->set_defer_commit(true);
+  if (exists && o.drops()) {
+    std::vector<int64_t> added;
+    for (const std::vector<int32_t>& prompt : p.prompts) added.push_back(std::ssize(prompt));
+    session->drop_oldest(model.config, added, p.max_tokens, o.keep_prefix);
+  }
   GenerationRequest request;
   request.kv_dtype = parse_float_dtype(o.kv_dtype);
   request.prompts = session->turn_prompts(p.prompts);

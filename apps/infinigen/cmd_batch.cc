@@ -113,6 +113,10 @@ JobKey job_key(const BatchOptions& o, const ModelSource& model, const SamplingOp
                 {"--batch", std::to_string(o.batch)},
                 {"--order", o.order}};
   if (!o.session_root.empty()) key.emplace_back("--session-root", o.session_root);
+  if (o.drops()) {
+    key.emplace_back("--overflow", o.overflow);
+    key.emplace_back("--keep-prefix", std::to_string(o.keep_prefix));
+  }
   for (const auto& spec : offload_option_table()) {
     key.emplace_back(flag_spelling(spec.key), spec.format(o.offload));
   }
@@ -611,6 +615,7 @@ Command add_batch_command(CLI::App& app) {
                  "Read the next turn's session from the disk into --session-cache while the "
                  "current turn computes (true, false)")
       ->capture_default_str();
+  add_overflow_flags(app, *o);
   return [o] { return batch(*o); };
 }
 

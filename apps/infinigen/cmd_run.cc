@@ -39,7 +39,7 @@ std::string prompt_passes(int64_t longest, int64_t chunk) {
 }
 
 // GenerationFlags: the model, sampling, device and offloading options `batch` takes too.
-struct RunOptions : GenerationFlags {
+struct RunOptions : GenerationFlags, OverflowFlags {
   std::string prompt;
   std::string prompt_file;
   int64_t prompt_len = 0;
@@ -238,7 +238,7 @@ int run(const RunOptions& o) {
                           ? prompt_plan.longest
                           : std::ssize(prompt_plan.texts[b % prompt_plan.texts.size()]));
     }
-    if (o.overflow == "drop-oldest") {
+    if (o.drops()) {
       session->drop_oldest(loaded.config, added, o.gen_len, o.keep_prefix);
     }
     // The longest conversation with this turn's prompt: what the context and the plan must hold.
@@ -475,20 +475,7 @@ Command add_run_command(CLI::App& app) {
                  "than N (0: never)")
       ->check(CLI::NonNegativeNumber)
       ->default_val(kSessionCompactAfter);
-  auto* overflow =
-      app.add_option("--overflow", o->overflow,
-                     "When a resumed conversation with this turn would pass the context: refuse "
-                     "it, or drop its oldest history tokens after --keep-prefix and move the rest "
-                     "to earlier positions (rotary models; docs/sessions.md, \"Overflow\")")
-          ->check(CLI::IsMember({"refuse", "drop-oldest"}))
-          ->default_val("refuse")
-          ->needs(resume);
-  app.add_option("--keep-prefix", o->keep_prefix,
-                 "Tokens kept at the start of every conversation when --overflow drop-oldest "
-                 "drops history (a system prompt; the first tokens draw much of the attention)")
-      ->check(CLI::NonNegativeNumber)
-      ->default_val(kSessionKeepPrefix)
-      ->needs(overflow);
+  add_overflow_flags(app, *o)->needs(resume);
   app.add_flag("--dry-run", o->dry_run,
                "Check the sizes against the context and the memory plan, print the plan, and stop "
                "before loading weights");

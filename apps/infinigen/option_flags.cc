@@ -67,6 +67,23 @@ CLI::Validator unsigned_integer() {
       "");  // the option's type name says it
 }
 
+CLI::Option* add_overflow_flags(CLI::App& app, OverflowFlags& flags) {
+  CLI::Option* overflow =
+      app.add_option("--overflow", flags.overflow,
+                     "When a resumed conversation with this turn would pass the context: refuse "
+                     "it, or drop its oldest history tokens after --keep-prefix and move the rest "
+                     "to earlier positions (rotary models; docs/sessions.md, \"Overflow\")")
+          ->check(CLI::IsMember({"refuse", "drop-oldest"}))
+          ->capture_default_str();
+  app.add_option("--keep-prefix", flags.keep_prefix,
+                 "Tokens kept at the start of every conversation when --overflow drop-oldest "
+                 "drops history (a system prompt; the first tokens draw much of the attention)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str()
+      ->needs(overflow);
+  return overflow;
+}
+
 void add_threads_flag(CLI::App& app) {
   app.add_option_function<int>(
          "--threads", [](int threads) { configure_cpu_threads(threads); },

@@ -15,6 +15,7 @@
 #include "core/model_loader.h"
 #include "core/option_table.h"
 #include "offload/offload_options.h"
+#include "offload/session.h"
 
 namespace infinigen::cli {
 
@@ -49,6 +50,16 @@ struct GenerationFlags {
 // --kv-dtype, --threads, --debug-nan and the offload table's, --policy listing the policies).
 // `flags` must outlive `app`.
 void add_generation_flags(CLI::App& app, GenerationFlags& flags);
+
+// What a resumed conversation does when its turn would pass the model's context (`run` and
+// `batch`; DiskSession::drop_oldest, docs/sessions.md "Overflow"). Defaults declared here, once.
+struct OverflowFlags {
+  std::string overflow = "refuse";  // refuse, or drop-oldest
+  int64_t keep_prefix = kSessionKeepPrefix;
+  bool drops() const { return overflow == "drop-oldest"; }
+};
+// Registers --overflow and --keep-prefix (which needs --overflow); returns --overflow.
+CLI::Option* add_overflow_flags(CLI::App& app, OverflowFlags& flags);
 
 // The device the flags ask for (auto: CUDA when there is one and the policy runs there; the
 // fallback said on stderr), after checking the offload options; --debug-nan switched on.
