@@ -1,9 +1,13 @@
 // bench: passkey retrieval through the engine's generation.
 #include "bench/passkey.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <random>
 
@@ -40,6 +44,60 @@ bool holds_placeholder(const std::string& text) {
 
 bool is_ascii_alphanumeric(char c) {
   return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z');
+}
+
+// `request` (prompts of one length, past the context by `dropped` tokens each) as
+// options.past_context says; every sequence generates request.gen_len tokens (a conversation's
+// turn has one length).
+OffloadRun run_past_context(const ModelSource& model, GenerationRequest request,
+                            const PasskeyOptions& options, const OffloadOptions& offload,
+                            Device device, int64_t dropped, const ProgressCallback& progress) {
+  request.sequence_gen_len.clear();
+  const int64_t keep = options.keep_prefix;
+  if (options.past_context == PastContext::Recompute) {
+    for (std::vector<int32_t>& ids : request.prompts) {
+      ids.erase(ids.begin() + keep, ids.begin() + keep + dropped);
+    }
+    return run_offloaded(model, request, offload, device, progress);
+  }
+  INFINIGEN_CHECK(options.past_context == PastContext::DropOldest, "a prompt of ",
+                  request.prompts[0].size(), " tokens passes the model's context");
+  // A session in a directory of its own, removed however the run ends.
+  static std::atomic<int64_t> sessions = 0;
+  const std::filesystem::path directory =
+      std::filesystem::temp_directory_path() /
+      cat("infinigen-passkey-", static_cast<int64_t>(::getpid()), "-", sessions++);
+  struct Remove {
+    const std::filesystem::path& path;
+    ~Remove() {
+      std::error_code ignored;
+      std::filesystem::remove_all(path, ignored);
+    }
+  } remove{directory};
+  const SessionKey key = session_key(model, offload, request.kv_dtype, device);
+  const int64_t length = std::ssize(request.prompts[0]), split = length / 2;
+  const int64_t B = std::ssize(request.prompts);
+  // Turn 1: the first half, the token after it forced (it starts turn 2's prompt).
+  GenerationRequest first = request;
+  first.gen_len = 1;
+  for (int64_t b = 0; b < B; ++b) {
+    const std::vector<int32_t>& ids = request.prompts[b];
+    first.prompts[b].assign(ids.begin(), ids.begin() + split);
+    first.forced_tokens.push_back({ids[split]});
+  }
+  {
+    const std::unique_ptr<DiskSession> session = DiskSession::create(directory, key);
+    first.prompts = session->turn_prompts(first.prompts);
+    run_offloaded(model, first, offload, device, {}, session.get());
+  }
+  // Turn 2: the rest, past the context.
+  const std::unique_ptr<DiskSession> session = DiskSession::open(directory, key);
+  const std::vector<int64_t> added(static_cast<size_t>(B), length - split - 1);
+  session->drop_oldest(model.config, added, options.generated_bound(), keep);
+  GenerationRequest second = request;
+  for (std::vector<int32_t>& ids : second.prompts) ids.erase(ids.begin(), ids.begin() + split + 1);
+  second.prompts = session->turn_prompts(second.prompts);
+  return run_offloaded(model, second, offload, device, progress, session.get());
 }
 
 }  // namespace
@@ -199,6 +257,29 @@ Interval wilson_interval(int64_t correct, int64_t trials, double z) {
   return {correct == 0 ? 0.0 : center - half, correct == trials ? 1.0 : center + half};
 }
 
+PastContext parse_past_context(std::string_view text) {
+  if (text == "refuse") return PastContext::Refuse;
+  if (text == "drop-oldest") return PastContext::DropOldest;
+  if (text == "recompute") return PastContext::Recompute;
+  fail(option("past_context"), " is refuse, drop-oldest or recompute, got '", text, "'");
+}
+
+const char* past_context_name(PastContext mode) {
+  switch (mode) {
+    case PastContext::Refuse:
+      return "refuse";
+    case PastContext::DropOldest:
+      return "drop-oldest";
+    case PastContext::Recompute:
+      return "recompute";
+  }
+  return "?";
+}
+
+int64_t PasskeyOptions::dropped(int64_t length, int64_t max_positions) const {
+  return std::max<int64_t>(0, length + generated_bound() - max_positions);
+}
+
 int64_t PasskeyOptions::generated_bound() const {
   // The key's bytes and its leading space, one more for a tokenizer that prepends a space marker.
   return longest_passkey_key(key_kind) + 2 + kExtraTokens;
@@ -235,12 +316,22 @@ void PasskeyOptions::validate(int64_t max_positions) const {
   }
   INFINIGEN_CHECK(trials >= 1, option("trials"), " must be at least 1, got ", trials);
   INFINIGEN_CHECK(batch >= 1, option("batch"), " must be at least 1, got ", batch);
+  INFINIGEN_CHECK(keep_prefix >= 0, option("keep_prefix"), " must be at least 0, got ",
+                  keep_prefix);
   const int64_t longest = max_positions - generated_bound();
   for (const int64_t length : lengths_or_default(max_positions)) {
     INFINIGEN_CHECK(length >= 1, option("lengths"), " must be at least 1 token, got ", length);
-    INFINIGEN_CHECK(length <= longest, option("lengths"), " ", length,
-                    " leaves no room for the answer in the model's context of ", max_positions,
-                    " positions (", generated_bound(), " generated tokens: at most ", longest, ")");
+    INFINIGEN_CHECK(length <= longest || past_context != PastContext::Refuse, option("lengths"),
+                    " ", length, " leaves no room for the answer in the model's context of ",
+                    max_positions, " positions (", generated_bound(), " generated tokens: at most ",
+                    longest, "; ", option("past_context"), " runs longer ones)");
+    // Past the context: the first turn, the prompt's first ceil(length / 2) tokens, holds those
+    // dropped after the kept prefix: dropped <= length / 2 - keep_prefix.
+    const int64_t longest_past = 2 * (longest - keep_prefix);
+    INFINIGEN_CHECK(length <= longest || length <= longest_past, option("lengths"), " ", length,
+                    " would drop ", dropped(length, max_positions), " tokens after the kept ",
+                    keep_prefix, ", more than its first turn (half of it) holds: at most ",
+                    longest_past);
   }
 }
 
@@ -306,14 +397,23 @@ PasskeyResult measure_passkey(const ModelSource& model, const std::vector<Passke
         request.gen_len = std::max(request.gen_len, request.sequence_gen_len.back());
       }
       const int64_t B = std::ssize(request.prompts);
+      const ProgressCallback steps_done = [&](int64_t step, int64_t steps) {
+        if (progress) progress(done + B * step / std::max<int64_t>(steps, 1), total);
+      };
+      // Past the context, the tokens [keep_prefix, keep_prefix + dropped) of every prompt go.
+      const int64_t length = std::ssize(request.prompts[0]);
+      const int64_t dropped = options.dropped(length, config.max_positions);
       const OffloadRun run =
-          run_offloaded(model, request, offload, device, [&](int64_t step, int64_t steps) {
-            if (progress) progress(done + B * step / std::max<int64_t>(steps, 1), total);
-          });
+          dropped > 0
+              ? run_past_context(model, request, options, offload, device, dropped, steps_done)
+              : run_offloaded(model, request, offload, device, steps_done);
       for (int64_t b = 0; b < B; ++b) {
         const Trial& trial = trials[first + static_cast<size_t>(b)];
         const PasskeyPrompt& prompt = cells[trial.cell].prompts[trial.prompt];
-        const std::string answer = model.tokenizer->decode(run.result.tokens[b]);
+        std::vector<int32_t> tokens = run.result.tokens[b];
+        tokens.resize(
+            std::min<size_t>(tokens.size(), static_cast<size_t>(request.sequence_gen_len[b])));
+        const std::string answer = model.tokenizer->decode(tokens);
         PasskeyCellScore& cell = result.cells[trial.cell];
         const bool correct = passkey_answer_correct(answer, prompt.key);
         cell.trials += 1;
@@ -321,19 +421,24 @@ PasskeyResult measure_passkey(const ModelSource& model, const std::vector<Passke
         if (!correct && result.misses.size() < PasskeyResult::kMissesKept) {
           result.misses.push_back({cell.length, cell.depth, prompt.key, answer});
         }
+        // The needle's tokens where the run had them (moved back by what was dropped before
+        // them); not counted when it was dropped.
+        const int64_t moved = prompt.needle_begin >= options.keep_prefix + dropped ? dropped : 0;
+        const bool needle_kept =
+            dropped == 0 || moved > 0 || prompt.needle_end <= options.keep_prefix;
         const std::vector<FirstSelection>& selections = run.stats.first_selection();
-        for (size_t l = 0; l < selections.size(); ++l) {
+        for (size_t l = 0; l < selections.size() && needle_kept; ++l) {
           if (selections[l].tokens.empty()) continue;
           int64_t fetched = 0;
           for (int64_t j = prompt.needle_begin; j < prompt.needle_end; ++j) {
-            fetched += selections[l].selected(b, static_cast<int32_t>(j)) ? 1 : 0;
+            fetched += selections[l].selected(b, static_cast<int32_t>(j - moved)) ? 1 : 0;
           }
           needle_share[l] += static_cast<double>(fetched) /
                              static_cast<double>(prompt.needle_end - prompt.needle_begin);
           needle_trials[l] += 1;
         }
       }
-      tally.add(run.stats, B, config.kv_heads(), std::ssize(request.prompts[0]));
+      tally.add(run.stats, B, config.kv_heads(), length - dropped);
       done += B;
       if (progress) progress(done, total);
     }

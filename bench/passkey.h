@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "offload/runtime.h"
+#include "offload/session.h"
 
 namespace infinigen {
 
@@ -95,6 +96,16 @@ struct Interval {
 };
 Interval wilson_interval(int64_t correct, int64_t trials, double z = 1.959963984540054);
 
+// How a prompt longer than the model's context runs (--past-context): it is refused; it runs as a
+// conversation of two turns (the prompt's first half, then the rest), whose second turn drops the
+// oldest history after a kept prefix (DiskSession::drop_oldest: the kept KV as the first turn
+// computed it, moved to the new positions); or it runs once over the same kept tokens, computed
+// from scratch (what the truncation is measured against).
+enum class PastContext { Refuse, DropOldest, Recompute };
+// "refuse", "drop-oldest" or "recompute"; one-line Error naming --past-context otherwise.
+PastContext parse_past_context(std::string_view text);
+const char* past_context_name(PastContext mode);
+
 struct PasskeyOptions {
   std::vector<int64_t> lengths;  // context lengths in tokens (BOS included); empty: the default
   std::vector<double> depths = {0.0, 0.25, 0.5, 0.75, 1.0};  // of the filler, in [0, 1]
@@ -102,15 +113,21 @@ struct PasskeyOptions {
   int64_t batch = 4;  // prompts of one length decoded together
   PasskeyKeyKind key_kind = PasskeyKeyKind::Digits;
   uint64_t seed = 0;
+  PastContext past_context = PastContext::Refuse;
+  int64_t keep_prefix = kSessionKeepPrefix;  // tokens a prompt past the context keeps first
   // Tokens generated after a prompt: the answer's and this many more.
   static constexpr int64_t kExtraTokens = 3;
 
   // Tokens a prompt leaves for generation at most: the longest key's bound plus kExtraTokens.
   int64_t generated_bound() const;
+  // Tokens a prompt of `length` drops after keep_prefix to fit the context with its answer: 0
+  // when it fits.
+  int64_t dropped(int64_t length, int64_t max_positions) const;
   // lengths, or by default 1/8, 1/4, 1/2 and 3/4 of the context and the longest that fits.
   std::vector<int64_t> lengths_or_default(int64_t max_positions) const;
   // One-line Errors naming the flag: a depth outside [0, 1], trials or batch below 1, a length
-  // below 1 or one that leaves no room for the generated tokens, a length or depth listed twice.
+  // below 1 or one that leaves no room for the generated tokens (past_context Refuse; else one
+  // whose drop the first turn cannot hold), a length or depth listed twice.
   void validate(int64_t max_positions) const;
 };
 

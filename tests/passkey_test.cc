@@ -302,6 +302,69 @@ TEST(PasskeyOptionsTest, DefaultLengthsSpreadOverTheContextAndBadOnesAreRefused)
   expect_error([&] { options.validate(2048); }, {"--trials", "at least 1"});
 }
 
+// Past the context: a length drops what it and its answer pass the context by, after the kept
+// prefix, and its first turn (half of it) must hold that.
+TEST(PasskeyOptionsTest, LengthsPastTheContextNeedAModeAndAFirstTurnThatHoldsTheDrop) {
+  PasskeyOptions options;
+  EXPECT_EQ(options.dropped(2038, 2048), 0);
+  EXPECT_EQ(options.dropped(2100, 2048), 62);
+  options.lengths = {2100};
+  expect_error([&] { options.validate(2048); },
+               {"--lengths 2100", "at most 2038", "--past-context runs longer ones"});
+  for (const PastContext mode : {PastContext::DropOldest, PastContext::Recompute}) {
+    options.past_context = mode;
+    options.keep_prefix = 4;
+    options.lengths = {2100, 4068};  // 2 x (2038 - 4): 2030 dropped of a first turn of 2034
+    options.validate(2048);
+    options.lengths = {4069};
+    expect_error([&] { options.validate(2048); },
+                 {"--lengths 4069 would drop 2031 tokens after the kept 4", "at most 4068"});
+    options.keep_prefix = -1;
+    options.lengths = {};
+    expect_error([&] { options.validate(2048); }, {"--keep-prefix must be at least 0"});
+  }
+  EXPECT_EQ(parse_past_context("drop-oldest"), PastContext::DropOldest);
+  expect_error([] { parse_past_context("truncate"); },
+               {"--past-context is refuse, drop-oldest or recompute, got 'truncate'"});
+}
+
+// Prompts past the built-in Llama's context of 2048 run as two turns whose second drops the oldest
+// history (the session's files removed after), or once over the kept tokens; a policy that
+// attends to every kept row answers as `full` does; what cannot drop refuses with one line.
+TEST(PasskeyCli, LengthsPastTheContextRunAsATruncatedConversationOrRecomputed) {
+  for (const std::string mode : {"drop-oldest", "recompute"}) {
+    TempDir dir("passkey-past");
+    const CommandResult r =
+        run_infinigen({"eval",      "--task",         "passkey",   "--model",       "builtin-llama",
+                       "--lengths", "1024,2100",      "--depths",  "0.5,1",         "--trials",
+                       "2",         "--past-context", mode,        "--keep-prefix", "8",
+                       "--policy",  "full,infinigen", "--alpha",   "1e9",           "--max-num-kv",
+                       "1000",      "--json",         "--no-plot", "--out",         dir.str()});
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    const nlohmann::json j = nlohmann::json::parse(r.out);
+    EXPECT_EQ(j["past_context"], mode);
+    EXPECT_EQ(j["keep_prefix"], 8);
+    ASSERT_EQ(j["points"].size(), 2u);
+    for (const nlohmann::json& point : j["points"]) {
+      EXPECT_EQ(point["trials"], 8) << mode;
+      EXPECT_EQ(point["cells"], j["points"][0]["cells"]) << mode;
+    }
+  }
+  TempDir dir("passkey-past");
+  for (const auto& [model, policy, fragment] :
+       {std::tuple{"builtin", "full", "learns its positions"},
+        std::tuple{"builtin-llama", "int4", "the policy int4's saved rows cannot move"},
+        std::tuple{"builtin-llama", "h2o", "cannot keep a session"}}) {
+    const CommandResult r =
+        run_infinigen({"eval", "--task", "passkey", "--model", model, "--lengths", "2100",
+                       "--depths", "1", "--trials", "1", "--past-context", "drop-oldest",
+                       "--policy", policy, "--no-plot", "--out", dir.str()});
+    EXPECT_NE(r.exit_code, 0) << policy;
+    EXPECT_NE(r.err.find(fragment), std::string::npos) << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  }
+}
+
 TEST(PasskeyCli, WritesTablesCsvJsonAndHeatMaps) {
   TempDir dir("passkey-cli");
   const std::vector<std::string> task = {"eval", "--task",    "passkey", "--model",

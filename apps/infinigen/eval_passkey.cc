@@ -179,7 +179,19 @@ std::vector<const CLI::Option*> add_passkey_flags(CLI::App& app, EvalPasskeyOpti
                      "calibration text)"),
       app.add_option("--passkey-template", o.template_path,
                      "passkey: JSON file of \"intro\", \"needle\" (holding {key}) and \"question\" "
-                     "replacing the built-in strings")};
+                     "replacing the built-in strings"),
+      app.add_option_function<std::string>(
+             "--past-context",
+             [&o](const std::string& mode) { o.task.past_context = parse_past_context(mode); },
+             "passkey: lengths past the model's context are refused, run as two turns of a "
+             "session whose second drops the oldest history after --keep-prefix (drop-oldest: "
+             "the kept KV moved, docs/sessions.md), or run once over the same kept tokens "
+             "(recompute)")
+          ->default_str(past_context_name(defaults.past_context)),
+      app.add_option("--keep-prefix", o.task.keep_prefix,
+                     "passkey: tokens a prompt past the context keeps before what it drops")
+          ->check(CLI::NonNegativeNumber)
+          ->capture_default_str()};
 }
 
 int eval_passkey(const EvalCommonOptions& common, const EvalPasskeyOptions& o) {
@@ -213,9 +225,11 @@ int eval_passkey(const EvalCommonOptions& common, const EvalPasskeyOptions& o) {
       passkey_cells(*model.tokenizer, prompt_bos(model), text, filler, options, max_positions);
 
   const int64_t per_length = options.trials * std::ssize(options.depths);
+  // A prompt past the context runs what fits of it (--past-context).
   plan_eval_settings(settings, model.config, std::min(options.batch, per_length),
-                     *std::max_element(lengths.begin(), lengths.end()), options.generated_bound(),
-                     kv_dtype, device);
+                     std::min(*std::max_element(lengths.begin(), lengths.end()),
+                              max_positions - options.generated_bound()),
+                     options.generated_bound(), kv_dtype, device);
   create_eval_out(common.out);
   std::vector<PasskeyPoint> points;
   for (const EvalSetting& setting : settings) points.push_back({setting, {}});
@@ -234,6 +248,8 @@ int eval_passkey(const EvalCommonOptions& common, const EvalPasskeyOptions& o) {
   report["seed"] = options.seed;
   report["batch"] = options.batch;
   report["filler"] = filler.name;
+  report["past_context"] = past_context_name(options.past_context);
+  report["keep_prefix"] = options.keep_prefix;
   report["template"] = {
       {"intro", text.intro}, {"needle", text.needle}, {"question", text.question}};
   report["interval"] = interval_json(options.trials);
@@ -257,6 +273,11 @@ int eval_passkey(const EvalCommonOptions& common, const EvalPasskeyOptions& o) {
       counted(static_cast<size_t>(options.trials), "trial").c_str(),
       passkey_key_kind_name(options.key_kind), static_cast<unsigned long long>(options.seed),
       filler.name.c_str());
+  if (options.dropped(*std::max_element(lengths.begin(), lengths.end()), max_positions) > 0) {
+    std::printf("past the context of %lld: %s, keeping the first %lld tokens\n",
+                static_cast<long long>(max_positions), past_context_name(options.past_context),
+                static_cast<long long>(options.keep_prefix));
+  }
   // What a cell's score can tell: its 95% interval at 90% (when the trials can score that) and
   // at 100%.
   const nlohmann::json& at_90 = report["interval"]["at_90"];
