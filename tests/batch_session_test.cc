@@ -240,43 +240,32 @@ TEST(BatchSessions, KilledAtRandomMomentsTheResumedJobLosesNothing) {
   EXPECT_EQ(read_file(dir.path() / "killed.jsonl"), expected) << kills << " kills";
 }
 
+// A job line of session `session`'s turn `id` (its first when `first`).
+std::string turn_line(const std::string& id, const json& prompt, int max_tokens,
+                      const std::string& session, bool first = false) {
+  json line = {
+      {"custom_id", id}, {"prompt", prompt}, {"max_tokens", max_tokens}, {"session", session}};
+  if (first) line["session_new"] = true;
+  return line.dump() + "\n";
+}
+
+// Token ids 10, 11, ..., as a prompt of n tokens.
+json token_ids(int n) {
+  json prompt = json::array();
+  for (int i = 0; i < n; ++i) prompt.push_back(10 + i);
+  return prompt;
+}
+
 // A turn that cannot run (its conversation would outgrow the context) gets an error line, its
 // session stays as it was and its later turns get error lines naming it; another session's turns
 // and the job go on.
 TEST(BatchSessions, ATurnThatCannotRunFailsItsSessionsLaterTurnsOnly) {
   TempDir dir("batch-sessions-failed-turn");
-  const auto ids = [](int n) {
-    json prompt = json::array();
-    for (int i = 0; i < n; ++i) prompt.push_back(10 + i);
-    return prompt;
-  };
-  std::string text;
-  text += json({{"custom_id", "l1"},
-                {"prompt", ids(100)},
-                {"max_tokens", 50},
-                {"session", "long"},
-                {"session_new", true}})
-              .dump() +
-          "\n";
-  text += json({{"custom_id", "s1"},
-                {"prompt", "In the beginning"},
-                {"max_tokens", 4},
-                {"session", "short"},
-                {"session_new", true}})
-              .dump() +
-          "\n";
-  text += json({{"custom_id", "l2"}, {"prompt", ids(100)}, {"max_tokens", 50}, {"session", "long"}})
-              .dump() +
-          "\n";
-  text += json({{"custom_id", "l3"}, {"prompt", ids(2)}, {"max_tokens", 2}, {"session", "long"}})
-              .dump() +
-          "\n";
-  text += json({{"custom_id", "s2"},
-                {"prompt", " and the earth"},
-                {"max_tokens", 4},
-                {"session", "short"}})
-              .dump() +
-          "\n";
+  const std::string text = turn_line("l1", token_ids(100), 50, "long", true) +
+                           turn_line("s1", "In the beginning", 4, "short", true) +
+                           turn_line("l2", token_ids(100), 50, "long") +
+                           turn_line("l3", token_ids(2), 2, "long") +
+                           turn_line("s2", " and the earth", 4, "short");
   std::ofstream(dir.path() / "job.jsonl") << text;
   const std::string roots = (dir.path() / "roots").string();
   fs::create_directories(roots);
@@ -309,25 +298,9 @@ TEST(BatchSessions, ATurnThatCannotRunFailsItsSessionsLaterTurnsOnly) {
 // more, and the session then holds exactly the context.
 TEST(BatchSessions, TurnsPastTheContextDropTheOldestWithOverflow) {
   TempDir dir("batch-sessions-overflow");
-  const auto ids = [](int n) {
-    json prompt = json::array();
-    for (int i = 0; i < n; ++i) prompt.push_back(10 + i);
-    return prompt;
-  };
-  std::string text;
-  text += json({{"custom_id", "l1"},
-                {"prompt", ids(100)},
-                {"max_tokens", 50},
-                {"session", "long"},
-                {"session_new", true}})
-              .dump() +
-          "\n";
-  text += json({{"custom_id", "l2"}, {"prompt", ids(100)}, {"max_tokens", 50}, {"session", "long"}})
-              .dump() +
-          "\n";
-  text += json({{"custom_id", "l3"}, {"prompt", ids(2)}, {"max_tokens", 2}, {"session", "long"}})
-              .dump() +
-          "\n";
+  const std::string text = turn_line("l1", token_ids(100), 50, "long", true) +
+                           turn_line("l2", token_ids(100), 50, "long") +
+                           turn_line("l3", token_ids(2), 2, "long");
   std::ofstream(dir.path() / "job.jsonl") << text;
   const std::string roots = (dir.path() / "roots").string();
   fs::create_directories(roots);
