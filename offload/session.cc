@@ -185,9 +185,8 @@ int64_t DiskSession::drop_oldest(const ModelConfig& config, const std::vector<in
                   " learns its positions (no rotary embedding): its kept keys cannot move to new "
                   "positions; start a new session");
   INFINIGEN_CHECK(kv_policy(key_.policy).shifts_positions,
-                  "the conversation passes the model's "
-                  "context of ",
-                  config.max_positions, " positions, and the policy ", key_.policy,
+                  "the conversation passes the model's context of ", config.max_positions,
+                  " positions, and the policy ", key_.policy,
                   "'s saved rows cannot move to new positions; start a new session");
   rope_inv_freq_ = rope_inv_freq(config.rope, config.head_dim());
   for (size_t b = 0; b < history_.size(); ++b) {
