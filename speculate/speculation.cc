@@ -36,6 +36,28 @@ float lane_dot(const float* a, const float* b, int64_t n) {
          ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7])) + rest;
 }
 
+// `shares`' entry for layer `layer` of `num_layers`: its own when the measured model had as many
+// layers, else the one at the same relative depth among the speculated layers (the measured
+// model's first dense_layers entries are its dense layers, which load everything and say nothing
+// about a speculated layer).
+double per_layer_share(const std::vector<double>& shares, int64_t layer, int64_t num_layers,
+                       int64_t dense_layers) {
+  if (static_cast<int64_t>(shares.size()) == num_layers) return shares[static_cast<size_t>(layer)];
+  const int64_t measured_dense =
+      std::min<int64_t>(dense_layers, static_cast<int64_t>(shares.size()) - 1);
+  const int64_t measured = static_cast<int64_t>(shares.size()) - measured_dense;
+  const double depth = (static_cast<double>(layer - dense_layers) + 0.5) /
+                       static_cast<double>(num_layers - dense_layers);
+  const int64_t at =
+      std::min<int64_t>(measured - 1, static_cast<int64_t>(depth * static_cast<double>(measured)));
+  return shares[static_cast<size_t>(measured_dense + at)];
+}
+
+// A CPU view of `t`: itself, or a copy when it lives on the device.
+Tensor on_host(const Tensor& t) {
+  return t.device() == Device::Cpu ? t : t.to(Device::Cpu);
+}
+
 }  // namespace
 
 void SpeculationOptions::validate() const {
@@ -59,27 +81,6 @@ int64_t SpeculationOptions::fetch_cap(int64_t capacity) const {
   return std::max<int64_t>(1,
                            static_cast<int64_t>(static_cast<double>(capacity) * max_fetch_share));
 }
-
-namespace {
-
-// `shares`' entry for layer `layer` of `num_layers`: its own when the measured model had as many
-// layers, else the one at the same relative depth among the speculated layers (the measured
-// model's first dense_layers entries are its dense layers, which load everything and say nothing
-// about a speculated layer).
-double per_layer_share(const std::vector<double>& shares, int64_t layer, int64_t num_layers,
-                       int64_t dense_layers) {
-  if (static_cast<int64_t>(shares.size()) == num_layers) return shares[static_cast<size_t>(layer)];
-  const int64_t measured_dense =
-      std::min<int64_t>(dense_layers, static_cast<int64_t>(shares.size()) - 1);
-  const int64_t measured = static_cast<int64_t>(shares.size()) - measured_dense;
-  const double depth = (static_cast<double>(layer - dense_layers) + 0.5) /
-                       static_cast<double>(num_layers - dense_layers);
-  const int64_t at =
-      std::min<int64_t>(measured - 1, static_cast<int64_t>(depth * static_cast<double>(measured)));
-  return shares[static_cast<size_t>(measured_dense + at)];
-}
-
-}  // namespace
 
 int64_t FetchReplay::cached(int64_t step, int64_t layer, int64_t num_layers, int64_t dense_layers,
                             int64_t b, int64_t h, int64_t batch, int64_t heads,
@@ -148,13 +149,6 @@ int64_t partial_columns(double ratio, int64_t head_dim) {
   return std::max<int64_t>(1,
                            static_cast<int64_t>(std::floor(ratio * static_cast<double>(head_dim))));
 }
-
-namespace {
-
-// A CPU view of `t`: itself, or a copy when it lives on the device.
-Tensor on_host(const Tensor& t) { return t.device() == Device::Cpu ? t : t.to(Device::Cpu); }
-
-}  // namespace
 
 void PartialLayer::build(const PartialSource& source, const std::vector<int32_t>& first_valid,
                          int64_t num_heads, int64_t num_kv_heads, int64_t capacity, int64_t r,
