@@ -26,7 +26,7 @@ class PasskeyExamples:
     """Builds passkey examples as token ids with the training tokenizer."""
 
     def __init__(self, tokenizer, tokens: np.ndarray, bos_id: int,
-                 template: pathlib.Path = TEMPLATE):
+                 template: pathlib.Path = TEMPLATE, word_share: float = 0.25):
         strings = json.loads(template.read_text(encoding="utf-8"))
         self.tokenizer = tokenizer
         self.bos_id = bos_id
@@ -40,10 +40,16 @@ class PasskeyExamples:
         counts: dict[str, int] = {}
         for word in re.findall(r"\b[a-z]{4,9}\b", sample):
             counts[word] = counts.get(word, 0) + 1
-        self.words = sorted(w for w, c in counts.items() if c >= 20)
+        corpus_words = {w for w, c in counts.items() if c >= 20}
+        # And the vocabulary's lower-case alphabetic pieces of 4 to 9 letters: a copy learnt on
+        # corpus words alone does not reach words the corpus lacks (a key is any word).
+        pieces = {tokenizer.decode([i]).strip() for i in range(tokenizer.get_vocab_size())}
+        vocabulary_words = {p for p in pieces if re.fullmatch(r"[a-z]{4,9}", p)}
+        self.words = sorted(corpus_words | vocabulary_words)
+        self.word_share = word_share
 
     def key(self, rng: np.random.Generator) -> str:
-        if rng.random() < 0.75:
+        if rng.random() >= self.word_share:
             return str(int(rng.integers(10_000, 100_000)))
         return self.words[int(rng.integers(len(self.words)))]
 

@@ -244,7 +244,8 @@ def command_train(args: argparse.Namespace) -> int:
         log(f"starting from {args.init}")
     retrieval = None
     if args.retrieval_share > 0:
-        retrieval = PasskeyExamples(load_tokenizer(args.tokenizer), train_tokens, BOS_ID)
+        retrieval = PasskeyExamples(load_tokenizer(args.tokenizer), train_tokens, BOS_ID,
+                                    word_share=args.retrieval_word_share)
         # Watched at each evaluation: 2 keys at each of 3 depths and 3 lengths up to the context.
         retrieval_lengths = [256, args.context // 2, args.context - 8]
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
@@ -512,6 +513,9 @@ def main() -> int:
     train.add_argument("--retrieval-max-length", type=int, default=0,
                        help="longest passkey prompt, in tokens (0: the context less 8); a run "
                             "can start short, where the copy is learnt fast, and resume longer")
+    train.add_argument("--retrieval-word-share", type=float, default=0.25,
+                       help="share of passkey examples whose key is a word (the others: five "
+                            "digits)")
     train.add_argument("--retrieval-edge-share", type=float, default=0.0,
                        help="share of passkey examples with the key at the prompt's start or end "
                             "(depth 0 or 1), the others at a uniform depth")
