@@ -322,6 +322,7 @@ TEST(SessionOverflowCli, ManyTurnsPastTheContextRunToTheEnd) {
   TempDir dir("overflow-cli");
   const std::string session = (dir.path() / "chat").string();
   int64_t dropped = 0;
+  std::vector<int32_t> first_tokens;  // the conversation's first 16 tokens
   for (int turn = 1; turn <= 7; ++turn) {
     std::vector<std::string> args = {"run",          "--model",   "builtin-llama", "--policy",
                                      "infinigen",    "--json",    "--prompt-len",  "400",
@@ -345,6 +346,11 @@ TEST(SessionOverflowCli, ManyTurnsPastTheContextRunToTheEnd) {
     ASSERT_EQ(saved.manifest.tokens.size(), 1u);
     EXPECT_LE(std::ssize(saved.manifest.tokens[0]), 2048 + 1) << "turn " << turn;
     EXPECT_EQ(std::ssize(saved.manifest.tokens[0]), 408 * turn - dropped) << "turn " << turn;
+    const std::vector<int32_t>& tokens = saved.manifest.tokens[0];
+    if (turn == 1) first_tokens.assign(tokens.begin(), tokens.begin() + 16);
+    // --keep-prefix 16 keeps them through every drop.
+    EXPECT_TRUE(std::equal(first_tokens.begin(), first_tokens.end(), tokens.begin()))
+        << "turn " << turn;
   }
   EXPECT_GT(dropped, 0);
 }

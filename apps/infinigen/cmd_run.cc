@@ -54,9 +54,6 @@ struct RunOptions : GenerationFlags, OverflowFlags {
   std::string session;        // a new session saved here after the run
   std::string resume;         // a session continued (and saved back)
   int64_t session_compact_after = kSessionCompactAfter;
-  std::string
-      overflow;  // --overflow: refuse, or drop-oldest (a resumed conversation past the context)
-  int64_t keep_prefix = kSessionKeepPrefix;
 };
 
 std::vector<std::string> read_prompt_file(const std::string& path) {
