@@ -1,13 +1,9 @@
 // bench: passkey retrieval through the engine's generation.
 #include "bench/passkey.h"
 
-#include <unistd.h>
-
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cmath>
-#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <random>
 
@@ -44,60 +40,6 @@ bool holds_placeholder(const std::string& text) {
 
 bool is_ascii_alphanumeric(char c) {
   return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z');
-}
-
-// `request` (prompts of one length, past the context by `dropped` tokens each) as
-// options.past_context says; every sequence generates request.gen_len tokens (a conversation's
-// turn has one length).
-OffloadRun run_past_context(const ModelSource& model, GenerationRequest request,
-                            const PasskeyOptions& options, const OffloadOptions& offload,
-                            Device device, int64_t dropped, const ProgressCallback& progress) {
-  request.sequence_gen_len.clear();
-  const int64_t keep = options.keep_prefix;
-  if (options.past_context == PastContext::Recompute) {
-    for (std::vector<int32_t>& ids : request.prompts) {
-      ids.erase(ids.begin() + keep, ids.begin() + keep + dropped);
-    }
-    return run_offloaded(model, request, offload, device, progress);
-  }
-  INFINIGEN_CHECK(options.past_context == PastContext::DropOldest, "a prompt of ",
-                  request.prompts[0].size(), " tokens passes the model's context");
-  // A session in a directory of its own, removed however the run ends.
-  static std::atomic<int64_t> sessions = 0;
-  const std::filesystem::path directory =
-      std::filesystem::temp_directory_path() /
-      cat("infinigen-passkey-", static_cast<int64_t>(::getpid()), "-", sessions++);
-  struct Remove {
-    const std::filesystem::path& path;
-    ~Remove() {
-      std::error_code ignored;
-      std::filesystem::remove_all(path, ignored);
-    }
-  } remove{directory};
-  const SessionKey key = session_key(model, offload, request.kv_dtype, device);
-  const int64_t length = std::ssize(request.prompts[0]), split = length / 2;
-  const int64_t B = std::ssize(request.prompts);
-  // Turn 1: the first half, the token after it forced (it starts turn 2's prompt).
-  GenerationRequest first = request;
-  first.gen_len = 1;
-  for (int64_t b = 0; b < B; ++b) {
-    const std::vector<int32_t>& ids = request.prompts[b];
-    first.prompts[b].assign(ids.begin(), ids.begin() + split);
-    first.forced_tokens.push_back({ids[split]});
-  }
-  {
-    const std::unique_ptr<DiskSession> session = DiskSession::create(directory, key);
-    first.prompts = session->turn_prompts(first.prompts);
-    run_offloaded(model, first, offload, device, {}, session.get());
-  }
-  // Turn 2: the rest, past the context.
-  const std::unique_ptr<DiskSession> session = DiskSession::open(directory, key);
-  const std::vector<int64_t> added(static_cast<size_t>(B), length - split - 1);
-  session->drop_oldest(model.config, added, options.generated_bound(), keep);
-  GenerationRequest second = request;
-  for (std::vector<int32_t>& ids : second.prompts) ids.erase(ids.begin(), ids.begin() + split + 1);
-  second.prompts = session->turn_prompts(second.prompts);
-  return run_offloaded(model, second, offload, device, progress, session.get());
 }
 
 }  // namespace
@@ -257,27 +199,8 @@ Interval wilson_interval(int64_t correct, int64_t trials, double z) {
   return {correct == 0 ? 0.0 : center - half, correct == trials ? 1.0 : center + half};
 }
 
-PastContext parse_past_context(std::string_view text) {
-  if (text == "refuse") return PastContext::Refuse;
-  if (text == "drop-oldest") return PastContext::DropOldest;
-  if (text == "recompute") return PastContext::Recompute;
-  fail(option("past_context"), " is refuse, drop-oldest or recompute, got '", text, "'");
-}
-
-const char* past_context_name(PastContext mode) {
-  switch (mode) {
-    case PastContext::Refuse:
-      return "refuse";
-    case PastContext::DropOldest:
-      return "drop-oldest";
-    case PastContext::Recompute:
-      return "recompute";
-  }
-  return "?";
-}
-
 int64_t PasskeyOptions::dropped(int64_t length, int64_t max_positions) const {
-  return std::max<int64_t>(0, length + generated_bound() - max_positions);
+  return PastContextOptions::dropped(length, generated_bound(), max_positions);
 }
 
 int64_t PasskeyOptions::generated_bound() const {
@@ -316,22 +239,18 @@ void PasskeyOptions::validate(int64_t max_positions) const {
   }
   INFINIGEN_CHECK(trials >= 1, option("trials"), " must be at least 1, got ", trials);
   INFINIGEN_CHECK(batch >= 1, option("batch"), " must be at least 1, got ", batch);
-  INFINIGEN_CHECK(keep_prefix >= 0, option("keep_prefix"), " must be at least 0, got ",
-                  keep_prefix);
+  past.validate();
   const int64_t longest = max_positions - generated_bound();
+  const int64_t longest_past = past.longest_prompt(generated_bound(), max_positions);
   for (const int64_t length : lengths_or_default(max_positions)) {
     INFINIGEN_CHECK(length >= 1, option("lengths"), " must be at least 1 token, got ", length);
-    INFINIGEN_CHECK(length <= longest || past_context != PastContext::Refuse, option("lengths"),
-                    " ", length, " leaves no room for the answer in the model's context of ",
+    INFINIGEN_CHECK(length <= longest || past.mode != PastContext::Refuse, option("lengths"), " ",
+                    length, " leaves no room for the answer in the model's context of ",
                     max_positions, " positions (", generated_bound(), " generated tokens: at most ",
                     longest, "; ", option("past_context"), " runs longer ones)");
-    // Past the context: the first turn, the prompt's first ceil(length / 2) tokens, holds those
-    // dropped after the kept prefix: dropped <= length / 2 - keep_prefix.
-    const int64_t longest_past = 2 * (longest - keep_prefix);
-    INFINIGEN_CHECK(length <= longest || length <= longest_past, option("lengths"), " ", length,
-                    " would drop ", dropped(length, max_positions), " tokens after the kept ",
-                    keep_prefix, ", more than its first turn (half of it) holds: at most ",
-                    longest_past);
+    INFINIGEN_CHECK(length <= longest_past, option("lengths"), " ", length, " would drop ",
+                    dropped(length, max_positions), " tokens after the kept ", past.keep_prefix,
+                    ", more than its first turn (half of it) holds: at most ", longest_past);
   }
 }
 
@@ -404,9 +323,9 @@ PasskeyResult measure_passkey(const ModelSource& model, const std::vector<Passke
       const int64_t length = std::ssize(request.prompts[0]);
       const int64_t dropped = options.dropped(length, config.max_positions);
       const OffloadRun run =
-          dropped > 0
-              ? run_past_context(model, request, options, offload, device, dropped, steps_done)
-              : run_offloaded(model, request, offload, device, steps_done);
+          dropped > 0 ? run_past_context(model, request, options.past, options.generated_bound(),
+                                         dropped, offload, device, steps_done)
+                      : run_offloaded(model, request, offload, device, steps_done);
       for (int64_t b = 0; b < B; ++b) {
         const Trial& trial = trials[first + static_cast<size_t>(b)];
         const PasskeyPrompt& prompt = cells[trial.cell].prompts[trial.prompt];
@@ -423,9 +342,9 @@ PasskeyResult measure_passkey(const ModelSource& model, const std::vector<Passke
         }
         // The needle's tokens where the run had them (moved back by what was dropped before
         // them); not counted when it was dropped.
-        const int64_t moved = prompt.needle_begin >= options.keep_prefix + dropped ? dropped : 0;
-        const bool needle_kept =
-            dropped == 0 || moved > 0 || prompt.needle_end <= options.keep_prefix;
+        const int64_t keep = options.past.keep_prefix;
+        const int64_t moved = prompt.needle_begin >= keep + dropped ? dropped : 0;
+        const bool needle_kept = dropped == 0 || moved > 0 || prompt.needle_end <= keep;
         const std::vector<FirstSelection>& selections = run.stats.first_selection();
         for (size_t l = 0; l < selections.size() && needle_kept; ++l) {
           if (selections[l].tokens.empty()) continue;

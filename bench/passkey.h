@@ -19,8 +19,8 @@
 #include <string_view>
 #include <vector>
 
+#include "bench/past_context.h"
 #include "offload/runtime.h"
-#include "offload/session.h"
 
 namespace infinigen {
 
@@ -96,16 +96,6 @@ struct Interval {
 };
 Interval wilson_interval(int64_t correct, int64_t trials, double z = 1.959963984540054);
 
-// How a prompt longer than the model's context runs (--past-context): it is refused; it runs as a
-// conversation of two turns (the prompt's first half, then the rest), whose second turn drops the
-// oldest history after a kept prefix (DiskSession::drop_oldest: the kept KV as the first turn
-// computed it, moved to the new positions); or it runs once over the same kept tokens, computed
-// from scratch (what the truncation is measured against).
-enum class PastContext { Refuse, DropOldest, Recompute };
-// "refuse", "drop-oldest" or "recompute"; one-line Error naming --past-context otherwise.
-PastContext parse_past_context(std::string_view text);
-const char* past_context_name(PastContext mode);
-
 struct PasskeyOptions {
   std::vector<int64_t> lengths;  // context lengths in tokens (BOS included); empty: the default
   std::vector<double> depths = {0.0, 0.25, 0.5, 0.75, 1.0};  // of the filler, in [0, 1]
@@ -113,8 +103,7 @@ struct PasskeyOptions {
   int64_t batch = 4;  // prompts of one length decoded together
   PasskeyKeyKind key_kind = PasskeyKeyKind::Digits;
   uint64_t seed = 0;
-  PastContext past_context = PastContext::Refuse;
-  int64_t keep_prefix = kSessionKeepPrefix;  // tokens a prompt past the context keeps first
+  PastContextOptions past;  // lengths past the model's context (bench/past_context.h)
   // Tokens generated after a prompt: the answer's and this many more.
   static constexpr int64_t kExtraTokens = 3;
 

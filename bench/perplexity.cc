@@ -31,15 +31,39 @@ int64_t PerplexityOptions::decode_length(int64_t max_positions) const {
   return decode > 0 ? decode : max_positions - prefill;
 }
 
+int64_t PerplexityOptions::dropped(int64_t max_positions) const {
+  return PastContextOptions::dropped(prefill, decode_length(max_positions), max_positions);
+}
+
+int64_t PerplexityOptions::planned_prompt(int64_t max_positions) const {
+  return prefill - dropped(max_positions);
+}
+
 void PerplexityOptions::validate(int64_t max_positions) const {
   INFINIGEN_CHECK(prefill >= 1, option("prefill"), " must be at least 1 (the BOS token), got ",
                   prefill);
   INFINIGEN_CHECK(decode >= 0, option("decode"), " must be at least 1, got ", decode);
-  INFINIGEN_CHECK(prefill < max_positions, option("prefill"), " ", prefill,
-                  " leaves no position to decode in the model's context of ", max_positions);
-  INFINIGEN_CHECK(prefill + decode_length(max_positions) <= max_positions, option("prefill"), " ",
-                  prefill, " plus ", option("decode"), " ", decode,
-                  " exceeds the model's context of ", max_positions, " positions");
+  past.validate();
+  if (past.mode == PastContext::Refuse) {
+    INFINIGEN_CHECK(prefill < max_positions, option("prefill"), " ", prefill,
+                    " leaves no position to decode in the model's context of ", max_positions);
+    INFINIGEN_CHECK(prefill + decode_length(max_positions) <= max_positions, option("prefill"), " ",
+                    prefill, " plus ", option("decode"), " ", decode,
+                    " exceeds the model's context of ", max_positions, " positions (",
+                    option("past_context"), " runs longer windows)");
+  } else {
+    INFINIGEN_CHECK(decode > 0 || prefill < max_positions, option("decode"), " must be given when ",
+                    option("prefill"), " ", prefill, " passes the model's context of ",
+                    max_positions);
+    INFINIGEN_CHECK(decode + past.keep_prefix < max_positions, option("decode"), " ", decode,
+                    " leaves no room for the kept prefix of ", past.keep_prefix,
+                    " in the model's context of ", max_positions);
+    const int64_t longest = past.longest_prompt(decode_length(max_positions), max_positions);
+    INFINIGEN_CHECK(prefill <= longest, option("prefill"), " ", prefill, " would drop ",
+                    dropped(max_positions), " tokens after the kept ", past.keep_prefix,
+                    ", more than its first turn (half of it) holds: at most ", longest, " with ",
+                    option("decode"), " ", decode_length(max_positions));
+  }
   INFINIGEN_CHECK(chunk >= 1, option("chunk"), " must be at least 1, got ", chunk);
   INFINIGEN_CHECK(batch >= 1, option("batch"), " must be at least 1, got ", batch);
 }
@@ -56,6 +80,7 @@ PerplexityResult measure_perplexity(const ModelSource& model,
   const ModelConfig& config = model.config;
   options.validate(config.max_positions);
   const int64_t prefill = options.prefill, decode = options.decode_length(config.max_positions);
+  const int64_t dropped = options.dropped(config.max_positions);
   INFINIGEN_CHECK(!windows.empty(), "no evaluation window to score");
   PerplexityResult result;
   const int64_t chunks = (prefill + decode - 1) / options.chunk + 1;
@@ -83,10 +108,13 @@ PerplexityResult measure_perplexity(const ModelSource& model,
     }
     const int64_t done_before =
         static_cast<int64_t>(first / static_cast<size_t>(options.batch)) * decode;
-    const OffloadRun run =
-        run_offloaded(model, request, offload, device, [&](int64_t done, int64_t) {
-          if (progress) progress(done_before + done, total_steps);
-        });
+    const ProgressCallback steps_done = [&](int64_t done, int64_t) {
+      if (progress) progress(done_before + done, total_steps);
+    };
+    // Past the context, the tokens [keep_prefix, keep_prefix + dropped) of every window go.
+    const OffloadRun run = dropped > 0 ? run_past_context(model, request, options.past, decode,
+                                                          dropped, offload, device, steps_done)
+                                       : run_offloaded(model, request, offload, device, steps_done);
 
     const int64_t B = static_cast<int64_t>(request.prompts.size());
     for (int64_t b = 0; b < B; ++b) {
@@ -100,7 +128,7 @@ PerplexityResult measure_perplexity(const ModelSource& model,
     }
     result.tokens += B * decode;
     result.windows += B;
-    tally.add(run.stats, B, config.kv_heads(), prefill);
+    tally.add(run.stats, B, config.kv_heads(), prefill - dropped);
   }
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/past_context.h"
 #include "offload/runtime.h"
 
 namespace infinigen {
@@ -29,8 +30,15 @@ struct PerplexityOptions {
                           // the model's context
   int64_t chunk = 256;    // positions per point of the chunked curve (the paper's Fig. 12)
   int64_t batch = 4;      // windows decoded together
+  // A window past the model's context (prefill + decode > max_positions): refused, or its oldest
+  // tokens after a kept prefix dropped (bench/past_context.h) before the tokens scored.
+  PastContextOptions past;
   int64_t decode_length(int64_t max_positions) const;  // decode, or its default
-  void validate(int64_t max_positions) const;          // one-line Error naming the flag
+  // Tokens each window drops after past.keep_prefix: 0 when prefill + decode fit the context.
+  int64_t dropped(int64_t max_positions) const;
+  // The prompt a run holds at most: the prefill, less what it drops.
+  int64_t planned_prompt(int64_t max_positions) const;
+  void validate(int64_t max_positions) const;  // one-line Error naming the flag
 };
 
 struct PerplexityResult {

@@ -312,14 +312,14 @@ TEST(PasskeyOptionsTest, LengthsPastTheContextNeedAModeAndAFirstTurnThatHoldsThe
   expect_error([&] { options.validate(2048); },
                {"--lengths 2100", "at most 2038", "--past-context runs longer ones"});
   for (const PastContext mode : {PastContext::DropOldest, PastContext::Recompute}) {
-    options.past_context = mode;
-    options.keep_prefix = 4;
+    options.past.mode = mode;
+    options.past.keep_prefix = 4;
     options.lengths = {2100, 4068};  // 2 x (2038 - 4): 2030 dropped of a first turn of 2034
     options.validate(2048);
     options.lengths = {4069};
     expect_error([&] { options.validate(2048); },
                  {"--lengths 4069 would drop 2031 tokens after the kept 4", "at most 4068"});
-    options.keep_prefix = -1;
+    options.past.keep_prefix = -1;
     options.lengths = {};
     expect_error([&] { options.validate(2048); }, {"--keep-prefix must be at least 0"});
   }

@@ -139,7 +139,8 @@ int eval_perplexity(EvalCommandOptions& o) {
   }
   plan_eval_settings(settings, model.config,
                      std::min<int64_t>(o.perplexity.batch, std::ssize(windows)),
-                     o.perplexity.prefill, window - o.perplexity.prefill, kv_dtype, device);
+                     o.perplexity.planned_prompt(model.config.max_positions),
+                     window - o.perplexity.prefill, kv_dtype, device);
   create_eval_out(common.out);
   run_eval_settings(points.size(), counted(windows.size(), "window"), common.out,
                     [&](size_t i, const EvalProgress& progress) {
@@ -161,6 +162,8 @@ int eval_perplexity(EvalCommandOptions& o) {
   report["prefill"] = o.perplexity.prefill;
   report["decode"] = window - o.perplexity.prefill;
   report["chunk"] = o.perplexity.chunk;
+  report["past_context"] = past_context_name(o.perplexity.past.mode);
+  report["keep_prefix"] = o.perplexity.past.keep_prefix;
   report["points"] = nlohmann::json::array();
   for (const SweepPoint& p : points) report["points"].push_back(point_json(p, full_perplexity));
   const fs::path json_path = fs::path(common.out) / "eval.json";
@@ -174,10 +177,17 @@ int eval_perplexity(EvalCommandOptions& o) {
   }
 
   // The windows, once (the progress display names them only while it runs).
-  std::printf("model: %s\n%s of %lld tokens: %lld prefilled, %lld scored one decode step each\n\n",
+  std::printf("model: %s\n%s of %lld tokens: %lld prefilled, %lld scored one decode step each\n",
               model.description.c_str(), counted(windows.size(), "window").c_str(),
               static_cast<long long>(window), static_cast<long long>(o.perplexity.prefill),
               static_cast<long long>(window - o.perplexity.prefill));
+  if (const int64_t dropped = o.perplexity.dropped(model.config.max_positions); dropped > 0) {
+    std::printf("past the context of %lld: %s, %lld tokens dropped after the first %lld\n",
+                static_cast<long long>(model.config.max_positions),
+                past_context_name(o.perplexity.past.mode), static_cast<long long>(dropped),
+                static_cast<long long>(o.perplexity.past.keep_prefix));
+  }
+  std::printf("\n");
   // KV loaded: share of the full KV (every earlier token, every head) loaded per decode step,
   // over all layers and over the speculated ones (past --dense-layers).
   std::printf("%-10s %-36s %10s %8s %10s %12s %7s\n", "policy", "settings", "perplexity", "vs full",
@@ -211,7 +221,8 @@ void check_task_flags(const EvalCommandOptions& o) {
 int eval(EvalCommandOptions& o) {
   check_task_flags(o);
   if (o.task == "passkey") {
-    o.passkey.task.batch = o.perplexity.batch;  // --batch, read by both tasks
+    o.passkey.task.batch = o.perplexity.batch;  // --batch and --past-context, read by both tasks
+    o.passkey.task.past = o.perplexity.past;
     return eval_passkey(o.common, o.passkey);
   }
   return eval_perplexity(o);
@@ -247,6 +258,20 @@ Command add_eval_command(CLI::App& app) {
   o->passkey_flags = add_passkey_flags(app, o->passkey);
   app.add_option("--batch,-b", o->perplexity.batch,
                  "Windows (perplexity), or prompts of one length (passkey), decoded together")
+      ->capture_default_str();
+  // Read by both tasks: a window (perplexity) or a prompt (passkey) past the model's context.
+  const PastContextOptions past_defaults;
+  app.add_option_function<std::string>(
+         "--past-context",
+         [o](const std::string& mode) { o->perplexity.past.mode = parse_past_context(mode); },
+         "A window (perplexity: --prefill plus --decode) or a prompt (passkey: --lengths) past "
+         "the model's context is refused, runs as two turns of a session whose second drops the "
+         "oldest history after --keep-prefix (drop-oldest: the kept KV moved, "
+         "docs/sessions.md), or runs once over the same kept tokens (recompute)")
+      ->default_str(past_context_name(past_defaults.mode));
+  app.add_option("--keep-prefix", o->perplexity.past.keep_prefix,
+                 "Tokens a window or prompt past the context keeps before what it drops")
+      ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   app.add_option_function<std::vector<std::string>>(
          "--policy",

@@ -179,19 +179,7 @@ std::vector<const CLI::Option*> add_passkey_flags(CLI::App& app, EvalPasskeyOpti
                      "calibration text)"),
       app.add_option("--passkey-template", o.template_path,
                      "passkey: JSON file of \"intro\", \"needle\" (holding {key}) and \"question\" "
-                     "replacing the built-in strings"),
-      app.add_option_function<std::string>(
-             "--past-context",
-             [&o](const std::string& mode) { o.task.past_context = parse_past_context(mode); },
-             "passkey: lengths past the model's context are refused, run as two turns of a "
-             "session whose second drops the oldest history after --keep-prefix (drop-oldest: "
-             "the kept KV moved, docs/sessions.md), or run once over the same kept tokens "
-             "(recompute)")
-          ->default_str(past_context_name(defaults.past_context)),
-      app.add_option("--keep-prefix", o.task.keep_prefix,
-                     "passkey: tokens a prompt past the context keeps before what it drops")
-          ->check(CLI::NonNegativeNumber)
-          ->capture_default_str()};
+                     "replacing the built-in strings")};
 }
 
 int eval_passkey(const EvalCommonOptions& common, const EvalPasskeyOptions& o) {
@@ -248,8 +236,8 @@ int eval_passkey(const EvalCommonOptions& common, const EvalPasskeyOptions& o) {
   report["seed"] = options.seed;
   report["batch"] = options.batch;
   report["filler"] = filler.name;
-  report["past_context"] = past_context_name(options.past_context);
-  report["keep_prefix"] = options.keep_prefix;
+  report["past_context"] = past_context_name(options.past.mode);
+  report["keep_prefix"] = options.past.keep_prefix;
   report["template"] = {
       {"intro", text.intro}, {"needle", text.needle}, {"question", text.question}};
   report["interval"] = interval_json(options.trials);
@@ -275,8 +263,8 @@ int eval_passkey(const EvalCommonOptions& common, const EvalPasskeyOptions& o) {
       filler.name.c_str());
   if (options.dropped(*std::max_element(lengths.begin(), lengths.end()), max_positions) > 0) {
     std::printf("past the context of %lld: %s, keeping the first %lld tokens\n",
-                static_cast<long long>(max_positions), past_context_name(options.past_context),
-                static_cast<long long>(options.keep_prefix));
+                static_cast<long long>(max_positions), past_context_name(options.past.mode),
+                static_cast<long long>(options.past.keep_prefix));
   }
   // What a cell's score can tell: its 95% interval at 90% (when the trials can score that) and
   // at 100%.
