@@ -6,8 +6,8 @@ default (configs/passkey/template.json): BOS, the intro, filler text with the ne
 states the key) at a chosen depth, the question; then the answer, the key after a space and a
 full stop. Here the filler is a random stretch of the training corpus (its documents' BOS
 removed), the depth is uniform in [0, 1], the length uniform between a floor and the context,
-and the key five random digits or a random word of the corpus; the eval uses fillers, keys and
-depths of its own.
+and the key five random digits, a random word of the corpus or its vocabulary, or a word spelled
+from random pieces; the eval uses fillers, keys and depths of its own.
 
 Every example is drawn from a generator seeded by the caller, so a resumed training run sees the
 same examples as an uninterrupted one.
@@ -46,12 +46,23 @@ class PasskeyExamples:
         pieces = {tokenizer.decode([i]).strip() for i in range(tokenizer.get_vocab_size())}
         vocabulary_words = {p for p in pieces if re.fullmatch(r"[a-z]{4,9}", p)}
         self.words = sorted(corpus_words | vocabulary_words)
+        # Both are mostly one token each (a word seen 20 times has earned its merge), while an
+        # English word the corpus rarely uses is two to four pieces ("pencil": pen, c, il). Half
+        # the word keys are therefore spelled from 2 to 4 random lower-case pieces of 1 to 5
+        # letters, 4 to 9 in all: a copy of one token does not carry over to a copy of several.
+        self.pieces = sorted(p for p in pieces if re.fullmatch(r"[a-z]{1,5}", p))
         self.word_share = word_share
 
     def key(self, rng: np.random.Generator) -> str:
         if rng.random() >= self.word_share:
             return str(int(rng.integers(10_000, 100_000)))
-        return self.words[int(rng.integers(len(self.words)))]
+        if rng.random() < 0.5:
+            return self.words[int(rng.integers(len(self.words)))]
+        while True:
+            count = int(rng.integers(2, 5))
+            word = "".join(self.pieces[int(rng.integers(len(self.pieces)))] for _ in range(count))
+            if 4 <= len(word) <= 9:
+                return word
 
     def example(self, length: int, depth: float, key: str,
                 rng: np.random.Generator) -> tuple[list[int], list[int], tuple[int, int]]:
