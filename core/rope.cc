@@ -6,6 +6,7 @@
 #include <numbers>
 
 #include "core/error.h"
+#include "kernels/cpu/rope.h"
 
 namespace infinigen {
 
@@ -57,13 +58,8 @@ RotaryShift::RotaryShift(const std::vector<float>& inv_freq, int64_t delta) {
 }
 
 void RotaryShift::apply(void* row, DType dtype) {
-  const size_t half = cos_.size();
   convert_to_f32(row, dtype, row_.data(), row_.size());
-  for (size_t i = 0; i < half; ++i) {  // the rotate-half convention of kernels/cpu/rope.h
-    const float x1 = row_[i], x2 = row_[i + half];
-    row_[i] = x1 * cos_[i] - x2 * sin_[i];
-    row_[i + half] = x2 * cos_[i] + x1 * sin_[i];
-  }
+  kernels::cpu::rotate_half(row_.data(), cos_.data(), sin_.data(), std::ssize(cos_));
   convert_from_f32(row_.data(), row, dtype, row_.size());
 }
 

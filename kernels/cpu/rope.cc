@@ -23,13 +23,7 @@ void rope(float* x, const int32_t* positions, const float* inv_freq, int64_t row
         sin_row[static_cast<size_t>(i)] = std::sin(angle);
       }
       for (int64_t h = 0; h < heads; ++h) {
-        float* head = x + (r * heads + h) * head_dim;
-        for (int64_t i = 0; i < half; ++i) {
-          const float x1 = head[i], x2 = head[i + half];
-          const float c = cos_row[static_cast<size_t>(i)], s = sin_row[static_cast<size_t>(i)];
-          head[i] = x1 * c - x2 * s;
-          head[i + half] = x2 * c + x1 * s;
-        }
+        rotate_half(x + (r * heads + h) * head_dim, cos_row.data(), sin_row.data(), half);
       }
     }
   }

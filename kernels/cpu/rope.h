@@ -11,4 +11,15 @@ namespace infinigen::kernels::cpu {
 void rope(float* x, const int32_t* positions, const float* inv_freq, int64_t rows, int64_t heads,
           int64_t head_dim);
 
+// One head's (2 * half) channels rotated in place by the angles whose cosines and sines are
+// `cos` and `sin` (half each): the rotate-half step of rope(), shared with the keys a session
+// moves to other positions (core/rope.h, RotaryShift).
+inline void rotate_half(float* head, const float* cos, const float* sin, int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = head[i], x2 = head[i + half];
+    head[i] = x1 * cos[i] - x2 * sin[i];
+    head[i + half] = x2 * cos[i] + x1 * sin[i];
+  }
+}
+
 }  // namespace infinigen::kernels::cpu
