@@ -190,6 +190,9 @@ class KvStore {
     (void)layer;
     return {};
   }
+  // Whether the store is saved as its layers' state alone, at the end of every turn (H2O, whose
+  // passes evict), rather than as token rows with state saved once (its first turn's).
+  virtual bool saves_state_each_turn() const { return false; }
   virtual void restore_layer_state(int64_t layer, const LayerState& state);
   // After a session moved rows [from, from + count) of sequence b to earlier positions and
   // rotated their keys there (a conversation that overflowed the context, offload/session.h):

@@ -25,10 +25,11 @@ const KvPolicy& h2o_kv_policy() {
       [](Device) { return true; },
       [](const MemoryRequest& r) -> KvMemory {
         // The kept entries (`slots` per layer, sequence and head) in the host pool; on the
-        // device their staging with a row for the new token.
+        // device their staging with a row for the new token, or in a resumed turn's first pass
+        // for each of its tokens.
         const ModelConfig& c = r.config;
         const int64_t slots = h2o_slots(r.options.h2o_budget, request_positions(r));
-        size_t device = kv_staging_bytes(r, slots + 1);
+        size_t device = kv_staging_bytes(r, slots + (r.resumed ? r.prompt_len : 1));
         if (r.gemm_scratch) {
           // The CUDA backend keeps the bookkeeping on the device: per row of every layer a score
           // and a token index, the decode's scratch (a float per row), each (b, h)'s placed row
@@ -46,7 +47,13 @@ const KvPolicy& h2o_kv_policy() {
       [](const KvStoreArgs& a) -> std::unique_ptr<KvStore> {
         return std::make_unique<H2oKv>(a.config, a.batch, a.capacity, a.kv_dtype, a.device,
                                        a.options.h2o_budget, a.engine, a.stats);
-      }};
+      },
+      // Saved as its layers' state at every turn's end (H2oKv::layer_state); the pool is pinned
+      // host memory on either backend. Kept entries cannot move: no overflow.
+      /*resumable=*/true,
+      /*session_options=*/{"h2o_budget"},
+      /*host_token_rows=*/true,
+      /*shifts_positions=*/false};
   return policy;
 }
 
@@ -113,6 +120,26 @@ void h2o_accumulate_scores(const float* query, const float* keys, int64_t n, int
   for (int64_t r = 0; r < n; ++r) scores[r] += probs[r];
 }
 
+std::vector<int64_t> h2o_keep(std::span<const float> scores, std::span<const int32_t> tokens,
+                              int64_t slots, int64_t recent) {
+  const auto n = static_cast<int64_t>(scores.size());
+  std::vector<int64_t> order(static_cast<size_t>(n));
+  std::iota(order.begin(), order.end(), int64_t{0});
+  const auto token = [&](int64_t i) { return tokens[static_cast<size_t>(i)]; };
+  std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return token(x) < token(y); });
+  if (n <= slots) return order;
+  // The recent window, then the older candidates by score (ties to the newer).
+  std::vector<int64_t> keep(order.end() - recent, order.end());
+  order.resize(static_cast<size_t>(n - recent));
+  std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+    const float sx = scores[static_cast<size_t>(x)], sy = scores[static_cast<size_t>(y)];
+    return sx != sy ? sx > sy : token(x) > token(y);
+  });
+  keep.insert(keep.end(), order.begin(), order.begin() + (slots - recent));
+  std::sort(keep.begin(), keep.end(), [&](int64_t x, int64_t y) { return token(x) < token(y); });
+  return keep;
+}
+
 int64_t h2o_slots(double budget, int64_t capacity) {
   // The epsilon keeps products such as 0.29 * 100 = 28.999... at the intended count.
   return std::max<int64_t>(
@@ -132,6 +159,7 @@ H2oKv::H2oKv(const ModelConfig& config, int64_t batch, int64_t capacity, DType k
       recent_(slots_ / 2),
       row_bytes_(static_cast<size_t>(config.head_dim()) * dtype_size(kv_dtype)),
       count_(static_cast<size_t>(batch), 0),
+      history_in_pass_(static_cast<size_t>(batch), 0),
       view_first_valid_(static_cast<size_t>(batch), 0),
       pipeline_(config.num_layers, engine, stats, {batch, heads_, slots_ + 1, head_dim_}, kv_dtype,
                 device) {
@@ -229,20 +257,25 @@ void H2oKv::keep_sequences(const std::vector<int64_t>& keep, const std::vector<L
 }
 
 void H2oKv::start_pass(int64_t n_new) {
-  INFINIGEN_CHECK(length() == 0 || n_new == 1, "h2o: decode passes take one token, got ", n_new);
-  for (int64_t b = 0; b < batch(); ++b) {
-    view_first_valid_[static_cast<size_t>(b)] =
-        static_cast<int32_t>(slots_ - count_[static_cast<size_t>(b)]);
-  }
   KvStore::start_pass(n_new);
+  const bool extension = extending();
+  // An extension's staging holds the kept rows and the pass's n (after every transfer in flight).
+  if (extension) pipeline_.resize_staging(slots_ + n_new);
+  for (int64_t b = 0; b < batch(); ++b) {
+    // An extension stages the kept rows just before the sequence's new tokens.
+    const auto i = static_cast<size_t>(b);
+    view_first_valid_[i] =
+        static_cast<int32_t>(slots_ - count_[i] + (extension ? history_in_pass_[i] : 0));
+  }
   pipeline_.start_pass(*this);
-  if (length() > 0) issue_load(0);  // decode: layer 0's KV starts moving before the embedding
+  // Decode: layer 0's KV starts moving before the embedding.
+  if (length() > 0 && !extension) issue_load(0);
 }
 
 void H2oKv::start_layer(int64_t layer) {
   // While this layer computes, the next layer's KV moves into the other staging buffer (which
   // layer - 1 has finished reading: compute runs in order).
-  if (length() > 0 && layer + 1 < pipeline_.num_layers()) issue_load(layer + 1);
+  if (length() > 0 && !extending() && layer + 1 < pipeline_.num_layers()) issue_load(layer + 1);
 }
 
 void H2oKv::issue_load(int64_t layer) {
@@ -278,6 +311,8 @@ void H2oKv::append(int64_t layer, const Tensor& keys, const Tensor& values) {
   INFINIGEN_CHECK(queries_.defined(), "h2o: append(", layer, ") before observe");
   if (length() == 0) {
     prefill(layer, keys, values);
+  } else if (extending()) {
+    extend(layer, keys, values);
   } else {
     decode(layer, keys, values);
   }
@@ -285,6 +320,11 @@ void H2oKv::append(int64_t layer, const Tensor& keys, const Tensor& values) {
 }
 
 KvStore::View H2oKv::view(int64_t layer) {
+  // An extension's staging was written from the host in append.
+  if (extending()) {
+    return {&pipeline_.keys(layer), &pipeline_.values(layer), slots_ + pass_tokens(),
+            &view_first_valid_};
+  }
   // On CUDA the decode's scoring, in append, waited for the load already.
   if (device_ != Device::Cuda) pipeline_.wait_for_load(layer);
   return {&pipeline_.keys(layer), &pipeline_.values(layer), slots_ + 1, &view_first_valid_};
@@ -342,22 +382,9 @@ void H2oKv::prefill_on_host(int64_t layer, const Tensor& keys, const Tensor& val
         }
       }
       // Keep the recent window and the highest-scoring older tokens (ties keep the newer).
-      std::vector<int64_t> keep;
-      if (valid <= slots_) {
-        keep.resize(static_cast<size_t>(valid));
-        std::iota(keep.begin(), keep.end(), int64_t{0});
-      } else {
-        const int64_t older = valid - recent_;
-        std::vector<int64_t> order(static_cast<size_t>(older));
-        std::iota(order.begin(), order.end(), int64_t{0});
-        std::sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
-          const float sx = score[static_cast<size_t>(x)], sy = score[static_cast<size_t>(y)];
-          return sx != sy ? sx > sy : x > y;
-        });
-        keep.assign(order.begin(), order.begin() + (slots_ - recent_));
-        for (int64_t j = older; j < valid; ++j) keep.push_back(j);
-        std::sort(keep.begin(), keep.end());
-      }
+      std::vector<int32_t> token(static_cast<size_t>(valid));
+      std::iota(token.begin(), token.end(), static_cast<int32_t>(start));
+      const std::vector<int64_t> keep = h2o_keep(score, token, slots_, recent_);
       const int64_t row0 = slots_ - static_cast<int64_t>(keep.size());
       for (size_t r = 0; r < keep.size(); ++r) {
         const int64_t j = keep[r], row = row0 + static_cast<int64_t>(r);
@@ -565,22 +592,317 @@ void H2oKv::move_entry(int64_t layer, int64_t b, int64_t h, int64_t from, int64_
 }
 
 void H2oKv::end_pass(int64_t n_new) {
+  const bool extension = extending();
   if (length() == 0) {
     for (int64_t b = 0; b < batch(); ++b) {
       const int64_t valid = n_new - first_valid()[static_cast<size_t>(b)];
       count_[static_cast<size_t>(b)] = static_cast<int32_t>(std::min(valid, slots_));
     }
+  } else if (extension) {
+    count_ = extended_count_;
+    std::fill(history_in_pass_.begin(), history_in_pass_.end(), 0);
   } else {
     for (int32_t& count : count_)
       count = static_cast<int32_t>(std::min<int64_t>(count + 1, slots_));
   }
   pipeline_.end_pass(*this);  // reads the pass's state before KvStore::end_pass moves it
+  if (extension) pipeline_.resize_staging(slots_ + 1);  // the decode steps' staging
   if (length() == 0) {        // the prefill's scratch (freeing waits for the kernels using it)
     row_stats_ = Tensor();
     key_scores_ = Tensor();
     keep_flags_ = Tensor();
   }
   KvStore::end_pass(n_new);
+}
+
+void H2oKv::read_bookkeeping(int64_t layer, std::vector<float>& scores,
+                             std::vector<int32_t>& tokens) const {
+  const auto n = static_cast<size_t>(batch() * heads_ * (slots_ + 1));
+  scores.resize(n);
+  tokens.resize(n);
+  if (!on_device_) {
+    const auto first = static_cast<std::ptrdiff_t>(entry(layer, 0, 0, 0));
+    std::copy_n(scores_.begin() + first, n, scores.begin());
+    std::copy_n(tokens_.begin() + first, n, tokens.begin());
+    return;
+  }
+  // The device's bookkeeping is written on the compute stream, which the host does not follow.
+  pipeline_.engine().compute_stream().synchronize();
+  const auto l = static_cast<size_t>(layer);
+  device_copy(scores.data(), Device::Cpu, device_scores_[l].raw(), device_, n * sizeof(float));
+  device_copy(tokens.data(), Device::Cpu, device_tokens_[l].raw(), device_, n * sizeof(int32_t));
+}
+
+void H2oKv::write_bookkeeping(int64_t layer, const std::vector<float>& scores,
+                              const std::vector<int32_t>& tokens) {
+  if (!on_device_) {
+    const auto first = static_cast<std::ptrdiff_t>(entry(layer, 0, 0, 0));
+    std::copy(scores.begin(), scores.end(), scores_.begin() + first);
+    std::copy(tokens.begin(), tokens.end(), tokens_.begin() + first);
+    return;
+  }
+  const auto l = static_cast<size_t>(layer);
+  device_copy(device_scores_[l].raw(), device_, scores.data(), Device::Cpu,
+              scores.size() * sizeof(float));
+  device_copy(device_tokens_[l].raw(), device_, tokens.data(), Device::Cpu,
+              tokens.size() * sizeof(int32_t));
+}
+
+void H2oKv::extend(int64_t layer, const Tensor& keys, const Tensor& values) {
+  const int64_t n = pass_tokens(), B = batch(), H = heads_, d = head_dim_, S = slots_;
+  const int64_t past = length(), rows = S + n, width = H * d, q_width = width * group_;
+  // Per sequence: the pass's rows before its new tokens (history kept already, or padding),
+  // and the entries kept after the pass (the same for every layer and head: each has count + new
+  // candidates).
+  std::vector<int64_t> first_new(static_cast<size_t>(B)), kept(static_cast<size_t>(B));
+  extended_count_.resize(static_cast<size_t>(B));
+  for (int64_t b = 0; b < B; ++b) {
+    const auto i = static_cast<size_t>(b);
+    first_new[i] = history_in_pass_[i];
+    kept[i] = std::min(count_[i] + n - first_new[i], S);
+    extended_count_[i] = static_cast<int32_t>(kept[i]);
+  }
+  int64_t scored = 0;  // (candidate, query) pairs, for the trace
+  for (int64_t b = 0; b < B; ++b) scored += (count_[static_cast<size_t>(b)] + n) * n;
+  if (traced("h2o_extend_scores", {B, H * group_, scored / std::max<int64_t>(B * n, 1), d})) {
+    // A dry run: with no scores the newest tokens are what is kept.
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t k = kept[static_cast<size_t>(b)];
+        for (int64_t r = 0; r < k; ++r) {
+          tokens_[entry(layer, b, h, S - k + r)] = static_cast<int32_t>(past + n - k + r);
+          scores_[entry(layer, b, h, S - k + r)] = 0.0f;
+        }
+      }
+    }
+    return;
+  }
+  // The pool holds every row earlier passes stored, and on CUDA the device is done with the
+  // staging of this layer's parity (the attention of layer - 2) and with the bookkeeping.
+  pipeline_.drain_stores();
+  if (device_ == Device::Cuda) pipeline_.engine().compute_stream().synchronize();
+  std::vector<float> scores;
+  std::vector<int32_t> tokens;
+  read_bookkeeping(layer, scores, tokens);
+  const Tensor q = on_host(queries_);
+  // The pass's rows (B * n, H * d) as the KV dtype stores them.
+  const Tensor k = on_host(keys).to_dtype(kv_dtype_), v = on_host(values).to_dtype(kv_dtype_);
+  const size_t kv_bytes = dtype_size(kv_dtype_);
+  // The staging, assembled here: (B, H, slots + n, d), each (b, h)'s kept rows just before its
+  // new tokens' rows (over the pass's rows of history it keeps already), then those.
+  Tensor staged_k = Tensor::zeros({B, H, rows, d}, kv_dtype_);
+  Tensor staged_v = Tensor::zeros({B, H, rows, d}, kv_dtype_);
+  const float* qd = q.data<float>();
+  LayerTraffic& traffic = pipeline_.traffic(layer);
+#pragma omp parallel for collapse(2) schedule(dynamic, 1)
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
+      const auto i = static_cast<size_t>(b);
+      const int64_t count = count_[i], skip = first_new[i], row0 = S + skip - count;
+      char* sk =
+          static_cast<char*>(staged_k.raw()) + static_cast<size_t>((b * H + h) * rows) * row_bytes_;
+      char* sv =
+          static_cast<char*>(staged_v.raw()) + static_cast<size_t>((b * H + h) * rows) * row_bytes_;
+      if (count > 0) {
+        std::memcpy(sk + static_cast<size_t>(row0) * row_bytes_,
+                    pool_row(layer, 0, b, h, S - count), static_cast<size_t>(count) * row_bytes_);
+        std::memcpy(sv + static_cast<size_t>(row0) * row_bytes_,
+                    pool_row(layer, 1, b, h, S - count), static_cast<size_t>(count) * row_bytes_);
+      }
+      for (int64_t j = skip; j < n; ++j) {
+        const size_t src = static_cast<size_t>((b * n + j) * width + h * d) * kv_bytes;
+        std::memcpy(sk + static_cast<size_t>(S + j) * row_bytes_,
+                    static_cast<const char*>(k.raw()) + src, row_bytes_);
+        std::memcpy(sv + static_cast<size_t>(S + j) * row_bytes_,
+                    static_cast<const char*>(v.raw()) + src, row_bytes_);
+      }
+      // The candidates, staging rows [row0, slots + n): the kept entries, then the new tokens.
+      const int64_t from = row0, m = rows - from;
+      std::vector<float> key(static_cast<size_t>(m * d));
+      convert_to_f32(sk + static_cast<size_t>(from) * row_bytes_, kv_dtype_, key.data(),
+                     key.size());
+      std::vector<float> score(static_cast<size_t>(m), 0.0f);
+      std::vector<int32_t> token(static_cast<size_t>(m));
+      for (int64_t c = 0; c < count; ++c) {
+        score[static_cast<size_t>(c)] = scores[entry(0, b, h, S - count + c)];
+        token[static_cast<size_t>(c)] = tokens[entry(0, b, h, S - count + c)];
+      }
+      for (int64_t c = count; c < m; ++c) {
+        token[static_cast<size_t>(c)] = static_cast<int32_t>(past + skip + c - count);
+      }
+      // Each valid query of the group's heads: its softmax over the kept entries and the pass's
+      // tokens up to its own, as attention computes it, summed into their scores.
+      std::vector<float> probs(static_cast<size_t>(m));
+      for (int64_t head = h * group_; head < (h + 1) * group_; ++head) {
+        for (int64_t j = skip; j < n; ++j) {
+          const float* qj = qd + (b * n + j) * q_width + head * d;
+          const int64_t seen = count + j - skip + 1;
+          for (int64_t c = 0; c < seen; ++c) {
+            probs[static_cast<size_t>(c)] = dot(qj, key.data() + c * d, d);
+          }
+          softmax_inplace(probs.data(), seen);
+          for (int64_t c = 0; c < seen; ++c)
+            score[static_cast<size_t>(c)] += probs[static_cast<size_t>(c)];
+        }
+      }
+      const std::vector<int64_t> keep = h2o_keep(score, token, S, recent_);
+      const int64_t first = S - std::ssize(keep);
+      for (size_t r = 0; r < keep.size(); ++r) {
+        const int64_t c = keep[r], row = first + static_cast<int64_t>(r);
+        std::memcpy(pool_row(layer, 0, b, h, row), sk + static_cast<size_t>(from + c) * row_bytes_,
+                    row_bytes_);
+        std::memcpy(pool_row(layer, 1, b, h, row), sv + static_cast<size_t>(from + c) * row_bytes_,
+                    row_bytes_);
+        const size_t e = entry(0, b, h, row);
+        scores[e] = score[static_cast<size_t>(c)];
+        tokens[e] = token[static_cast<size_t>(c)];
+        if (!host_keys_.empty()) {
+          std::memcpy(&host_keys_[entry(layer, b, h, row) * static_cast<size_t>(d)],
+                      key.data() + c * d, sizeof(float) * static_cast<size_t>(d));
+        }
+      }
+    }
+  }
+  write_bookkeeping(layer, scores, tokens);
+  device_copy(pipeline_.keys(layer).raw(), device_, staged_k.raw(), Device::Cpu, staged_k.nbytes());
+  device_copy(pipeline_.values(layer).raw(), device_, staged_v.raw(), Device::Cpu,
+              staged_v.nbytes());
+  for (int64_t b = 0; b < B; ++b) {
+    traffic.tokens_fetched += static_cast<uint64_t>(count_[static_cast<size_t>(b)] * H);
+    traffic.tokens_stored += static_cast<uint64_t>(kept[static_cast<size_t>(b)] * H);
+  }
+}
+
+KvStore::LayerState H2oKv::layer_state(int64_t layer) const {
+  const int64_t B = batch(), H = heads_, S = slots_, d = head_dim_;
+  if (dry_run()) {  // shapes only
+    return {{"h2o_keys", Tensor::empty({B, H, S, d}, kv_dtype_)},
+            {"h2o_values", Tensor::empty({B, H, S, d}, kv_dtype_)},
+            {"h2o_tokens", Tensor::empty({B, H, S}, DType::I32)},
+            {"h2o_scores", Tensor::empty({B, H, S}, DType::F32)}};
+  }
+  std::vector<float> scores;
+  std::vector<int32_t> tokens;
+  read_bookkeeping(layer, scores, tokens);
+  Tensor keys = Tensor::zeros({B, H, S, d}, kv_dtype_),
+         values = Tensor::zeros({B, H, S, d}, kv_dtype_);
+  Tensor saved_tokens = Tensor::empty({B, H, S}, DType::I32);
+  Tensor saved_scores = Tensor::zeros({B, H, S}, DType::F32);
+  std::fill_n(saved_tokens.data<int32_t>(), saved_tokens.numel(), -1);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t count = count_[static_cast<size_t>(b)];
+    const int32_t start = first_valid()[static_cast<size_t>(b)];
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t row = S - count; row < S; ++row) {
+        const size_t at = static_cast<size_t>((b * H + h) * S + row);
+        std::memcpy(static_cast<char*>(keys.raw()) + at * row_bytes_, pool_row(layer, 0, b, h, row),
+                    row_bytes_);
+        std::memcpy(static_cast<char*>(values.raw()) + at * row_bytes_,
+                    pool_row(layer, 1, b, h, row), row_bytes_);
+        saved_tokens.data<int32_t>()[at] = tokens[entry(0, b, h, row)] - start;
+        saved_scores.data<float>()[at] = scores[entry(0, b, h, row)];
+      }
+    }
+  }
+  return {{"h2o_keys", keys},
+          {"h2o_values", values},
+          {"h2o_tokens", saved_tokens},
+          {"h2o_scores", saved_scores}};
+}
+
+void H2oKv::restore_layer_state(int64_t layer, const LayerState& state) {
+  const int64_t B = batch(), H = heads_, S = slots_, d = head_dim_;
+  if (state.empty() && dry_run()) {    // shapes only: each sequence's newest tokens, as equal
+    for (int64_t b = 0; b < B; ++b) {  // (zero) scores keep
+      const int64_t count = std::min<int64_t>(length() - first_valid()[static_cast<size_t>(b)], S);
+      count_[static_cast<size_t>(b)] = static_cast<int32_t>(count);
+      for (int64_t h = 0; h < H; ++h) {
+        for (int64_t r = 0; r < count; ++r) {
+          tokens_[entry(layer, b, h, S - count + r)] = static_cast<int32_t>(length() - count + r);
+          scores_[entry(layer, b, h, S - count + r)] = 0.0f;
+        }
+      }
+    }
+    return;
+  }
+  const auto find = [&](const std::string& name) -> const Tensor& {
+    for (const auto& [key, tensor] : state) {
+      if (key == name) return tensor;
+    }
+    fail("layer ", layer, ": the session's H2O state has no ", name, " (the session is corrupt)");
+  };
+  const Tensor& saved_tokens = find("h2o_tokens");
+  const int64_t saved = saved_tokens.rank() == 3 ? saved_tokens.dim(2) : 0;
+  const auto check = [&](const Tensor& t, const std::string& name, DType dtype, Shape shape) {
+    INFINIGEN_CHECK(t.dtype() == dtype && t.shape() == shape, "layer ", layer, ": the session's ",
+                    name, " is ", dtype_name(t.dtype()), " ", shape_string(t.shape()), ", not ",
+                    dtype_name(dtype), " ", shape_string(shape), " (the session is corrupt)");
+  };
+  check(saved_tokens, "h2o_tokens", DType::I32, {B, H, saved});
+  const Tensor& saved_scores = find("h2o_scores");
+  const Tensor& saved_keys = find("h2o_keys");
+  const Tensor& saved_values = find("h2o_values");
+  check(saved_scores, "h2o_scores", DType::F32, {B, H, saved});
+  check(saved_keys, "h2o_keys", kv_dtype_, {B, H, saved, d});
+  check(saved_values, "h2o_values", kv_dtype_, {B, H, saved, d});
+  const int32_t* index = saved_tokens.data<int32_t>();
+  std::vector<float> scores(static_cast<size_t>(B * H * (S + 1)), 0.0f);
+  std::vector<int32_t> tokens(scores.size(), -1);
+  for (int64_t b = 0; b < B; ++b) {
+    const int32_t start = first_valid()[static_cast<size_t>(b)];
+    // The conversation's newest token is in every head's recent window: the history's length.
+    int64_t history = 0, saved_count = 0;
+    for (int64_t r = 0; r < saved; ++r) {
+      saved_count += index[b * H * saved + r] >= 0 ? 1 : 0;
+      for (int64_t h = 0; h < H; ++h) {
+        history = std::max<int64_t>(history, index[(b * H + h) * saved + r] + 1);
+      }
+    }
+    // The history's newest tokens may be among the pass's rows: kept as saved, not new.
+    const int64_t in_pass = std::max<int64_t>(0, start + history - length());
+    const int64_t count = std::min(saved_count, S);
+    if (layer == 0) {
+      count_[static_cast<size_t>(b)] = static_cast<int32_t>(count);
+      history_in_pass_[static_cast<size_t>(b)] = static_cast<int32_t>(in_pass);
+    }
+    INFINIGEN_CHECK(count == count_[static_cast<size_t>(b)] &&
+                        in_pass == history_in_pass_[static_cast<size_t>(b)],
+                    "layer ", layer, ": the session's H2O state keeps ", count, " entries of ",
+                    history, " tokens of sequence ", b, " where layer 0 keeps ",
+                    count_[static_cast<size_t>(b)], " (the session is corrupt)");
+    for (int64_t h = 0; h < H; ++h) {
+      std::vector<int64_t> rows;
+      std::vector<float> score;
+      std::vector<int32_t> token;
+      for (int64_t r = 0; r < saved; ++r) {
+        const int64_t at = (b * H + h) * saved + r;
+        if (index[at] < 0) continue;
+        rows.push_back(r);
+        score.push_back(saved_scores.data<float>()[at]);
+        token.push_back(start + index[at]);
+      }
+      INFINIGEN_CHECK(std::ssize(rows) == saved_count, "layer ", layer,
+                      ": the session's H2O state holds ", rows.size(), " entries of sequence ", b,
+                      ", head ", h, " and ", saved_count, " of head 0 (the session is corrupt)");
+      const std::vector<int64_t> keep = h2o_keep(score, token, count, std::min(recent_, count));
+      for (size_t k = 0; k < keep.size(); ++k) {
+        const int64_t c = keep[k], row = S - count + static_cast<int64_t>(k);
+        const size_t from = static_cast<size_t>((b * H + h) * saved + rows[static_cast<size_t>(c)]);
+        std::memcpy(pool_row(layer, 0, b, h, row),
+                    static_cast<const char*>(saved_keys.raw()) + from * row_bytes_, row_bytes_);
+        std::memcpy(pool_row(layer, 1, b, h, row),
+                    static_cast<const char*>(saved_values.raw()) + from * row_bytes_, row_bytes_);
+        scores[entry(0, b, h, row)] = score[static_cast<size_t>(c)];
+        tokens[entry(0, b, h, row)] = token[static_cast<size_t>(c)];
+        if (!host_keys_.empty()) {
+          convert_to_f32(pool_row(layer, 0, b, h, row), kv_dtype_,
+                         &host_keys_[entry(layer, b, h, row) * static_cast<size_t>(d)],
+                         static_cast<size_t>(d));
+        }
+      }
+    }
+  }
+  write_bookkeeping(layer, scores, tokens);
 }
 
 }  // namespace infinigen

@@ -78,6 +78,13 @@ const KvPolicy& h2o_kv_policy();  // its entry (offload/kv_policy.h)
 int64_t h2o_choose_victim(std::span<const float> scores, std::span<const int32_t> tokens,
                           int32_t recent_start);
 
+// The entries of one (layer, sequence, head)'s candidates (`scores`, `tokens`: any order) that
+// H2O keeps within `slots`: all when they fit, else the `recent` newest tokens and the
+// highest-scoring others, ties to the newer. Indices into the candidates, in token order. The
+// prefill keeps its prompt this way, and an extension its kept entries and new tokens.
+std::vector<int64_t> h2o_keep(std::span<const float> scores, std::span<const int32_t> tokens,
+                              int64_t slots, int64_t recent);
+
 // Entries each (layer, sequence, head) keeps for a budget share of `capacity` tokens; the planner
 // and the store agree through it.
 int64_t h2o_slots(double budget, int64_t capacity);
@@ -100,6 +107,21 @@ class H2oKv : public KvStore {
   View view(int64_t layer) override;
   void end_pass(int64_t n_new) override;
 
+  // Sessions (offload/session.h): H2O's whole state is its layers' state, which every pass may
+  // change (evictions), so a session saves it at the end of each turn: per layer "h2o_keys" and
+  // "h2o_values" (B, H_kv, slots, d) in the KV dtype, "h2o_tokens" (B, H_kv, slots) I32 (each
+  // row's token as an index into its sequence's conversation, -1 for an empty row) and
+  // "h2o_scores" (B, H_kv, slots) F32, the kept entries of (b, h) in its last count[b] rows.
+  bool saves_state_each_turn() const override { return true; }
+  LayerState layer_state(int64_t layer) const override;
+  // Into a store resumed (KvStore::resume) with this turn's budget: each (b, h)'s saved entries
+  // with their scores, at most `slots` (the rest as the policy evicts). A sequence with fewer new
+  // tokens than the batch's most has its newest history tokens among the pass's rows (which
+  // other stores compute again): H2O keeps their saved entries instead, and its extension
+  // scores and keeps only the sequence's new tokens, placing the kept rows just before them.
+  void restore_layer_state(int64_t layer, const LayerState& state) override;
+  void finish_stores() override { pipeline_.drain_stores(); }
+
   // Sequences leave the batch (KvStore::drop_sequences) with the pool and the bookkeeping
   // compacted in place into the layout of the smaller batch (on the host, or on the device); the
   // pool's memory is kept, as a whole, until the store goes.
@@ -121,6 +143,18 @@ class H2oKv : public KvStore {
                       const std::vector<LeaderMove>& moves) override;
 
  private:
+  // Whether the open pass extends stored entries by several tokens (a resumed conversation's
+  // first pass): attention reads the kept rows and the pass's own from a staging of slots + n
+  // rows, and the scores and keep choice run on the host (on either backend), as in the prefill
+  // with the kept entries as candidates besides the new tokens.
+  bool extending() const { return length() > 0 && pass_tokens() > 1; }
+  void extend(int64_t layer, const Tensor& keys, const Tensor& values);
+  // Layer `layer`'s scores and tokens (B, H, slots + 1), from the host's bookkeeping or the
+  // device's (copied back after the compute stream), and back.
+  void read_bookkeeping(int64_t layer, std::vector<float>& scores,
+                        std::vector<int32_t>& tokens) const;
+  void write_bookkeeping(int64_t layer, const std::vector<float>& scores,
+                         const std::vector<int32_t>& tokens);
   // Index of row `row` of (layer, b, h) in the host bookkeeping (scores, tokens, key copy / d).
   size_t entry(int64_t layer, int64_t b, int64_t h, int64_t row) const {
     return static_cast<size_t>(((layer * batch() + b) * heads_ + h) * (slots_ + 1) + row);
@@ -181,6 +215,9 @@ class H2oKv : public KvStore {
   // F32, keep_flags (B, H, n) I32.
   Tensor row_stats_, key_scores_, keep_flags_;
   std::vector<int32_t> count_;    // (B) entries kept per (layer, head) before this pass
+  std::vector<int32_t> extended_count_;  // (B) after an extension (set by its layers)
+  // (B) rows of a resumed turn's first pass that are history already kept (not new tokens).
+  std::vector<int32_t> history_in_pass_;
   std::vector<int32_t> view_first_valid_;  // (B) slots - count: first row attention reads
   Tensor queries_;                         // this layer's queries (B * n, H * d), from observe
   // Staging K and V (B, H, slots + 1, d) by layer parity. Last: its destructor waits for the

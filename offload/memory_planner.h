@@ -35,6 +35,8 @@ struct MemoryRequest {
   ModelConfig config;
   int64_t batch = 1;
   int64_t prompt_len = 1;  // padded
+  // A conversation's resumed turn: its first pass (prompt_len rows) extends stored tokens.
+  bool resumed = false;
   int64_t gen_len = 1;
   DType kv_dtype = DType::F16;
   OffloadOptions options;      // the policy and its options, weights_gpu_percent, kv_block_tokens

@@ -169,9 +169,11 @@ MemoryRequest planned_memory(const ModelConfig& config, const GenerationRequest&
   const int64_t rows =
       history ? first_pass_rows(request.prompts, history, conversation->shared_prefixes())
               : longest;
-  return offload_memory_request(config, static_cast<int64_t>(request.prompts.size()),
-                                std::max(longest, rows), request.gen_len, request.kv_dtype,
-                                options);
+  MemoryRequest memory =
+      offload_memory_request(config, static_cast<int64_t>(request.prompts.size()),
+                             std::max(longest, rows), request.gen_len, request.kv_dtype, options);
+  memory.resumed = history != nullptr;
+  return memory;
 }
 
 }  // namespace

@@ -418,21 +418,23 @@ void DiskSession::write_segment(const KvStore& store, const std::vector<int32_t>
     writer.finish();
     layer_files->push_back(record(relative));
     keep_written(relative);
-    if (with_state) {
-      const KvStore::LayerState state = store.layer_state(l);
-      if (state.empty()) {
-        state_files->push_back({});
-        continue;
-      }
-      const std::string state_path = directory + "/" + session_layer_file("state", l);
-      std::vector<std::pair<std::string, Tensor>> tensors(state.begin(), state.end());
-      write_safetensors((directory_ / state_path).string(), tensors);
-      state_files->push_back(record(state_path));
-      keep_written(state_path);
-    }
+    if (with_state) state_files->push_back(write_state(store, directory, l));
   }
   fsync_directory(directory_ / directory);
   stats_.write_seconds += seconds_since(start);
+}
+
+SessionFile DiskSession::write_state(const KvStore& store, const std::string& directory,
+                                     int64_t layer) {
+  const KvStore::LayerState state = store.layer_state(layer);
+  if (state.empty()) return {};
+  const std::string relative = directory + "/" + session_layer_file("state", layer);
+  std::vector<std::pair<std::string, Tensor>> tensors(state.begin(), state.end());
+  write_safetensors((directory_ / relative).string(), tensors);
+  SessionFile file = session_file(directory_, relative);
+  stats_.bytes_written += file.bytes;
+  keep_written(relative);
+  return file;
 }
 
 void DiskSession::after_first_pass(const KvStore& store, const std::vector<int32_t>& rows_from) {
@@ -442,6 +444,7 @@ void DiskSession::after_first_pass(const KvStore& store, const std::vector<int32
   remove_unnamed_session_files(directory_, manifest_);
   new_segments_.clear();
   new_state_.clear();
+  if (store.saves_state_each_turn()) return;  // its state, saved when the turn ends (finish)
   // After an overflow the kept history moved: it is saved again, with the turn's rows, as the
   // session's only segment besides a shared prefix's.
   const std::vector<int32_t>& from = overflow_ ? store.first_valid() : rows_from;
@@ -499,6 +502,17 @@ void DiskSession::finish(const KvStore& store, const std::vector<int32_t>& rows_
   if (reader_.joinable()) reader_.join();  // done: every layer was restored
   if (writer_.joinable()) writer_.join();
   if (writer_error_) std::rethrow_exception(writer_error_);
+  const bool state_each_turn = store.saves_state_each_turn();
+  if (state_each_turn) {
+    // The store's whole state as the turn left it, which replaces the last turn's.
+    const auto start = std::chrono::steady_clock::now();
+    const std::string directory = session_segment_name(manifest_.next_segment++);
+    fs::create_directories(directory_ / directory);
+    for (int64_t l = 0; l < key_.num_layers; ++l)
+      new_state_.push_back(write_state(store, directory, l));
+    fsync_directory(directory_ / directory);
+    stats_.write_seconds += seconds_since(start);
+  }
   SessionSegment segment;
   bool any = false;
   for (int64_t b = 0; b < store.batch(); ++b) {
@@ -506,7 +520,7 @@ void DiskSession::finish(const KvStore& store, const std::vector<int32_t>& rows_
         static_cast<int32_t>(store.length() - rows_from[static_cast<size_t>(b)]));
     any = any || segment.rows.back() > 0;
   }
-  if (any) {
+  if (any && !state_each_turn) {
     new_segments_.push_back(segment);
     write_segment(store, all_sequences(store.batch()), rows_from, segment,
                   session_segment_name(manifest_.next_segment++), false,
@@ -516,7 +530,7 @@ void DiskSession::finish(const KvStore& store, const std::vector<int32_t>& rows_
   // stays what is committed until the new manifest is (an abandoned save removes what it does
   // not name).
   SessionManifest next = manifest_;
-  const bool first_turn = next.segments.empty();
+  const bool first_turn = next.tokens.empty();
   if (first_turn) next.tokens.assign(prompts_.size(), {});
   if (overflow_) {  // the old segments hold the history before it moved
     next.segments.clear();
@@ -536,6 +550,7 @@ void DiskSession::finish(const KvStore& store, const std::vector<int32_t>& rows_
     next.prefix = new_prefix_;
     next.shared = new_shared_;
   }
+  if (state_each_turn) next.state = new_state_;
   next.segments.insert(next.segments.end(), new_segments_.begin(), new_segments_.end());
   new_segments_.clear();
   // Past the count, the turn commits with every segment merged into one, and the merged ones go.
@@ -546,8 +561,9 @@ void DiskSession::finish(const KvStore& store, const std::vector<int32_t>& rows_
     next = compact_session_segments(directory_, next, &stats_.bytes_written);
     stats_.write_seconds += seconds_since(start);
   }
-  // Files the new manifest no longer names go after it commits: merged or moved segments.
-  const bool replaced = compact || overflow_.has_value();
+  // Files the new manifest no longer names go after it commits: merged or moved segments, or the
+  // state of the turn before (a store saved as its state each turn).
+  const bool replaced = compact || overflow_.has_value() || state_each_turn;
   if (defer_commit_) {
     pending_ = std::move(next);
     pending_replaced_ = replaced;

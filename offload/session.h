@@ -175,6 +175,9 @@ class DiskSession : public Conversation {
                      const std::vector<int32_t>& rows_from, const SessionSegment& segment,
                      const std::string& directory, bool with_state,
                      std::vector<SessionFile>* layer_files, std::vector<SessionFile>* state_files);
+  // Writes layer `layer`'s state (KvStore::layer_state) into `directory` of the session; an
+  // empty file record where the layer keeps none.
+  SessionFile write_state(const KvStore& store, const std::string& directory, int64_t layer);
 
   // The file `file` of the session: from the tier's entry when there is one, else read from the
   // disk and checked (and copied into memory when a tier will keep the session).

@@ -257,7 +257,11 @@ SessionManifest read_manifest(const fs::path& directory, const SessionKey* expec
     for (const json& file : manifest.at("state")) s.state.push_back(file_record(file, where));
     INFINIGEN_CHECK(static_cast<int64_t>(s.state.size()) == L, where, ": state for ",
                     s.state.size(), " of ", L, " layers");
-    for (size_t b = 0; b < B; ++b) {
+    // A store saved as its state alone (KvStore::saves_state_each_turn) has no segments of rows.
+    const bool state_only =
+        s.segments.empty() && std::any_of(s.state.begin(), s.state.end(),
+                                          [](const SessionFile& f) { return !f.path.empty(); });
+    for (size_t b = 0; b < B && !state_only; ++b) {
       // Every token but the last generated one has its rows stored.
       INFINIGEN_CHECK(stored[b] + 1 == static_cast<int64_t>(s.tokens[b].size()), where,
                       ": sequence ", b + 1, " has ", s.tokens[b].size(), " tokens but ", stored[b],

@@ -354,7 +354,7 @@ TEST(PasskeyCli, LengthsPastTheContextRunAsATruncatedConversationOrRecomputed) {
   for (const auto& [model, policy, fragment] :
        {std::tuple{"builtin", "full", "learns its positions"},
         std::tuple{"builtin-llama", "int4", "the policy int4's saved rows cannot move"},
-        std::tuple{"builtin-llama", "h2o", "cannot keep a session"}}) {
+        std::tuple{"builtin-llama", "h2o", "the policy h2o's saved rows cannot move"}}) {
     const CommandResult r =
         run_infinigen({"eval", "--task", "passkey", "--model", model, "--lengths", "2100",
                        "--depths", "1", "--trials", "1", "--past-context", "drop-oldest",

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <thread>
@@ -17,6 +18,7 @@
 #include "core/file_io.h"
 #include "core/model_loader.h"
 #include "core/safetensors.h"
+#include "offload/h2o_kv.h"
 #include "offload/infinigen_kv.h"
 #include "offload/kv_policy.h"
 #include "offload/runtime.h"
@@ -252,18 +254,152 @@ TEST(Int4Session, RestoredCodesAndScalesAreTheSavedOnes) {
   }
 }
 
-// On a CUDA device (the emulated one in CI) the pools of `full`, `int4` and `infinigen` are pinned
-// host memory that a session reads and writes as on the CPU (InfiniGen's partial keys, on the
-// device, are copied to the host before a save reads them, as `gpu`'s whole KV is, and a resume
-// copies `gpu`'s back): three turns give the CPU's tokens, and logits within the backends'
-// rounding. The int4 codec is bit for bit the CPU's but the GEMMs
-// are not, and a key that rounds differently may take the next code (llama-tiny: 1.3e-3 in the
-// first turn already, 2e-3 by the third).
+// H2O keeping every token (budget 1) attends as the full cache does, so its sessions must give
+// the full cache's turns: the kept entries and scores saved at each turn's end, restored at the
+// rows of the new layout less the newest history rows that a sequence with fewer new tokens
+// computes again (the turns' prompts differ in length), and the first pass of each resumed turn
+// an extension over the kept rows. Rows no load brought are NaN.
+TEST(H2oSession, AtAFullBudgetGivesTheFullCachesTurns) {
+  set_debug_poison(true);
+  for (const std::string model : {"opt-tiny", "llama-tiny"}) {
+    const ModelSource source = session_model(model);
+    OffloadOptions options = session_options("h2o");
+    options.h2o_budget = 1.0;
+    TempDir dir("session-h2o");
+    const Turns h2o = run_session(source, options, dir.path() / "h2o");
+    const Turns full = run_session(source, session_options("full"), dir.path() / "full");
+    EXPECT_EQ(h2o.generated, full.generated) << model;
+    for (size_t turn = 0; turn < full.last_logits.size(); ++turn) {
+      const auto& got = h2o.last_logits[turn];
+      EXPECT_LT(testing_util::relative_error(got.data(), full.last_logits[turn].data(), got.size()),
+                1e-4)
+          << model << ", turn " << turn + 1;
+    }
+  }
+  set_debug_poison(false);
+}
+
+// The saved state of a session whose turns are prompts only (one token generated each), and
+// the turns' tokens (prompts and what was generated), in `path`.
+std::vector<std::vector<int32_t>> h2o_prompt_turns(
+    const ModelSource& source, const OffloadOptions& options, const fs::path& path,
+    const std::vector<std::vector<std::vector<int32_t>>>& turns) {
+  const SessionKey key = session_key(source, options, DType::F16, Device::Cpu);
+  for (size_t t = 0; t < turns.size(); ++t) {
+    auto session = t == 0 ? DiskSession::create(path, key) : DiskSession::open(path, key);
+    GenerationRequest request;
+    request.prompts = session->turn_prompts(turns[t]);
+    request.gen_len = 1;
+    run_offloaded(source, request, options, Device::Cpu, {}, session.get());
+  }
+  return DiskSession::open(path, key)->tokens();
+}
+
+// A resumed turn's first pass scores and keeps as H2O's prefill does: when the first turn evicted
+// nothing, the entries kept after the second turn's prompt are the ones one prefill over the
+// whole conversation keeps (the same tokens, budget and capacity), with the same scores within
+// the rounding of the queries computed over stored rather than fresh keys.
+TEST(H2oSession, AnExtensionKeepsWhatOnePrefillOverTheSameTokensKeeps) {
+  const ModelSource source = session_model("llama-tiny");
+  OffloadOptions options = session_options("h2o");
+  // Capacity 10 in the first turn (9 kept of at most 9), 28 in the second: 25 slots for 27.
+  options.h2o_budget = 0.9;
+  TempDir dir("session-h2o");
+  const std::vector<std::vector<int32_t>> conversation = h2o_prompt_turns(
+      source, options, dir.path() / "turns",
+      {{{2, 10, 11, 12, 13, 14}, {2, 500, 600, 700, 800, 900, 1000, 1100, 1200}},
+       {{40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59},
+        {60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76}}});
+  std::vector<std::vector<int32_t>> whole = conversation;
+  for (auto& tokens : whole) tokens.pop_back();  // the second turn's token, not yet computed
+  h2o_prompt_turns(source, options, dir.path() / "once", {whole});
+  const SessionManifest turns = read_saved_session(dir.path() / "turns").manifest;
+  const SessionManifest once = read_saved_session(dir.path() / "once").manifest;
+  int64_t evicted = 0;
+  for (int64_t l = 0; l < source.config.num_layers; ++l) {
+    const auto a = SafetensorsFile::open((dir.path() / "turns" / turns.state[l].path).string());
+    const auto b = SafetensorsFile::open((dir.path() / "once" / once.state[l].path).string());
+    const SafetensorsEntry& tokens_a = *a->find("h2o_tokens");
+    const SafetensorsEntry& tokens_b = *b->find("h2o_tokens");
+    ASSERT_EQ(tokens_a.shape, tokens_b.shape);
+    ASSERT_EQ(tokens_a.shape[2], 25);
+    const auto* ta = static_cast<const int32_t*>(a->bytes(tokens_a));
+    const auto* tb = static_cast<const int32_t*>(b->bytes(tokens_b));
+    const auto* sa = static_cast<const float*>(a->bytes(*a->find("h2o_scores")));
+    const auto* sb = static_cast<const float*>(b->bytes(*b->find("h2o_scores")));
+    const size_t n = tokens_a.nbytes / sizeof(int32_t);
+    EXPECT_EQ(std::vector<int32_t>(ta, ta + n), std::vector<int32_t>(tb, tb + n)) << "layer " << l;
+    EXPECT_LT(testing_util::relative_error(sa, sb, n), 1e-3) << "layer " << l;
+    // Each (sequence, head) kept 25 of its 27 tokens: 2 evicted, the oldest not always.
+    for (size_t i = 0; i < n; ++i) evicted += ta[i] < 0 ? 0 : 1;
+  }
+  EXPECT_EQ(evicted, source.config.num_layers * 2 * source.config.kv_heads() * 25);
+}
+
+// What an H2O store holds after a resume is what its session saved: each (sequence, head)'s kept
+// tokens at the rows of the new layout, their scores, and their keys and values byte for byte.
+TEST(H2oSession, RestoresTheEntriesItSaved) {
+  TempDir dir("session-h2o");
+  const ModelSource source = session_model("opt-tiny");
+  OffloadOptions options = session_options("h2o");
+  options.h2o_budget = 0.5;
+  const fs::path path = dir.path() / "s";
+  const SessionKey key = session_key(source, options, DType::F16, Device::Cpu);
+  {
+    auto session = DiskSession::create(path, key);
+    GenerationRequest request;
+    request.prompts = session->turn_prompts(turn_prompts(1));
+    request.gen_len = 4;  // decode steps that evict
+    run_offloaded(source, request, options, Device::Cpu, {}, session.get());
+  }
+  OffloadOptions other = options;
+  other.h2o_budget = 0.3;
+  testing_util::expect_error(
+      [&] { DiskSession::open(path, session_key(source, other, DType::F16, Device::Cpu)); },
+      {"saved with --h2o-budget 0.5; this run has 0.3"});
+  const SessionManifest saved = read_saved_session(path).manifest;
+  auto session = DiskSession::open(path, key);
+  const std::unique_ptr<ResumedStore> resumed = resume_store(*session, source, options);
+  const auto& store = dynamic_cast<const H2oKv&>(*resumed->store);
+  const int64_t B = store.batch(), H = source.config.kv_heads();
+  for (int64_t l = 0; l < source.config.num_layers; ++l) {
+    const auto file = SafetensorsFile::open((path / saved.state[l].path).string());
+    const SafetensorsEntry& tokens = *file->find("h2o_tokens");
+    const int64_t S = tokens.shape[2];
+    const auto* token = static_cast<const int32_t*>(file->bytes(tokens));
+    const auto* score = static_cast<const float*>(file->bytes(*file->find("h2o_scores")));
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t h = 0; h < H; ++h) {
+        std::map<int32_t, float> expected;
+        for (int64_t r = 0; r < S; ++r) {
+          const int64_t at = (b * H + h) * S + r;
+          if (token[at] >= 0) expected[resumed->first_valid[b] + token[at]] = score[at];
+        }
+        const std::vector<int32_t> kept = store.kept_tokens(l, b, h);
+        const std::vector<float> scores = store.kept_scores(l, b, h);
+        ASSERT_EQ(kept.size(), expected.size()) << l << " " << b << " " << h;
+        for (size_t i = 0; i < kept.size(); ++i) {
+          ASSERT_TRUE(expected.count(kept[i])) << "token " << kept[i];
+          EXPECT_EQ(scores[i], expected[kept[i]]);
+        }
+      }
+    }
+  }
+}
+
+// On a CUDA device (the emulated one in CI) the pools of `full`, `int4`, `infinigen` and `h2o` are
+// pinned host memory that a session reads and writes as on the CPU (InfiniGen's partial keys, on
+// the device, are copied to the host before a save reads them, as `gpu`'s whole KV is, and a resume
+// copies `gpu`'s back; H2O's scores and tokens on the device are copied both ways, and its resumed
+// turn's first pass scores on the host): three turns give the CPU's tokens, and logits within the
+// backends' rounding. The int4 codec is bit for bit the CPU's but the GEMMs are not, and a key that
+// rounds differently may take the next code (llama-tiny: 1.3e-3 in the first turn already, 2e-3 by
+// the third).
 TEST(SessionGpu, ContinuesAConversationAsTheCpuDoes) {
   INFINIGEN_SKIP_WITHOUT_CUDA_DEVICE();
   set_debug_poison(true);  // rows no load brought are NaN
   for (const std::string model : {"opt-tiny", "llama-tiny"}) {
-    for (const std::string policy : {"int4", "full", "infinigen", "gpu"}) {
+    for (const std::string policy : {"int4", "full", "infinigen", "gpu", "h2o"}) {
       const ModelSource source = session_model(model);
       const OffloadOptions options = session_options(policy);
       TempDir dir("session-gpu");
@@ -460,9 +596,6 @@ TEST(SessionFiles, AnotherModelPolicyOrOptionIsRefused) {
             path, session_key(source, session_options("infinigen"), DType::F32, Device::Cpu));
       },
       {"saved with KV dtype F16, not F32"});
-  options = session_options("h2o");
-  testing_util::expect_error([&] { session_key(source, options, DType::F16, Device::Cpu); },
-                             {"--policy h2o cannot keep a session"});
   testing_util::expect_error(
       [&] {
         DiskSession::create(path,
@@ -749,9 +882,6 @@ TEST(SessionCli, BadUsesEndWithOneLine) {
        (dir.path() / "notes").string()},
       {"holds todo.txt", "needs an empty directory"});
   EXPECT_TRUE(fs::exists(dir.path() / "notes" / "todo.txt"));
-  testing_util::expect_one_line_error(
-      {"run", "--model", "opt-tiny", "--prompt-len", "4", "--policy", "h2o", "--session", path},
-      {"--policy h2o cannot keep a session"});
   testing_util::expect_one_line_error(
       {"run", "--model", "opt-tiny", "--prompt-len", "4", "--policy", "full", "--kv-pool-limit",
        "0.5", "--session", path},
