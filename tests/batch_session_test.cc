@@ -98,21 +98,24 @@ std::vector<std::string> batch_args(const TempDir& dir, const std::string& outpu
 }
 
 json run_job(const TempDir& dir, const std::string& output, const std::string& cache,
-             const std::string& roots) {
-  const testing_util::CommandResult result =
-      run_infinigen(batch_args(dir, output, roots, {"--session-cache", cache, "--json"}));
+             const std::string& roots, std::vector<std::string> more = {}) {
+  more.insert(more.end(), {"--session-cache", cache, "--json"});
+  const testing_util::CommandResult result = run_infinigen(batch_args(dir, output, roots, more));
   EXPECT_EQ(result.exit_code, 0) << result.err;
   return json::parse(result.out);
 }
 
-// The same turns, one `run` each: --session for a session's first, --resume for the others.
-std::map<std::string, std::string> run_one_by_one(const TempDir& dir) {
+// The same turns, one `run` each: --session for a session's first, --resume for the others; with
+// `more` options.
+std::map<std::string, std::string> run_one_by_one(const TempDir& dir,
+                                                  const std::vector<std::string>& more = {}) {
   std::map<std::string, std::string> texts;
   std::map<std::string, bool> started;
   for (const Turn& t : kTurns) {
     std::vector<std::string> args = {"run",    "--model",    kTiny,
                                      "--json", "--gen-len",  std::to_string(t.max_tokens),
                                      "--temperature", "0", "--prompt", t.prompt};
+    args.insert(args.end(), more.begin(), more.end());
     if (!t.session.empty()) {
       args.push_back(started[t.session] ? "--resume" : "--session");
       args.push_back((dir.path() / ("run-" + t.session)).string());
@@ -162,6 +165,36 @@ TEST(BatchSessions, TurnsEqualRunResumeWithAndWithoutTheTier) {
     if (cache == "20K") {
       EXPECT_GT(s["tier_evictions"].get<int>(), 0);
       EXPECT_GT(s["tier_prefetched"].get<int>(), 0);
+    }
+  }
+}
+
+// H2O's sessions (its state, replaced at every turn's end) through a job: the turns equal `run`
+// --resume one by one, with every session cold, or every continued turn hot (its state from the
+// tier, nothing read from the disk).
+TEST(BatchSessions, H2oTurnsEqualRunResumeColdAndHot) {
+  TempDir dir("batch-sessions-h2o");
+  std::ofstream(dir.path() / "job.jsonl") << job_text();
+  const std::vector<std::string> h2o = {"--policy", "h2o", "--h2o-budget", "0.5"};
+  const std::map<std::string, std::string> expected = run_one_by_one(dir, h2o);
+  ASSERT_EQ(expected.size(), kTurns.size());
+  for (const std::string cache : {"0", "64M"}) {
+    const std::string roots = (dir.path() / ("roots-" + cache)).string();
+    fs::create_directories(roots);
+    const std::string output = "out-" + cache + ".jsonl";
+    const json summary = run_job(dir, output, cache, roots, h2o);
+    EXPECT_EQ(completions(read_file(dir.path() / output)), expected) << cache;
+    const json& s = summary["sessions"];
+    EXPECT_EQ(s["turns"], 10);
+    EXPECT_EQ(s["hot_turns"], cache == "0" ? 0 : 7);
+    EXPECT_EQ(s["cold_bytes"].get<uint64_t>() > 0, cache == "0");
+    // Each session's directory holds the last turn's state alone.
+    for (const std::string session : {"a", "b", "c"}) {
+      int64_t segments = 0;
+      for (const auto& entry : fs::directory_iterator(fs::path(roots) / session)) {
+        segments += entry.is_directory() ? 1 : 0;
+      }
+      EXPECT_EQ(segments, 1) << session;
     }
   }
 }
