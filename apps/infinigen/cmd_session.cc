@@ -14,7 +14,11 @@ constexpr double kMiB = 1024.0 * 1024.0;
 
 int compact(const std::string& directory) {
   const SessionCompaction done = compact_session(directory);
-  if (done.bytes_written == 0) {
+  if (done.segments == 0) {
+    // A store saved as its state alone (h2o): each turn replaces it whole.
+    std::printf("%s: no segments (the session is its state), nothing to compact\n",
+                directory.c_str());
+  } else if (done.bytes_written == 0) {
     std::printf("%s: %lld segment, nothing to compact\n", directory.c_str(),
                 static_cast<long long>(done.segments));
   } else {
