@@ -662,9 +662,14 @@ void H2oKv::extend(int64_t layer, const Tensor& keys, const Tensor& values) {
     kept[i] = std::min(count_[i] + n - first_new[i], S);
     extended_count_[i] = static_cast<int32_t>(kept[i]);
   }
-  int64_t scored = 0;  // (candidate, query) pairs, for the trace
-  for (int64_t b = 0; b < B; ++b) scored += (count_[static_cast<size_t>(b)] + n) * n;
-  if (traced("h2o_extend_scores", {B, H * group_, scored / std::max<int64_t>(B * n, 1), d})) {
+  // (query, candidate) pairs each query head scores over the batch, for the trace: each new
+  // token's query over the kept entries and the new tokens up to its own.
+  int64_t scored = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t m = n - first_new[static_cast<size_t>(b)];
+    scored += count_[static_cast<size_t>(b)] * m + m * (m + 1) / 2;
+  }
+  if (traced("h2o_extend_scores", {H * group_, scored, d})) {
     // A dry run: with no scores the newest tokens are what is kept.
     for (int64_t b = 0; b < B; ++b) {
       for (int64_t h = 0; h < H; ++h) {

@@ -112,6 +112,10 @@ const std::pair<std::string_view, Pricing> kPrices[] = {
        const double pairs = f(s[2]) * f(s[2] + 1) / 2;
        return OpWork{OpClass::Scoring, f(s[0] * s[1]) * pairs * f(2 * s[3] + 4), 0, 0, 0, 0, 0};
      }},
+    {"h2o_extend_scores",  // s[0] query heads, s[1] (query, entry) pairs per head, d = s[2]
+     [](auto& s, double, DType) {
+       return OpWork{OpClass::Scoring, f(s[0] * s[1]) * f(2 * s[2] + 4), 0, 0, 0, 0, 0};
+     }},
     {"h2o_decode_scores",  // s[2]: entries scored per head, over the batch
      [](auto& s, double, DType) {
        return OpWork{OpClass::Scoring, f(s[1] * s[2]) * f(2 * s[3] + 6), 0, 0, 0, 0, 0};
