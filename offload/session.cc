@@ -39,8 +39,9 @@ std::vector<int32_t> all_sequences(int64_t batch) {
 std::vector<int64_t> overflow_drops(const std::vector<int64_t>& held,
                                     const std::vector<int64_t>& added, int64_t gen_len,
                                     int64_t context, int64_t keep_prefix,
-                                    const std::vector<int64_t>& shared_lengths) {
+                                    const std::vector<int64_t>& shared_lengths, int64_t margin) {
   INFINIGEN_CHECK(keep_prefix >= 0, "--keep-prefix must be at least 0, got ", keep_prefix);
+  INFINIGEN_CHECK(margin >= 0, "--overflow-margin must be at least 0, got ", margin);
   std::vector<int64_t> dropped(held.size(), 0);
   for (size_t b = 0; b < held.size(); ++b) {
     // The sizes come from the user: clamped where the sum could overflow (such a turn cannot fit).
@@ -60,7 +61,8 @@ std::vector<int64_t> overflow_drops(const std::vector<int64_t>& held,
                     " shares a prompt prefix of ", shared_lengths[b],
                     " tokens with others, which an overflow cannot drop: --keep-prefix must be at "
                     "least that");
-    dropped[b] = over;
+    // And the margin, as far as the history goes: the next turns fit without dropping again.
+    dropped[b] = over + std::min(margin, droppable - over);
   }
   return dropped;
 }
@@ -170,14 +172,14 @@ std::vector<std::vector<int32_t>> DiskSession::turn_prompts(
 }
 
 int64_t DiskSession::drop_oldest(const ModelConfig& config, const std::vector<int64_t>& added,
-                                 int64_t gen_len, int64_t keep_prefix) {
+                                 int64_t gen_len, int64_t keep_prefix, int64_t margin) {
   std::vector<int64_t> held, shared_lengths;
   for (const std::vector<int32_t>& tokens : manifest_.tokens) held.push_back(std::ssize(tokens));
   for (int64_t b = 0; !manifest_.shared.empty() && b < batch(); ++b) {
     shared_lengths.push_back(manifest_.shared.prefix_length(b));
   }
-  const std::vector<int64_t> dropped =
-      overflow_drops(held, added, gen_len, config.max_positions, keep_prefix, shared_lengths);
+  const std::vector<int64_t> dropped = overflow_drops(held, added, gen_len, config.max_positions,
+                                                      keep_prefix, shared_lengths, margin);
   const int64_t total = std::accumulate(dropped.begin(), dropped.end(), int64_t{0});
   if (total == 0) return 0;
   INFINIGEN_CHECK(config.rope.enabled(), "the conversation passes the model's context of ",

@@ -77,12 +77,14 @@ struct SessionOverflow {
 // The tokens each sequence must drop so that a conversation of held[b] tokens (the last one, not
 // yet through the model, included), added[b] new prompt tokens and gen_len generated fits
 // `context` positions, keeping its first keep_prefix and at least its last token: all zeros when
-// every sequence fits. One-line Error when one cannot fit, or when a sequence's shared prompt
-// prefix (shared_lengths[b], 0 for none) is longer than keep_prefix.
+// every sequence fits. A sequence that must drop drops `margin` tokens more where its history
+// has them, so that its next turns fit without dropping (and rewriting its kept history) again.
+// One-line Error when one cannot fit, or when a sequence's shared prompt prefix
+// (shared_lengths[b], 0 for none) is longer than keep_prefix.
 std::vector<int64_t> overflow_drops(const std::vector<int64_t>& held,
                                     const std::vector<int64_t>& added, int64_t gen_len,
                                     int64_t context, int64_t keep_prefix,
-                                    const std::vector<int64_t>& shared_lengths);
+                                    const std::vector<int64_t>& shared_lengths, int64_t margin = 0);
 
 // The tokens kept at the start of a conversation when it overflows (run --keep-prefix): the
 // first few tokens hold much of the attention of every later one (StreamingLLM's attention
@@ -124,14 +126,14 @@ class DiskSession : public Conversation {
 
   // Makes room for this turn when a conversation would pass a rotary model's context
   // (docs/sessions.md, "Overflow"): `added[b]` new prompt tokens and `gen_len` generated. Where
-  // sequence b would not fit, its oldest history tokens after the first `keep_prefix` go
-  // (overflow_drops); the restore moves the rest to their new positions (keys rotated back by the
-  // tokens dropped, what the store derives from keys derived again) and the save rewrites the
-  // kept history as one segment. Returns the tokens dropped (0: the turn fits; nothing changes).
-  // One-line Errors: a model with learned positions (OPT), a policy whose rows cannot move
-  // (KvPolicy::shifts_positions), and overflow_drops's.
+  // sequence b would not fit, its oldest history tokens after the first `keep_prefix` go, and
+  // `margin` more (overflow_drops); the restore moves the rest to their new positions (keys rotated
+  // back by the tokens dropped, what the store derives from keys derived again) and the save
+  // rewrites the kept history as one segment. Returns the tokens dropped (0: the turn fits; nothing
+  // changes). One-line Errors: a model with learned positions (OPT), a policy whose rows cannot
+  // move (KvPolicy::shifts_positions), and overflow_drops's.
   int64_t drop_oldest(const ModelConfig& config, const std::vector<int64_t>& added, int64_t gen_len,
-                      int64_t keep_prefix);
+                      int64_t keep_prefix, int64_t margin = 0);
 
   const std::vector<std::vector<int32_t>>& history() const override { return history_; }
   const SharedPrefixes& shared_prefixes() const override { return manifest_.shared; }

@@ -85,6 +85,12 @@ TEST(OverflowDrops, DropExactlyWhatTheTurnNeedsAfterTheKeptPrefix) {
                               "--keep-prefix must be at least that"});
   testing_util::expect_error([] { overflow_drops({60}, {10}, 6, 64, -1, {}); },
                              {"--keep-prefix must be at least 0"});
+  // A margin drops more where a sequence must drop, as far as its history goes; none where it
+  // fits.
+  EXPECT_EQ(overflow_drops({60, 20}, {10, 10}, 6, 64, 4, {}, 20), std::vector<int64_t>({32, 0}));
+  EXPECT_EQ(overflow_drops({60}, {10}, 6, 64, 4, {}, 1000), std::vector<int64_t>({55}));
+  testing_util::expect_error([] { overflow_drops({60}, {10}, 6, 64, 4, {}, -1); },
+                             {"--overflow-margin must be at least 0"});
 }
 
 // llama-tiny with a context of 64 positions: sequence 0's second turn passes it, sequence 1's
@@ -316,9 +322,13 @@ TEST(SessionOverflowGpu, AnOverflowedTurnOnTheDeviceGivesTheCpuTokens) {
 }
 
 // A conversation of many turns on the built-in Llama runs past its context of 2048 positions to
-// the end, each turn that would pass it dropping what it needs, and the session never holds more
-// than the context.
-TEST(SessionOverflowCli, ManyTurnsPastTheContextRunToTheEnd) {
+// the end, each turn that would pass it dropping what it needs (and --overflow-margin more), and
+// the session never holds more than the context. 408 tokens a turn: the sixth is the first past
+// 2048 (by 400); with no margin the seventh drops too, with a margin of 600 it fits.
+class ManyTurns : public ::testing::TestWithParam<int> {};
+
+TEST_P(ManyTurns, PastTheContextRunToTheEnd) {
+  const int margin = GetParam();
   TempDir dir("overflow-cli");
   const std::string session = (dir.path() / "chat").string();
   int64_t dropped = 0;
@@ -330,8 +340,8 @@ TEST(SessionOverflowCli, ManyTurnsPastTheContextRunToTheEnd) {
     if (turn == 1) {
       args.insert(args.end(), {"--session", session});
     } else {
-      args.insert(args.end(),
-                  {"--resume", session, "--overflow", "drop-oldest", "--keep-prefix", "16"});
+      args.insert(args.end(), {"--resume", session, "--overflow", "drop-oldest", "--keep-prefix",
+                               "16", "--overflow-margin", std::to_string(margin)});
     }
     const testing_util::CommandResult run =
         testing_util::run_infinigen(args, {"INFINIGEN_CACHE_DIR=" + dir.str()});
@@ -339,8 +349,10 @@ TEST(SessionOverflowCli, ManyTurnsPastTheContextRunToTheEnd) {
     const nlohmann::json report = nlohmann::json::parse(run.out, nullptr, false);
     ASSERT_FALSE(report.is_discarded()) << run.out;
     const int64_t turn_dropped = report["session"]["tokens_dropped"];
-    // 408 tokens a turn: the sixth turn is the first past 2048.
-    EXPECT_EQ(turn_dropped > 0, turn >= 6) << "turn " << turn;
+    EXPECT_EQ(turn_dropped > 0, margin == 0 ? turn >= 6 : turn == 6) << "turn " << turn;
+    if (turn == 6) {
+      EXPECT_EQ(turn_dropped, 400 + margin);
+    }
     dropped += turn_dropped;
     const SavedSession saved = read_saved_session(session);
     ASSERT_EQ(saved.manifest.tokens.size(), 1u);
@@ -354,6 +366,8 @@ TEST(SessionOverflowCli, ManyTurnsPastTheContextRunToTheEnd) {
   }
   EXPECT_GT(dropped, 0);
 }
+
+INSTANTIATE_TEST_SUITE_P(Margins, ManyTurns, ::testing::Values(0, 600));
 
 // Bad uses of the overflow options end with one line.
 TEST(SessionOverflowCli, BadUsesEndWithOneLine) {

@@ -118,7 +118,7 @@ std::string run_session_turn(const PreparedRequest& p, const std::string& direct
   if (exists && o.drops()) {
     std::vector<int64_t> added;
     for (const std::vector<int32_t>& prompt : p.prompts) added.push_back(std::ssize(prompt));
-    session->drop_oldest(model.config, added, p.max_tokens, o.keep_prefix);
+    session->drop_oldest(model.config, added, p.max_tokens, o.keep_prefix, o.margin);
   }
   GenerationRequest request;
   request.kv_dtype = parse_float_dtype(o.kv_dtype);

@@ -116,6 +116,8 @@ JobKey job_key(const BatchOptions& o, const ModelSource& model, const SamplingOp
   if (o.drops()) {
     key.emplace_back("--overflow", o.overflow);
     key.emplace_back("--keep-prefix", std::to_string(o.keep_prefix));
+    // Not in the key at 0, as before the option existed: those jobs resume.
+    if (o.margin > 0) key.emplace_back("--overflow-margin", std::to_string(o.margin));
   }
   for (const auto& spec : offload_option_table()) {
     key.emplace_back(flag_spelling(spec.key), spec.format(o.offload));

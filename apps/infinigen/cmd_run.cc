@@ -236,7 +236,7 @@ int run(const RunOptions& o) {
                           : std::ssize(prompt_plan.texts[b % prompt_plan.texts.size()]));
     }
     if (o.drops()) {
-      session->drop_oldest(loaded.config, added, o.gen_len, o.keep_prefix);
+      session->drop_oldest(loaded.config, added, o.gen_len, o.keep_prefix, o.margin);
     }
     // The longest conversation with this turn's prompt: what the context and the plan must hold.
     longest = 0;

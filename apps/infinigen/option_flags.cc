@@ -81,6 +81,14 @@ CLI::Option* add_overflow_flags(CLI::App& app, OverflowFlags& flags) {
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str()
       ->needs(overflow);
+  app.add_option("--overflow-margin", flags.margin,
+                 "Tokens --overflow drop-oldest drops beyond what the turn needs (as far as the "
+                 "history goes), so that the next turns fit without dropping again: each drop "
+                 "rewrites the kept history, and with no margin a conversation at the context "
+                 "drops at every turn")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str()
+      ->needs(overflow);
   return overflow;
 }
 

@@ -56,9 +56,11 @@ void add_generation_flags(CLI::App& app, GenerationFlags& flags);
 struct OverflowFlags {
   std::string overflow = "refuse";  // refuse, or drop-oldest
   int64_t keep_prefix = kSessionKeepPrefix;
+  int64_t margin = 0;  // tokens dropped beyond what the turn needs
   bool drops() const { return overflow == "drop-oldest"; }
 };
-// Registers --overflow and --keep-prefix (which needs --overflow); returns --overflow.
+// Registers --overflow, --keep-prefix and --overflow-margin (which need --overflow); returns
+// --overflow.
 CLI::Option* add_overflow_flags(CLI::App& app, OverflowFlags& flags);
 
 // The device the flags ask for (auto: CUDA when there is one and the policy runs there; the
