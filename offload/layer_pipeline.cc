@@ -65,8 +65,11 @@ void LayerPipeline::resize_staging(int64_t rows) {
 void LayerPipeline::start_pass(const KvStore& store) { clock_.start_pass(store); }
 
 void LayerPipeline::end_pass(const KvStore& store) {
-  // The prefill's stores read the staging buffers that the first decode loads overwrite.
-  if (store.length() == 0) drain_stores();
+  // The stores of a prompt's pass or an extension read the staging (its rows of the pass), which
+  // the next pass's loads overwrite: a load waits for its own layer's last store only, and the
+  // store of a later layer of the same parity may still be reading. (A decode step's stores read
+  // the token buffers.)
+  if (store.length() == 0 || store.pass_tokens() > 1) drain_stores();
   clock_.end_pass(store);
 }
 

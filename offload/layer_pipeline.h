@@ -63,7 +63,8 @@ class LayerPipeline {
   LayerPipeline& operator=(const LayerPipeline&) = delete;
 
   void start_pass(const KvStore& store);
-  // Drains the prefill's stores, then closes the step when the pass closes one.
+  // Drains the stores of a prompt's pass or an extension (they read the staging that the next
+  // pass's loads overwrite), then closes the step when the pass closes one.
   void end_pass(const KvStore& store);
 
   // Layer `layer`'s staged keys and values, (B, H_kv, rows, d): the buffers of its parity.

@@ -3,8 +3,11 @@
 #include <gtest/gtest.h>
 
 #include "core/generation.h"
+#include "core/model_loader.h"
 #include "core/ops.h"
+#include "offload/kv_policy.h"
 #include "offload/runtime.h"
+#include "offload/transfer_engine.h"
 #include "tests/test_util.h"
 
 namespace infinigen {
@@ -164,6 +167,55 @@ TEST_F(OffloadRuntime, PlansThatCannotFitAreRefusedBeforeAllocating) {
 // The per-policy gate of --device: on the CPU backend everything runs; on CUDA a policy runs
 // when the model's ops do (each policy's own steps have CUDA kernels: int4's codec, h2o's scores,
 // InfiniGen's speculation and gather).
+// An extension's stores read its rows from the staging, which the next pass's loads overwrite (a
+// load waits for its own layer's last store only, and a later layer of the same parity may still
+// be storing): its end waits for them, as the prefill's does. With every transfer taking 20 ms
+// (copy, then the link's latency) the last layer's store is still in flight when the pass ends
+// unless the end waits (no attention reads the views here, so nothing else waits for them); each
+// layer's rows are its own value, so the rows the next pass stages tell what the pool holds.
+TEST(LayerPipelineOrder, AnExtensionsStoresLandBeforeTheNextPass) {
+  ModelConfig config = resolve_model("opt-tiny", {}).config;
+  config.num_layers = 4;  // two per staging buffer (parity); no model runs
+  OffloadOptions options;
+  options.policy = "full";
+  options.link.latency_us = 20000.0;
+  TransferEngine engine(Device::Cpu, options.link);
+  OffloadStats stats;
+  const int64_t width = config.kv_heads() * config.head_dim(), n = 4, L = config.num_layers;
+  std::unique_ptr<KvStore> store = kv_policy("full").make_store(
+      {config, 1, 16, DType::F32, Device::Cpu, options, 0, engine, stats});
+  const auto rows = [&](int64_t layer, int64_t pass, int64_t count) {
+    return Tensor::from_floats({count, width},
+                               std::vector<float>(static_cast<size_t>(count * width),
+                                                  static_cast<float>(10 * layer + pass)));
+  };
+  for (int64_t pass = 0; pass < 2; ++pass) {  // the prefill, then an extension
+    store->begin_pass(n);
+    for (int64_t l = 0; l < L; ++l) {
+      store->begin_layer(l);
+      store->append(l, rows(l, pass, n), rows(l, pass, n));
+    }
+    store->end_pass(n);
+    EXPECT_EQ(engine.counters().d2h_transfers, static_cast<uint64_t>(L * (pass + 1)))
+        << "stores landed by the end of pass " << pass;
+  }
+  store->begin_pass(1);
+  for (int64_t l = 0; l < L; ++l) {
+    store->begin_layer(l);
+    store->append(l, rows(l, 2, 1), rows(l, 2, 1));
+    const KvStore::View view = store->view(l);
+    const float* keys = view.keys->data<float>();  // (1, H_kv, 16, d)
+    for (int64_t h = 0; h < config.kv_heads(); ++h) {
+      for (int64_t t = 0; t < 2 * n; ++t) {
+        ASSERT_EQ(keys[(h * 16 + t) * config.head_dim()], static_cast<float>(10 * l + t / n))
+            << "layer " << l << ", head " << h << ", token " << t;
+      }
+    }
+  }
+  store->end_pass(1);
+  engine.synchronize();
+}
+
 TEST(PolicyGate, EachPolicySaysWhetherItsStepsRunOnTheDevice) {
   const bool model_on_cuda = ops::device_runs_transformer(Device::Cuda);
   for (const std::string policy : {"gpu", "full", "int4", "h2o", "infinigen"}) {
