@@ -740,14 +740,9 @@ void H2oKv::extend(int64_t layer, const Tensor& keys, const Tensor& values) {
       std::vector<float> probs(static_cast<size_t>(m));
       for (int64_t head = h * group_; head < (h + 1) * group_; ++head) {
         for (int64_t j = skip; j < n; ++j) {
-          const float* qj = qd + (b * n + j) * q_width + head * d;
-          const int64_t seen = count + j - skip + 1;
-          for (int64_t c = 0; c < seen; ++c) {
-            probs[static_cast<size_t>(c)] = dot(qj, key.data() + c * d, d);
-          }
-          softmax_inplace(probs.data(), seen);
-          for (int64_t c = 0; c < seen; ++c)
-            score[static_cast<size_t>(c)] += probs[static_cast<size_t>(c)];
+          // Query j sees the kept entries and the new tokens up to its own.
+          h2o_accumulate_scores(qd + (b * n + j) * q_width + head * d, key.data(),
+                                count + j - skip + 1, d, probs.data(), score.data());
         }
       }
       const std::vector<int64_t> keep = h2o_keep(score, token, S, recent_);
