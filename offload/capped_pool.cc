@@ -2,6 +2,7 @@
 #include "offload/capped_pool.h"
 
 #include <algorithm>
+#include <numeric>
 
 #include "core/compact_batch.h"
 #include "core/device.h"
@@ -167,6 +168,137 @@ void CappedPool::count_dense_fetches(int64_t layer, const PartialLayer::Selectio
       }
     }
   }
+}
+
+int64_t CappedPool::record(int64_t layer, int64_t row, int64_t position) const {
+  const EvictionTable& table = eviction_[static_cast<size_t>(layer)];
+  switch (table.policy()) {
+    case EvictionPolicy::Counter:
+      return table.counter(row, position);
+    case EvictionPolicy::Lru:
+      return table.last_use(row, position);
+    case EvictionPolicy::Fifo:
+      return 0;
+  }
+  return 0;
+}
+
+void CappedPool::record_as_history(int64_t record, int64_t& fetches, int64_t& last_fetch) const {
+  const EvictionPolicy policy = eviction_.front().policy();
+  fetches = policy == EvictionPolicy::Counter ? record : 0;
+  last_fetch = policy == EvictionPolicy::Lru ? record : -1;
+}
+
+CappedPool::Held CappedPool::held(int64_t layer, int64_t row) const {
+  const int32_t* row_tokens = tokens_[static_cast<size_t>(layer)].data() + row * slots_;
+  std::vector<std::pair<int32_t, int32_t>> order;  // (token, position), oldest first
+  for (int64_t p = 0; p < slots_; ++p) {
+    if (row_tokens[p] >= 0) order.emplace_back(row_tokens[p], static_cast<int32_t>(p));
+  }
+  std::sort(order.begin(), order.end());
+  Held held;
+  for (const auto& [token, position] : order) {
+    int64_t fetches = 0, last_fetch = -1;
+    record_as_history(record(layer, row, position), fetches, last_fetch);
+    held.entries.tokens.push_back(token);
+    held.entries.fetches.push_back(fetches);
+    held.entries.last_fetch.push_back(last_fetch);
+    held.positions.push_back(position);
+  }
+  return held;
+}
+
+std::vector<std::pair<int32_t, int32_t>> CappedPool::refill_row(int64_t layer, int64_t row,
+                                                                const PromptKeep& keep,
+                                                                int64_t first_new,
+                                                                int64_t& evicted) {
+  const Held before = held(layer, row);
+  const auto used = std::ssize(before.positions);
+  INFINIGEN_CHECK(std::ssize(keep.tokens) <= slots_, "capped pool: ", keep.tokens.size(),
+                  " tokens kept in ", slots_, " positions");
+  std::vector<int32_t> tokens(keep.tokens.size(), -1);
+  std::vector<int64_t> fetches(tokens.size(), 0), last_fetch(tokens.size(), -1);
+  std::vector<char> taken(static_cast<size_t>(slots_), 0);
+  std::vector<int32_t> position_of(keep.tokens.size(), -1);
+  // The held tokens kept stay where they are.
+  int64_t kept_held = 0;
+  for (size_t i = 0; i < keep.tokens.size(); ++i) {
+    const int32_t token = keep.tokens[i];
+    if (token >= first_new) continue;
+    const auto at =
+        std::lower_bound(before.entries.tokens.begin(), before.entries.tokens.end(), token);
+    INFINIGEN_CHECK(at != before.entries.tokens.end() && *at == token, "capped pool: token ",
+                    token, " kept but not held");
+    position_of[i] = before.positions[static_cast<size_t>(at - before.entries.tokens.begin())];
+    taken[static_cast<size_t>(position_of[i])] = 1;
+    ++kept_held;
+  }
+  evicted += used - kept_held;
+  // The pass's kept tokens: the evicted held tokens' positions, then the free ones.
+  std::vector<std::pair<int32_t, int32_t>> placed;
+  int64_t next = 0;
+  for (size_t i = 0; i < keep.tokens.size(); ++i) {
+    if (keep.tokens[i] < first_new) continue;
+    while (taken[static_cast<size_t>(next)] != 0) ++next;
+    taken[static_cast<size_t>(next)] = 1;
+    position_of[i] = static_cast<int32_t>(next);
+    placed.emplace_back(keep.tokens[i], static_cast<int32_t>(next));
+  }
+  // Every kept token at its position, with its history.
+  for (size_t i = 0; i < keep.tokens.size(); ++i) {
+    const auto j = static_cast<size_t>(position_of[i]);
+    tokens[j] = keep.tokens[i];
+    fetches[j] = keep.fetches[i];
+    last_fetch[j] = keep.last_fetch[i];
+  }
+  fill_row(layer, row, tokens, fetches, last_fetch);
+  return placed;
+}
+
+void CappedPool::fill_row(int64_t layer, int64_t row, const std::vector<int32_t>& tokens,
+                          const std::vector<int64_t>& fetches,
+                          const std::vector<int64_t>& last_fetch) {
+  EvictionTable& table = eviction_[static_cast<size_t>(layer)];
+  int32_t* row_tokens = tokens_[static_cast<size_t>(layer)].data() + row * slots_;
+  table.clear_row(row);
+  std::fill_n(row_tokens, slots_, -1);
+  std::copy(tokens.begin(), tokens.end(), row_tokens);
+  // In age order, each insertion is O(1).
+  std::vector<int32_t> order(tokens.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(),
+            [&](int32_t a, int32_t b) { return tokens[static_cast<size_t>(a)] < tokens[static_cast<size_t>(b)]; });
+  for (int32_t j : order) table.on_insert(row, j, tokens[static_cast<size_t>(j)]);
+  table.seed_row(row, fetches, last_fetch);
+}
+
+void CappedPool::count_extension_drops(int64_t evicted, int64_t not_kept) {
+  if (!stats_) return;
+  stats_->evictions += static_cast<uint64_t>(evicted);
+  stats_->prompt_not_kept += static_cast<uint64_t>(not_kept);
+}
+
+void CappedPool::save(int64_t layer, const std::vector<int32_t>& first_valid, int32_t* tokens,
+                      int32_t* records) const {
+  const bool lru = eviction_.front().policy() == EvictionPolicy::Lru;
+  for (int64_t row = 0; row < batch_ * kv_heads_; ++row) {
+    const int32_t start = first_valid[static_cast<size_t>(row / kv_heads_)];
+    for (int64_t p = 0; p < slots_; ++p) {
+      const int32_t token = token_at(layer, row / kv_heads_, row % kv_heads_, p);
+      const size_t at = static_cast<size_t>(row * slots_ + p);
+      tokens[at] = token >= 0 ? token - start : -1;
+      records[at] = token >= 0 ? static_cast<int32_t>(record(layer, row, p) - (lru ? start : 0)) : 0;
+    }
+  }
+}
+
+void CappedPool::restore_row(int64_t layer, int64_t row, const std::vector<int32_t>& tokens,
+                             const std::vector<int64_t>& records) {
+  INFINIGEN_CHECK(std::ssize(tokens) <= slots_ && records.size() == tokens.size(),
+                  "capped pool: ", tokens.size(), " tokens restored into ", slots_, " positions");
+  std::vector<int64_t> fetches(tokens.size()), last_fetch(tokens.size());
+  for (size_t j = 0; j < tokens.size(); ++j) record_as_history(records[j], fetches[j], last_fetch[j]);
+  fill_row(layer, row, tokens, fetches, last_fetch);
 }
 
 void CappedPool::keep_sequences(const std::vector<int64_t>& keep) {

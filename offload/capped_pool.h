@@ -19,6 +19,7 @@
 #include "core/tensor.h"
 #include "offload/offload_stats.h"
 #include "speculate/eviction.h"
+#include "speculate/prompt_keep.h"
 #include "speculate/speculation.h"
 
 namespace infinigen {
@@ -36,6 +37,7 @@ class CappedPool {
              EvictionPolicy eviction, OffloadStats* stats = nullptr, size_t pool_bytes = 0);
 
   int64_t slots() const { return slots_; }  // S
+  EvictionPolicy eviction_policy() const { return eviction_.front().policy(); }
   // Positions in use once `length` tokens per sequence have been stored.
   int64_t used(int64_t length) const { return std::min(length, slots_); }
   // The token at position `position` of (b, h) in layer `layer` (-1: empty).
@@ -66,6 +68,36 @@ class CappedPool {
   // Valid entries of sequence b (those of its head 0; every head keeps as many).
   int64_t valid_entries(int64_t layer, int64_t b, int32_t first_valid, int64_t length) const;
 
+  // A resumed conversation's turn (its first pass extends what the pool holds).
+  // What row `row` (b * H_kv + h) of layer `layer` holds, in age (token) order, with the eviction
+  // state of each (HeldEntries without keys) and the position it is at.
+  struct Held {
+    HeldEntries entries;
+    std::vector<int32_t> positions;
+  };
+  Held held(int64_t layer, int64_t row) const;
+  // After the pass: row `row` keeps keep.tokens, with the history keep gives them. Held tokens
+  // stay at their positions; the pass's kept tokens (those >= first_new) take the positions of
+  // the evicted ones, then the free ones, and are returned as (token, position) pairs. Adds
+  // the held tokens evicted to `evicted`.
+  std::vector<std::pair<int32_t, int32_t>> refill_row(int64_t layer, int64_t row,
+                                                      const PromptKeep& keep, int64_t first_new,
+                                                      int64_t& evicted);
+  // Into the statistics: held tokens an extension evicted, and its tokens it did not keep.
+  void count_extension_drops(int64_t evicted, int64_t not_kept);
+  // What a session saves of a layer: per (b, h, position) the token, relative to the sequence's
+  // first_valid (-1: empty), and the eviction record (the counter, or the recency relative to
+  // first_valid; 0 for fifo), each (B, H_kv, S).
+  void save(int64_t layer, const std::vector<int32_t>& first_valid, int32_t* tokens,
+            int32_t* records) const;
+  // Row `row` of layer `layer` holds `tokens` at positions 0, 1, ... (absolute tokens, in any
+  // order) with `records` as save() gives them (absolute); at most S.
+  void restore_row(int64_t layer, int64_t row, const std::vector<int32_t>& tokens,
+                   const std::vector<int64_t>& records);
+  // A record as HeldEntries and seeding take it: the counter as fetches, the recency as the last
+  // fetch.
+  void record_as_history(int64_t record, int64_t& fetches, int64_t& last_fetch) const;
+
   // Keeps the rows of sequences `keep` (old indices, ascending), renumbered in that order
   // (KvStore::drop_sequences): their tokens per position and eviction state.
   void keep_sequences(const std::vector<int64_t>& keep);
@@ -87,6 +119,11 @@ class CappedPool {
   PoolCapStats* stats_ = nullptr;
   std::vector<std::vector<int32_t>> tokens_;  // per layer: (B, H_kv, S), -1 empty
   std::vector<EvictionTable> eviction_;       // per layer: B * H_kv rows of S slots
+  // The eviction record of (row, position): the counter, the recency, or 0 (fifo).
+  int64_t record(int64_t layer, int64_t row, int64_t position) const;
+  // Row `row` holds tokens[j] at position j, seeded with fetches[j] and last_fetch[j].
+  void fill_row(int64_t layer, int64_t row, const std::vector<int32_t>& tokens,
+                const std::vector<int64_t>& fetches, const std::vector<int64_t>& last_fetch);
 };
 
 }  // namespace infinigen

@@ -112,8 +112,9 @@ const KvPolicy& infinigen_kv_policy() {
                                o.row_cache != RowCacheUse::Off});
       },
       /*resumable=*/true,
-      // The saved partial keys and columns depend on these.
-      {"partial_ratio", "partial_key_dtype", "dense_layers"},
+      // The saved partial keys and columns depend on these, and a capped pool's state on the
+      // last two (saved whole at every turn's end: InfinigenKv::saves_state_each_turn).
+      {"partial_ratio", "partial_key_dtype", "dense_layers", "kv_pool_limit", "eviction"},
       // Its pool is pinned host memory; on CUDA its partial keys are copied from the device
       // before a save reads them (finish_stores).
       /*host_token_rows=*/true,
@@ -176,14 +177,17 @@ void InfinigenKv::start_pass(int64_t n_new) {
   // from an empty cache.
   if (prompt_pass() || extending()) row_cache_.clear();
   paged_.start_pass();
-  if (length() > 0) load_whole(0);  // decode: layer 0 (dense) starts moving before the embedding
+  // Decode: layer 0 (dense) starts moving before the embedding.
+  if (length() > 0 && !capped_extension()) load_whole(0);
 }
 
 void InfinigenKv::start_layer(int64_t layer) {
   // While this layer computes, the next one's KV moves into the other staging buffer: the whole
   // layer here; a speculated layer's selection is known only from this layer's attention input.
   const int64_t next = layer + 1;
-  if (length() > 0 && next < num_layers_ && !speculated(next)) load_whole(next);
+  if (length() > 0 && next < num_layers_ && !speculated(next) && !capped_extension()) {
+    load_whole(next);
+  }
 }
 
 void InfinigenKv::keep_sequences(const std::vector<int64_t>& keep,
@@ -292,6 +296,10 @@ void InfinigenKv::write_prompt_partial_keys(int64_t layer, const Tensor& keys) {
 }
 
 void InfinigenKv::decode_layer(int64_t layer, const Tensor& keys, const Tensor& values) {
+  if (capped_extension()) {
+    extend_capped_pool(layer, keys, values);
+    return;
+  }
   const size_t l = static_cast<size_t>(layer);
   LayerPipeline& pipeline = paged_.pipeline();
   // 1. The next layer's selection, speculated from this layer's attention input; its rows move
@@ -670,10 +678,15 @@ double InfinigenKv::measure_recall(int64_t layer) {
 
 void InfinigenKv::resume(int64_t length, std::vector<int32_t> first_valid, int64_t num_layers,
                          LayerRestorer restore) {
-  INFINIGEN_CHECK(!capped_, "a conversation cannot be resumed under ", option("kv_pool_limit"),
-                  " yet");
+  INFINIGEN_CHECK(!capped_ || !dry_run(), "a dry run cannot price a resumed turn under ",
+                  option("kv_pool_limit"), " yet");
   KvStore::resume(length, std::move(first_valid), num_layers, std::move(restore));
-  paged_.resume(length);
+  if (capped_) {
+    paged_.pool().reserve(slots_);  // held positions are restored anywhere in it
+    history_end_.assign(static_cast<size_t>(batch()), 0);
+  } else {
+    paged_.resume(length);
+  }
 }
 
 std::vector<KvStore::TokenStream> InfinigenKv::token_streams(int64_t layer) const {
@@ -710,10 +723,15 @@ void InfinigenKv::finish_stores() {
 }
 
 KvStore::LayerState InfinigenKv::layer_state(int64_t layer) const {
+  if (capped_) return capped_layer_state(layer);
   return dense(layer) ? LayerState{} : partial_[static_cast<size_t>(layer)].state();
 }
 
 void InfinigenKv::restore_layer_state(int64_t layer, const LayerState& state) {
+  if (capped_) {
+    restore_capped_layer(layer, state);
+    return;
+  }
   if (dense(layer)) {
     KvStore::restore_layer_state(layer, state);
     return;

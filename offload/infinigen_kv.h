@@ -91,6 +91,9 @@ class InfinigenKv : public KvStore {
                         int64_t t) const override;
   LayerState layer_state(int64_t layer) const override;
   void restore_layer_state(int64_t layer, const LayerState& state) override;
+  // A capped pool keeps positions, not tokens: it is saved as its layers' state at every turn's
+  // end, as H2O is (KvStore::saves_state_each_turn).
+  bool saves_state_each_turn() const override { return capped_.has_value(); }
   // A speculated layer's partial keys of the moved rows, from their rotated keys.
   void rederive_rows(int64_t layer, int64_t b, int64_t from, int64_t count) override;
   // Sequences leave the batch with their pool blocks, partial keys (on the host or the device)
@@ -110,6 +113,8 @@ class InfinigenKv : public KvStore {
   const KvPool& pool() const { return paged_.pool(); }
   int64_t staging_rows() const { return paged_.pipeline().staging_rows(); }
   bool uses_row_cache() const { return use_row_cache_; }
+  // The capped pool's positions and eviction state (null without a pool limit).
+  const CappedPool* capped_pool() const { return capped_ ? &*capped_ : nullptr; }
 
  protected:
   // Who loads what, and when: layer 0 before the embedding and layer l + 1 while layer l
@@ -133,8 +138,10 @@ class InfinigenKv : public KvStore {
   bool speculated(int64_t layer) const { return !extending() && !dense(layer); }
   // Compact views are used by speculated layers, and by every layer under a pool limit.
   // An extension (a resumed turn's first pass) loads every layer whole, as a prefill attends
-  // to everything.
-  bool compact(int64_t layer) const { return !extending() && (capped_ || !dense(layer)); }
+  // to everything: from the pool, or under a pool limit every held position, staged on the host
+  // (extend_capped_pool).
+  bool compact(int64_t layer) const { return capped_ || (!extending() && !dense(layer)); }
+  bool capped_extension() const { return capped_ && extending(); }
   int64_t used_positions() const { return capped_ ? capped_->used(length()) : length(); }
 
   // A pass of the prompt (of a run that did not resume a conversation): its rows into the pool,
@@ -163,6 +170,17 @@ class InfinigenKv : public KvStore {
   void count_fetched_again(int64_t layer, const PartialLayer::Selection& previous);
   // Under a pool limit, the prompt's kept tokens of every (sequence, head) into the pool.
   void store_prompt_in_capped_pool(int64_t layer, const Tensor& keys, const Tensor& values);
+  // Under a pool limit, a resumed conversation's first pass of layer `layer`, on the host: each
+  // (sequence, head)'s held positions staged just before the pass's new tokens (over the pass's
+  // rows of history the pool holds already), the view over them, and the tokens the pool keeps
+  // after the pass (keep_extension_tokens: the pass's attention counts as fetches) into the
+  // positions of those it evicts, then the free ones, with their partial keys.
+  void extend_capped_pool(int64_t layer, const Tensor& keys, const Tensor& values);
+  // A capped pool's layer state (layer_state, restore_layer_state): every held position's K and
+  // V rows, token and eviction record (CappedPool::save); the partial keys are derived from the
+  // keys again at restore.
+  LayerState capped_layer_state(int64_t layer) const;
+  void restore_capped_layer(int64_t layer, const LayerState& state);
   // What a dry run's selection of layer `layer` takes per sequence (FetchReplay).
   std::vector<int32_t> replayed_take(int64_t layer) const;
   // Share of the layer's attention weight over the pool that the staged rows carry.
@@ -188,6 +206,9 @@ class InfinigenKv : public KvStore {
   bool rotary_;
   std::vector<PartialLayer> partial_;  // per layer (unused for dense layers)
   std::optional<CappedPool> capped_;   // under a pool limit
+  // (B) under a pool limit, in a resumed turn: the row after each sequence's history (the pass's
+  // rows before it are history the pool holds already, not new tokens).
+  std::vector<int32_t> history_end_;
   // Between observe and append: the layer's attention input (its input, scaled queries, query
   // projection, rotation and skew).
   std::optional<AttentionInput> input_;

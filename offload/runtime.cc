@@ -48,7 +48,7 @@ bool policy_runs_on(const std::string& policy, Device device) {
 }
 
 int64_t kv_pool_positions(double limit, const ModelConfig& config, int64_t batch, int64_t capacity,
-                          DType kv_dtype) {
+                          DType kv_dtype, bool session) {
   INFINIGEN_CHECK(limit >= 0 && std::isfinite(limit), option("kv_pool_limit"),
                   " must be >= 0, got ", limit);
   if (limit == 0) return 0;
@@ -59,7 +59,8 @@ int64_t kv_pool_positions(double limit, const ModelConfig& config, int64_t batch
                                         : std::floor(limit / per_position);
   INFINIGEN_CHECK(positions >= 2, option("kv_pool_limit"), " ", limit, " leaves ", positions,
                   " tokens per sequence and head in the pool; at least 2 are needed");
-  return std::min<int64_t>(static_cast<int64_t>(positions), capacity);
+  const int64_t most = session ? std::max<int64_t>(2, capacity - 1) : capacity;
+  return std::min<int64_t>(static_cast<int64_t>(positions), most);
 }
 
 MemoryRequest offload_memory_request(const ModelConfig& config, int64_t batch, int64_t prompt_len,
@@ -173,6 +174,11 @@ MemoryRequest planned_memory(const ModelConfig& config, const GenerationRequest&
       offload_memory_request(config, static_cast<int64_t>(request.prompts.size()),
                              std::max(longest, rows), request.gen_len, request.kv_dtype, options);
   memory.resumed = history != nullptr;
+  if (conversation) {
+    memory.kv_pool_tokens =
+        kv_pool_positions(options.kv_pool_limit, config, memory.batch,
+                          memory.prompt_len + memory.gen_len, request.kv_dtype, /*session=*/true);
+  }
   return memory;
 }
 

@@ -16,8 +16,11 @@
 namespace infinigen {
 
 // Positions per (layer, sequence, head) that `limit` leaves for `capacity` tokens; 0 = no limit.
+// A run that keeps a session (`session`) is capped on every turn, even one whose tokens would all
+// fit: its state is the pool's positions, which a turn of token rows could not continue; at most
+// capacity - 1 positions then, which evict nothing (the last generated token is never stored).
 int64_t kv_pool_positions(double limit, const ModelConfig& config, int64_t batch, int64_t capacity,
-                          DType kv_dtype);
+                          DType kv_dtype, bool session = false);
 
 // Whether every step of `policy` has an implementation on `device`: the dense ops of the model
 // (ops::device_runs_transformer) and what the policy adds on the device (int4 dequantisation,

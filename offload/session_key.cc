@@ -24,8 +24,6 @@ SessionKey session_key(const ModelSource& source, const OffloadOptions& options,
   INFINIGEN_CHECK(device == Device::Cpu || policy.host_token_rows, "a session on ",
                   option("device"), " cuda needs a policy whose rows it can read in host memory; ",
                   policy.name, " keeps them on the device");
-  INFINIGEN_CHECK(options.kv_pool_limit == 0.0, option("kv_pool_limit"),
-                  " cannot be used with a session yet");
   const ModelConfig& c = source.config;
   std::ostringstream text;
   text << "family=" << c.family << " layers=" << c.num_layers << " hidden=" << c.hidden_size
@@ -47,7 +45,9 @@ SessionKey session_key(const ModelSource& source, const OffloadOptions& options,
   key.policy = policy.name;
   key.kv_dtype = kv_dtype;
   for (const std::string& name : policy.session_options) {
-    key.options.emplace_back(name, find_option(offload_option_table(), name)->format(options));
+    const auto* spec = find_option(offload_option_table(), name);
+    key.options.emplace_back(name, spec->format(options));
+    key.option_defaults.push_back(spec->format(OffloadOptions{}));
   }
   key.num_layers = c.num_layers;
   key.kv_heads = c.kv_heads();

@@ -22,6 +22,8 @@ struct SessionKey {
   std::string policy;
   DType kv_dtype = DType::F16;
   std::vector<std::pair<std::string, std::string>> options;  // the policy's session_options
+  // Each option's default, what a session written before the option was recorded was saved with.
+  std::vector<std::string> option_defaults;
   int64_t num_layers = 0;
   int64_t kv_heads = 0;
 };

@@ -182,10 +182,16 @@ SessionManifest read_manifest(const fs::path& directory, const SessionKey* expec
       INFINIGEN_CHECK(saved.at("kv_dtype") == expected["kv_dtype"], directory.string(),
                       ": saved with KV dtype ", saved["kv_dtype"].get<std::string>(), ", not ",
                       expected["kv_dtype"].get<std::string>());
-      for (const auto& [name, value] : key.options) {
-        const json& was = saved.at("options").at(name);
-        INFINIGEN_CHECK(was == value, directory.string(), ": saved with ", option(name), " ",
-                        was.get<std::string>(), "; this run has ", value);
+      const json& saved_options = saved.at("options");
+      for (size_t i = 0; i < key.options.size(); ++i) {
+        const auto& [name, value] = key.options[i];
+        // A session written before the option was recorded was written with its default.
+        const std::string was = saved_options.contains(name)
+                                    ? saved_options.at(name).get<std::string>()
+                                    : i < key.option_defaults.size() ? key.option_defaults[i]
+                                                                          : std::string();
+        INFINIGEN_CHECK(was == value, directory.string(), ": saved with ", option(name), " ", was,
+                        "; this run has ", value);
       }
       INFINIGEN_CHECK(saved.at("layers") == key.num_layers, where, ": layer count differs");
     }

@@ -195,6 +195,17 @@ void EvictionTable::seed_row(int64_t row, const std::vector<int64_t>& fetches,
   }
 }
 
+void EvictionTable::clear_row(int64_t row) {
+  check_row(row, "clear_row");
+  const auto base = static_cast<ptrdiff_t>(row * capacity_);
+  std::fill_n(step_.begin() + base, capacity_, -1);
+  std::fill_n(rank_.begin() + base, capacity_, 0);
+  if (!counter_.empty()) std::fill_n(counter_.begin() + base, capacity_, 0);
+  if (!last_use_.empty()) std::fill_n(last_use_.begin() + base, capacity_, -1);
+  size_[static_cast<size_t>(row)] = 0;
+  newest_[static_cast<size_t>(row)] = -1;
+}
+
 int64_t EvictionTable::victim(int64_t row, int64_t step) const {
   check_row(row, "victim");
   check_step(step, "victim");

@@ -70,6 +70,8 @@ class EvictionTable {
   // had been halved s times; Lru: recency max(insertion, last_fetch[j]); Fifo: nothing.
   void seed_row(int64_t row, const std::vector<int64_t>& fetches,
                 const std::vector<int64_t>& last_fetch);
+  // Empties row `row` (O(capacity)): e.g. before refilling it in age order, each on_insert O(1).
+  void clear_row(int64_t row);
   // The slot to overwrite in the full row `row` at step `step` (the rules above rank by stored
   // steps only, so `step` is only range-checked). Error when the row is not full.
   int64_t victim(int64_t row, int64_t step) const;

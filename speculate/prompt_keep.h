@@ -38,4 +38,25 @@ PromptKeep keep_prompt_tokens(const float* queries, int64_t q_stride, int64_t gr
                               const float* keys, int64_t k_stride, int64_t first, int64_t n,
                               int64_t d, int64_t capacity, double alpha, EvictionPolicy policy);
 
+// What a (sequence, KV head) of a capped pool holds already when a pass extends it (a resumed
+// conversation's turn): its tokens, ascending and older than the pass's, what its eviction state
+// records of each (fetches: the counter; last_fetch: the recency, -1 when never fetched) and
+// their keys, rows of d fp32.
+struct HeldEntries {
+  std::vector<int32_t> tokens;
+  std::vector<int64_t> fetches;
+  std::vector<int64_t> last_fetch;
+  std::vector<float> keys;
+};
+
+// keep_prompt_tokens for a pass whose rows [first, n) are tokens position0 + first .. position0 +
+// n - 1, over a pool that holds `held` already: each of the pass's positions fetches among the
+// held entries and the pass's tokens up to its own, its fetches add to what `held` records, and
+// the tokens kept come from both (ranked as one pool, the held ones the oldest). With nothing
+// held and position0 0 it is keep_prompt_tokens.
+PromptKeep keep_extension_tokens(const HeldEntries& held, const float* queries, int64_t q_stride,
+                                 int64_t group, const float* keys, int64_t k_stride, int64_t first,
+                                 int64_t n, int64_t d, int64_t position0, int64_t capacity,
+                                 double alpha, EvictionPolicy policy);
+
 }  // namespace infinigen

@@ -281,18 +281,34 @@ TEST(H2oSession, AtAFullBudgetGivesTheFullCachesTurns) {
 
 // The saved state of a session whose turns are prompts only (one token generated each), and
 // the turns' tokens (prompts and what was generated), in `path`.
-std::vector<std::vector<int32_t>> h2o_prompt_turns(
+std::vector<std::vector<int32_t>> prompt_turns(
     const ModelSource& source, const OffloadOptions& options, const fs::path& path,
-    const std::vector<std::vector<std::vector<int32_t>>>& turns) {
-  const SessionKey key = session_key(source, options, DType::F16, Device::Cpu);
+    const std::vector<std::vector<std::vector<int32_t>>>& turns, DType kv_dtype = DType::F16) {
+  const SessionKey key = session_key(source, options, kv_dtype, Device::Cpu);
   for (size_t t = 0; t < turns.size(); ++t) {
     auto session = t == 0 ? DiskSession::create(path, key) : DiskSession::open(path, key);
     GenerationRequest request;
     request.prompts = session->turn_prompts(turns[t]);
     request.gen_len = 1;
+    request.kv_dtype = kv_dtype;
     run_offloaded(source, request, options, Device::Cpu, {}, session.get());
   }
   return DiskSession::open(path, key)->tokens();
+}
+
+// Two turns of prompts (20 and 17 new tokens after 6 and 9) that fill a session to 27 tokens per
+// sequence, in `dir`/turns, and one prompt over the same 27 tokens in `dir`/once.
+void two_turns_and_one_prompt(const ModelSource& source, const OffloadOptions& options,
+                              const fs::path& dir, DType kv_dtype = DType::F16) {
+  const std::vector<std::vector<int32_t>> conversation = prompt_turns(
+      source, options, dir / "turns",
+      {{{2, 10, 11, 12, 13, 14}, {2, 500, 600, 700, 800, 900, 1000, 1100, 1200}},
+       {{40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59},
+        {60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76}}},
+      kv_dtype);
+  std::vector<std::vector<int32_t>> whole = conversation;
+  for (auto& tokens : whole) tokens.pop_back();  // the second turn's token, not yet computed
+  prompt_turns(source, options, dir / "once", {whole}, kv_dtype);
 }
 
 // A resumed turn's first pass scores and keeps as H2O's prefill does: when the first turn evicted
@@ -305,14 +321,7 @@ TEST(H2oSession, AnExtensionKeepsWhatOnePrefillOverTheSameTokensKeeps) {
   // Capacity 10 in the first turn (9 kept of at most 9), 28 in the second: 25 slots for 27.
   options.h2o_budget = 0.9;
   TempDir dir("session-h2o");
-  const std::vector<std::vector<int32_t>> conversation = h2o_prompt_turns(
-      source, options, dir.path() / "turns",
-      {{{2, 10, 11, 12, 13, 14}, {2, 500, 600, 700, 800, 900, 1000, 1100, 1200}},
-       {{40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59},
-        {60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76}}});
-  std::vector<std::vector<int32_t>> whole = conversation;
-  for (auto& tokens : whole) tokens.pop_back();  // the second turn's token, not yet computed
-  h2o_prompt_turns(source, options, dir.path() / "once", {whole});
+  two_turns_and_one_prompt(source, options, dir.path());
   const SessionManifest turns = read_saved_session(dir.path() / "turns").manifest;
   const SessionManifest once = read_saved_session(dir.path() / "once").manifest;
   int64_t evicted = 0;
@@ -387,11 +396,213 @@ TEST(H2oSession, RestoresTheEntriesItSaved) {
   }
 }
 
+// A capped InfiniGen pool (--kv-pool-limit) keeps positions, not tokens: its session is its
+// state, saved whole at every turn's end, and a resumed turn's first pass is an extension that
+// keeps what the pool's eviction policy chooses among the held and the new tokens.
+OffloadOptions capped_options(double limit, EvictionPolicy eviction = EvictionPolicy::Counter) {
+  OffloadOptions options = session_options("infinigen");
+  options.kv_pool_limit = limit;
+  options.eviction = eviction;
+  return options;
+}
+
+// A cap that never binds (a session's pool keeps capacity - 1 positions at a limit of 1) keeps
+// every token in the order it came, through saves, restores and extensions: the uncapped pool's
+// turns, with rows no load brought NaN.
+TEST(CappedSession, ACapThatNeverBindsGivesTheUncappedTurns) {
+  set_debug_poison(true);
+  for (const std::string model : {"opt-tiny", "llama-tiny"}) {
+    const ModelSource source = session_model(model);
+    TempDir dir("session-capped");
+    const Turns capped = run_session(source, capped_options(1.0), dir.path() / "capped");
+    const Turns uncapped =
+        run_session(source, session_options("infinigen"), dir.path() / "uncapped");
+    EXPECT_EQ(capped.generated, uncapped.generated) << model;
+    for (size_t turn = 0; turn < uncapped.last_logits.size(); ++turn) {
+      const auto& got = capped.last_logits[turn];
+      EXPECT_LT(
+          testing_util::relative_error(got.data(), uncapped.last_logits[turn].data(), got.size()),
+          1e-4)
+          << model << ", turn " << turn + 1;
+    }
+    EXPECT_TRUE(read_saved_session(dir.path() / "capped").manifest.segments.empty());
+  }
+  set_debug_poison(false);
+}
+
+// Per (sequence, head) of layer `layer` of the capped session in `path`: its tokens (relative to
+// the sequence's first row) and their eviction records.
+std::vector<std::map<int32_t, int32_t>> saved_capped_rows(const fs::path& path, int64_t layer) {
+  const SessionManifest manifest = read_saved_session(path).manifest;
+  const auto file =
+      SafetensorsFile::open((path / manifest.state[static_cast<size_t>(layer)].path).string());
+  const SafetensorsEntry& tokens = *file->find("capped_tokens");
+  const auto* token = static_cast<const int32_t*>(file->bytes(tokens));
+  const auto* record = static_cast<const int32_t*>(file->bytes(*file->find("capped_records")));
+  const int64_t rows = tokens.shape[0] * tokens.shape[1], S = tokens.shape[2];
+  std::vector<std::map<int32_t, int32_t>> held(static_cast<size_t>(rows));
+  for (int64_t i = 0; i < rows * S; ++i) {
+    if (token[i] >= 0) held[static_cast<size_t>(i / S)][token[i]] = record[i];
+  }
+  return held;
+}
+
+// The same, of a resumed store.
+std::vector<std::map<int32_t, int32_t>> held_capped_rows(const InfinigenKv& store,
+                                                         int64_t layer) {
+  const CappedPool& pool = *store.capped_pool();
+  const int64_t rows = store.batch() * store.pool().shape().num_heads, S = pool.slots();
+  std::vector<int32_t> tokens(static_cast<size_t>(rows * S)), records(tokens.size());
+  pool.save(layer, store.first_valid(), tokens.data(), records.data());
+  std::vector<std::map<int32_t, int32_t>> held(static_cast<size_t>(rows));
+  for (int64_t i = 0; i < rows * S; ++i) {
+    if (tokens[static_cast<size_t>(i)] >= 0) {
+      held[static_cast<size_t>(i / S)][tokens[static_cast<size_t>(i)]] =
+          records[static_cast<size_t>(i)];
+    }
+  }
+  return held;
+}
+
+// A resumed turn's first pass keeps as a prompt does: when the first turn evicted nothing, the
+// tokens a capped pool holds after the second turn's prompt, with their eviction records (fetch
+// counts, last fetches), are the ones one prompt over the whole conversation leaves (the same
+// tokens, limit and capacity: 25 positions for 27 tokens), under each eviction policy. The KV is
+// fp32, so that the held keys the extension scores are the prompt's own.
+TEST(CappedSession, AnExtensionKeepsWhatOnePromptOverTheSameTokensKeeps) {
+  const ModelSource source = session_model("llama-tiny");
+  for (const EvictionPolicy eviction : kEvictionPolicies) {
+    OffloadOptions options = capped_options(0.9, eviction);
+    options.speculation = OffloadOptions{}.speculation;  // the default alpha: counts that differ
+    TempDir dir("session-capped");
+    two_turns_and_one_prompt(source, options, dir.path(), DType::F32);
+    int64_t held = 0;
+    for (int64_t l = 0; l < source.config.num_layers; ++l) {
+      const auto turns = saved_capped_rows(dir.path() / "turns", l);
+      EXPECT_EQ(turns, saved_capped_rows(dir.path() / "once", l))
+          << eviction_policy_name(eviction) << ", layer " << l;
+      for (const auto& row : turns) held += std::ssize(row);
+    }
+    EXPECT_EQ(held, source.config.num_layers * 2 * source.config.kv_heads() * 25);
+  }
+}
+
+// What a capped store holds after a resume is what its session saved: each (sequence, head)'s
+// tokens with their eviction records, their keys and values byte for byte, and the partial keys
+// of the speculated layers derived from those keys again. Another limit or rule is refused.
+TEST(CappedSession, RestoresThePositionsItSaved) {
+  const ModelSource source = session_model("opt-tiny");
+  for (const EvictionPolicy eviction : {EvictionPolicy::Counter, EvictionPolicy::Lru}) {
+    OffloadOptions options = capped_options(0.5, eviction);
+    options.speculation = OffloadOptions{}.speculation;
+    TempDir dir("session-capped");
+    const fs::path path = dir.path() / "s";
+    const SessionKey key = session_key(source, options, DType::F16, Device::Cpu);
+    {
+      auto session = DiskSession::create(path, key);
+      GenerationRequest request;
+      request.prompts = session->turn_prompts(turn_prompts(1));
+      request.gen_len = 4;  // decode steps that evict: 6 positions for up to 12 tokens
+      run_offloaded(source, request, options, Device::Cpu, {}, session.get());
+    }
+    OffloadOptions other = options;
+    other.kv_pool_limit = 0.3;
+    testing_util::expect_error(
+        [&] { DiskSession::open(path, session_key(source, other, DType::F16, Device::Cpu)); },
+        {"saved with --kv-pool-limit 0.5; this run has 0.3"});
+    other = options;
+    other.eviction = EvictionPolicy::Fifo;
+    testing_util::expect_error(
+        [&] { DiskSession::open(path, session_key(source, other, DType::F16, Device::Cpu)); },
+        {"saved with --eviction", "this run has fifo"});
+    const SessionManifest saved = read_saved_session(path).manifest;
+    auto session = DiskSession::open(path, key);
+    const std::unique_ptr<ResumedStore> resumed = resume_store(*session, source, options);
+    const auto& store = dynamic_cast<const InfinigenKv&>(*resumed->store);
+    const int64_t B = store.batch(), H = source.config.kv_heads(), d = source.config.head_dim();
+    for (int64_t l = 0; l < source.config.num_layers; ++l) {
+      const auto expected = saved_capped_rows(path, l);
+      EXPECT_EQ(held_capped_rows(store, l), expected) << "layer " << l;
+      const auto file = SafetensorsFile::open((path / saved.state[l].path).string());
+      const SafetensorsEntry& tokens = *file->find("capped_tokens");
+      const int64_t S = tokens.shape[2];
+      const auto* token = static_cast<const int32_t*>(file->bytes(tokens));
+      const auto* keys = static_cast<const char*>(file->bytes(*file->find("capped_keys")));
+      const auto* values = static_cast<const char*>(file->bytes(*file->find("capped_values")));
+      const size_t row_bytes = static_cast<size_t>(d) * 2;
+      int64_t evicted_somewhere = 0;
+      for (int64_t b = 0; b < B; ++b) {
+        for (int64_t h = 0; h < H; ++h) {
+          for (int64_t p = 0; p < store.capped_pool()->slots(); ++p) {
+            const int32_t at = store.token_at(l, b, h, p);
+            if (at < 0) continue;
+            const int64_t relative = at - resumed->first_valid[static_cast<size_t>(b)];
+            int64_t from = -1;
+            for (int64_t q = 0; q < S; ++q) {
+              if (token[(b * H + h) * S + q] == relative) from = (b * H + h) * S + q;
+            }
+            ASSERT_GE(from, 0);
+            EXPECT_EQ(std::memcmp(store.pool().row(l, KvKind::Key, b, h, p),
+                                  keys + static_cast<size_t>(from) * row_bytes, row_bytes),
+                      0);
+            EXPECT_EQ(std::memcmp(store.pool().row(l, KvKind::Value, b, h, p),
+                                  values + static_cast<size_t>(from) * row_bytes, row_bytes),
+                      0);
+            evicted_somewhere += relative > p ? 1 : 0;
+            if (l < options.speculation.dense_layers) continue;
+            std::vector<float> row(static_cast<size_t>(d));
+            convert_to_f32(keys + static_cast<size_t>(from) * row_bytes, DType::F16, row.data(),
+                           row.size());
+            const PartialLayer& partial = store.partial(l);
+            std::vector<float> want(static_cast<size_t>(partial.r()));
+            partial.partial_of(row.data(), h, want.data());
+            const std::vector<float> got = partial.partial_key(b, h, p);
+            EXPECT_LT(testing_util::relative_error(got.data(), want.data(), want.size()), 1e-3);
+          }
+        }
+      }
+      EXPECT_GT(evicted_somewhere, 0) << "layer " << l;  // decode steps overwrote victims
+    }
+  }
+}
+
+// A pool of fewer positions than its session saved (a later turn whose share of a shorter
+// capacity is smaller) keeps what its policy would: under fifo, each row's newest tokens.
+TEST(CappedSession, AResumeIntoFewerPositionsKeepsWhatThePolicyKeeps) {
+  const ModelSource source = session_model("opt-tiny");
+  const OffloadOptions options = capped_options(0.5, EvictionPolicy::Fifo);
+  TempDir dir("session-capped");
+  const fs::path path = dir.path() / "s";
+  const SessionKey key = session_key(source, options, DType::F16, Device::Cpu);
+  {
+    auto session = DiskSession::create(path, key);
+    GenerationRequest request;
+    request.prompts = session->turn_prompts(turn_prompts(1));
+    request.gen_len = 4;
+    run_offloaded(source, request, options, Device::Cpu, {}, session.get());
+  }
+  OffloadOptions smaller = options;
+  smaller.kv_pool_limit = 0.25;  // 4 positions of 18, where 6 were saved
+  auto session = DiskSession::open(path, key);
+  const std::unique_ptr<ResumedStore> resumed = resume_store(*session, source, smaller);
+  const auto& store = dynamic_cast<const InfinigenKv&>(*resumed->store);
+  ASSERT_EQ(store.capped_pool()->slots(), 4);
+  for (int64_t l = 0; l < source.config.num_layers; ++l) {
+    const auto saved = saved_capped_rows(path, l);
+    const auto held = held_capped_rows(store, l);
+    for (size_t row = 0; row < saved.size(); ++row) {
+      ASSERT_EQ(saved[row].size(), 6u);
+      std::map<int32_t, int32_t> newest(std::next(saved[row].begin(), 2), saved[row].end());
+      EXPECT_EQ(held[row], newest) << "layer " << l << ", row " << row;
+    }
+  }
+}
+
 // On a CUDA device (the emulated one in CI) the pools of `full`, `int4`, `infinigen` and `h2o` are
 // pinned host memory that a session reads and writes as on the CPU (InfiniGen's partial keys, on
 // the device, are copied to the host before a save reads them, as `gpu`'s whole KV is, and a resume
 // copies `gpu`'s back; H2O's scores and tokens on the device are copied both ways, and its resumed
-// turn's first pass scores on the host): three turns give the CPU's tokens, and logits within the
+// turn's first pass scores on the host, as a capped InfiniGen pool's does): three turns give the CPU's tokens, and logits within the
 // backends' rounding. The int4 codec is bit for bit the CPU's but the GEMMs are not, and a key that
 // rounds differently may take the next code (llama-tiny: 1.3e-3 in the first turn already, 2e-3 by
 // the third).
@@ -399,9 +610,11 @@ TEST(SessionGpu, ContinuesAConversationAsTheCpuDoes) {
   INFINIGEN_SKIP_WITHOUT_CUDA_DEVICE();
   set_debug_poison(true);  // rows no load brought are NaN
   for (const std::string model : {"opt-tiny", "llama-tiny"}) {
-    for (const std::string policy : {"int4", "full", "infinigen", "gpu", "h2o"}) {
+    for (const std::string policy : {"int4", "full", "infinigen", "gpu", "h2o", "capped"}) {
       const ModelSource source = session_model(model);
-      const OffloadOptions options = session_options(policy);
+      // "capped": infinigen under a pool limit, whose decode steps and extensions evict.
+      const OffloadOptions options =
+          policy == "capped" ? capped_options(0.6) : session_options(policy);
       TempDir dir("session-gpu");
       const Turns cpu = run_session(source, options, dir.path() / "cpu");
       const Turns cuda =

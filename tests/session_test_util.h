@@ -15,6 +15,7 @@
 #include "offload/kv_policy.h"
 #include "offload/offload_options.h"
 #include "offload/offload_stats.h"
+#include "offload/runtime.h"
 #include "offload/session.h"
 #include "offload/transfer_engine.h"
 
@@ -58,9 +59,12 @@ inline std::unique_ptr<ResumedStore> resume_store(DiskSession& session, const Mo
   for (const auto& h : history) longest = std::max<int64_t>(longest, std::ssize(h) + 1);
   for (const auto& h : history)
     resumed->first_valid.push_back(static_cast<int32_t>(longest - std::ssize(h) - 1));
+  const int64_t capacity = longest + 4;
+  const int64_t pool_positions = kv_pool_positions(options.kv_pool_limit, source.config, B,
+                                                   capacity, DType::F16, /*session=*/true);
   resumed->store = kv_policy(options.policy)
-                       .make_store({source.config, B, longest + 4, DType::F16, Device::Cpu, options,
-                                    0, resumed->engine, resumed->stats});
+                       .make_store({source.config, B, capacity, DType::F16, Device::Cpu, options,
+                                    pool_positions, resumed->engine, resumed->stats});
   resumed->store->resume(longest - 1, resumed->first_valid, L,
                          [&](int64_t layer, KvStore& s) { session.restore_layer(layer, s); });
   session.begin();
