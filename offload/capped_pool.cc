@@ -227,8 +227,8 @@ std::vector<std::pair<int32_t, int32_t>> CappedPool::refill_row(int64_t layer, i
     if (token >= first_new) continue;
     const auto at =
         std::lower_bound(before.entries.tokens.begin(), before.entries.tokens.end(), token);
-    INFINIGEN_CHECK(at != before.entries.tokens.end() && *at == token, "capped pool: token ",
-                    token, " kept but not held");
+    INFINIGEN_CHECK(at != before.entries.tokens.end() && *at == token, "capped pool: token ", token,
+                    " kept but not held");
     position_of[i] = before.positions[static_cast<size_t>(at - before.entries.tokens.begin())];
     taken[static_cast<size_t>(position_of[i])] = 1;
     ++kept_held;
@@ -266,8 +266,9 @@ void CappedPool::fill_row(int64_t layer, int64_t row, const std::vector<int32_t>
   // In age order, each insertion is O(1).
   std::vector<int32_t> order(tokens.size());
   std::iota(order.begin(), order.end(), 0);
-  std::sort(order.begin(), order.end(),
-            [&](int32_t a, int32_t b) { return tokens[static_cast<size_t>(a)] < tokens[static_cast<size_t>(b)]; });
+  std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+    return tokens[static_cast<size_t>(a)] < tokens[static_cast<size_t>(b)];
+  });
   for (int32_t j : order) table.on_insert(row, j, tokens[static_cast<size_t>(j)]);
   table.seed_row(row, fetches, last_fetch);
 }
@@ -287,7 +288,8 @@ void CappedPool::save(int64_t layer, const std::vector<int32_t>& first_valid, in
       const int32_t token = token_at(layer, row / kv_heads_, row % kv_heads_, p);
       const size_t at = static_cast<size_t>(row * slots_ + p);
       tokens[at] = token >= 0 ? token - start : -1;
-      records[at] = token >= 0 ? static_cast<int32_t>(record(layer, row, p) - (lru ? start : 0)) : 0;
+      records[at] =
+          token >= 0 ? static_cast<int32_t>(record(layer, row, p) - (lru ? start : 0)) : 0;
     }
   }
 }
@@ -297,7 +299,8 @@ void CappedPool::restore_row(int64_t layer, int64_t row, const std::vector<int32
   INFINIGEN_CHECK(std::ssize(tokens) <= slots_ && records.size() == tokens.size(),
                   "capped pool: ", tokens.size(), " tokens restored into ", slots_, " positions");
   std::vector<int64_t> fetches(tokens.size()), last_fetch(tokens.size());
-  for (size_t j = 0; j < tokens.size(); ++j) record_as_history(records[j], fetches[j], last_fetch[j]);
+  for (size_t j = 0; j < tokens.size(); ++j)
+    record_as_history(records[j], fetches[j], last_fetch[j]);
   fill_row(layer, row, tokens, fetches, last_fetch);
 }
 

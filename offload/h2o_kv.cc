@@ -669,7 +669,7 @@ void H2oKv::extend(int64_t layer, const Tensor& keys, const Tensor& values) {
     const int64_t m = n - first_new[static_cast<size_t>(b)];
     scored += count_[static_cast<size_t>(b)] * m + m * (m + 1) / 2;
   }
-  if (traced("h2o_extend_scores", {H * group_, scored, d})) {
+  if (traced("extension_scores", {H * group_, scored, d})) {
     // A dry run: with no scores the newest tokens are what is kept.
     for (int64_t b = 0; b < B; ++b) {
       for (int64_t h = 0; h < H; ++h) {

@@ -7,6 +7,7 @@
 #include "core/cuda_stream.h"
 #include "core/device.h"
 #include "core/error.h"
+#include "core/trace.h"
 #include "offload/infinigen_kv.h"
 #include "speculate/prompt_keep.h"
 
@@ -44,11 +45,12 @@ void InfinigenKv::extend_capped_pool(int64_t layer, const Tensor& keys, const Te
     const auto i = static_cast<size_t>(b);
     const int64_t history_end = std::max<int64_t>(history_end_[i], first_valid()[i]);
     skip[i] = std::clamp<int64_t>(history_end - past, 0, n);
-    for (int64_t g = 0; g < H; ++g) held[static_cast<size_t>(b * H + g)] = capped_->held(layer, b * H + g);
+    for (int64_t g = 0; g < H; ++g)
+      held[static_cast<size_t>(b * H + g)] = capped_->held(layer, b * H + g);
     const int64_t count = std::ssize(held[static_cast<size_t>(b * H)].positions);
     for (int64_t g = 1; g < H; ++g) {
-      INFINIGEN_CHECK(std::ssize(held[static_cast<size_t>(b * H + g)].positions) == count,
-                      "layer ", layer, ": the capped pool holds ",
+      INFINIGEN_CHECK(std::ssize(held[static_cast<size_t>(b * H + g)].positions) == count, "layer ",
+                      layer, ": the capped pool holds ",
                       held[static_cast<size_t>(b * H + g)].positions.size(), " tokens of sequence ",
                       b, ", head ", g, " and ", count, " of head 0");
     }
@@ -60,10 +62,21 @@ void InfinigenKv::extend_capped_pool(int64_t layer, const Tensor& keys, const Te
   INFINIGEN_CHECK(fetch + n <= rows, "layer ", layer, ": ", fetch, " held positions and ", n,
                   " new tokens do not fit the staging's ", rows, " rows");
 
+  // The keep's scoring, for a trace: each new query of a group's heads over the held entries and
+  // the new tokens up to its own (the cost model does not model a capped pool: no dry run).
+  traced_lazily("extension_scores", [&] {
+    int64_t scored = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t m = n - skip[static_cast<size_t>(b)];
+      scored += std::ssize(held[static_cast<size_t>(b * H)].positions) * m + m * (m + 1) / 2;
+    }
+    return std::array<int64_t, 5>{heads_, scored, d};
+  });
   Tensor q_holder, k_holder, v_holder;
   const Tensor& q = host_copy(input_->queries, q_holder);  // (B * n, H * d), scaled
-  const Tensor& k = host_copy(keys, k_holder);              // (B * n, H_kv * d)
-  const Tensor k_stored = k.to_dtype(kv_dtype), v_stored = host_copy(values, v_holder).to_dtype(kv_dtype);
+  const Tensor& k = host_copy(keys, k_holder);             // (B * n, H_kv * d)
+  const Tensor k_stored = k.to_dtype(kv_dtype),
+               v_stored = host_copy(values, v_holder).to_dtype(kv_dtype);
   // The staging, assembled on the host (in place on the CPU backend): (B, H_kv, rows, d), each
   // (b, h)'s held rows just before its new tokens' rows, then those.
   Tensor host_keys, host_values;
@@ -96,7 +109,9 @@ void InfinigenKv::extend_capped_pool(int64_t layer, const Tensor& keys, const Te
                     pool.row(layer, KvKind::Value, b, g, position), row_bytes);
         convert_to_f32(key, kv_dtype, mine.entries.keys.data() + c * d, static_cast<size_t>(d));
       }
-      const auto pass_row = [&](int64_t j) { return static_cast<size_t>((b * n + j) * KV + g * d); };
+      const auto pass_row = [&](int64_t j) {
+        return static_cast<size_t>((b * n + j) * KV + g * d);
+      };
       for (int64_t j = s; j < n; ++j) {
         std::memcpy(row_k + static_cast<size_t>(fetch + j) * row_bytes,
                     new_keys + pass_row(j) * dtype_size(kv_dtype), row_bytes);
@@ -105,8 +120,8 @@ void InfinigenKv::extend_capped_pool(int64_t layer, const Tensor& keys, const Te
       }
       // What the pool keeps: the pass's attention counts as fetches, as a prompt's does.
       const PromptKeep keep = keep_extension_tokens(
-          mine.entries, qd + b * n * Q + g * group * d, Q, group, kd + b * n * KV + g * d, KV, s,
-          n, d, past, slots_, options_.alpha, capped_->eviction_policy());
+          mine.entries, qd + b * n * Q + g * group * d, Q, group, kd + b * n * KV + g * d, KV, s, n,
+          d, past, slots_, options_.alpha, capped_->eviction_policy());
       const std::vector<std::pair<int32_t, int32_t>> placed =
           capped_->refill_row(layer, row, keep, past + s, evicted);
       for (const auto& [token, position] : placed) {
@@ -134,8 +149,9 @@ void InfinigenKv::extend_capped_pool(int64_t layer, const Tensor& keys, const Te
   traffic.tokens_stored += static_cast<uint64_t>(stored);
   compact_first_valid_.resize(static_cast<size_t>(B));
   for (int64_t b = 0; b < B; ++b) {
-    compact_first_valid_[static_cast<size_t>(b)] = static_cast<int32_t>(
-        fetch + skip[static_cast<size_t>(b)] - std::ssize(held[static_cast<size_t>(b * H)].positions));
+    compact_first_valid_[static_cast<size_t>(b)] =
+        static_cast<int32_t>(fetch + skip[static_cast<size_t>(b)] -
+                             std::ssize(held[static_cast<size_t>(b * H)].positions));
   }
   view_ = {&staged_keys, &staged_values, fetch + n, &compact_first_valid_};
 }
@@ -145,8 +161,10 @@ KvStore::LayerState InfinigenKv::capped_layer_state(int64_t layer) const {
   const DType kv_dtype = paged_.pool().shape().dtype;
   const size_t row_bytes = static_cast<size_t>(d) * dtype_size(kv_dtype);
   LayerState state = dense(layer) ? LayerState{} : partial_[static_cast<size_t>(layer)].state();
-  Tensor keys = Tensor::zeros({B, H, S, d}, kv_dtype), values = Tensor::zeros({B, H, S, d}, kv_dtype);
-  Tensor tokens = Tensor::empty({B, H, S}, DType::I32), records = Tensor::empty({B, H, S}, DType::I32);
+  Tensor keys = Tensor::zeros({B, H, S, d}, kv_dtype),
+         values = Tensor::zeros({B, H, S, d}, kv_dtype);
+  Tensor tokens = Tensor::empty({B, H, S}, DType::I32),
+         records = Tensor::empty({B, H, S}, DType::I32);
   capped_->save(layer, first_valid(), tokens.data<int32_t>(), records.data<int32_t>());
   const int32_t* saved = tokens.data<int32_t>();
   for (int64_t row = 0; row < B * H; ++row) {
@@ -209,7 +227,8 @@ void InfinigenKv::restore_capped_layer(int64_t layer, const LayerState& state) {
       for (int64_t p = 0; p < saved; ++p) {
         const int64_t i = row * saved + p;
         if (index[i] < 0) continue;
-        INFINIGEN_CHECK(record[i] >= 0, "layer ", layer, ": a negative eviction record (the "
+        INFINIGEN_CHECK(record[i] >= 0, "layer ", layer,
+                        ": a negative eviction record (the "
                         "session is corrupt)");
         entries.tokens.push_back(start + index[i]);
         int64_t fetches = 0, last_fetch = -1;
@@ -225,9 +244,10 @@ void InfinigenKv::restore_capped_layer(int64_t layer, const LayerState& state) {
       count = std::ssize(at);
       std::vector<float> keys(static_cast<size_t>(count * d));
       for (int64_t c = 0; c < count; ++c) {
-        convert_to_f32(static_cast<const char*>(saved_keys.raw()) +
-                           static_cast<size_t>(row * saved + at[static_cast<size_t>(c)]) * row_bytes,
-                       kv_dtype, keys.data() + c * d, static_cast<size_t>(d));
+        convert_to_f32(
+            static_cast<const char*>(saved_keys.raw()) +
+                static_cast<size_t>(row * saved + at[static_cast<size_t>(c)]) * row_bytes,
+            kv_dtype, keys.data() + c * d, static_cast<size_t>(d));
       }
       // A pool of fewer positions than were saved keeps what its policy would (the newest half,
       // and the older entries it ranks highest); the saved entries stay in their order.
@@ -248,9 +268,9 @@ void InfinigenKv::restore_capped_layer(int64_t layer, const LayerState& state) {
           std::copy_n(keys.begin() + static_cast<ptrdiff_t>(o) * d, d,
                       by_age.keys.begin() + static_cast<ptrdiff_t>(r) * d);
         }
-        const PromptKeep keep = keep_extension_tokens(by_age, nullptr, d, 1, nullptr, d, 0, 0, d,
-                                                      0, S, options_.alpha,
-                                                      capped_->eviction_policy());
+        const PromptKeep keep =
+            keep_extension_tokens(by_age, nullptr, d, 1, nullptr, d, 0, 0, d, 0, S, options_.alpha,
+                                  capped_->eviction_policy());
         for (int64_t c = 0; c < count; ++c) {
           kept[static_cast<size_t>(c)] = std::binary_search(keep.tokens.begin(), keep.tokens.end(),
                                                             entries.tokens[static_cast<size_t>(c)]);
@@ -261,7 +281,8 @@ void InfinigenKv::restore_capped_layer(int64_t layer, const LayerState& state) {
       for (int64_t c = 0; c < count; ++c) {
         if (!kept[static_cast<size_t>(c)]) continue;
         const int64_t position = std::ssize(tokens);
-        const size_t from = static_cast<size_t>(row * saved + at[static_cast<size_t>(c)]) * row_bytes;
+        const size_t from =
+            static_cast<size_t>(row * saved + at[static_cast<size_t>(c)]) * row_bytes;
         std::memcpy(pool.row(layer, KvKind::Key, b, g, position),
                     static_cast<const char*>(saved_keys.raw()) + from, row_bytes);
         std::memcpy(pool.row(layer, KvKind::Value, b, g, position),

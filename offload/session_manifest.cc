@@ -188,8 +188,8 @@ SessionManifest read_manifest(const fs::path& directory, const SessionKey* expec
         // A session written before the option was recorded was written with its default.
         const std::string was = saved_options.contains(name)
                                     ? saved_options.at(name).get<std::string>()
-                                    : i < key.option_defaults.size() ? key.option_defaults[i]
-                                                                          : std::string();
+                                : i < key.option_defaults.size() ? key.option_defaults[i]
+                                                                 : std::string();
         INFINIGEN_CHECK(was == value, directory.string(), ": saved with ", option(name), " ", was,
                         "; this run has ", value);
       }

@@ -112,7 +112,9 @@ const std::pair<std::string_view, Pricing> kPrices[] = {
        const double pairs = f(s[2]) * f(s[2] + 1) / 2;
        return OpWork{OpClass::Scoring, f(s[0] * s[1]) * pairs * f(2 * s[3] + 4), 0, 0, 0, 0, 0};
      }},
-    {"h2o_extend_scores",  // s[0] query heads, s[1] (query, entry) pairs per head, d = s[2]
+    // A resumed turn's extension, H2O's and a capped InfiniGen pool's: s[0] query heads, s[1]
+    // (query, entry) pairs per head, d = s[2]
+    {"extension_scores",
      [](auto& s, double, DType) {
        return OpWork{OpClass::Scoring, f(s[0] * s[1]) * f(2 * s[2] + 4), 0, 0, 0, 0, 0};
      }},

@@ -169,32 +169,36 @@ TEST(BatchSessions, TurnsEqualRunResumeWithAndWithoutTheTier) {
   }
 }
 
-// H2O's sessions (its state, replaced at every turn's end) through a job: the turns equal `run`
-// --resume one by one, with every session cold, or every continued turn hot (its state from the
-// tier, nothing read from the disk).
-TEST(BatchSessions, H2oTurnsEqualRunResumeColdAndHot) {
-  TempDir dir("batch-sessions-h2o");
-  std::ofstream(dir.path() / "job.jsonl") << job_text();
-  const std::vector<std::string> h2o = {"--policy", "h2o", "--h2o-budget", "0.5"};
-  const std::map<std::string, std::string> expected = run_one_by_one(dir, h2o);
-  ASSERT_EQ(expected.size(), kTurns.size());
-  for (const std::string cache : {"0", "64M"}) {
-    const std::string roots = (dir.path() / ("roots-" + cache)).string();
-    fs::create_directories(roots);
-    const std::string output = "out-" + cache + ".jsonl";
-    const json summary = run_job(dir, output, cache, roots, h2o);
-    EXPECT_EQ(completions(read_file(dir.path() / output)), expected) << cache;
-    const json& s = summary["sessions"];
-    EXPECT_EQ(s["turns"], 10);
-    EXPECT_EQ(s["hot_turns"], cache == "0" ? 0 : 7);
-    EXPECT_EQ(s["cold_bytes"].get<uint64_t>() > 0, cache == "0");
-    // Each session's directory holds the last turn's state alone.
-    for (const std::string session : {"a", "b", "c"}) {
-      int64_t segments = 0;
-      for (const auto& entry : fs::directory_iterator(fs::path(roots) / session)) {
-        segments += entry.is_directory() ? 1 : 0;
+// Sessions saved as their store's state (replaced at every turn's end): H2O's, and a capped
+// InfiniGen pool's. Through a job the turns equal `run --resume` one by one, with every session
+// cold, or every continued turn hot (its state from the tier, nothing read from the disk).
+TEST(BatchSessions, StateSessionsEqualRunResumeColdAndHot) {
+  for (const std::vector<std::string>& policy :
+       {std::vector<std::string>{"--policy", "h2o", "--h2o-budget", "0.5"},
+        std::vector<std::string>{"--policy", "infinigen", "--kv-pool-limit", "0.5"}}) {
+    TempDir dir("batch-sessions-state");
+    std::ofstream(dir.path() / "job.jsonl") << job_text();
+    const std::map<std::string, std::string> expected = run_one_by_one(dir, policy);
+    ASSERT_EQ(expected.size(), kTurns.size());
+    for (const std::string cache : {"0", "64M"}) {
+      const std::string roots = (dir.path() / ("roots-" + cache)).string();
+      fs::create_directories(roots);
+      const std::string output = "out-" + cache + ".jsonl";
+      const json summary = run_job(dir, output, cache, roots, policy);
+      EXPECT_EQ(completions(read_file(dir.path() / output)), expected)
+          << policy[1] << ", " << cache;
+      const json& s = summary["sessions"];
+      EXPECT_EQ(s["turns"], 10);
+      EXPECT_EQ(s["hot_turns"], cache == "0" ? 0 : 7);
+      EXPECT_EQ(s["cold_bytes"].get<uint64_t>() > 0, cache == "0");
+      // Each session's directory holds the last turn's state alone.
+      for (const std::string session : {"a", "b", "c"}) {
+        int64_t segments = 0;
+        for (const auto& entry : fs::directory_iterator(fs::path(roots) / session)) {
+          segments += entry.is_directory() ? 1 : 0;
+        }
+        EXPECT_EQ(segments, 1) << policy[1] << ", " << session;
       }
-      EXPECT_EQ(segments, 1) << session;
     }
   }
 }

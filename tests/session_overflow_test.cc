@@ -280,15 +280,19 @@ TEST(SessionOverflowInfinigen, PartialKeysFollowTheMovedKeys) {
   EXPECT_GT(checked, 0);
 }
 
-// What cannot move refuses with one line: OPT's learned positions, int4's quantised rows.
-TEST(SessionOverflowRefusal, LearnedPositionsAndInt4Refuse) {
+// What cannot move refuses with one line: OPT's learned positions, int4's quantised rows, a
+// capped pool's positions (its session keeps no rows per token).
+TEST(SessionOverflowRefusal, LearnedPositionsInt4AndCappedPoolsRefuse) {
   for (const auto& [model, policy, fragment] :
        {std::tuple{"opt-tiny", "full", "learns its positions"},
-        std::tuple{"llama-tiny", "int4", "the policy int4's saved rows cannot move"}}) {
+        std::tuple{"llama-tiny", "int4", "the policy int4's saved rows cannot move"},
+        std::tuple{"llama-tiny", "capped", "keeps its store's positions (--kv-pool-limit)"}}) {
     TempDir dir("overflow");
     ModelSource source = session_model(model);
     source.config.max_positions = kContext;
-    const OffloadOptions options = testing_util::session_options(policy);
+    OffloadOptions options =
+        testing_util::session_options(std::string(policy) == "capped" ? "infinigen" : policy);
+    if (std::string(policy) == "capped") options.kv_pool_limit = 0.5;
     const SessionKey key = session_key(source, options, DType::F16, Device::Cpu);
     {
       auto session = DiskSession::create(dir.path() / "s", key);

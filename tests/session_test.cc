@@ -448,8 +448,7 @@ std::vector<std::map<int32_t, int32_t>> saved_capped_rows(const fs::path& path, 
 }
 
 // The same, of a resumed store.
-std::vector<std::map<int32_t, int32_t>> held_capped_rows(const InfinigenKv& store,
-                                                         int64_t layer) {
+std::vector<std::map<int32_t, int32_t>> held_capped_rows(const InfinigenKv& store, int64_t layer) {
   const CappedPool& pool = *store.capped_pool();
   const int64_t rows = store.batch() * store.pool().shape().num_heads, S = pool.slots();
   std::vector<int32_t> tokens(static_cast<size_t>(rows * S)), records(tokens.size());
@@ -602,10 +601,10 @@ TEST(CappedSession, AResumeIntoFewerPositionsKeepsWhatThePolicyKeeps) {
 // pinned host memory that a session reads and writes as on the CPU (InfiniGen's partial keys, on
 // the device, are copied to the host before a save reads them, as `gpu`'s whole KV is, and a resume
 // copies `gpu`'s back; H2O's scores and tokens on the device are copied both ways, and its resumed
-// turn's first pass scores on the host, as a capped InfiniGen pool's does): three turns give the CPU's tokens, and logits within the
-// backends' rounding. The int4 codec is bit for bit the CPU's but the GEMMs are not, and a key that
-// rounds differently may take the next code (llama-tiny: 1.3e-3 in the first turn already, 2e-3 by
-// the third).
+// turn's first pass scores on the host, as a capped InfiniGen pool's does): three turns give the
+// CPU's tokens, and logits within the backends' rounding. The int4 codec is bit for bit the CPU's
+// but the GEMMs are not, and a key that rounds differently may take the next code
+// (llama-tiny: 1.3e-3 in the first turn already, 2e-3 by the third).
 TEST(SessionGpu, ContinuesAConversationAsTheCpuDoes) {
   INFINIGEN_SKIP_WITHOUT_CUDA_DEVICE();
   set_debug_poison(true);  // rows no load brought are NaN
@@ -928,6 +927,7 @@ TEST(SessionCostModel, DiskBytesAreTheRuntimes) {
       EXPECT_LE(disk, read * 3 / 2);
       continue;
     }
+
     EXPECT_LE(disk, read) << policy;
     EXPECT_GE(disk + 512 * static_cast<uint64_t>(files), read) << policy;
   }
