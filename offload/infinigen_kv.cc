@@ -690,7 +690,7 @@ void InfinigenKv::resume(int64_t length, std::vector<int32_t> first_valid, int64
 }
 
 std::vector<KvStore::TokenStream> InfinigenKv::token_streams(int64_t layer) const {
-  if (capped_) return {};  // positions, not tokens: not saved yet
+  if (capped_) return {};  // positions, not tokens: saved as its state (capped_layer_state)
   std::vector<TokenStream> streams = paged_.token_streams();
   if (!dense(layer)) {
     streams.push_back({"partial_keys", options_.partial_key_dtype,

@@ -103,6 +103,37 @@ TEST(PromptKeep, PaddingIsNeverKeptAndAShortSequenceKeepsAll) {
   EXPECT_EQ(tight.tokens[3], 11);
 }
 
+// A pass that extends a pool (a resumed conversation's turn) keeps what one prompt over the same
+// tokens keeps: the first 5 tokens held with what a prompt over them recorded, then the other 11
+// as the pass's rows (at positions 5 to 15, its rows 2 to 12 after 2 of history in the pass).
+TEST(PromptKeep, AnExtensionOverHeldTokensKeepsWhatOnePromptKeeps) {
+  const int64_t n = 16, held_n = 5, capacity = 7;
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> any(-1.0f, 1.0f);
+  const int64_t d = 4;
+  std::vector<float> q(static_cast<size_t>(n * d)), k(q.size());
+  for (float& x : q) x = any(rng);
+  for (float& x : k) x = any(rng);
+  for (const EvictionPolicy policy : kEvictionPolicies) {
+    const PromptKeep first =
+        keep_prompt_tokens(q.data(), d, 1, k.data(), d, 0, held_n, d, held_n, 0.5, policy);
+    ASSERT_EQ(first.tokens, range(0, held_n));
+    HeldEntries held{first.tokens, first.fetches, first.last_fetch,
+                     std::vector<float>(k.begin(), k.begin() + held_n * d)};
+    // The pass's rows start 2 tokens before its first new one (history it computes again).
+    const int64_t row0 = held_n - 2;
+    const PromptKeep extended =
+        keep_extension_tokens(held, q.data() + row0 * d, d, 1, k.data() + row0 * d, d, 2, n - row0,
+                              d, row0, capacity, 0.5, policy);
+    const PromptKeep once =
+        keep_prompt_tokens(q.data(), d, 1, k.data(), d, 0, n, d, capacity, 0.5, policy);
+    EXPECT_EQ(extended.tokens, once.tokens) << eviction_policy_name(policy);
+    EXPECT_EQ(extended.fetches, once.fetches) << eviction_policy_name(policy);
+    EXPECT_EQ(extended.last_fetch, once.last_fetch) << eviction_policy_name(policy);
+    EXPECT_EQ(std::ssize(extended.tokens), capacity);
+  }
+}
+
 TEST(EvictionSeed, CountersShiftTogetherAndLruTakesTheLastFetch) {
   EvictionTable counter(EvictionPolicy::Counter, 1, 4, /*counter_bits=*/4);  // max 15
   for (int64_t slot = 0; slot < 4; ++slot) counter.on_insert(0, slot, slot);
