@@ -192,12 +192,8 @@ int64_t DiskSession::drop_oldest(const ModelConfig& config, const std::vector<in
                   "'s saved rows cannot move to new positions; start a new session");
   // A store saved as its state (a capped pool's positions) keeps no rows per token to move.
   INFINIGEN_CHECK(!manifest_.segments.empty(), "the conversation passes the model's context of ",
-                  config.max_positions,
-                  " positions, and the session keeps its store's positions "
-                  "(",
-                  option("kv_pool_limit"),
-                  "), not its tokens' rows: they cannot move to new "
-                  "positions; start a new session");
+                  config.max_positions, " positions, and the session keeps its store's positions (",
+                  option("kv_pool_limit"), "), not rows per token to move; start a new session");
   rope_inv_freq_ = rope_inv_freq(config.rope, config.head_dim());
   for (size_t b = 0; b < history_.size(); ++b) {
     const auto first = history_[b].begin() + keep_prefix;

@@ -816,6 +816,25 @@ TEST(SessionFiles, AnotherModelPolicyOrOptionIsRefused) {
       {"already holds a session"});
 }
 
+// A session written before an option was part of the key (infinigen's --kv-pool-limit and
+// --eviction) counts as written with its default: it opens with the defaults, and another value
+// is refused with one line.
+TEST(SessionFiles, OptionsRecordedLaterCountAsTheirDefaults) {
+  TempDir dir("session");
+  const fs::path path = saved_session(dir, "infinigen");
+  rewrite_manifest(path, [](nlohmann::json& manifest) {
+    manifest["key"]["options"].erase("kv_pool_limit");
+    manifest["key"]["options"].erase("eviction");
+  });
+  const ModelSource source = session_model("opt-tiny");
+  OffloadOptions options = session_options("infinigen");
+  EXPECT_NO_THROW(DiskSession::open(path, session_key(source, options, DType::F16, Device::Cpu)));
+  options.kv_pool_limit = 0.5;
+  testing_util::expect_error(
+      [&] { DiskSession::open(path, session_key(source, options, DType::F16, Device::Cpu)); },
+      {"saved with --kv-pool-limit 0; this run has 0.5"});
+}
+
 TEST(SessionFiles, InfinigenStateIsSavedAndRestored) {
   TempDir dir("session");
   const fs::path path = saved_session(dir, "infinigen");
