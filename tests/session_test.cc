@@ -345,6 +345,19 @@ TEST(H2oSession, AnExtensionKeepsWhatOnePrefillOverTheSameTokensKeeps) {
   EXPECT_EQ(evicted, source.config.num_layers * 2 * source.config.kv_heads() * 25);
 }
 
+// One turn of turn_prompts(1) generating `gen_len` tokens, saved in a new session at `path`; the
+// session's key.
+SessionKey save_first_turn(const ModelSource& source, const OffloadOptions& options,
+                           const fs::path& path, int64_t gen_len) {
+  const SessionKey key = session_key(source, options, DType::F16, Device::Cpu);
+  auto session = DiskSession::create(path, key);
+  GenerationRequest request;
+  request.prompts = session->turn_prompts(turn_prompts(1));
+  request.gen_len = gen_len;
+  run_offloaded(source, request, options, Device::Cpu, {}, session.get());
+  return key;
+}
+
 // What an H2O store holds after a resume is what its session saved: each (sequence, head)'s kept
 // tokens at the rows of the new layout, their scores, and their keys and values byte for byte.
 TEST(H2oSession, RestoresTheEntriesItSaved) {
@@ -353,14 +366,7 @@ TEST(H2oSession, RestoresTheEntriesItSaved) {
   OffloadOptions options = session_options("h2o");
   options.h2o_budget = 0.5;
   const fs::path path = dir.path() / "s";
-  const SessionKey key = session_key(source, options, DType::F16, Device::Cpu);
-  {
-    auto session = DiskSession::create(path, key);
-    GenerationRequest request;
-    request.prompts = session->turn_prompts(turn_prompts(1));
-    request.gen_len = 4;  // decode steps that evict
-    run_offloaded(source, request, options, Device::Cpu, {}, session.get());
-  }
+  const SessionKey key = save_first_turn(source, options, path, 4);  // decode steps that evict
   OffloadOptions other = options;
   other.h2o_budget = 0.3;
   testing_util::expect_error(
@@ -496,14 +502,8 @@ TEST(CappedSession, RestoresThePositionsItSaved) {
     options.speculation = OffloadOptions{}.speculation;
     TempDir dir("session-capped");
     const fs::path path = dir.path() / "s";
-    const SessionKey key = session_key(source, options, DType::F16, Device::Cpu);
-    {
-      auto session = DiskSession::create(path, key);
-      GenerationRequest request;
-      request.prompts = session->turn_prompts(turn_prompts(1));
-      request.gen_len = 4;  // decode steps that evict: 6 positions for up to 12 tokens
-      run_offloaded(source, request, options, Device::Cpu, {}, session.get());
-    }
+    // Decode steps that evict: 6 positions for up to 12 tokens.
+    const SessionKey key = save_first_turn(source, options, path, 4);
     OffloadOptions other = options;
     other.kv_pool_limit = 0.3;
     testing_util::expect_error(
@@ -572,14 +572,7 @@ TEST(CappedSession, AResumeIntoFewerPositionsKeepsWhatThePolicyKeeps) {
   const OffloadOptions options = capped_options(0.5, EvictionPolicy::Fifo);
   TempDir dir("session-capped");
   const fs::path path = dir.path() / "s";
-  const SessionKey key = session_key(source, options, DType::F16, Device::Cpu);
-  {
-    auto session = DiskSession::create(path, key);
-    GenerationRequest request;
-    request.prompts = session->turn_prompts(turn_prompts(1));
-    request.gen_len = 4;
-    run_offloaded(source, request, options, Device::Cpu, {}, session.get());
-  }
+  const SessionKey key = save_first_turn(source, options, path, 4);
   OffloadOptions smaller = options;
   smaller.kv_pool_limit = 0.25;  // 4 positions of 18, where 6 were saved
   auto session = DiskSession::open(path, key);
