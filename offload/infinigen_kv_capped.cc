@@ -227,9 +227,12 @@ void InfinigenKv::restore_capped_layer(int64_t layer, const LayerState& state) {
       for (int64_t p = 0; p < saved; ++p) {
         const int64_t i = row * saved + p;
         if (index[i] < 0) continue;
-        INFINIGEN_CHECK(record[i] >= 0, "layer ", layer,
-                        ": a negative eviction record (the "
-                        "session is corrupt)");
+        // Tokens within the store's rows, records within what a run can write.
+        const int64_t rows = capacity() - start;
+        INFINIGEN_CHECK(index[i] < rows && record[i] >= 0 && (!lru || record[i] < rows), "layer ",
+                        layer, ": the session's capped pool holds token ", index[i],
+                        " with eviction record ", record[i], " in sequence ", b, ", which has ",
+                        rows, " rows (the session is corrupt)");
         entries.tokens.push_back(start + index[i]);
         int64_t fetches = 0, last_fetch = -1;
         capped_->record_as_history(record[i] + (lru ? start : 0), fetches, last_fetch);
@@ -238,6 +241,11 @@ void InfinigenKv::restore_capped_layer(int64_t layer, const LayerState& state) {
         at.push_back(p);
         history_end = std::max<int64_t>(history_end, start + index[i] + 1);
       }
+      std::vector<int32_t> sorted = entries.tokens;
+      std::sort(sorted.begin(), sorted.end());
+      INFINIGEN_CHECK(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(), "layer ",
+                      layer, ": the session's capped pool holds a token of sequence ", b, ", head ",
+                      g, " twice (the session is corrupt)");
       INFINIGEN_CHECK(count < 0 || std::ssize(at) == count, "layer ", layer,
                       ": the session's capped pool holds ", at.size(), " tokens of sequence ", b,
                       ", head ", g, " and ", count, " of head 0 (the session is corrupt)");

@@ -784,6 +784,89 @@ TEST(SessionFiles, AMalformedSegmentIsRefusedWithOneLine) {
   resume(path);
 }
 
+// A capped pool's state that is damaged yet checksummed as written (a bug's damage, not the
+// disk's) is refused with one line naming what: a tensor missing or of another shape, a token
+// outside its sequence's rows or held twice, a negative eviction record.
+TEST(CappedSession, ADamagedStateIsRefusedWithOneLine) {
+  const ModelSource source = session_model("opt-tiny");
+  const OffloadOptions options = capped_options(0.5);
+  TempDir dir("session-capped");
+  const fs::path path = dir.path() / "s";
+  const SessionKey key = save_first_turn(source, options, path, 4);
+  const std::string manifest = read_bytes(path / "manifest.json");
+  const std::string relative = read_saved_session(path).manifest.state[0].path;
+  const fs::path file = path / relative;
+  const std::string original = read_bytes(file);
+  using State = std::vector<std::pair<std::string, Tensor>>;
+  const auto tensor = [](State& state, const std::string& name) -> Tensor& {
+    const auto at = std::find_if(state.begin(), state.end(),
+                                 [&](const auto& entry) { return entry.first == name; });
+    EXPECT_NE(at, state.end()) << name;
+    return at->second;
+  };
+  // Layer 0's state edited, written and recorded in the manifest as written; then a resumed turn
+  // must refuse it with one line holding `fragments`, and the session is put back.
+  const auto expect_refused_after = [&](const std::function<void(State&)>& edit,
+                                        const std::vector<std::string>& fragments) {
+    State state;
+    {
+      const auto opened = SafetensorsFile::open(file.string());
+      for (const SafetensorsEntry& entry : opened->entries()) {
+        Tensor t = Tensor::empty(entry.shape, entry.dtype);
+        std::memcpy(t.raw(), opened->bytes(entry), entry.nbytes);
+        state.emplace_back(entry.name, std::move(t));
+      }
+    }
+    edit(state);
+    write_safetensors(file.string(), state);
+    rewrite_manifest(path, [&](nlohmann::json& m) {
+      for (auto& record : m["state"]) {
+        if (record["path"] != relative) continue;
+        const SessionFile now = session_file(path, relative);
+        record["bytes"] = now.bytes;
+        record["crc32"] = hex32(now.crc32);
+      }
+    });
+    testing_util::expect_error(
+        [&] {
+          auto session = DiskSession::open(path, key);
+          GenerationRequest request;
+          request.prompts = session->turn_prompts(turn_prompts(2));
+          request.gen_len = 2;
+          run_offloaded(source, request, options, Device::Cpu, {}, session.get());
+        },
+        fragments);
+    write_bytes(file, original);
+    write_bytes(path / "manifest.json", manifest);
+  };
+  expect_refused_after(
+      [](State& s) {
+        std::erase_if(s, [](const auto& entry) { return entry.first == "capped_records"; });
+      },
+      {"layer 0", "no capped_records"});
+  expect_refused_after(
+      [&](State& s) {
+        tensor(s, "capped_keys") = Tensor::zeros({1, 2, 3, 4}, DType::F16);
+      },
+      {"layer 0", "capped_keys is F16", "the session is corrupt"});
+  expect_refused_after([&](State& s) { tensor(s, "capped_tokens").data<int32_t>()[0] = 1000; },
+                       {"layer 0", "holds token 1000", "the session is corrupt"});
+  expect_refused_after(
+      [&](State& s) {
+        int32_t* tokens = tensor(s, "capped_tokens").data<int32_t>();
+        tokens[1] = tokens[0];
+      },
+      {"layer 0", "twice", "the session is corrupt"});
+  expect_refused_after([&](State& s) { tensor(s, "capped_records").data<int32_t>()[0] = -3; },
+                       {"layer 0", "eviction record -3", "the session is corrupt"});
+  // Put back, it resumes.
+  auto session = DiskSession::open(path, key);
+  GenerationRequest request;
+  request.prompts = session->turn_prompts(turn_prompts(2));
+  request.gen_len = 2;
+  EXPECT_NO_THROW(run_offloaded(source, request, options, Device::Cpu, {}, session.get()));
+}
+
 TEST(SessionFiles, AnotherModelPolicyOrOptionIsRefused) {
   TempDir dir("session");
   const fs::path path = saved_session(dir, "infinigen");
