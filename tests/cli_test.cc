@@ -117,6 +117,38 @@ TEST(Cli, JsonOutputIsMachineReadable) {
   EXPECT_GT(j["throughput_tok_s"].get<double>(), 0.0);
 }
 
+// --logprobs K: each output's tokens with their log-probabilities and the K most likely at each
+// step, as a batch job writes them; greedy, the chosen token is the most likely. Without it, none.
+TEST(Cli, LogprobsListEachTokenWithTheMostLikely) {
+  const CommandResult r =
+      run_infinigen({"run", "--model", kTiny, "--gen-len", "4", "--prompt-len", "10", "--batch",
+                     "2", "--temperature", "0", "--json", "--logprobs", "2"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  for (const auto& output : nlohmann::json::parse(r.out)["outputs"]) {
+    const nlohmann::json& lp = output["logprobs"];
+    const size_t count = output["tokens"].size();
+    ASSERT_EQ(lp["tokens"].size(), count);
+    ASSERT_EQ(lp["token_logprobs"].size(), count);
+    ASSERT_EQ(lp["top_logprobs"].size(), count);
+    std::string text;
+    for (size_t t = 0; t < count; ++t) {
+      EXPECT_EQ(lp["text_offset"][t], text.size());
+      text += lp["tokens"][t].get<std::string>();
+      const double chosen = lp["token_logprobs"][t];
+      const nlohmann::json& top = lp["top_logprobs"][t];
+      EXPECT_LE(chosen, 0.0);
+      ASSERT_TRUE(top.contains(lp["tokens"][t])) << top;
+      EXPECT_LE(top.size(), 2u) << top;
+      for (const auto& [other, log_prob] : top.items()) EXPECT_LE(log_prob.get<double>(), chosen);
+    }
+    EXPECT_EQ(text, output["text"]);
+  }
+  const CommandResult plain =
+      run_infinigen({"run", "--model", kTiny, "--gen-len", "2", "--prompt-len", "10", "--json"});
+  ASSERT_EQ(plain.exit_code, 0) << plain.err;
+  EXPECT_FALSE(nlohmann::json::parse(plain.out)["outputs"][0].contains("logprobs"));
+}
+
 TEST(Cli, ConfigFileSetsOptionsAndCommandLineWins) {
   TempDir dir("cli-config");
   const auto config = dir.path() / "run.yaml";
@@ -182,6 +214,9 @@ TEST(Cli, BadFlagsEndWithOneLine) {
   expect_one_line_error({"run", "--model", kTiny, "--top-p", "1.5"}, {"--top-p"});
   expect_one_line_error({"run", "--model", kTiny, "--kv-dtype", "int3"}, {"int3"});
   expect_one_line_error({"run", "--model", kTiny, "--batch", "many"}, {"--batch"});
+  expect_one_line_error({"run", "--model", kTiny, "--logprobs", "2"}, {"--logprobs", "--json"});
+  expect_one_line_error({"run", "--model", kTiny, "--json", "--logprobs", "6"},
+                        {"--logprobs", "0 to 5", "6"});
   expect_one_line_error({"run", "--no-such-flag"}, {"--no-such-flag"});
   expect_one_line_error({"run", "--model", kTiny, "--prompt", "a", "--prompt-len", "3"},
                         {"--prompt"});

@@ -43,7 +43,9 @@ std::optional<ResultKey> result_key(const std::string& text) {
   return std::nullopt;
 }
 
-Json logprobs_json(const ChoiceLogprobs& logprobs) {
+}  // namespace
+
+nlohmann::ordered_json logprobs_json(const ChoiceLogprobs& logprobs) {
   Json top = Json::array();
   for (const auto& position : logprobs.top_logprobs) {
     Json tokens = Json::object();
@@ -56,6 +58,8 @@ Json logprobs_json(const ChoiceLogprobs& logprobs) {
           {"top_logprobs", std::move(top)},
           {"text_offset", logprobs.text_offset}};
 }
+
+namespace {
 
 std::string sibling(const std::string& file, const char* suffix) {
   return file + suffix;

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
 #include <string>
@@ -31,6 +32,10 @@ struct ChoiceLogprobs {
   std::vector<std::vector<std::pair<std::string, double>>> top_logprobs;
   std::vector<int64_t> text_offset;  // where each token's text starts in the choice's text
 };
+
+// {"tokens", "token_logprobs", "top_logprobs" (a text -> log-probability object per position),
+// "text_offset"}: a choice's "logprobs" in a batch output line, and an output's in `run --json`.
+nlohmann::ordered_json logprobs_json(const ChoiceLogprobs& logprobs);
 
 struct Choice {
   std::string text;

@@ -7,6 +7,9 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 
+#include "apps/infinigen/batch_input.h"
+#include "apps/infinigen/batch_job.h"
+#include "apps/infinigen/batch_output.h"
 #include "apps/infinigen/commands.h"
 #include "apps/infinigen/option_flags.h"
 #include "apps/infinigen/progress.h"
@@ -47,6 +50,9 @@ struct RunOptions : GenerationFlags, OverflowFlags {
   bool batch_given = false;
   bool prompt_len_given = false;
   bool json = false;
+  // With --json: each generated token's log-probability and the N most likely at its step
+  // (unset: none).
+  std::optional<int64_t> logprobs;
   bool stats = false;
   bool profile_ops = false;
   bool dry_run = false;
@@ -207,6 +213,8 @@ int run(const RunOptions& o) {
   INFINIGEN_CHECK(!o.batch_given || o.batch >= 1, "--batch must be at least 1, got ", o.batch);
   INFINIGEN_CHECK(!o.prompt_len_given || o.prompt_len >= 1, "--prompt-len must be at least 1, got ",
                   o.prompt_len);
+  INFINIGEN_CHECK(!o.logprobs || (*o.logprobs >= 0 && *o.logprobs <= kMostLogprobs),
+                  "--logprobs must be 0 to ", kMostLogprobs, ", got ", o.logprobs.value_or(0));
   const DType kv_dtype = parse_float_dtype(o.kv_dtype);  // checked by its flag
 
   const OffloadOptions& offload = o.offload;
@@ -296,6 +304,8 @@ int run(const RunOptions& o) {
   request.gen_len = o.gen_len;
   request.sampling = flag_sampling(o, loaded);
   request.kv_dtype = kv_dtype;
+  request.score_tokens = o.logprobs.has_value();
+  request.top_log_probs = o.logprobs.value_or(0);
   OffloadRun run;
   OpProfile profile;
   {
@@ -325,10 +335,15 @@ int run(const RunOptions& o) {
   if (o.json) {
     nlohmann::json outputs = nlohmann::json::array();
     for (size_t b = 0; b < request.prompts.size(); ++b) {
+      const std::string text = token_text(loaded, result.tokens[b]);
       outputs.push_back({{"prompt", token_text(loaded, given(b))},
                          {"prompt_tokens", request.prompts[b].size()},
-                         {"text", token_text(loaded, result.tokens[b])},
+                         {"text", text},
                          {"tokens", result.tokens[b]}});
+      if (o.logprobs) {
+        outputs.back()["logprobs"] = nlohmann::json(logprobs_json(
+            choice_logprobs(loaded, result, static_cast<int64_t>(b), *o.logprobs, text.size())));
+      }
     }
     nlohmann::json report = {{"model", loaded.description},
                              {"synthetic_weights", loaded.synthetic},
@@ -446,7 +461,12 @@ Command add_run_command(CLI::App& app) {
   prompt->excludes(prompt_file)->excludes(prompt_len);
   prompt_file->excludes(prompt_len);
   auto* batch = app.add_option("--batch,-b", o->batch, "Sequences (default: one per prompt)");
-  app.add_flag("--json", o->json, "Print the result as JSON on stdout");
+  auto* json = app.add_flag("--json", o->json, "Print the result as JSON on stdout");
+  app.add_option("--logprobs", o->logprobs,
+                 cat("Each output's tokens with their log-probabilities and the N most likely at "
+                     "each step (0 to ",
+                     kMostLogprobs, "), as a batch job's \"logprobs\""))
+      ->needs(json);
   app.add_flag("--stats", o->stats, "Per-layer and per-step transfer statistics");
   app.add_flag("--profile-ops", o->profile_ops,
                "Time per op (the device's, on a GPU) and per host wait, for the prefill and a "
