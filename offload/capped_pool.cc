@@ -209,10 +209,10 @@ CappedPool::Held CappedPool::held(int64_t layer, int64_t row) const {
 }
 
 std::vector<std::pair<int32_t, int32_t>> CappedPool::refill_row(int64_t layer, int64_t row,
+                                                                const Held& before,
                                                                 const PromptKeep& keep,
                                                                 int64_t first_new,
                                                                 int64_t& evicted) {
-  const Held before = held(layer, row);
   const auto used = std::ssize(before.positions);
   INFINIGEN_CHECK(std::ssize(keep.tokens) <= slots_, "capped pool: ", keep.tokens.size(),
                   " tokens kept in ", slots_, " positions");

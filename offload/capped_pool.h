@@ -76,13 +76,13 @@ class CappedPool {
     std::vector<int32_t> positions;
   };
   Held held(int64_t layer, int64_t row) const;
-  // After the pass: row `row` keeps keep.tokens, with the history keep gives them. Held tokens
-  // stay at their positions; the pass's kept tokens (those >= first_new) take the positions of
-  // the evicted ones, then the free ones, and are returned as (token, position) pairs. Adds
-  // the held tokens evicted to `evicted`.
+  // After the pass: row `row`, which held `before` (held() of it), keeps keep.tokens, with the
+  // history keep gives them. Held tokens stay at their positions; the pass's kept tokens (those
+  // >= first_new) take the positions of the evicted ones, then the free ones, and are returned as
+  // (token, position) pairs. Adds the held tokens evicted to `evicted`.
   std::vector<std::pair<int32_t, int32_t>> refill_row(int64_t layer, int64_t row,
-                                                      const PromptKeep& keep, int64_t first_new,
-                                                      int64_t& evicted);
+                                                      const Held& before, const PromptKeep& keep,
+                                                      int64_t first_new, int64_t& evicted);
   // Into the statistics: held tokens an extension evicted, and its tokens it did not keep.
   void count_extension_drops(int64_t evicted, int64_t not_kept);
   // What a session saves of a layer: per (b, h, position) the token, relative to the sequence's

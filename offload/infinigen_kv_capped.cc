@@ -123,7 +123,7 @@ void InfinigenKv::extend_capped_pool(int64_t layer, const Tensor& keys, const Te
           mine.entries, qd + b * n * Q + g * group * d, Q, group, kd + b * n * KV + g * d, KV, s, n,
           d, past, slots_, options_.alpha, capped_->eviction_policy());
       const std::vector<std::pair<int32_t, int32_t>> placed =
-          capped_->refill_row(layer, row, keep, past + s, evicted);
+          capped_->refill_row(layer, row, mine, keep, past + s, evicted);
       for (const auto& [token, position] : placed) {
         const int64_t j = token - past;
         std::memcpy(pool.row(layer, KvKind::Key, b, g, position),
