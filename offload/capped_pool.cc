@@ -49,6 +49,28 @@ std::vector<std::vector<int32_t>> CappedPool::keep_prompt(int64_t layer, const T
         q + b * n * Q + g * group * d, Q, group, k + b * n * KV + g * d, KV,
         first_valid[static_cast<size_t>(b)], n, d, slots_, alpha, eviction_[l].policy());
   }
+  return apply_prompt_keep(layer, keep, first_valid, n);
+}
+
+std::vector<std::vector<int32_t>> CappedPool::keep_prompt_newest(
+    int64_t layer, const std::vector<int32_t>& first_valid, int64_t n) {
+  std::vector<PromptKeep> keep(static_cast<size_t>(batch_ * kv_heads_));
+  for (int64_t row = 0; row < batch_ * kv_heads_; ++row) {
+    const int64_t first =
+        std::max<int64_t>(first_valid[static_cast<size_t>(row / kv_heads_)], n - slots_);
+    PromptKeep& mine = keep[static_cast<size_t>(row)];
+    for (int64_t t = first; t < n; ++t) mine.tokens.push_back(static_cast<int32_t>(t));
+    mine.fetches.assign(mine.tokens.size(), 0);
+    mine.last_fetch.assign(mine.tokens.size(), -1);
+  }
+  return apply_prompt_keep(layer, keep, first_valid, n);
+}
+
+std::vector<std::vector<int32_t>> CappedPool::apply_prompt_keep(
+    int64_t layer, std::vector<PromptKeep>& keep, const std::vector<int32_t>& first_valid,
+    int64_t n) {
+  const size_t l = static_cast<size_t>(layer);
+  const int64_t B = batch_, H = kv_heads_;
   std::vector<std::vector<int32_t>> kept(static_cast<size_t>(B * H));
   for (int64_t row = 0; row < B * H; ++row) {
     PromptKeep& chosen = keep[static_cast<size_t>(row)];

@@ -58,6 +58,12 @@ class CappedPool {
                                                 const Tensor& keys,
                                                 const std::vector<int32_t>& first_valid,
                                                 int64_t head_dim, double alpha);
+  // keep_prompt for a dry run, which has no data to rank a prompt of n positions by: each row
+  // keeps as many tokens as keep_prompt would, its newest, with no fetch history (what the run
+  // then costs depends on how many, not on which).
+  std::vector<std::vector<int32_t>> keep_prompt_newest(int64_t layer,
+                                                       const std::vector<int32_t>& first_valid,
+                                                       int64_t n);
   // Decode: the position each (b, h) gives the new token `token` ((B * H_kv)): the next free one
   // until the row is full, then the victim's.
   std::vector<int32_t> place_token(int64_t layer, int64_t token);
@@ -119,6 +125,10 @@ class CappedPool {
   PoolCapStats* stats_ = nullptr;
   std::vector<std::vector<int32_t>> tokens_;  // per layer: (B, H_kv, S), -1 empty
   std::vector<EvictionTable> eviction_;       // per layer: B * H_kv rows of S slots
+  // The prefill's keep (one per row, consumed) into layer `layer`'s positions and eviction state.
+  std::vector<std::vector<int32_t>> apply_prompt_keep(int64_t layer, std::vector<PromptKeep>& keep,
+                                                      const std::vector<int32_t>& first_valid,
+                                                      int64_t n);
   // The eviction record of (row, position): the counter, the recency, or 0 (fifo).
   int64_t record(int64_t layer, int64_t row, int64_t position) const;
   // Row `row` holds tokens[j] at position j, seeded with fetches[j] and last_fetch[j].

@@ -365,7 +365,7 @@ void InfinigenKv::decode_layer(int64_t layer, const Tensor& keys, const Tensor& 
   }
   // 4. Diagnostics and the eviction policy's view of what attention used.
   if (check_recall_ && !dense(layer)) pipeline.traffic(layer).recall = measure_recall(layer);
-  if (capped_ && dense(layer)) {
+  if (capped_ && dense(layer) && !dry_run()) {  // (a dry run has no attention to count)
     if (device_) {
       const DeviceSpeculation::HostCopies host = device_->to_host(
           staged_keys, input_->queries, pipeline.engine().compute_stream());
@@ -436,8 +436,10 @@ void InfinigenKv::store_prompt_in_capped_pool(int64_t layer, const Tensor& keys,
   // Every position of the capped pool, now: decode steps write new tokens into free positions,
   // then into victims', and allocate nothing.
   paged_.pool().reserve(slots_);
-  const std::vector<std::vector<int32_t>> kept = capped_->keep_prompt(
-      layer, input_->queries, keys, first_valid(), head_dim_, options_.alpha);
+  const std::vector<std::vector<int32_t>> kept =
+      dry_run() ? capped_->keep_prompt_newest(layer, first_valid(), keys.dim(0) / batch())
+                : capped_->keep_prompt(layer, input_->queries, keys, first_valid(), head_dim_,
+                                       options_.alpha);
   std::vector<PoolRowMove> moves;
   for (int64_t row = 0; row < batch() * kv_heads_; ++row) {
     const std::vector<int32_t>& tokens = kept[static_cast<size_t>(row)];

@@ -78,8 +78,6 @@ Schedule schedule_from_trace(const Trace& trace) {
 Schedule run_schedule(const CostModelInput& in) {
   INFINIGEN_CHECK(in.batch >= 1 && in.prompt_len >= 1 && in.gen_len >= 1,
                   "cost model: batch, prompt length and generation length must be >= 1");
-  INFINIGEN_CHECK(in.options.kv_pool_limit == 0, "cost model: ", option("kv_pool_limit"),
-                  " is not modelled (the pool holds every token)");
   const bool replays = kv_policy(in.options.policy).selects_loads;
   if (replays) in.fetched.validate(in.config.num_layers);
   INFINIGEN_CHECK(in.shared_prefix_len >= 0 && in.shared_prefix_len <= in.prompt_len,

@@ -48,9 +48,14 @@ class CostModelSchedule : public testing_util::SmallRunTest {
   }
   int64_t shared_prefix_len_ = 0;  // leading tokens request_'s prompts share
 
+  OffloadRun real_run(const OffloadOptions& options) const {
+    return run_offloaded(source_, request_, options, Device::Cpu);
+  }
   // Runs the policy for real and checks the schedule's bytes against every step and layer.
   void expect_same_bytes(const OffloadOptions& options) {
-    const OffloadRun run = run_offloaded(source_, request_, options, Device::Cpu);
+    expect_same_bytes(options, real_run(options));
+  }
+  void expect_same_bytes(const OffloadOptions& options, const OffloadRun& run) {
     CostModelInput in = input(options);
     const auto& steps = run.stats.steps();
     for (size_t s = 1; s < steps.size(); ++s) {
@@ -102,6 +107,25 @@ TEST_F(CostModelSchedule, BytesPerStepAndLayerEqualTheRuntimes) {
     options.speculation.alpha = 1.0;
     options.speculation.max_num_kv = 5;
     expect_same_bytes(options);
+  }
+}
+
+// A capped pool (infinigen's): the dry run keeps as many prompt tokens as the run does, and its
+// decode steps evict as the run's do, whichever the data would choose.
+TEST_F(CostModelSchedule, ACappedPoolMovesTheRuntimesBytes) {
+  for (const EvictionPolicy eviction :
+       {EvictionPolicy::Counter, EvictionPolicy::Lru, EvictionPolicy::Fifo}) {
+    OffloadOptions options;
+    options.kv_block_tokens = 4;
+    options.kv_pool_limit = 0.5;
+    options.eviction = eviction;
+    options.speculation.alpha = 1.0;
+    options.speculation.max_num_kv = 5;
+    const OffloadRun run = real_run(options);
+    expect_same_bytes(options, run);
+    // The cap binds: the prompt overflows it, and decode evicts.
+    EXPECT_GT(run.stats.pool_cap().prompt_not_kept, 0u);
+    EXPECT_GT(run.stats.pool_cap().evictions, 0u);
   }
 }
 
@@ -293,6 +317,18 @@ TEST(CostModelSimulator, InfinigenNeedsAMeasuredFetchShare) {
   in.fetched.fraction.clear();
   testing_util::expect_error([&] { run_schedule(in); },
                              {"infinigen", "share of tokens it fetches"});
+}
+
+// A capped pool at OPT-13B's size is priced (its dry run allocates no KV), but a resumed turn over
+// one is refused: what its extension keeps depends on the conversation's attention.
+TEST(CostModelSimulator, ACappedPoolIsPricedButNotItsResumedTurns) {
+  CostModelInput in = opt_13b("infinigen");
+  in.options.kv_pool_limit = 0.5;
+  const PredictedRun run = predict_run(in, load_hardware_profile("rtx-a6000-pcie3"));
+  EXPECT_TRUE(run.fits) << run.does_not_fit;
+  EXPECT_GT(run.decode_s, 0);
+  in.history_len = 256;
+  testing_util::expect_error([&] { run_schedule(in); }, {"resumed turn", "--kv-pool-limit"});
 }
 
 }  // namespace
