@@ -222,6 +222,9 @@ def command_train(args: argparse.Namespace) -> int:
                    and saved.get(k, {"family": "opt", "kv_heads": 0}.get(k)) != v}
         if changed:
             sys.exit(f"train_model: {run} was started with other shapes: {changed}")
+        # A resumed run continues what its first call started from (--init): the card names it.
+        if settings.get("init") is None:
+            settings["init"] = saved.get("init")
     settings_path.write_text(json.dumps(settings, indent=2) + "\n")
 
     train_tokens, train_starts = tokenized_split(args.corpus, args.tokenizer, "train", run)
