@@ -124,7 +124,8 @@ TEST(Cli, LogprobsListEachTokenWithTheMostLikely) {
       run_infinigen({"run", "--model", kTiny, "--gen-len", "4", "--prompt-len", "10", "--batch",
                      "2", "--temperature", "0", "--json", "--logprobs", "2"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
-  for (const auto& output : nlohmann::json::parse(r.out)["outputs"]) {
+  const nlohmann::json report = nlohmann::json::parse(r.out);
+  for (const auto& output : report["outputs"]) {
     const nlohmann::json& lp = output["logprobs"];
     const size_t count = output["tokens"].size();
     ASSERT_EQ(lp["tokens"].size(), count);
